@@ -1,0 +1,123 @@
+# train_llama: FP8 (COAT) pretraining of Llama models in C and CUDA.
+#   make            build ./train_llama and ./tokenize
+#   make test       build everything, run the CPU tests, and the GPU tests when a GPU is present
+#   make test-gpu   run the GPU tests whatever nvidia-smi says
+#   make bench      GPU benchmarks beside the PyTorch reference
+#   make clean
+# Options: GPU_ARCH=90a (default, Hopper), CUDA_HOME=/usr/local/cuda, NO_MPI=1, NO_NCCL=1.
+
+CC ?= cc
+CUDA_HOME ?= /usr/local/cuda
+NVCC ?= $(CUDA_HOME)/bin/nvcc
+GPU_ARCH ?= 90a
+BUILD := build
+comma := ,
+
+CFLAGS := -std=c11 -O2 -g -Wall -Wextra -Werror -pthread -D_DEFAULT_SOURCE -D_FILE_OFFSET_BITS=64
+NVCC_HOST_FLAGS := -Wall,-Wextra
+NVCCFLAGS := -std=c++17 -O3 -g -lineinfo --Werror all-warnings -Xcompiler $(NVCC_HOST_FLAGS) \
+             -gencode arch=compute_$(GPU_ARCH),code=sm_$(GPU_ARCH)
+NVCC_LIBS := -lcublasLt
+
+# ---- dependencies: one line each, found or missing -------------------------------------
+ifeq ($(wildcard $(NVCC)),)
+$(error CUDA: nvcc not found at $(NVCC); set CUDA_HOME or NVCC)
+endif
+$(info CUDA: $(shell $(NVCC) --version | grep -o 'release [0-9.]*'), building for sm_$(GPU_ARCH) (GPU_ARCH=...))
+CUDA_INCLUDE := $(CUDA_HOME)/include
+ifeq ($(wildcard $(CUDA_INCLUDE)/cublasLt.h),)
+$(error cuBLASLt: cublasLt.h not found under $(CUDA_INCLUDE))
+endif
+$(info cuBLASLt: found)
+
+NCCL_HEADER := $(firstword $(wildcard $(CUDA_INCLUDE)/nccl.h /usr/include/nccl.h))
+ifeq ($(NO_NCCL),1)
+$(info NCCL: disabled (NO_NCCL=1): single-GPU build)
+else ifeq ($(NCCL_HEADER),)
+$(info NCCL: missing (no nccl.h): single-GPU build)
+else
+$(info NCCL: found ($(NCCL_HEADER)))
+NVCCFLAGS += -DUSE_NCCL
+NVCC_LIBS += -lnccl
+endif
+
+MPI_COMPILE := $(shell mpicc --showme:compile 2>/dev/null)
+MPI_LINK := $(shell mpicc --showme:link 2>/dev/null)
+ifeq ($(NO_MPI),1)
+$(info MPI: disabled (NO_MPI=1): single-process build)
+else ifeq ($(MPI_LINK),)
+$(info MPI: missing (mpicc --showme failed): single-process build)
+else
+$(info MPI: found (mpicc --showme))
+NVCCFLAGS += -DUSE_MPI $(filter -I%,$(MPI_COMPILE))
+NVCC_LIBS += $(foreach flag,$(MPI_LINK),$(if $(filter -Wl%,$(flag)),-Xlinker $(subst -Wl$(comma),,$(flag)),$(flag)))
+endif
+
+# ---- programs --------------------------------------------------------------------------
+TOKENIZER_LIB_SRCS := $(filter-out tokenizer/tokenize.c,$(wildcard tokenizer/*.c))
+TOKENIZER_LIB := $(BUILD)/libtokenizer.a
+COAT_HEADERS := $(wildcard coat/*.h coat/*.cuh dataloader/*.h)
+
+.PHONY: all test test-cpu test-gpu bench clean
+all: train_llama tokenize
+
+train_llama: train_llama.cu $(COAT_HEADERS) $(TOKENIZER_LIB)
+	$(NVCC) $(NVCCFLAGS) $< $(TOKENIZER_LIB) -o $@ $(NVCC_LIBS)
+
+tokenize: tokenizer/tokenize.c $(TOKENIZER_LIB) $(wildcard tokenizer/*.h dataloader/*.h)
+	$(CC) $(CFLAGS) $< $(TOKENIZER_LIB) -o $@ -lm
+
+$(BUILD)/tokenizer/%.o: tokenizer/%.c $(wildcard tokenizer/*.h dataloader/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(TOKENIZER_LIB): $(patsubst %.c,$(BUILD)/%.o,$(TOKENIZER_LIB_SRCS))
+	@mkdir -p $(dir $@)
+	rm -f $@
+	$(if $^,ar rcs $@ $^,ar rcs $@)
+
+# ---- tests -----------------------------------------------------------------------------
+# test/test_*.c run on the CPU; test/test_*.cu need a GPU. CPU tests link the tokenizer and
+# the double-precision CPU reference; GPU tests link the FP32 CPU reference.
+CPU_TESTS := $(patsubst test/%.c,$(BUILD)/%,$(wildcard test/test_*.c))
+GPU_TESTS := $(patsubst test/%.cu,$(BUILD)/%,$(wildcard test/test_*.cu))
+REFERENCE_DOUBLE := $(BUILD)/libreference_double.a
+REFERENCE_FLOAT := $(BUILD)/libreference_float.a
+TEST_HEADERS := $(wildcard test/*.h)
+
+$(BUILD)/reference_double.o: test/reference_llama.c $(TEST_HEADERS) $(COAT_HEADERS)
+	@mkdir -p $(BUILD)
+	$(CC) $(CFLAGS) -DREF_REAL=double -c $< -o $@
+$(BUILD)/reference_float.o: test/reference_llama.c $(TEST_HEADERS) $(COAT_HEADERS)
+	@mkdir -p $(BUILD)
+	$(CC) $(CFLAGS) -c $< -o $@
+$(BUILD)/lib%.a: $(BUILD)/%.o
+	rm -f $@ && ar rcs $@ $<
+
+$(BUILD)/test_%: test/test_%.c $(TOKENIZER_LIB) $(REFERENCE_DOUBLE) $(TEST_HEADERS) $(COAT_HEADERS) $(wildcard tokenizer/*.h)
+	$(CC) $(CFLAGS) -DREF_REAL=double $< $(TOKENIZER_LIB) $(REFERENCE_DOUBLE) -o $@ -lm
+
+$(BUILD)/test_%: test/test_%.cu $(REFERENCE_FLOAT) $(TEST_HEADERS) $(COAT_HEADERS)
+	$(NVCC) $(NVCCFLAGS) $< $(REFERENCE_FLOAT) -o $@ $(NVCC_LIBS)
+
+HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+
+test: all $(CPU_TESTS) $(GPU_TESTS)
+ifeq ($(HAVE_GPU),0)
+	@echo "no GPU found (nvidia-smi -L): running the CPU tests only"
+	@test/run_tests.sh $(CPU_TESTS) test/test_cli.sh
+else
+	@test/run_tests.sh $(CPU_TESTS) test/test_cli.sh $(GPU_TESTS)
+endif
+
+test-cpu: all $(CPU_TESTS)
+	@test/run_tests.sh $(CPU_TESTS) test/test_cli.sh
+
+test-gpu: all $(GPU_TESTS)
+	@test/run_tests.sh $(GPU_TESTS)
+
+bench: all
+	scripts/bench.sh
+
+clean:
+	rm -rf $(BUILD) train_llama tokenize

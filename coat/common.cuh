@@ -1,0 +1,89 @@
+// Shared by every CUDA file: error checks that name the call, file and line; the BF16
+// element type; 16-byte vector loads; and the process-wide GPU handles in one struct.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <cublasLt.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+typedef __nv_bfloat16 bf16;
+
+static inline void cuda_check(cudaError_t err, const char *call, const char *file, int line) {
+    if (err == cudaSuccess) return;
+    fprintf(stderr, "error: %s failed at %s:%d: %s\n", call, file, line, cudaGetErrorString(err));
+    exit(EXIT_FAILURE);
+}
+#define cudaCheck(call) cuda_check((call), #call, __FILE__, __LINE__)
+
+static inline void cublas_check(cublasStatus_t status, const char *call, const char *file, int line) {
+    if (status == CUBLAS_STATUS_SUCCESS) return;
+    fprintf(stderr, "error: %s failed at %s:%d: cuBLAS status %d\n", call, file, line, (int)status);
+    exit(EXIT_FAILURE);
+}
+#define cublasCheck(call) cublas_check((call), #call, __FILE__, __LINE__)
+
+// Checks the last kernel launch (launch errors only; execution errors surface at the next sync).
+#define cudaCheckLaunch() cuda_check(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
+
+static inline __host__ __device__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+static inline __host__ __device__ size_t ceil_div_size(size_t a, size_t b) { return (a + b - 1) / b; }
+
+// 16 bytes of T, loaded and stored in one instruction. Pointers must be 16-byte aligned.
+template <class T>
+struct alignas(16) Vec16 {
+    static constexpr int size = 16 / sizeof(T);
+    T v[size];
+    __device__ T &operator[](int i) { return v[i]; }
+    __device__ const T &operator[](int i) const { return v[i]; }
+};
+template <class T>
+__device__ __forceinline__ Vec16<T> load16(const T *p) { return *reinterpret_cast<const Vec16<T> *>(p); }
+// Streaming load: data read once, do not keep it in L1.
+template <class T>
+__device__ __forceinline__ Vec16<T> load16_stream(const T *p) {
+    Vec16<T> out;
+    *reinterpret_cast<int4 *>(&out) = __ldcs(reinterpret_cast<const int4 *>(p));
+    return out;
+}
+template <class T>
+__device__ __forceinline__ void store16(T *p, const Vec16<T> &v) { *reinterpret_cast<Vec16<T> *>(p) = v; }
+
+__device__ __forceinline__ float warp_sum(float x) {
+    for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+    for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    return x;
+}
+
+// The process-wide handles: one stream for compute, the cuBLASLt handle and its workspace.
+typedef struct {
+    int device;
+    int sm_count;
+    int compute_capability;   // 90 for Hopper
+    cudaStream_t stream;
+    cublasLtHandle_t cublaslt;
+    void *cublaslt_workspace;
+    size_t cublaslt_workspace_bytes;
+} GpuContext;
+
+static inline void gpu_context_create(GpuContext *gpu, int device) {
+    cudaDeviceProp prop;
+    gpu->device = device;
+    cudaCheck(cudaSetDevice(device));
+    cudaCheck(cudaGetDeviceProperties(&prop, device));
+    gpu->sm_count = prop.multiProcessorCount;
+    gpu->compute_capability = prop.major * 10 + prop.minor;
+    cudaCheck(cudaStreamCreateWithFlags(&gpu->stream, cudaStreamNonBlocking));
+    cublasCheck(cublasLtCreate(&gpu->cublaslt));
+    gpu->cublaslt_workspace_bytes = 32u << 20;  // Hopper cuBLASLt kernels want up to 32 MiB
+    cudaCheck(cudaMalloc(&gpu->cublaslt_workspace, gpu->cublaslt_workspace_bytes));
+}
+
+static inline void gpu_context_destroy(GpuContext *gpu) {
+    cudaCheck(cudaFree(gpu->cublaslt_workspace));
+    cublasCheck(cublasLtDestroy(gpu->cublaslt));
+    cudaCheck(cudaStreamDestroy(gpu->stream));
+}

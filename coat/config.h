@@ -1,0 +1,465 @@
+// Run configuration: every key with its type, default, range and meaning in one table.
+// Files are `key = value` lines with `#` comments and `include = other.conf` (relative to the
+// including file); `--key=value` arguments override them. Errors name file:line.
+// Plain C; the trainer, dry_run and the tests share it.
+#pragma once
+#include <ctype.h>
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "model_shape.h"
+
+#define CONFIG_STRING_MAX 512
+#define CONFIG_INCLUDE_DEPTH_MAX 16
+#define CONFIG_ERROR_MAX 1024
+
+typedef enum { PRECISION_BF16, PRECISION_FP8, PRECISION_COAT } Precision;
+typedef enum { STATES_AUTO, STATES_FP32, STATES_BF16, STATES_FP8, STATES_FP8_DRE } StatesChoice;
+typedef enum { ACTS_AUTO, ACTS_BF16, ACTS_FP8, ACTS_COAT } ActivationsChoice;
+typedef enum { SCHEDULE_COSINE, SCHEDULE_LINEAR, SCHEDULE_WSD, SCHEDULE_CONSTANT } Schedule;
+
+typedef struct {
+    ModelShape model;
+    // precision
+    int precision;            // Precision
+    int optimizer_states;     // StatesChoice
+    int activations;          // ActivationsChoice
+    int fp8_fast_accum;
+    // data and files
+    char train_data[CONFIG_STRING_MAX];
+    char val_data[CONFIG_STRING_MAX];
+    char tokenizer[CONFIG_STRING_MAX];
+    char out_dir[CONFIG_STRING_MAX];
+    int resume;
+    int checkpoint_every;
+    int checkpoints_keep;
+    // batch and schedule
+    int micro_batch_size;
+    int seq_len;
+    long long total_batch_tokens;
+    int max_steps;
+    float learning_rate;
+    float min_lr_ratio;
+    int warmup_steps;
+    int lr_schedule;          // Schedule
+    float wsd_decay_fraction;
+    float weight_decay;
+    int weight_decay_all;
+    float beta1, beta2, adam_eps;
+    float grad_clip;
+    // evaluation, sampling, logging
+    int val_every;
+    int val_batches;
+    int sample_every;
+    int sample_tokens;
+    float top_p;
+    float temperature;
+    char sample_prompt[CONFIG_STRING_MAX];
+    // distribution and planning
+    int zero_stage;
+    int world_size;
+    float gpu_memory_gib;
+    unsigned long long seed;
+    int dry_run;
+} TrainConfig;
+
+typedef enum { KEY_INT, KEY_INT64, KEY_FLOAT, KEY_STRING, KEY_CHOICE } ConfigKeyType;
+
+typedef struct {
+    const char *name;
+    ConfigKeyType type;
+    size_t offset;
+    const char *default_value;
+    double min, max;          // inclusive range for numbers
+    const char *choices;      // "a|b|c" for KEY_CHOICE, in enum order
+    const char *help;
+} ConfigKey;
+
+#define CFG(field) offsetof(TrainConfig, field)
+#define CFG_MODEL(field) (offsetof(TrainConfig, model) + offsetof(ModelShape, field))
+static const ConfigKey config_keys[] = {
+    // model shape
+    {"vocab_size", KEY_INT, CFG_MODEL(vocab_size), "32000", 2, INT_MAX, NULL, "tokens in the vocabulary"},
+    {"dim", KEY_INT, CFG_MODEL(dim), "768", 8, 65536, NULL, "hidden size"},
+    {"n_layers", KEY_INT, CFG_MODEL(n_layers), "12", 1, 1024, NULL, "transformer blocks"},
+    {"n_heads", KEY_INT, CFG_MODEL(n_heads), "12", 1, 1024, NULL, "query heads (head_dim = dim / n_heads)"},
+    {"n_kv_heads", KEY_INT, CFG_MODEL(n_kv_heads), "4", 1, 1024, NULL, "key/value heads; divides n_heads"},
+    {"ffn_dim", KEY_INT, CFG_MODEL(ffn_dim), "2048", 8, 1 << 20, NULL, "SwiGLU inner size"},
+    {"max_seq_len", KEY_INT, CFG_MODEL(max_seq_len), "1024", 1, 1 << 20, NULL, "longest sequence the model is built for"},
+    {"rope_theta", KEY_FLOAT, CFG_MODEL(rope_theta), "10000", 1, 1e9, NULL, "RoPE base frequency"},
+    {"norm_eps", KEY_FLOAT, CFG_MODEL(norm_eps), "1e-5", 0, 1, NULL, "RMSNorm epsilon"},
+    {"rope_scaling_factor", KEY_FLOAT, CFG_MODEL(rope_scaling_factor), "0", 0, 1e6, NULL,
+     "Llama 3.1 RoPE frequency scaling factor (0: off)"},
+    {"rope_low_freq_factor", KEY_FLOAT, CFG_MODEL(rope_low_freq_factor), "1", 0, 1e6, NULL, "Llama 3.1 RoPE low_freq_factor"},
+    {"rope_high_freq_factor", KEY_FLOAT, CFG_MODEL(rope_high_freq_factor), "4", 0, 1e6, NULL, "Llama 3.1 RoPE high_freq_factor"},
+    {"rope_original_max_seq_len", KEY_INT, CFG_MODEL(rope_original_max_seq_len), "8192", 1, 1 << 24, NULL,
+     "Llama 3.1 RoPE original context length"},
+    // precision
+    {"precision", KEY_CHOICE, CFG(precision), "bf16", 0, 0, "bf16|fp8|coat",
+     "GEMMs, activations and optimizer states: bf16, TransformerEngine-like fp8, or COAT"},
+    {"optimizer_states", KEY_CHOICE, CFG(optimizer_states), "auto", 0, 0, "auto|fp32|bf16|fp8|fp8_dre",
+     "AdamW moment storage (auto: fp8_dre for coat, else fp32)"},
+    {"activations", KEY_CHOICE, CFG(activations), "auto", 0, 0, "auto|bf16|fp8|coat",
+     "storage of activations saved for backward (auto: follows precision)"},
+    {"fp8_fast_accum", KEY_INT, CFG(fp8_fast_accum), "0", 0, 1, NULL, "Hopper fast accumulation in FP8 GEMMs"},
+    // data and files
+    {"train_data", KEY_STRING, CFG(train_data), "", 0, 0, NULL, "glob of training token shards"},
+    {"val_data", KEY_STRING, CFG(val_data), "", 0, 0, NULL, "glob of validation token shards"},
+    {"tokenizer", KEY_STRING, CFG(tokenizer), "", 0, 0, NULL, "HF tokenizer.json (for sampling)"},
+    {"out_dir", KEY_STRING, CFG(out_dir), "out", 0, 0, NULL, "logs and checkpoints go here"},
+    {"resume", KEY_INT, CFG(resume), "0", 0, 1, NULL, "continue from the newest checkpoint in out_dir"},
+    {"checkpoint_every", KEY_INT, CFG(checkpoint_every), "0", 0, INT_MAX, NULL, "steps between checkpoints (0: only at the end)"},
+    {"checkpoints_keep", KEY_INT, CFG(checkpoints_keep), "2", 1, 1000, NULL, "newest checkpoints kept"},
+    // batch and schedule
+    {"micro_batch_size", KEY_INT, CFG(micro_batch_size), "16", 1, 1 << 20, NULL, "sequences per GPU per forward"},
+    {"seq_len", KEY_INT, CFG(seq_len), "0", 0, 1 << 20, NULL, "tokens per sequence (0: max_seq_len)"},
+    {"total_batch_tokens", KEY_INT64, CFG(total_batch_tokens), "0", 0, 1e15, NULL,
+     "tokens per optimizer step over all ranks (0: one micro-batch per rank); a multiple of micro_batch_size * seq_len * ranks"},
+    {"max_steps", KEY_INT, CFG(max_steps), "1000", 1, INT_MAX, NULL, "optimizer steps"},
+    {"learning_rate", KEY_FLOAT, CFG(learning_rate), "6e-4", 0, 10, NULL, "peak learning rate"},
+    {"min_lr_ratio", KEY_FLOAT, CFG(min_lr_ratio), "0.1", 0, 1, NULL, "final learning rate / peak"},
+    {"warmup_steps", KEY_INT, CFG(warmup_steps), "100", 0, INT_MAX, NULL, "linear warmup steps"},
+    {"lr_schedule", KEY_CHOICE, CFG(lr_schedule), "cosine", 0, 0, "cosine|linear|wsd|constant", "decay after warmup"},
+    {"wsd_decay_fraction", KEY_FLOAT, CFG(wsd_decay_fraction), "0.2", 0, 1, NULL, "wsd: fraction of steps spent decaying"},
+    {"weight_decay", KEY_FLOAT, CFG(weight_decay), "0.1", 0, 10, NULL, "decoupled AdamW weight decay"},
+    {"weight_decay_all", KEY_INT, CFG(weight_decay_all), "0", 0, 1, NULL, "decay norms too (0: 2-D weights only)"},
+    {"beta1", KEY_FLOAT, CFG(beta1), "0.9", 0, 0.999999, NULL, "AdamW beta1"},
+    {"beta2", KEY_FLOAT, CFG(beta2), "0.95", 0, 0.999999, NULL, "AdamW beta2"},
+    {"adam_eps", KEY_FLOAT, CFG(adam_eps), "1e-8", 0, 1, NULL, "AdamW epsilon"},
+    {"grad_clip", KEY_FLOAT, CFG(grad_clip), "1.0", 0, 1e9, NULL, "global gradient norm clip (0: off)"},
+    // evaluation, sampling
+    {"val_every", KEY_INT, CFG(val_every), "100", 0, INT_MAX, NULL, "steps between validation passes (0: never)"},
+    {"val_batches", KEY_INT, CFG(val_batches), "20", 1, INT_MAX, NULL, "micro-batches per validation pass"},
+    {"sample_every", KEY_INT, CFG(sample_every), "0", 0, INT_MAX, NULL, "steps between text samples (0: never)"},
+    {"sample_tokens", KEY_INT, CFG(sample_tokens), "64", 1, 1 << 20, NULL, "tokens generated per sample"},
+    {"top_p", KEY_FLOAT, CFG(top_p), "0.9", 0, 1, NULL, "nucleus sampling mass (0: greedy)"},
+    {"temperature", KEY_FLOAT, CFG(temperature), "1.0", 0, 100, NULL, "sampling temperature"},
+    {"sample_prompt", KEY_STRING, CFG(sample_prompt), "", 0, 0, NULL, "text the samples continue"},
+    // distribution and planning
+    {"zero_stage", KEY_INT, CFG(zero_stage), "1", 0, 2, NULL, "ZeRO: 0 replicate, 1 shard optimizer states, 2 also gradients"},
+    {"world_size", KEY_INT, CFG(world_size), "0", 0, 1 << 20, NULL, "ranks to plan for in dry_run (0: the launched ranks)"},
+    {"gpu_memory_gib", KEY_FLOAT, CFG(gpu_memory_gib), "0", 0, 1e6, NULL,
+     "GPU memory to plan against (0: ask the GPU; dry_run without a GPU skips the fit check)"},
+    {"seed", KEY_INT64, CFG(seed), "1337", 0, 9.2e18, NULL, "initialisation and data order"},
+    {"dry_run", KEY_INT, CFG(dry_run), "0", 0, 1, NULL, "validate config, data and plan memory, then exit; needs no GPU"},
+};
+#undef CFG
+#undef CFG_MODEL
+#define CONFIG_KEY_COUNT (sizeof(config_keys) / sizeof(config_keys[0]))
+
+// Where each key got its value, for error messages that point at the line.
+typedef struct {
+    TrainConfig values;
+    char source[CONFIG_KEY_COUNT][CONFIG_STRING_MAX];  // "file:line", "command line" or "default"
+    char include_stack[CONFIG_INCLUDE_DEPTH_MAX][PATH_MAX];
+    int include_depth;
+} ConfigParser;
+
+static inline const ConfigKey *config_find_key(const char *name) {
+    for (size_t i = 0; i < CONFIG_KEY_COUNT; i++)
+        if (strcmp(config_keys[i].name, name) == 0) return &config_keys[i];
+    return NULL;
+}
+
+// Index of `value` among "a|b|c", or -1.
+static inline int config_choice_index(const char *choices, const char *value) {
+    size_t len = strlen(value);
+    int index = 0;
+    for (const char *p = choices; *p; index++) {
+        const char *end = strchr(p, '|');
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        if (n == len && strncmp(p, value, n) == 0) return index;
+        if (!end) break;
+        p = end + 1;
+    }
+    return -1;
+}
+
+// The text of choice `index` in "a|b|c" (into a static-free caller buffer).
+static inline const char *config_choice_name(const char *choices, int index, char *buf, size_t size) {
+    const char *p = choices;
+    for (int i = 0; i < index && p; i++) { p = strchr(p, '|'); if (p) p++; }
+    if (!p) { snprintf(buf, size, "?"); return buf; }
+    const char *end = strchr(p, '|');
+    size_t n = end ? (size_t)(end - p) : strlen(p);
+    snprintf(buf, size, "%.*s", (int)n, p);
+    return buf;
+}
+
+// Parses `text` into the key's field. Returns 0, or -1 with a message (no location).
+static inline int config_set_value(TrainConfig *cfg, const ConfigKey *key, const char *text, char *error, size_t error_size) {
+    char *field = (char *)cfg + key->offset;
+    char *end = NULL;
+    errno = 0;
+    switch (key->type) {
+    case KEY_INT:
+    case KEY_INT64: {
+        double scaled;
+        long long v = strtoll(text, &end, 10);
+        if (*text == '\0' || *end != '\0' || errno) {
+            // Accept exact numbers written in float notation (1e6, 2.5e5) for large counts.
+            scaled = strtod(text, &end);
+            if (*text == '\0' || *end != '\0' || errno || scaled != floor(scaled) || fabs(scaled) > 9.2e18) {
+                snprintf(error, error_size, "%s: '%s' is not an integer", key->name, text);
+                return -1;
+            }
+            v = (long long)scaled;
+        }
+        if ((double)v < key->min || (double)v > key->max) {
+            snprintf(error, error_size, "%s: %lld is outside [%.15g, %.15g]", key->name, v, key->min, key->max);
+            return -1;
+        }
+        if (key->type == KEY_INT) *(int *)field = (int)v;
+        else *(long long *)field = v;
+        return 0;
+    }
+    case KEY_FLOAT: {
+        double v = strtod(text, &end);
+        if (*text == '\0' || *end != '\0' || errno || !isfinite(v)) {
+            snprintf(error, error_size, "%s: '%s' is not a number", key->name, text);
+            return -1;
+        }
+        if (v < key->min || v > key->max) {
+            snprintf(error, error_size, "%s: %g is outside [%g, %g]", key->name, v, key->min, key->max);
+            return -1;
+        }
+        *(float *)field = (float)v;
+        return 0;
+    }
+    case KEY_STRING:
+        if (strlen(text) >= CONFIG_STRING_MAX) {
+            snprintf(error, error_size, "%s: value longer than %d characters", key->name, CONFIG_STRING_MAX - 1);
+            return -1;
+        }
+        strcpy(field, text);
+        return 0;
+    case KEY_CHOICE: {
+        int index = config_choice_index(key->choices, text);
+        if (index < 0) {
+            snprintf(error, error_size, "%s: '%s' is not one of %s", key->name, text, key->choices);
+            return -1;
+        }
+        *(int *)field = index;
+        return 0;
+    }
+    }
+    return -1;
+}
+
+static inline void config_defaults(ConfigParser *parser) {
+    char error[CONFIG_ERROR_MAX];
+    memset(parser, 0, sizeof(*parser));
+    for (size_t i = 0; i < CONFIG_KEY_COUNT; i++) {
+        if (config_set_value(&parser->values, &config_keys[i], config_keys[i].default_value, error, sizeof(error)) != 0) {
+            fprintf(stderr, "error: bad built-in default: %s\n", error);
+            exit(EXIT_FAILURE);
+        }
+        snprintf(parser->source[i], CONFIG_STRING_MAX, "default");
+    }
+}
+
+static inline char *config_trim(char *s) {
+    while (isspace((unsigned char)*s)) s++;
+    char *end = s + strlen(s);
+    while (end > s && isspace((unsigned char)end[-1])) *--end = '\0';
+    return s;
+}
+
+// error = "<where>: <message>", cut to fit (snprintf would warn about the possible cut).
+static inline void config_error_at(char *error, size_t error_size, const char *where, const char *message) {
+    size_t used = 0;
+    const char *parts[3] = {where, ": ", message};
+    for (int i = 0; i < 3; i++)
+        for (const char *p = parts[i]; *p && used + 1 < error_size; p++) error[used++] = *p;
+    error[used] = '\0';
+}
+
+// Sets one key from "name" and "value", recording `where` as its source.
+static inline int config_assign(ConfigParser *parser, const char *name, const char *value, const char *where,
+                                char *error, size_t error_size) {
+    const ConfigKey *key = config_find_key(name);
+    char message[CONFIG_ERROR_MAX];
+    if (!key) {
+        snprintf(error, error_size, "%s: unknown key '%s' (./train_llama --help lists the keys)", where, name);
+        return -1;
+    }
+    if (config_set_value(&parser->values, key, value, message, sizeof(message)) != 0) {
+        config_error_at(error, error_size, where, message);
+        return -1;
+    }
+    snprintf(parser->source[key - config_keys], CONFIG_STRING_MAX, "%s", where);
+    return 0;
+}
+
+static inline int config_load_file(ConfigParser *parser, const char *path, char *error, size_t error_size);
+
+// One line of a config file: blank, comment, `include = path` or `key = value`.
+static inline int config_parse_line(ConfigParser *parser, const char *path, int line_number, char *line,
+                                    char *error, size_t error_size) {
+    char where[CONFIG_STRING_MAX];
+    snprintf(where, sizeof(where), "%s:%d", path, line_number);
+    char *hash = strchr(line, '#');
+    if (hash) *hash = '\0';
+    char *text = config_trim(line);
+    if (*text == '\0') return 0;
+    char *equals = strchr(text, '=');
+    if (!equals) {
+        snprintf(error, error_size, "%s: expected 'key = value', got '%s'", where, text);
+        return -1;
+    }
+    *equals = '\0';
+    char *name = config_trim(text), *value = config_trim(equals + 1);
+    if (*name == '\0') {
+        snprintf(error, error_size, "%s: missing key before '='", where);
+        return -1;
+    }
+    if (strcmp(name, "include") != 0) return config_assign(parser, name, value, where, error, error_size);
+    // Includes are relative to the including file's directory.
+    char include_path[PATH_MAX];
+    const char *slash = strrchr(path, '/');
+    if (value[0] == '/' || !slash) snprintf(include_path, sizeof(include_path), "%s", value);
+    else snprintf(include_path, sizeof(include_path), "%.*s/%s", (int)(slash - path), path, value);
+    char message[CONFIG_ERROR_MAX];
+    if (config_load_file(parser, include_path, message, sizeof(message)) != 0) {
+        config_error_at(error, error_size, where, message);
+        return -1;
+    }
+    return 0;
+}
+
+static inline int config_load_file(ConfigParser *parser, const char *path, char *error, size_t error_size) {
+    char resolved[PATH_MAX];
+    if (!realpath(path, resolved)) {
+        snprintf(error, error_size, "%s: cannot open config: %s", path, strerror(errno));
+        return -1;
+    }
+    for (int i = 0; i < parser->include_depth; i++) {
+        if (strcmp(parser->include_stack[i], resolved) == 0) {
+            snprintf(error, error_size, "%s: include cycle", path);
+            return -1;
+        }
+    }
+    if (parser->include_depth == CONFIG_INCLUDE_DEPTH_MAX) {
+        snprintf(error, error_size, "%s: includes nested deeper than %d", path, CONFIG_INCLUDE_DEPTH_MAX);
+        return -1;
+    }
+    FILE *file = fopen(path, "r");
+    if (!file) {
+        snprintf(error, error_size, "%s: cannot open config: %s", path, strerror(errno));
+        return -1;
+    }
+    snprintf(parser->include_stack[parser->include_depth++], PATH_MAX, "%s", resolved);
+    char line[4096];
+    int line_number = 0, status = 0;
+    while (status == 0 && fgets(line, sizeof(line), file)) {
+        line_number++;
+        if (!strchr(line, '\n') && !feof(file)) {
+            snprintf(error, error_size, "%s:%d: line longer than %zu characters", path, line_number, sizeof(line) - 2);
+            status = -1;
+            break;
+        }
+        status = config_parse_line(parser, path, line_number, line, error, error_size);
+    }
+    if (status == 0 && ferror(file)) {
+        snprintf(error, error_size, "%s: read error", path);
+        status = -1;
+    }
+    fclose(file);
+    parser->include_depth--;
+    return status;
+}
+
+// One `--key=value` argument.
+static inline int config_parse_argument(ConfigParser *parser, const char *argument, char *error, size_t error_size) {
+    char buf[CONFIG_STRING_MAX + 256];
+    if (strncmp(argument, "--", 2) != 0 || !strchr(argument, '=') || strlen(argument) >= sizeof(buf)) {
+        snprintf(error, error_size, "command line: expected --key=value, got '%s'", argument);
+        return -1;
+    }
+    snprintf(buf, sizeof(buf), "%s", argument + 2);
+    char *equals = strchr(buf, '=');
+    *equals = '\0';
+    return config_assign(parser, buf, equals + 1, "command line", error, error_size);
+}
+
+static inline const char *config_source(const ConfigParser *parser, const char *name) {
+    const ConfigKey *key = config_find_key(name);
+    return key ? parser->source[key - config_keys] : "?";
+}
+
+// Checks that involve several keys; the message names where the offending key was set.
+static inline int config_validate(ConfigParser *parser, char *error, size_t error_size) {
+    TrainConfig *c = &parser->values;
+    ModelShape *m = &c->model;
+    if (c->seq_len == 0) c->seq_len = m->max_seq_len;
+    if (m->dim % m->n_heads != 0) {
+        snprintf(error, error_size, "%s: dim %d is not a multiple of n_heads %d", config_source(parser, "n_heads"), m->dim, m->n_heads);
+        return -1;
+    }
+    if (m->n_heads % m->n_kv_heads != 0) {
+        snprintf(error, error_size, "%s: n_heads %d is not a multiple of n_kv_heads %d", config_source(parser, "n_kv_heads"),
+                 m->n_heads, m->n_kv_heads);
+        return -1;
+    }
+    if (model_head_dim(m) % 2 != 0) {
+        snprintf(error, error_size, "%s: head_dim %d must be even for RoPE", config_source(parser, "n_heads"), model_head_dim(m));
+        return -1;
+    }
+    if (c->seq_len > m->max_seq_len) {
+        snprintf(error, error_size, "%s: seq_len %d exceeds max_seq_len %d", config_source(parser, "seq_len"), c->seq_len, m->max_seq_len);
+        return -1;
+    }
+    if (m->rope_scaling_factor > 0 && m->rope_high_freq_factor <= m->rope_low_freq_factor) {
+        snprintf(error, error_size, "%s: rope_high_freq_factor must exceed rope_low_freq_factor",
+                 config_source(parser, "rope_high_freq_factor"));
+        return -1;
+    }
+    if (c->warmup_steps > c->max_steps) {
+        snprintf(error, error_size, "%s: warmup_steps %d exceeds max_steps %d", config_source(parser, "warmup_steps"),
+                 c->warmup_steps, c->max_steps);
+        return -1;
+    }
+    return 0;
+}
+
+// Steps of gradient accumulation for a world of `ranks`; -1 with a message when the batch does not divide.
+static inline int config_grad_accum_steps(const ConfigParser *parser, int ranks, char *error, size_t error_size) {
+    const TrainConfig *c = &parser->values;
+    long long per_micro_step = (long long)c->micro_batch_size * c->seq_len * ranks;
+    if (c->total_batch_tokens == 0) return 1;
+    if (c->total_batch_tokens % per_micro_step != 0) {
+        snprintf(error, error_size, "%s: total_batch_tokens %lld is not a multiple of micro_batch_size * seq_len * ranks = %lld",
+                 config_source(parser, "total_batch_tokens"), c->total_batch_tokens, per_micro_step);
+        return -1;
+    }
+    return (int)(c->total_batch_tokens / per_micro_step);
+}
+
+// The resolved storage choices (auto follows precision).
+static inline StatesChoice config_optimizer_states(const TrainConfig *c) {
+    if (c->optimizer_states != STATES_AUTO) return (StatesChoice)c->optimizer_states;
+    return c->precision == PRECISION_COAT ? STATES_FP8_DRE : STATES_FP32;
+}
+static inline ActivationsChoice config_activations(const TrainConfig *c) {
+    if (c->activations != ACTS_AUTO) return (ActivationsChoice)c->activations;
+    return c->precision == PRECISION_BF16 ? ACTS_BF16 : c->precision == PRECISION_FP8 ? ACTS_FP8 : ACTS_COAT;
+}
+
+static inline void config_print_help(FILE *out) {
+    fprintf(out, "usage: train_llama CONFIG [--key=value ...]\n"
+                 "       train_llama --help\n\n"
+                 "CONFIG holds `key = value` lines, `#` comments and `include = other.conf`.\n"
+                 "Command-line --key=value arguments override the files. Keys, defaults and meaning:\n\n");
+    for (size_t i = 0; i < CONFIG_KEY_COUNT; i++) {
+        const ConfigKey *k = &config_keys[i];
+        char value[64];
+        snprintf(value, sizeof(value), "%s", k->default_value[0] ? k->default_value : "\"\"");
+        fprintf(out, "  %-26s %-10s %s", k->name, value, k->help);
+        if (k->type == KEY_CHOICE) fprintf(out, " [%s]", k->choices);
+        fprintf(out, "\n");
+    }
+}

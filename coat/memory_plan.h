@@ -1,0 +1,120 @@
+// GPU memory per rank, planned from the config before anything is allocated: parameters,
+// gradients, master weights, optimizer states, saved activations and working buffers.
+// dry_run prints it; the trainer allocates exactly these buffers and refuses a micro-batch
+// that does not fit. Bytes per parameter follow ANCHORS.md (ZeRO-1: 4P + 12P/N, ZeRO-2:
+// 2P + 14P/N with FP32 states).
+#pragma once
+#include <stdio.h>
+#include "activations.h"
+#include "config.h"
+#include "params.h"
+
+#define CUBLASLT_WORKSPACE_BYTES (32u << 20)
+#define CLASSIFIER_CHUNK_ROWS 8192
+
+typedef struct {
+    int ranks;
+    int micro_batch_size;
+    size_t params_padded;      // elements in the parameter buffer
+    size_t shard_elems;        // elements of that buffer this rank's optimizer owns
+    size_t params_bytes;       // BF16 working weights
+    size_t grads_bytes;        // BF16 gradients (a shard plus one layer's bucket with ZeRO-2)
+    size_t master_bytes;       // FP32 master weights
+    size_t states_bytes;       // AdamW m and v
+    size_t activations_bytes;  // saved for backward, all layers
+    size_t working_bytes;      // reused across layers: residual, gradients, logits chunk, FP8 casts, workspace
+    size_t total_bytes;
+} MemoryPlan;
+
+// Bytes per element of m and v together, scales included (one 128-group shares them).
+static inline double optimizer_state_bytes_per_param(StatesChoice states) {
+    switch (states) {
+    case STATES_FP32: return 8.0;
+    case STATES_BF16: return 4.0;
+    case STATES_FP8: return 2.0 + 2.0 * 4.0 / 128.0;            // E4M3 + one FP32 scale per group
+    case STATES_FP8_DRE: return 2.0 + 2.0 * 3.0 * 4.0 / 128.0;  // E4M3 + scale, k, c per group
+    case STATES_AUTO: break;
+    }
+    return 0.0;
+}
+
+static inline size_t memory_plan_shard_elems(size_t padded, int ranks) {
+    return round_up_size((padded + (size_t)ranks - 1) / (size_t)ranks, PARAM_ALIGN_ELEMS);
+}
+
+static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, int ranks, int micro_batch_size) {
+    ParamLayout layout;
+    const ModelShape *m = &c->model;
+    param_layout_init(&layout, m);
+    size_t H = (size_t)m->dim, I = (size_t)m->ffn_dim, V = (size_t)m->vocab_size, hd = (size_t)model_head_dim(m);
+    size_t qkv = ((size_t)m->n_heads + 2 * (size_t)m->n_kv_heads) * hd, attn = (size_t)m->n_heads * hd;
+    size_t tokens = (size_t)micro_batch_size * (size_t)c->seq_len;
+    ActivationsChoice acts = config_activations(c);
+    int sharded = c->zero_stage >= 1 && ranks > 1;
+
+    plan->ranks = ranks;
+    plan->micro_batch_size = micro_batch_size;
+    plan->params_padded = layout.total_padded;
+    plan->shard_elems = sharded ? memory_plan_shard_elems(layout.total_padded, ranks) : layout.total_padded;
+    plan->params_bytes = 2 * layout.total_padded;
+    plan->grads_bytes = (c->zero_stage >= 2 && ranks > 1) ? 2 * (plan->shard_elems + layout.layer_stride)
+                                                          : 2 * layout.total_padded;
+    plan->master_bytes = 4 * plan->shard_elems;
+    plan->states_bytes = (size_t)(optimizer_state_bytes_per_param(config_optimizer_states(c)) * (double)plan->shard_elems);
+
+    // Final residual and norm output (BF16), their rstd, per-token losses, input and target ids.
+    size_t final_per_token = 2 * H + 2 * H + 4 + 4 + 4 + 4;
+    plan->activations_bytes = (size_t)m->n_layers * activation_layer_bytes(m, acts, tokens) + final_per_token * tokens;
+
+    // BF16 residual stream and its gradient, the largest block intermediates and their gradients,
+    // attention backward's row sums, the logits of one classifier chunk and the cuBLASLt workspace.
+    size_t widest = 3 * I > qkv + attn + H ? 3 * I : qkv + attn + H;
+    size_t working = tokens * (2 * (2 * H + widest) + 4 * (size_t)m->n_heads);
+    size_t chunk_rows = tokens < CLASSIFIER_CHUNK_ROWS ? tokens : CLASSIFIER_CHUNK_ROWS;
+    working += 2 * chunk_rows * V;
+    if (acts != ACTS_BF16 || c->precision != PRECISION_BF16) {
+        // FP8 casts made just in time: one layer's weights (and transposes), an activation
+        // transpose and the E5M2 output gradient with its transpose.
+        size_t layer_linear = layout.layer_stride;
+        size_t widest_in = I > H ? I : H, widest_out = 2 * I > qkv ? 2 * I : qkv;
+        working += 2 * layer_linear + tokens * (widest_in + 2 * widest_out);
+    }
+    working += CUBLASLT_WORKSPACE_BYTES;
+    plan->working_bytes = working;
+    plan->total_bytes = plan->params_bytes + plan->grads_bytes + plan->master_bytes + plan->states_bytes +
+                        plan->activations_bytes + plan->working_bytes;
+}
+
+// Largest micro-batch whose plan fits in `budget_bytes` (0 if even 1 does not).
+static inline int memory_plan_largest_micro_batch(const TrainConfig *c, int ranks, size_t budget_bytes) {
+    MemoryPlan plan;
+    int fits = 0;
+    for (int b = 1; b <= 1 << 16; b++) {
+        memory_plan_compute(&plan, c, ranks, b);
+        if (plan.total_bytes > budget_bytes) break;
+        fits = b;
+    }
+    return fits;
+}
+
+static inline double gib(size_t bytes) { return (double)bytes / (1024.0 * 1024.0 * 1024.0); }
+
+static inline void memory_plan_print(FILE *out, const MemoryPlan *plan, const TrainConfig *c) {
+    char precision[16], states[16], acts[16];
+    const ConfigKey *kp = config_find_key("precision"), *ks = config_find_key("optimizer_states"),
+                    *ka = config_find_key("activations");
+    config_choice_name(kp->choices, c->precision, precision, sizeof(precision));
+    config_choice_name(ks->choices, config_optimizer_states(c), states, sizeof(states));
+    config_choice_name(ka->choices, config_activations(c), acts, sizeof(acts));
+    double p = (double)plan->params_padded;
+    fprintf(out, "memory plan per rank: precision %s, optimizer states %s, activations %s, "
+                 "micro-batch %d x %d tokens, %d rank(s), ZeRO stage %d\n",
+            precision, states, acts, plan->micro_batch_size, c->seq_len, plan->ranks, c->zero_stage);
+    fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param)\n", "parameters (bf16)", gib(plan->params_bytes), plan->params_bytes / p);
+    fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param)\n", "gradients (bf16)", gib(plan->grads_bytes), plan->grads_bytes / p);
+    fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param)\n", "master weights (fp32)", gib(plan->master_bytes), plan->master_bytes / p);
+    fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param)\n", "optimizer states", gib(plan->states_bytes), plan->states_bytes / p);
+    fprintf(out, "  %-22s %9.3f GiB\n", "activations (saved)", gib(plan->activations_bytes));
+    fprintf(out, "  %-22s %9.3f GiB\n", "working buffers", gib(plan->working_bytes));
+    fprintf(out, "  %-22s %9.3f GiB\n", "total", gib(plan->total_bytes));
+}

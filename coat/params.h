@@ -1,0 +1,126 @@
+// The parameter table of a Llama model: every tensor's name, shape and offset in the one
+// parameter buffer. Layout is layer-major (embedding, then each layer's nine tensors,
+// then the final norm and lm_head), each tensor padded to a multiple of 128 elements so
+// that FP8 quantization groups and ZeRO shards never straddle two tensors.
+// Weight matrices are stored [out_features, in_features], row-major (y = x W^T), as in HF.
+#pragma once
+#include <stddef.h>
+#include "model_shape.h"
+#include "random.h"
+
+#define PARAM_ALIGN_ELEMS 128
+
+typedef enum {
+    PARAM_EMBEDDING,   // [vocab, dim]
+    PARAM_ATTN_NORM,   // [dim]
+    PARAM_WQ,          // [n_heads * head_dim, dim]
+    PARAM_WK,          // [n_kv_heads * head_dim, dim]
+    PARAM_WV,          // [n_kv_heads * head_dim, dim]
+    PARAM_WO,          // [dim, n_heads * head_dim]
+    PARAM_MLP_NORM,    // [dim]
+    PARAM_W_GATE,      // [ffn, dim]
+    PARAM_W_UP,        // [ffn, dim]
+    PARAM_W_DOWN,      // [dim, ffn]
+    PARAM_FINAL_NORM,  // [dim]
+    PARAM_LM_HEAD,     // [vocab, dim]
+    PARAM_KINDS
+} ParamKind;
+
+static inline int param_kind_is_per_layer(ParamKind kind) {
+    return kind != PARAM_EMBEDDING && kind != PARAM_FINAL_NORM && kind != PARAM_LM_HEAD;
+}
+
+// Hugging Face names: "model.layers.%d." is prefixed for per-layer tensors.
+static inline const char *param_kind_name(ParamKind kind) {
+    static const char *names[PARAM_KINDS] = {
+        "model.embed_tokens.weight", "input_layernorm.weight", "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+        "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+        "mlp.down_proj.weight", "model.norm.weight", "lm_head.weight"};
+    return names[kind];
+}
+
+typedef struct {
+    ModelShape shape;
+    size_t rows[PARAM_KINDS], cols[PARAM_KINDS];  // cols = 1 for vectors
+    size_t padded[PARAM_KINDS];                   // elements reserved per tensor
+    size_t first_layer_offset;                    // where layer 0 starts
+    size_t layer_stride;                          // padded elements per layer
+    size_t within_layer[PARAM_KINDS];             // offset inside a layer (per-layer kinds)
+    size_t tail_offset[PARAM_KINDS];              // offset of the final norm and lm_head
+    size_t total_padded;                          // buffer size in elements
+    size_t total_params;                          // real parameters (no padding)
+} ParamLayout;
+
+static inline size_t round_up_size(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+static inline void param_layout_init(ParamLayout *layout, const ModelShape *shape) {
+    size_t hd = (size_t)model_head_dim(shape), H = (size_t)shape->dim, I = (size_t)shape->ffn_dim;
+    size_t V = (size_t)shape->vocab_size;
+    size_t rows[PARAM_KINDS] = {V, H, shape->n_heads * hd, shape->n_kv_heads * hd, shape->n_kv_heads * hd,
+                                H, H, I, I, H, H, V};
+    size_t cols[PARAM_KINDS] = {H, 1, H, H, H, shape->n_heads * hd, 1, H, H, I, 1, H};
+    layout->shape = *shape;
+    layout->total_params = 0;
+    for (int k = 0; k < PARAM_KINDS; k++) {
+        layout->rows[k] = rows[k];
+        layout->cols[k] = cols[k];
+        layout->padded[k] = round_up_size(rows[k] * cols[k], PARAM_ALIGN_ELEMS);
+        size_t copies = param_kind_is_per_layer((ParamKind)k) ? (size_t)shape->n_layers : 1;
+        layout->total_params += copies * rows[k] * cols[k];
+    }
+    layout->first_layer_offset = layout->padded[PARAM_EMBEDDING];
+    layout->layer_stride = 0;
+    for (int k = PARAM_ATTN_NORM; k <= PARAM_W_DOWN; k++) {
+        layout->within_layer[k] = layout->layer_stride;
+        layout->layer_stride += layout->padded[k];
+    }
+    size_t tail = layout->first_layer_offset + (size_t)shape->n_layers * layout->layer_stride;
+    layout->tail_offset[PARAM_FINAL_NORM] = tail;
+    layout->tail_offset[PARAM_LM_HEAD] = tail + layout->padded[PARAM_FINAL_NORM];
+    layout->total_padded = layout->tail_offset[PARAM_LM_HEAD] + layout->padded[PARAM_LM_HEAD];
+}
+
+// Element offset of tensor `kind` of layer `layer` (layer ignored for the others).
+static inline size_t param_offset(const ParamLayout *layout, ParamKind kind, int layer) {
+    if (kind == PARAM_EMBEDDING) return 0;
+    if (!param_kind_is_per_layer(kind)) return layout->tail_offset[kind];
+    return layout->first_layer_offset + (size_t)layer * layout->layer_stride + layout->within_layer[kind];
+}
+
+static inline size_t param_numel(const ParamLayout *layout, ParamKind kind) {
+    return layout->rows[kind] * layout->cols[kind];
+}
+
+// Parameters that are not embeddings (the MFU convention counts these).
+static inline size_t param_count_non_embedding(const ParamLayout *layout) {
+    return layout->total_params - param_numel(layout, PARAM_EMBEDDING);
+}
+
+static inline int param_kind_is_matrix(ParamKind kind) { return kind != PARAM_ATTN_NORM && kind != PARAM_MLP_NORM && kind != PARAM_FINAL_NORM; }
+
+// Initialisation from scratch, in FP32 on the host: norms = 1, matrices ~ N(0, 0.02),
+// output projections (wo, w_down) scaled by 1/sqrt(2 * n_layers); padding = 0.
+// Tensors are drawn in buffer order from one stream, so the result depends only on the seed.
+static inline void param_init_tensor(const ParamLayout *layout, float *params, ParamKind kind, int layer, Random *rng) {
+    float *t = params + param_offset(layout, kind, layer);
+    size_t n = param_numel(layout, kind);
+    if (!param_kind_is_matrix(kind)) {
+        for (size_t i = 0; i < n; i++) t[i] = 1.0f;
+        return;
+    }
+    double std = 0.02;
+    if (kind == PARAM_WO || kind == PARAM_W_DOWN) std /= sqrt(2.0 * layout->shape.n_layers);
+    for (size_t i = 0; i < n; i++) t[i] = (float)(std * random_normal(rng));
+}
+
+static inline void param_init_weights(const ParamLayout *layout, float *params, unsigned long long seed) {
+    Random rng;
+    random_seed(&rng, seed);
+    for (size_t i = 0; i < layout->total_padded; i++) params[i] = 0.0f;
+    param_init_tensor(layout, params, PARAM_EMBEDDING, 0, &rng);
+    for (int l = 0; l < layout->shape.n_layers; l++)
+        for (int k = PARAM_ATTN_NORM; k <= PARAM_W_DOWN; k++) param_init_tensor(layout, params, (ParamKind)k, l, &rng);
+    param_init_tensor(layout, params, PARAM_FINAL_NORM, 0, &rng);
+    param_init_tensor(layout, params, PARAM_LM_HEAD, 0, &rng);
+}

@@ -1,0 +1,185 @@
+// Config files, overrides and their errors; the parameter table; the memory plan's arithmetic.
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include "../coat/config.h"
+#include "../coat/memory_plan.h"
+#include "../coat/params.h"
+#include "check.h"
+
+static char temp_dir[] = "/tmp/test_config_XXXXXX";
+
+static const char *write_file(const char *name, const char *text) {
+    static char path[8][PATH_MAX];
+    static int next;
+    char *p = path[next++ % 8];
+    snprintf(p, PATH_MAX, "%s/%s", temp_dir, name);
+    FILE *f = fopen(p, "w");
+    if (!f) { perror(p); exit(1); }
+    fputs(text, f);
+    fclose(f);
+    return p;
+}
+
+// Loads `path` into a fresh parser; returns the status and leaves the message in `error`.
+static int load(ConfigParser *parser, const char *path, char *error) {
+    config_defaults(parser);
+    error[0] = '\0';
+    int status = config_load_file(parser, path, error, CONFIG_ERROR_MAX);
+    return status == 0 ? config_validate(parser, error, CONFIG_ERROR_MAX) : status;
+}
+
+static void test_parsing(ConfigParser *p) {
+    char error[CONFIG_ERROR_MAX];
+    write_file("shape.conf", "# a shape\ndim = 256   # trailing comment\nn_heads = 8\nn_kv_heads = 2\n\n");
+    const char *run = write_file("run.conf", "include = shape.conf\nprecision = coat\nlearning_rate = 3e-4\n"
+                                             "total_batch_tokens = 1e6\ntrain_data = data/train_*.bin\n");
+    check(load(p, run, error) == 0, "a run file with an include loads (%s)", error);
+    check(p->values.model.dim == 256 && p->values.model.n_heads == 8, "the included shape is applied");
+    check(p->values.precision == PRECISION_COAT, "a choice key is parsed");
+    check(fabsf(p->values.learning_rate - 3e-4f) < 1e-9f, "a float key is parsed");
+    check(p->values.total_batch_tokens == 1000000, "an integer written as 1e6 is accepted");
+    check(strcmp(p->values.train_data, "data/train_*.bin") == 0, "a string key keeps its value");
+    check(p->values.model.vocab_size == 32000, "an unset key keeps its default");
+    check(strstr(config_source(p, "dim"), "shape.conf:2") != NULL, "the source of a key is file:line (%s)", config_source(p, "dim"));
+    check(config_parse_argument(p, "--dim=512", error, sizeof(error)) == 0 && p->values.model.dim == 512,
+          "--key=value overrides the file");
+    check(config_optimizer_states(&p->values) == STATES_FP8_DRE && config_activations(&p->values) == ACTS_COAT,
+          "auto storage follows precision coat");
+    check(p->values.seq_len == p->values.model.max_seq_len, "seq_len 0 means max_seq_len");
+}
+
+static void test_errors(ConfigParser *p) {
+    char error[CONFIG_ERROR_MAX];
+    const char *unknown = write_file("unknown.conf", "dim = 64\nlearning_rat = 1e-3\n");
+    check(load(p, unknown, error) != 0 && strstr(error, "unknown.conf:2: unknown key 'learning_rat'"),
+          "an unknown key names file:line (%s)", error);
+    const char *bad = write_file("bad.conf", "n_layers = twelve\n");
+    check(load(p, bad, error) != 0 && strstr(error, "bad.conf:1: n_layers: 'twelve' is not an integer"),
+          "a bad value names file:line (%s)", error);
+    const char *range = write_file("range.conf", "zero_stage = 3\n");
+    check(load(p, range, error) != 0 && strstr(error, "range.conf:1: zero_stage: 3 is outside"),
+          "a value out of range is refused (%s)", error);
+    const char *choice = write_file("choice.conf", "precision = fp16\n");
+    check(load(p, choice, error) != 0 && strstr(error, "'fp16' is not one of bf16|fp8|coat"),
+          "an unknown choice lists the choices (%s)", error);
+    const char *missing = write_file("missing.conf", "include = nowhere.conf\n");
+    check(load(p, missing, error) != 0 && strstr(error, "missing.conf:1:") && strstr(error, "nowhere.conf: cannot open config"),
+          "a missing include names the including line and the file (%s)", error);
+    check(load(p, "/nonexistent/x.conf", error) != 0 && strstr(error, "/nonexistent/x.conf: cannot open config"),
+          "a missing config file is named (%s)", error);
+    write_file("a.conf", "include = b.conf\n");
+    const char *cycle = write_file("b.conf", "include = a.conf\n");
+    check(load(p, cycle, error) != 0 && strstr(error, "include cycle"), "an include cycle is refused (%s)", error);
+    const char *syntax = write_file("syntax.conf", "dim 64\n");
+    check(load(p, syntax, error) != 0 && strstr(error, "syntax.conf:1: expected 'key = value'"),
+          "a line without '=' is refused (%s)", error);
+    const char *heads = write_file("heads.conf", "dim = 64\nn_heads = 4\nn_kv_heads = 3\n");
+    check(load(p, heads, error) != 0 && strstr(error, "heads.conf:3: n_heads 4 is not a multiple of n_kv_heads 3"),
+          "a shape that does not divide names the offending line (%s)", error);
+    config_defaults(p);
+    check(config_parse_argument(p, "--dim", error, sizeof(error)) != 0 && strstr(error, "expected --key=value"),
+          "an argument without '=' is refused (%s)", error);
+    const char *batch = write_file("batch.conf", "micro_batch_size = 3\nseq_len = 100\nmax_seq_len = 100\ntotal_batch_tokens = 1000\n");
+    check(load(p, batch, error) == 0 && config_grad_accum_steps(p, 1, error, sizeof(error)) < 0 &&
+          strstr(error, "batch.conf:4: total_batch_tokens 1000 is not a multiple"), "a batch that does not divide is refused (%s)", error);
+}
+
+static void test_params(ConfigParser *p) {
+    struct { const char *file; double params; } shapes[] = {
+        {"configs/models/llama-125m.conf", 125e6}, {"configs/models/llama-1b.conf", 853e6},
+        {"configs/models/llama2-7b.conf", 6.74e9}, {"configs/models/llama3-8b.conf", 8.03e9}};
+    char error[CONFIG_ERROR_MAX];
+    for (int i = 0; i < 4; i++) {
+        ParamLayout layout;
+        int ok = load(p, shapes[i].file, error) == 0;
+        param_layout_init(&layout, &p->values.model);
+        double rel = fabs((double)layout.total_params - shapes[i].params) / shapes[i].params;
+        check(ok && rel < 0.01, "%s has %.4gB parameters (ANCHORS.md: %.4gB) %s", shapes[i].file,
+              layout.total_params / 1e9, shapes[i].params / 1e9, error);
+    }
+    ModelShape tiny = {37, 20, 3, 4, 2, 24, 16, 10000.0f, 1e-5f, 0, 1, 4, 8192};
+    ParamLayout layout;
+    param_layout_init(&layout, &tiny);
+    int aligned = 1, disjoint = 1;
+    size_t end_prev = 0;
+    for (int l = -1; l <= tiny.n_layers; l++) {
+        for (int k = 0; k < PARAM_KINDS; k++) {
+            int per_layer = param_kind_is_per_layer((ParamKind)k);
+            if ((l == -1 && k != PARAM_EMBEDDING) || (l == tiny.n_layers && (k != PARAM_FINAL_NORM && k != PARAM_LM_HEAD)) ||
+                (l >= 0 && l < tiny.n_layers && !per_layer))
+                continue;
+            size_t off = param_offset(&layout, (ParamKind)k, l < 0 ? 0 : l);
+            aligned &= off % PARAM_ALIGN_ELEMS == 0;
+            disjoint &= off >= end_prev;
+            end_prev = off + param_numel(&layout, (ParamKind)k);
+        }
+    }
+    check(aligned, "every tensor starts on a 128-element boundary");
+    check(disjoint && end_prev <= layout.total_padded, "tensors are in buffer order and do not overlap");
+    float *a = (float *)malloc(layout.total_padded * sizeof(float)), *b = (float *)malloc(layout.total_padded * sizeof(float));
+    param_init_weights(&layout, a, 7);
+    param_init_weights(&layout, b, 7);
+    check(memcmp(a, b, layout.total_padded * sizeof(float)) == 0, "initialisation depends only on the seed");
+    double sum2 = 0;
+    const float *wq = a + param_offset(&layout, PARAM_WQ, 1);
+    for (size_t i = 0; i < param_numel(&layout, PARAM_WQ); i++) sum2 += (double)wq[i] * wq[i];
+    double std = sqrt(sum2 / param_numel(&layout, PARAM_WQ));
+    check(std > 0.014 && std < 0.026, "matrices are drawn with std 0.02 (got %.4f)", std);
+    check(a[param_offset(&layout, PARAM_ATTN_NORM, 2)] == 1.0f && a[param_offset(&layout, PARAM_FINAL_NORM, 0)] == 1.0f,
+          "norm weights start at 1");
+    free(a);
+    free(b);
+}
+
+static void test_memory_plan(ConfigParser *p) {
+    char error[CONFIG_ERROR_MAX];
+    load(p, "configs/models/llama-1b.conf", error);
+    MemoryPlan plan;
+    p->values.zero_stage = 0;
+    memory_plan_compute(&plan, &p->values, 1, 1);
+    double per_param = (double)(plan.params_bytes + plan.grads_bytes + plan.master_bytes + plan.states_bytes) / plan.params_padded;
+    check(fabs(per_param - 16.0) < 1e-9, "mixed-precision AdamW costs 16 bytes/param (got %.3f)", per_param);
+    p->values.zero_stage = 1;
+    memory_plan_compute(&plan, &p->values, 4, 1);
+    per_param = (double)(plan.params_bytes + plan.grads_bytes + plan.master_bytes + plan.states_bytes) / plan.params_padded;
+    check(fabs(per_param - (4 + 12.0 / 4)) < 0.01, "ZeRO-1 on 4 ranks costs 4 + 12/4 bytes/param (got %.3f)", per_param);
+    p->values.zero_stage = 2;
+    memory_plan_compute(&plan, &p->values, 4, 1);
+    per_param = (double)(plan.params_bytes + plan.grads_bytes + plan.master_bytes + plan.states_bytes) / plan.params_padded;
+    double bucket = 2.0 * (double)(plan.grads_bytes / 2 - plan.shard_elems) / plan.params_padded;
+    check(fabs(per_param - (2 + 14.0 / 4) - bucket) < 0.01 && bucket < 0.15,
+          "ZeRO-2 on 4 ranks costs 2 + 14/4 bytes/param plus one layer's gradient bucket (got %.3f)", per_param);
+    p->values.zero_stage = 0;
+    p->values.optimizer_states = STATES_FP8_DRE;
+    memory_plan_compute(&plan, &p->values, 1, 1);
+    check(fabs((double)plan.states_bytes / plan.params_padded - 2.1875) < 1e-6, "FP8 DRE states cost 2.19 bytes/param");
+    MemoryPlan bf16, coat;
+    p->values.precision = PRECISION_BF16; p->values.optimizer_states = STATES_AUTO;
+    memory_plan_compute(&bf16, &p->values, 1, 16);
+    p->values.precision = PRECISION_COAT;
+    memory_plan_compute(&coat, &p->values, 1, 16);
+    check(coat.activations_bytes < bf16.activations_bytes && coat.total_bytes < bf16.total_bytes,
+          "coat plans less memory than bf16 (%.1f vs %.1f GiB)", gib(coat.total_bytes), gib(bf16.total_bytes));
+    MemoryPlan b8, b16;
+    memory_plan_compute(&b8, &p->values, 1, 8);
+    memory_plan_compute(&b16, &p->values, 1, 16);
+    double growth = (double)b16.activations_bytes / (double)b8.activations_bytes;
+    check(fabs(growth - 2.0) < 1e-6, "saved activations grow linearly with the micro-batch (x%.6f)", growth);
+    int largest = memory_plan_largest_micro_batch(&p->values, 1, b16.total_bytes);
+    check(largest == 16, "the largest micro-batch within a 16-sequence budget is 16 (got %d)", largest);
+}
+
+int main(void) {
+    if (!mkdtemp(temp_dir)) { perror("mkdtemp"); return 1; }
+    ConfigParser *parser = (ConfigParser *)malloc(sizeof(ConfigParser));
+    test_parsing(parser);
+    test_errors(parser);
+    test_params(parser);
+    test_memory_plan(parser);
+    free(parser);
+    char command[PATH_MAX + 16];
+    snprintf(command, sizeof(command), "rm -rf %s", temp_dir);
+    if (system(command) != 0) fprintf(stderr, "could not remove %s\n", temp_dir);
+    return check_summary("test_config");
+}
