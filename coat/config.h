@@ -405,8 +405,21 @@ static inline int config_validate(ConfigParser *parser, char *error, size_t erro
                  m->n_heads, m->n_kv_heads);
         return -1;
     }
-    if (model_head_dim(m) % 2 != 0) {
-        snprintf(error, error_size, "%s: head_dim %d must be even for RoPE", config_source(parser, "n_heads"), model_head_dim(m));
+    if (model_head_dim(m) != 64 && model_head_dim(m) != 128) {
+        snprintf(error, error_size, "%s: head_dim = dim / n_heads = %d; the attention kernels support 64 and 128",
+                 config_source(parser, "n_heads"), model_head_dim(m));
+        return -1;
+    }
+    // cuBLASLt wants 16-byte aligned rows (FP8: 16 elements), and the fused QKV and gate/up GEMMs
+    // need those weights back to back, which the 128-element padding preserves when these hold.
+    if (m->dim % 16 != 0 || m->ffn_dim % 16 != 0) {
+        snprintf(error, error_size, "%s: dim %d and ffn_dim %d must be multiples of 16",
+                 config_source(parser, m->dim % 16 ? "dim" : "ffn_dim"), m->dim, m->ffn_dim);
+        return -1;
+    }
+    if (((long long)m->dim * m->dim) % 128 != 0 || ((long long)m->n_kv_heads * model_head_dim(m) * m->dim) % 128 != 0 ||
+        ((long long)m->ffn_dim * m->dim) % 128 != 0) {
+        snprintf(error, error_size, "%s: weight matrices must hold a multiple of 128 elements", config_source(parser, "dim"));
         return -1;
     }
     if (c->seq_len > m->max_seq_len) {

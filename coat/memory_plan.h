@@ -12,6 +12,51 @@
 #define CUBLASLT_WORKSPACE_BYTES (32u << 20)
 #define CLASSIFIER_CHUNK_ROWS 8192
 
+// Buffers reused by every layer, carved from one allocation: the forward branch output (also
+// the backward's norm gradient), the residual-stream gradient, the widest block intermediates
+// and their gradients, RoPE tables, one classifier chunk of logits and the kernels' scratch.
+typedef struct {
+    size_t branch, d_residual, wide, rope_cos, rope_sin, logits, kernel_scratch, fp8_casts, small;  // byte offsets
+    size_t wide_elems_per_token;
+    size_t logits_chunk_rows, logits_stride;
+    size_t kernel_scratch_bytes;
+    size_t fp8_casts_bytes;   // FP8 copies made just in time (0 in bf16)
+    size_t total_bytes;
+} WorkingLayout;
+
+static inline size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+static inline void working_layout_init(WorkingLayout *w, const ModelShape *m, int micro_batch_size, int seq_len,
+                                       int uses_fp8) {
+    size_t H = (size_t)m->dim, I = (size_t)m->ffn_dim, hd = (size_t)model_head_dim(m), NH = (size_t)m->n_heads;
+    size_t qkv = (NH + 2 * (size_t)m->n_kv_heads) * hd, attn = NH * hd;
+    size_t tokens = (size_t)micro_batch_size * (size_t)seq_len;
+    // Backward holds d_swiglu [I] beside d_gate_up [2I], or d_attn_out beside d_qkv.
+    w->wide_elems_per_token = 3 * I > qkv + attn ? 3 * I : qkv + attn;
+    w->logits_chunk_rows = tokens < CLASSIFIER_CHUNK_ROWS ? tokens : CLASSIFIER_CHUNK_ROWS;
+    w->logits_stride = ((size_t)m->vocab_size + 7) / 8 * 8;
+    // Bound on what the kernels ask for (embedding backward's sort and partial sums, RMSNorm
+    // backward's partial sums, attention backward's row sums, the gradient norm's partials);
+    // the model checks the real needs against it at start.
+    w->kernel_scratch_bytes = tokens * (H / 4 + 4 * NH + 64) + (8u << 20);
+    // FP8 GEMM operands: one layer's weights and their transposes, an activation transpose, and
+    // the E5M2 output gradient with its transpose.
+    size_t layer_linear = H * (qkv + attn + 3 * I);
+    size_t widest_in = I > H ? I : H, widest_out = 2 * I > qkv ? 2 * I : qkv;
+    w->fp8_casts_bytes = uses_fp8 ? 2 * layer_linear + tokens * (widest_in + 2 * widest_out) : 0;
+    size_t at = 0;
+    w->branch = at;         at += align256(2 * tokens * H);
+    w->d_residual = at;     at += align256(2 * tokens * H);
+    w->wide = at;           at += align256(2 * tokens * w->wide_elems_per_token);
+    w->rope_cos = at;       at += align256(4 * (size_t)seq_len * hd / 2);
+    w->rope_sin = at;       at += align256(4 * (size_t)seq_len * hd / 2);
+    w->logits = at;         at += align256(2 * w->logits_chunk_rows * w->logits_stride);
+    w->kernel_scratch = at; at += align256(w->kernel_scratch_bytes);
+    w->fp8_casts = at;      at += align256(w->fp8_casts_bytes);
+    w->small = at;          at += 256;
+    w->total_bytes = at;
+}
+
 typedef struct {
     int ranks;
     int micro_batch_size;
@@ -22,9 +67,13 @@ typedef struct {
     size_t master_bytes;       // FP32 master weights
     size_t states_bytes;       // AdamW m and v
     size_t activations_bytes;  // saved for backward, all layers
-    size_t working_bytes;      // reused across layers: residual, gradients, logits chunk, FP8 casts, workspace
+    size_t working_bytes;      // reused across layers (WorkingLayout) and the cuBLASLt workspace
     size_t total_bytes;
 } MemoryPlan;
+
+// Per token, outside the layers: final residual and norm output (BF16), the final rstd, the
+// per-token loss, and the input and target ids.
+static inline size_t final_activation_bytes_per_token(const ModelShape *m) { return 4 * (size_t)m->dim + 16; }
 
 // Bytes per element of m and v together, scales included (one 128-group shares them).
 static inline double optimizer_state_bytes_per_param(StatesChoice states) {
@@ -46,8 +95,6 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
     ParamLayout layout;
     const ModelShape *m = &c->model;
     param_layout_init(&layout, m);
-    size_t H = (size_t)m->dim, I = (size_t)m->ffn_dim, V = (size_t)m->vocab_size, hd = (size_t)model_head_dim(m);
-    size_t qkv = ((size_t)m->n_heads + 2 * (size_t)m->n_kv_heads) * hd, attn = (size_t)m->n_heads * hd;
     size_t tokens = (size_t)micro_batch_size * (size_t)c->seq_len;
     ActivationsChoice acts = config_activations(c);
     int sharded = c->zero_stage >= 1 && ranks > 1;
@@ -62,25 +109,11 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
     plan->master_bytes = 4 * plan->shard_elems;
     plan->states_bytes = (size_t)(optimizer_state_bytes_per_param(config_optimizer_states(c)) * (double)plan->shard_elems);
 
-    // Final residual and norm output (BF16), their rstd, per-token losses, input and target ids.
-    size_t final_per_token = 2 * H + 2 * H + 4 + 4 + 4 + 4;
-    plan->activations_bytes = (size_t)m->n_layers * activation_layer_bytes(m, acts, tokens) + final_per_token * tokens;
-
-    // BF16 residual stream and its gradient, the largest block intermediates and their gradients,
-    // attention backward's row sums, the logits of one classifier chunk and the cuBLASLt workspace.
-    size_t widest = 3 * I > qkv + attn + H ? 3 * I : qkv + attn + H;
-    size_t working = tokens * (2 * (2 * H + widest) + 4 * (size_t)m->n_heads);
-    size_t chunk_rows = tokens < CLASSIFIER_CHUNK_ROWS ? tokens : CLASSIFIER_CHUNK_ROWS;
-    working += 2 * chunk_rows * V;
-    if (acts != ACTS_BF16 || c->precision != PRECISION_BF16) {
-        // FP8 casts made just in time: one layer's weights (and transposes), an activation
-        // transpose and the E5M2 output gradient with its transpose.
-        size_t layer_linear = layout.layer_stride;
-        size_t widest_in = I > H ? I : H, widest_out = 2 * I > qkv ? 2 * I : qkv;
-        working += 2 * layer_linear + tokens * (widest_in + 2 * widest_out);
-    }
-    working += CUBLASLT_WORKSPACE_BYTES;
-    plan->working_bytes = working;
+    plan->activations_bytes = (size_t)m->n_layers * activation_layer_bytes(m, acts, tokens) +
+                              final_activation_bytes_per_token(m) * tokens;
+    WorkingLayout working;
+    working_layout_init(&working, m, micro_batch_size, c->seq_len, acts != ACTS_BF16 || c->precision != PRECISION_BF16);
+    plan->working_bytes = working.total_bytes + CUBLASLT_WORKSPACE_BYTES;
     plan->total_bytes = plan->params_bytes + plan->grads_bytes + plan->master_bytes + plan->states_bytes +
                         plan->activations_bytes + plan->working_bytes;
 }

@@ -31,11 +31,11 @@ static int load(ConfigParser *parser, const char *path, char *error) {
 
 static void test_parsing(ConfigParser *p) {
     char error[CONFIG_ERROR_MAX];
-    write_file("shape.conf", "# a shape\ndim = 256   # trailing comment\nn_heads = 8\nn_kv_heads = 2\n\n");
+    write_file("shape.conf", "# a shape\ndim = 256   # trailing comment\nn_heads = 4\nn_kv_heads = 2\n\n");
     const char *run = write_file("run.conf", "include = shape.conf\nprecision = coat\nlearning_rate = 3e-4\n"
                                              "total_batch_tokens = 1e6\ntrain_data = data/train_*.bin\n");
     check(load(p, run, error) == 0, "a run file with an include loads (%s)", error);
-    check(p->values.model.dim == 256 && p->values.model.n_heads == 8, "the included shape is applied");
+    check(p->values.model.dim == 256 && p->values.model.n_heads == 4, "the included shape is applied");
     check(p->values.precision == PRECISION_COAT, "a choice key is parsed");
     check(fabsf(p->values.learning_rate - 3e-4f) < 1e-9f, "a float key is parsed");
     check(p->values.total_batch_tokens == 1000000, "an integer written as 1e6 is accepted");
@@ -74,9 +74,12 @@ static void test_errors(ConfigParser *p) {
     const char *syntax = write_file("syntax.conf", "dim 64\n");
     check(load(p, syntax, error) != 0 && strstr(error, "syntax.conf:1: expected 'key = value'"),
           "a line without '=' is refused (%s)", error);
-    const char *heads = write_file("heads.conf", "dim = 64\nn_heads = 4\nn_kv_heads = 3\n");
+    const char *heads = write_file("heads.conf", "dim = 256\nn_heads = 4\nn_kv_heads = 3\n");
     check(load(p, heads, error) != 0 && strstr(error, "heads.conf:3: n_heads 4 is not a multiple of n_kv_heads 3"),
           "a shape that does not divide names the offending line (%s)", error);
+    const char *head_dim = write_file("head_dim.conf", "dim = 256\nn_heads = 8\nn_kv_heads = 2\n");
+    check(load(p, head_dim, error) != 0 && strstr(error, "head_dim.conf:2: head_dim = dim / n_heads = 32"),
+          "a head_dim the attention kernels do not support is refused (%s)", error);
     config_defaults(p);
     check(config_parse_argument(p, "--dim", error, sizeof(error)) != 0 && strstr(error, "expected --key=value"),
           "an argument without '=' is refused (%s)", error);
