@@ -1,12 +1,23 @@
 // train_llama: pretrains a Llama 2/3 model from scratch in BF16, TransformerEngine-like FP8
 // or COAT (FP8 GEMMs, FP8 activations, FP8 optimizer states). One process per GPU.
 //   ./train_llama CONFIG [--key=value ...]      (./train_llama --help lists the keys)
+#include "dataloader/dataloader.h"  // first: it selects the POSIX interfaces
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include "coat/checkpoint.h"
 #include "coat/config.h"
+#include "coat/log.h"
 #include "coat/memory_plan.h"
+#include "coat/model.cuh"
+#include "coat/optimizer.cuh"
 #include "coat/params.h"
+#include "coat/random.h"
+#include "coat/schedule.h"
+extern "C" {
+#include "tokenizer/tokenizer.h"
+}
 
 #define EXIT_CONFIG_ERROR 2
 
@@ -46,6 +57,146 @@ static void print_activation_table(const TrainConfig *c) {
            activation_layer_bytes(&c->model, config_activations(c), 1 << 16) / (double)(1 << 16) / unit);
 }
 
+// ---- training --------------------------------------------------------------------------
+
+// What a checkpoint adds to the weights and the optimizer to continue exactly.
+typedef struct {
+    long long step;               // optimizer steps done
+    long long tokens_seen;
+    DataloaderPosition train_position;
+    uint64_t sample_rng_state;
+} TrainerState;
+
+typedef struct {
+    ConfigParser *parser;
+    const TrainConfig *c;
+    GpuContext gpu;
+    LlamaModel model;
+    AdamW opt;
+    Dataloader train_loader, val_loader;
+    int have_val;
+    Tokenizer *tokenizer;
+    int *host_inputs, *host_targets;  // pinned, one micro-batch
+    float *host_scalar;               // pinned
+    int grad_accum;
+    double flops_per_token;
+    TrainerState state;
+    Random sample_rng;
+    RunLog log;
+} Trainer;
+
+static void fail(const char *message) {
+    fprintf(stderr, "error: %s\n", message);
+    exit(EXIT_FAILURE);
+}
+
+static void fail_config(const ConfigParser *parser, const char *key, const char *what) {
+    fprintf(stderr, "error: %s: %s %s\n", config_source(parser, key), key, what);
+    exit(EXIT_CONFIG_ERROR);
+}
+
+static OptimizerStateKind optimizer_kind(StatesChoice states) {
+    switch (states) {
+    case STATES_BF16: return OPT_STATES_BF16;
+    case STATES_FP8: return OPT_STATES_FP8;
+    case STATES_FP8_DRE: return OPT_STATES_FP8_DRE;
+    default: return OPT_STATES_FP32;
+    }
+}
+
+// A GPU is there, and the precision asked for is one this build trains with.
+static void check_gpu_and_precision(const ConfigParser *parser, GpuContext *gpu) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
+        fail("no CUDA GPU found: training needs one (dry_run = 1 checks a config without a GPU)");
+    gpu_context_create(gpu, 0);
+    const TrainConfig *c = &parser->values;
+    if (c->precision != PRECISION_BF16 && gpu->compute_capability < 89)
+        fail_config(parser, "precision", "needs FP8 tensor cores (Hopper, compute capability 9.0); this GPU has less");
+    if (c->precision != PRECISION_BF16 || config_activations(c) != ACTS_BF16)
+        fail_config(parser, "precision", "fp8 and coat need the FP8 GEMM and activation kernels, not in this build: use bf16");
+}
+
+// Refuses a micro-batch whose plan exceeds the free GPU memory, naming the largest that fits.
+static void check_memory_fits(const ConfigParser *parser, int ranks) {
+    const TrainConfig *c = &parser->values;
+    size_t free_bytes = 0, total_bytes = 0;
+    cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
+    size_t budget = c->gpu_memory_gib > 0 ? (size_t)(c->gpu_memory_gib * 1073741824.0) : free_bytes;
+    if (budget > free_bytes) budget = free_bytes;
+    budget -= budget / 50;  // allocator granularity and the CUDA runtime's own buffers
+    MemoryPlan plan;
+    memory_plan_compute(&plan, c, ranks, c->micro_batch_size);
+    if (plan.total_bytes <= budget) return;
+    fprintf(stderr, "error: %s: micro_batch_size %d needs %.2f GiB but %.2f GiB of GPU memory are free; the largest that fits is %d\n",
+            config_source(parser, "micro_batch_size"), c->micro_batch_size, gib(plan.total_bytes), gib(budget),
+            memory_plan_largest_micro_batch(c, ranks, budget));
+    exit(EXIT_CONFIG_ERROR);
+}
+
+static void open_loader(Dataloader *loader, const char *pattern, const TrainConfig *c, int shuffle) {
+    DataloaderConfig dc;
+    char error[1024];
+    dc.pattern = pattern;
+    dc.batch_size = c->micro_batch_size;
+    dc.seq_len = c->seq_len;
+    dc.rank = 0;
+    dc.world_size = 1;
+    dc.shuffle = shuffle;
+    dc.seed = c->seed;
+    if (dataloader_open(loader, &dc, error, sizeof(error)) != 0) {
+        fprintf(stderr, "%s\n", error);
+        exit(EXIT_FAILURE);
+    }
+}
+
+// Opens and checks every input the config names (shards with every token against the
+// vocabulary, the tokenizer, the checkpoint to start from); exits naming the file on a problem.
+static void validate_inputs(const ConfigParser *parser) {
+    const TrainConfig *c = &parser->values;
+    char error[1024];
+    const char *patterns[2] = {c->train_data, c->val_data};
+    for (int i = 0; i < 2; i++) {
+        if (patterns[i][0] == '\0') continue;
+        Dataloader loader;
+        open_loader(&loader, patterns[i], c, i == 0);
+        if (dataloader_validate_tokens(&loader, c->model.vocab_size, error, sizeof(error)) != 0) {
+            fprintf(stderr, "%s\n", error);
+            exit(EXIT_FAILURE);
+        }
+        printf("%s: %lld shard(s), %lld micro-batches per epoch, every token below vocab_size\n", patterns[i],
+               (long long)loader.shard_count, (long long)dataloader_steps_per_epoch(&loader));
+        dataloader_close(&loader);
+    }
+    if (c->tokenizer[0]) {
+        Tokenizer *tok = tokenizer_load(c->tokenizer, error, sizeof(error));
+        if (!tok) { fprintf(stderr, "error: %s\n", error); exit(EXIT_FAILURE); }
+        int vocab = tokenizer_vocab_size(tok);
+        tokenizer_free(tok);
+        if (vocab > c->model.vocab_size) {
+            fprintf(stderr, "error: %s: %d tokens, more than vocab_size %d (%s)\n", c->tokenizer, vocab,
+                    c->model.vocab_size, config_source(parser, "vocab_size"));
+            exit(EXIT_CONFIG_ERROR);
+        }
+        printf("%s: %d tokens\n", c->tokenizer, vocab);
+    }
+    char path[4096];
+    long long newest = c->resume ? checkpoint_find_newest(c->out_dir) : -1;
+    if (newest >= 0) checkpoint_path(path, sizeof(path), c->out_dir, newest, ".bin");
+    else if (c->init_from[0]) snprintf(path, sizeof(path), "%s", c->init_from);
+    else return;
+    CheckpointHeader h;
+    FILE *f = checkpoint_open(path, &h, error, sizeof(error));
+    if (!f) { fprintf(stderr, "error: %s\n", error); exit(EXIT_FAILURE); }
+    fclose(f);
+    const char *mismatch = checkpoint_shape_mismatch(&h.shape, &c->model);
+    if (mismatch) {
+        fprintf(stderr, "error: %s: %s differs between the checkpoint and the config\n", path, mismatch);
+        exit(EXIT_CONFIG_ERROR);
+    }
+    printf("%s: checkpoint of step %lld\n", path, h.step);
+}
+
 // dry_run: validates everything that needs no GPU and prints the plan; exit 0 when it holds.
 static int dry_run(const ConfigParser *parser, int ranks) {
     const TrainConfig *c = &parser->values;
@@ -55,6 +206,7 @@ static int dry_run(const ConfigParser *parser, int ranks) {
         fprintf(stderr, "error: %s\n", error);
         return EXIT_CONFIG_ERROR;
     }
+    validate_inputs(parser);
     print_model_summary(c);
     printf("batch: %d x %d tokens per micro-step x %d rank(s) x %d accumulation step(s) = %lld tokens per step\n",
            c->micro_batch_size, c->seq_len, ranks, grad_accum,
@@ -78,6 +230,352 @@ static int dry_run(const ConfigParser *parser, int ranks) {
     return 0;
 }
 
+// Reads a checkpoint's weights into the optimizer's master copy and the BF16 parameters; with
+// `resume`, also the optimizer and trainer state.
+static void load_checkpoint(Trainer *t, const char *path, int resume) {
+    CheckpointHeader h;
+    char error[1024];
+    FILE *f = checkpoint_open(path, &h, error, sizeof(error));
+    if (!f) fail(error);
+    const char *mismatch = checkpoint_shape_mismatch(&h.shape, &t->c->model);
+    if (mismatch) {
+        fprintf(stderr, "error: %s: %s differs between the checkpoint and the config\n", path, mismatch);
+        exit(EXIT_CONFIG_ERROR);
+    }
+    if (h.total_padded != t->model.layout.total_padded) fail("checkpoint parameter count differs from the model's");
+    float *master = (float *)malloc(4 * h.total_padded);
+    if (!master) fail("out of host memory reading the checkpoint");
+    if (fread(master, 4, h.total_padded, f) != h.total_padded) {
+        fprintf(stderr, "error: %s: truncated weights\n", path);
+        exit(EXIT_FAILURE);
+    }
+    adamw_set_master_from_host(&t->opt, master, t->gpu.stream);
+    adamw_write_params(&t->opt, t->model.params, t->gpu.stream);
+    free(master);
+    if (resume) {
+        if (!h.has_optimizer_state || h.trainer_state_bytes != sizeof(TrainerState)) {
+            fprintf(stderr, "error: %s: holds no optimizer or trainer state to resume from\n", path);
+            exit(EXIT_FAILURE);
+        }
+        adamw_load(&t->opt, f, path, t->gpu.stream);
+        if (fread(&t->state, sizeof(TrainerState), 1, f) != 1) {
+            fprintf(stderr, "error: %s: truncated trainer state\n", path);
+            exit(EXIT_FAILURE);
+        }
+        if (dataloader_set_position(&t->train_loader, t->state.train_position, error, sizeof(error)) != 0) fail(error);
+        t->sample_rng.state = t->state.sample_rng_state;
+    }
+    fclose(f);
+    cudaCheck(cudaStreamSynchronize(t->gpu.stream));
+}
+
+static void save_checkpoint(Trainer *t) {
+    const TrainConfig *c = t->c;
+    CheckpointHeader h;
+    char error[1024];
+    h.shape = c->model;
+    h.step = t->state.step;
+    h.total_padded = t->model.layout.total_padded;
+    h.has_optimizer_state = 1;
+    h.optimizer_state_bytes = adamw_checkpoint_bytes(&t->opt);
+    h.trainer_state_bytes = sizeof(TrainerState);
+    t->state.train_position = dataloader_position(&t->train_loader);
+    t->state.sample_rng_state = t->sample_rng.state;
+    float *master = (float *)malloc(4 * h.total_padded);
+    if (!master) fail("out of host memory writing a checkpoint");
+    adamw_copy_master_to_host(&t->opt, master, t->gpu.stream);
+    FILE *f = checkpoint_begin(c->out_dir, &h, error, sizeof(error));
+    if (!f) fail(error);
+    if (fwrite(master, 4, h.total_padded, f) != h.total_padded) fail("cannot write the checkpoint's weights");
+    adamw_save(&t->opt, f, c->out_dir, t->gpu.stream);
+    if (fwrite(&t->state, sizeof(TrainerState), 1, f) != 1) fail("cannot write the checkpoint's trainer state");
+    if (checkpoint_commit(f, c->out_dir, &h, error, sizeof(error)) != 0) fail(error);
+    free(master);
+    checkpoint_prune(c->out_dir, c->checkpoints_keep);
+    printf("checkpoint: %s/ckpt_%08lld.bin\n", c->out_dir, h.step);
+}
+
+// Copies the next batch of `loader` to the GPU.
+static void load_batch(Trainer *t, Dataloader *loader) {
+    char error[1024];
+    size_t N = (size_t)t->model.B * t->model.T;
+    if (dataloader_next_batch(loader, t->host_inputs, t->host_targets, error, sizeof(error)) != 0) fail(error);
+    cudaCheck(cudaMemcpyAsync(t->model.tokens, t->host_inputs, N * sizeof(int), cudaMemcpyHostToDevice, t->gpu.stream));
+    cudaCheck(cudaMemcpyAsync(t->model.targets, t->host_targets, N * sizeof(int), cudaMemcpyHostToDevice, t->gpu.stream));
+}
+
+// Mean loss over the fixed validation batches.
+static float validation_loss(Trainer *t) {
+    double total = 0.0;
+    int N = t->model.B * t->model.T;
+    dataloader_reset(&t->val_loader);
+    for (int i = 0; i < t->c->val_batches; i++) {
+        load_batch(t, &t->val_loader);
+        model_forward(&t->gpu, &t->model, 0, 0.0f);
+        classifier_mean_loss(&t->gpu, t->model.mean_loss, t->model.losses, N);
+        cudaCheck(cudaMemcpyAsync(t->host_scalar, t->model.mean_loss, sizeof(float), cudaMemcpyDeviceToHost, t->gpu.stream));
+        cudaCheck(cudaStreamSynchronize(t->gpu.stream));
+        total += *t->host_scalar;
+    }
+    return (float)(total / t->c->val_batches);
+}
+
+// Index drawn from the smallest set of most likely tokens whose mass reaches top_p (greedy when
+// top_p is 0), after dividing the logits by the temperature.
+static int sample_token(const float *logits, int V, float top_p, float temperature, Random *rng, int *order, float *probs) {
+    int best = 0;
+    for (int i = 1; i < V; i++) if (logits[i] > logits[best]) best = i;
+    if (top_p <= 0.0f || temperature <= 0.0f) return best;
+    double sum = 0.0;
+    for (int i = 0; i < V; i++) {
+        probs[i] = (float)exp((logits[i] - logits[best]) / temperature);
+        sum += probs[i];
+        order[i] = i;
+    }
+    // Partial selection sort: only the head of the distribution is needed.
+    double mass = 0.0;
+    int kept = 0;
+    while (kept < V && mass < top_p * sum) {
+        int top = kept;
+        for (int i = kept + 1; i < V; i++) if (probs[order[i]] > probs[order[top]]) top = i;
+        int swap = order[kept]; order[kept] = order[top]; order[top] = swap;
+        mass += probs[order[kept++]];
+    }
+    double r = random_uniform(rng) * mass;
+    for (int i = 0; i < kept; i++) {
+        r -= probs[order[i]];
+        if (r <= 0.0) return order[i];
+    }
+    return order[kept - 1];
+}
+
+// Generates sample_tokens after sample_prompt with the model's buffers, one sequence at a time
+// (the micro-batch buffers hold it), and prints the text.
+static void print_sample(Trainer *t) {
+    const TrainConfig *c = t->c;
+    LlamaModel *m = &t->model;
+    int V = m->shape.vocab_size, T_max = m->T, B_saved = m->B, T_saved = m->T;
+    uint32_t *ids = NULL;
+    size_t count = 0, capacity = 0;
+    int bos = tokenizer_bos_id(t->tokenizer);
+    if (bos >= 0) {
+        capacity = 16;
+        ids = (uint32_t *)malloc(capacity * sizeof(uint32_t));
+        ids[count++] = (uint32_t)bos;
+    }
+    if (tokenizer_encode(t->tokenizer, c->sample_prompt, strlen(c->sample_prompt), &ids, &count, &capacity) != 0)
+        fail("out of memory encoding the sample prompt");
+    if (count == 0) fail("sample_prompt is empty and the tokenizer has no BOS token to start from");
+    size_t prompt_count = count;
+    int stride = classifier_logits_stride(V);
+    float *logits = (float *)malloc((size_t)stride * sizeof(float)), *probs = (float *)malloc((size_t)V * sizeof(float));
+    int *order = (int *)malloc((size_t)V * sizeof(int)), *host_tokens = (int *)malloc((size_t)T_max * sizeof(int));
+    float *device_logits = (float *)m->kernel_scratch;
+    for (int i = 0; i < c->sample_tokens && count < (size_t)T_max; i++) {
+        m->B = 1;
+        m->T = (int)count;
+        for (size_t j = 0; j < count; j++) host_tokens[j] = (int)ids[j];
+        cudaCheck(cudaMemcpyAsync(m->tokens, host_tokens, count * sizeof(int), cudaMemcpyHostToDevice, t->gpu.stream));
+        cudaCheck(cudaMemsetAsync(m->targets, 0, count * sizeof(int), t->gpu.stream));
+        model_forward(&t->gpu, m, 0, 0.0f);
+        classifier_logits(&t->gpu, device_logits, m->final_norm_out, model_param(m, PARAM_LM_HEAD, 0), (int)count - 1, 1, 1,
+                          m->shape.dim, V);
+        cudaCheck(cudaMemcpyAsync(logits, device_logits, (size_t)stride * sizeof(float), cudaMemcpyDeviceToHost, t->gpu.stream));
+        cudaCheck(cudaStreamSynchronize(t->gpu.stream));
+        int next = sample_token(logits, V, c->top_p, c->temperature, &t->sample_rng, order, probs);
+        if (count == capacity) {
+            capacity = capacity ? 2 * capacity : 16;
+            ids = (uint32_t *)realloc(ids, capacity * sizeof(uint32_t));
+        }
+        ids[count++] = (uint32_t)next;
+        if (next == tokenizer_eos_id(t->tokenizer)) break;
+    }
+    m->B = B_saved;
+    m->T = T_saved;
+    size_t length = 0;
+    char *text = tokenizer_decode(t->tokenizer, ids + (bos >= 0 ? 1 : 0), count - (bos >= 0 ? 1 : 0), &length);
+    printf("sample (%s, %zu prompt tokens): %.*s\n", c->top_p > 0 ? "top-p" : "greedy", prompt_count, (int)length, text);
+    free(text);
+    free(ids);
+    free(logits);
+    free(probs);
+    free(order);
+    free(host_tokens);
+}
+
+static void trainer_create(Trainer *t, ConfigParser *parser, int ranks) {
+    char error[1024];
+    memset(t, 0, sizeof(*t));
+    t->parser = parser;
+    t->c = &parser->values;
+    const TrainConfig *c = t->c;
+    t->grad_accum = config_grad_accum_steps(parser, ranks, error, sizeof(error));
+    if (t->grad_accum < 0) { fprintf(stderr, "error: %s\n", error); exit(EXIT_CONFIG_ERROR); }
+    if (!c->generate && c->train_data[0] == '\0') fail_config(parser, "train_data", "is empty: name the training shards");
+    if ((c->sample_every > 0 || c->generate) && c->tokenizer[0] == '\0')
+        fail_config(parser, "tokenizer", "is empty: sampling needs the tokenizer");
+    check_gpu_and_precision(parser, &t->gpu);
+    check_memory_fits(parser, ranks);
+
+    model_create(&t->model, &c->model, c->micro_batch_size, c->seq_len);
+    AdamWConfig ac;
+    ac.beta1 = c->beta1;
+    ac.beta2 = c->beta2;
+    ac.eps = c->adam_eps;
+    ac.weight_decay = c->weight_decay;
+    ac.weight_decay_all = c->weight_decay_all;
+    adamw_create(&t->opt, optimizer_kind(config_optimizer_states(c)), &ac, &t->model.layout, 0,
+                 t->model.layout.total_padded, t->gpu.stream);
+    if (!c->generate) open_loader(&t->train_loader, c->train_data, c, 1);
+    t->have_val = c->val_data[0] != '\0' && !c->generate;
+    if (t->have_val) open_loader(&t->val_loader, c->val_data, c, 0);
+    if (c->tokenizer[0]) {
+        t->tokenizer = tokenizer_load(c->tokenizer, error, sizeof(error));
+        if (!t->tokenizer) { fprintf(stderr, "error: %s\n", error); exit(EXIT_FAILURE); }
+        if (tokenizer_vocab_size(t->tokenizer) > c->model.vocab_size) {
+            fprintf(stderr, "error: %s: %d tokens, more than vocab_size %d (%s)\n", c->tokenizer,
+                    tokenizer_vocab_size(t->tokenizer), c->model.vocab_size, config_source(parser, "vocab_size"));
+            exit(EXIT_CONFIG_ERROR);
+        }
+    }
+    size_t N = (size_t)c->micro_batch_size * c->seq_len;
+    cudaCheck(cudaMallocHost(&t->host_inputs, N * sizeof(int)));
+    cudaCheck(cudaMallocHost(&t->host_targets, N * sizeof(int)));
+    cudaCheck(cudaMallocHost(&t->host_scalar, sizeof(float)));
+    random_seed(&t->sample_rng, c->seed ^ 0x5A4D504C45ull);
+    t->flops_per_token = 6.0 * (double)param_count_non_embedding(&t->model.layout) +
+                         6.0 * c->model.n_layers * (double)c->model.dim * c->seq_len;
+
+    // Weights: the newest checkpoint when resuming, else init_from, else a fresh initialisation.
+    long long newest = c->resume ? checkpoint_find_newest(c->out_dir) : -1;
+    if (newest >= 0 || c->generate) {
+        char path[4096];
+        if (newest < 0 && c->init_from[0] == '\0') newest = checkpoint_find_newest(c->out_dir);
+        if (newest >= 0) checkpoint_path(path, sizeof(path), c->out_dir, newest, ".bin");
+        else if (c->init_from[0]) snprintf(path, sizeof(path), "%s", c->init_from);
+        else {
+            fprintf(stderr, "error: %s: no checkpoint to generate from (set init_from)\n", c->out_dir);
+            exit(EXIT_FAILURE);
+        }
+        load_checkpoint(t, path, newest >= 0 && !c->generate);
+        printf("%s from %s (step %lld)\n", c->generate ? "weights" : "resumed", path, t->state.step);
+    } else if (c->init_from[0]) {
+        load_checkpoint(t, c->init_from, 0);
+        printf("weights from %s\n", c->init_from);
+    } else {
+        float *init = (float *)malloc(4 * t->model.layout.total_padded);
+        if (!init) fail("out of host memory for the initial weights");
+        param_init_weights(&t->model.layout, init, c->seed);
+        adamw_set_master_from_host(&t->opt, init, t->gpu.stream);
+        adamw_write_params(&t->opt, t->model.params, t->gpu.stream);
+        free(init);
+    }
+}
+
+static void trainer_free(Trainer *t) {
+    cudaCheck(cudaFreeHost(t->host_inputs));
+    cudaCheck(cudaFreeHost(t->host_targets));
+    cudaCheck(cudaFreeHost(t->host_scalar));
+    if (!t->c->generate) dataloader_close(&t->train_loader);
+    if (t->have_val) dataloader_close(&t->val_loader);
+    if (t->tokenizer) tokenizer_free(t->tokenizer);
+    adamw_free(&t->opt);
+    model_free(&t->model);
+    gpu_context_destroy(&t->gpu);
+}
+
+// One optimizer step: grad_accum micro-batches, the global norm, clipping, AdamW. Returns the
+// mean training loss and leaves the gradient norm in *grad_norm.
+static float train_step(Trainer *t, float lr, float *grad_norm) {
+    LlamaModel *m = &t->model;
+    int N = m->B * m->T;
+    double loss_sum = 0.0;
+    cudaCheck(cudaMemsetAsync(m->grads, 0, 2 * m->layout.total_padded, t->gpu.stream));
+    for (int micro = 0; micro < t->grad_accum; micro++) {
+        load_batch(t, &t->train_loader);
+        model_forward(&t->gpu, m, 1, 1.0f / ((float)N * t->grad_accum));
+        model_backward(&t->gpu, m);
+        classifier_mean_loss(&t->gpu, m->mean_loss, m->losses, N);
+        cudaCheck(cudaMemcpyAsync(t->host_scalar, m->mean_loss, sizeof(float), cudaMemcpyDeviceToHost, t->gpu.stream));
+        cudaCheck(cudaStreamSynchronize(t->gpu.stream));
+        loss_sum += *t->host_scalar;
+    }
+    grad_norm_squared(m->mean_loss, m->grads, m->layout.total_padded, (double *)m->kernel_scratch, t->gpu.stream);
+    cudaCheck(cudaMemcpyAsync(t->host_scalar, m->mean_loss, sizeof(float), cudaMemcpyDeviceToHost, t->gpu.stream));
+    cudaCheck(cudaStreamSynchronize(t->gpu.stream));
+    *grad_norm = sqrtf(*t->host_scalar);
+    float scale = t->c->grad_clip > 0 ? grad_clip_factor(*grad_norm, t->c->grad_clip) : 1.0f;
+    adamw_step(&t->opt, m->params, m->grads, lr, scale, t->gpu.stream);
+    return (float)(loss_sum / t->grad_accum);
+}
+
+static int train(ConfigParser *parser, int ranks) {
+    const TrainConfig *c = &parser->values;
+    char error[1024];
+    if (mkdir(c->out_dir, 0755) != 0 && errno != EEXIST) {
+        fprintf(stderr, "error: %s: cannot create out_dir: %s\n", c->out_dir, strerror(errno));
+        return EXIT_FAILURE;
+    }
+    print_model_summary(c);
+    MemoryPlan plan;
+    memory_plan_compute(&plan, c, ranks, c->micro_batch_size);
+    memory_plan_print(stdout, &plan, c);
+    Trainer *t = (Trainer *)malloc(sizeof(Trainer));
+    if (!t) fail("out of host memory");
+    trainer_create(t, parser, ranks);
+    if (c->generate) {
+        print_sample(t);
+        trainer_free(t);
+        free(t);
+        return 0;
+    }
+    if (run_log_open(&t->log, c->out_dir, t->state.step, c->resume, error, sizeof(error)) != 0) fail(error);
+    long long tokens_per_step = (long long)c->micro_batch_size * c->seq_len * ranks * t->grad_accum;
+    cudaEvent_t start, stop;
+    cudaCheck(cudaEventCreate(&start));
+    cudaCheck(cudaEventCreate(&stop));
+    while (t->state.step < c->max_steps) {
+        long long step = t->state.step;
+        if (t->have_val && c->val_every > 0 && step % c->val_every == 0) {
+            float val = validation_loss(t);
+            printf("step %6lld | val loss %.4f\n", step, val);
+            run_log_val(&t->log, step, val);
+        }
+        if (c->sample_every > 0 && step > 0 && step % c->sample_every == 0) print_sample(t);
+        float lr = learning_rate_at(c, (int)step), grad_norm = 0.0f;
+        cudaCheck(cudaEventRecord(start, t->gpu.stream));
+        float loss = train_step(t, lr, &grad_norm);
+        cudaCheck(cudaEventRecord(stop, t->gpu.stream));
+        cudaCheck(cudaEventSynchronize(stop));
+        float ms = 0.0f;
+        cudaCheck(cudaEventElapsedTime(&ms, start, stop));
+        t->state.step++;
+        t->state.tokens_seen += tokens_per_step;
+        double tokens_per_s = tokens_per_step / (ms / 1000.0);
+        double mfu = tokens_per_s / ranks * t->flops_per_token / 989e12;
+        size_t free_bytes, total_bytes;
+        cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
+        double mem = gib(total_bytes - free_bytes);
+        printf("step %6lld/%d | loss %.4f | lr %.3e | norm %.3f | %.1f ms | %.0f tok/s | MFU %.1f%% | %.1f GiB\n",
+               t->state.step, c->max_steps, loss, lr, grad_norm, ms, tokens_per_s, 100.0 * mfu, mem);
+        fflush(stdout);
+        run_log_train(&t->log, t->state.step, loss, lr, grad_norm, ms, t->state.tokens_seen, tokens_per_s, mfu, mem);
+        int last = t->state.step == c->max_steps;
+        if (last || (c->checkpoint_every > 0 && t->state.step % c->checkpoint_every == 0)) save_checkpoint(t);
+    }
+    if (t->have_val && c->val_every > 0) {
+        float val = validation_loss(t);
+        printf("step %6lld | val loss %.4f\n", t->state.step, val);
+        run_log_val(&t->log, t->state.step, val);
+    }
+    run_log_close(&t->log);
+    cudaCheck(cudaEventDestroy(start));
+    cudaCheck(cudaEventDestroy(stop));
+    trainer_free(t);
+    free(t);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
         config_print_help(stdout);
@@ -88,10 +586,11 @@ int main(int argc, char **argv) {
         return EXIT_CONFIG_ERROR;
     }
     ConfigParser *parser = (ConfigParser *)malloc(sizeof(ConfigParser));
-    if (!parser) { fprintf(stderr, "error: out of host memory\n"); return 1; }
+    if (!parser) fail("out of host memory");
     load_config_or_exit(parser, argc, argv);
     int ranks = parser->values.world_size > 0 ? parser->values.world_size : 1;
-    int status = parser->values.dry_run ? dry_run(parser, ranks) : EXIT_CONFIG_ERROR;
+    // world_size plans other world sizes in dry_run; a training run is one process here.
+    int status = parser->values.dry_run ? dry_run(parser, ranks) : train(parser, 1);
     free(parser);
     return status;
 }

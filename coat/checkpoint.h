@@ -146,31 +146,34 @@ static inline void checkpoint_prune(const char *dir, int keep) {
     }
 }
 
-// The sections of one checkpoint, as the writer gives them.
-typedef struct {
-    const float *master;      // [total_padded]
-    const void *optimizer;    // optimizer_state_bytes
-    const void *trainer;      // trainer_state_bytes
-} CheckpointData;
+// Starts DIR/ckpt_<step>.bin.tmp and writes the header; the caller writes the sections in order
+// (master weights, optimizer state, trainer state) and then calls checkpoint_commit.
+static inline FILE *checkpoint_begin(const char *dir, const CheckpointHeader *h, char *error, size_t error_size) {
+    char tmp[4096], header[CHECKPOINT_HEADER_BYTES];
+    checkpoint_path(tmp, sizeof(tmp), dir, h->step, ".bin.tmp");
+    FILE *f = fopen(tmp, "wb");
+    if (!f) { snprintf(error, error_size, "%s: cannot create: %s", tmp, strerror(errno)); return NULL; }
+    checkpoint_encode_header(h, header);
+    if (fwrite(header, 1, sizeof(header), f) != sizeof(header)) {
+        snprintf(error, error_size, "%s: write failed: %s", tmp, strerror(errno));
+        fclose(f);
+        remove(tmp);
+        return NULL;
+    }
+    return f;
+}
 
-// Writes DIR/ckpt_<step>.bin atomically and marks it done. Returns 0, or -1 with a message.
-static inline int checkpoint_write(const char *dir, const CheckpointHeader *h, const CheckpointData *data, char *error,
-                                   size_t error_size) {
-    char tmp[4096], final_path[4096], done[4096], header[CHECKPOINT_HEADER_BYTES];
+// Flushes to disk, checks the size against the header, renames into place and marks it done.
+static inline int checkpoint_commit(FILE *f, const char *dir, const CheckpointHeader *h, char *error, size_t error_size) {
+    char tmp[4096], final_path[4096], done[4096];
     checkpoint_path(tmp, sizeof(tmp), dir, h->step, ".bin.tmp");
     checkpoint_path(final_path, sizeof(final_path), dir, h->step, ".bin");
     checkpoint_path(done, sizeof(done), dir, h->step, ".done");
-    FILE *f = fopen(tmp, "wb");
-    if (!f) { snprintf(error, error_size, "%s: cannot create: %s", tmp, strerror(errno)); return -1; }
-    checkpoint_encode_header(h, header);
-    int ok = fwrite(header, 1, sizeof(header), f) == sizeof(header) &&
-             fwrite(data->master, sizeof(float), h->total_padded, f) == h->total_padded &&
-             fwrite(data->optimizer, 1, h->optimizer_state_bytes, f) == h->optimizer_state_bytes &&
-             fwrite(data->trainer, 1, h->trainer_state_bytes, f) == h->trainer_state_bytes;
-    ok = ok && fflush(f) == 0 && fsync(fileno(f)) == 0;
+    unsigned long long expected = CHECKPOINT_HEADER_BYTES + 4ull * h->total_padded + h->optimizer_state_bytes + h->trainer_state_bytes;
+    int ok = fflush(f) == 0 && (unsigned long long)ftello(f) == expected && fsync(fileno(f)) == 0;
     if (fclose(f) != 0) ok = 0;
     if (!ok) {
-        snprintf(error, error_size, "%s: write failed: %s", tmp, strerror(errno));
+        snprintf(error, error_size, "%s: write failed or wrong size: %s", tmp, strerror(errno));
         remove(tmp);
         return -1;
     }

@@ -35,6 +35,8 @@ typedef struct {
     char tokenizer[CONFIG_STRING_MAX];
     char out_dir[CONFIG_STRING_MAX];
     int resume;
+    char init_from[CONFIG_STRING_MAX];
+    int generate;
     int checkpoint_every;
     int checkpoints_keep;
     // batch and schedule
@@ -112,6 +114,9 @@ static const ConfigKey config_keys[] = {
     {"tokenizer", KEY_STRING, CFG(tokenizer), "", 0, 0, NULL, "HF tokenizer.json (for sampling)"},
     {"out_dir", KEY_STRING, CFG(out_dir), "out", 0, 0, NULL, "logs and checkpoints go here"},
     {"resume", KEY_INT, CFG(resume), "0", 0, 1, NULL, "continue from the newest checkpoint in out_dir"},
+    {"init_from", KEY_STRING, CFG(init_from), "", 0, 0, NULL, "checkpoint file whose weights start the run (fresh optimizer)"},
+    {"generate", KEY_INT, CFG(generate), "0", 0, 1, NULL,
+     "sample sample_tokens after sample_prompt from the newest checkpoint in out_dir (or init_from), then exit"},
     {"checkpoint_every", KEY_INT, CFG(checkpoint_every), "0", 0, INT_MAX, NULL, "steps between checkpoints (0: only at the end)"},
     {"checkpoints_keep", KEY_INT, CFG(checkpoints_keep), "2", 1, 1000, NULL, "newest checkpoints kept"},
     // batch and schedule

@@ -16,6 +16,10 @@
 #endif
 typedef REF_REAL real;
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 // RoPE tables [seq_len, head_dim/2], computed in double, with Llama 3.1 scaling when
 // shape->rope_scaling_factor > 0.
 void ref_rope_table(real *cos_table, real *sin_table, int seq_len, const ModelShape *shape);
@@ -85,3 +89,7 @@ void ref_model_backward(RefModel *model);
 void ref_model_adamw(RefModel *model, float lr, float beta1, float beta2, float eps, float weight_decay, int t);
 // Logits [B*T, vocab] of the last forward.
 const real *ref_model_logits(const RefModel *model);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,59 @@
+// The run's machine-readable log: out_dir/log.jsonl, one JSON object per line, training
+// records {"step", "train_loss", "lr", "grad_norm", "ms", "tokens", "tokens_per_s", "mfu",
+// "gpu_mem_gib"} and validation records {"step", "val_loss"}. A resumed run first drops the
+// records past the step it resumes from, so the log reads as one uninterrupted run.
+#pragma once
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct { FILE *file; char path[4096]; } RunLog;
+
+// Keeps the lines whose "step" is at most keep_through_step (all of them when it is negative:
+// nothing to drop), then opens for appending. Returns 0, or -1 with a message.
+static inline int run_log_open(RunLog *log, const char *out_dir, long long keep_through_step, int resume, char *error,
+                               size_t error_size) {
+    snprintf(log->path, sizeof(log->path), "%s/log.jsonl", out_dir);
+    if (resume) {
+        char tmp_path[4200];
+        snprintf(tmp_path, sizeof(tmp_path), "%s.tmp", log->path);
+        FILE *in = fopen(log->path, "r");
+        if (in) {
+            FILE *out = fopen(tmp_path, "w");
+            if (!out) { fclose(in); snprintf(error, error_size, "%s: cannot create: %s", tmp_path, strerror(errno)); return -1; }
+            char line[4096];
+            while (fgets(line, sizeof(line), in)) {
+                const char *field = strstr(line, "\"step\":");
+                if (field && strchr(line, '\n') && atoll(field + 7) <= keep_through_step) fputs(line, out);
+            }
+            fclose(in);
+            if (fclose(out) != 0 || rename(tmp_path, log->path) != 0) {
+                snprintf(error, error_size, "%s: cannot rewrite for resume: %s", log->path, strerror(errno));
+                return -1;
+            }
+        }
+    }
+    log->file = fopen(log->path, resume ? "a" : "w");
+    if (!log->file) { snprintf(error, error_size, "%s: cannot open: %s", log->path, strerror(errno)); return -1; }
+    return 0;
+}
+
+static inline void run_log_train(RunLog *log, long long step, float loss, float lr, float grad_norm, double ms,
+                                 long long tokens, double tokens_per_s, double mfu, double gpu_mem_gib) {
+    fprintf(log->file,
+            "{\"step\": %lld, \"train_loss\": %.6f, \"lr\": %.6g, \"grad_norm\": %.6f, \"ms\": %.3f, \"tokens\": %lld, "
+            "\"tokens_per_s\": %.1f, \"mfu\": %.4f, \"gpu_mem_gib\": %.3f}\n",
+            step, loss, lr, grad_norm, ms, tokens, tokens_per_s, mfu, gpu_mem_gib);
+    fflush(log->file);
+}
+
+static inline void run_log_val(RunLog *log, long long step, float val_loss) {
+    fprintf(log->file, "{\"step\": %lld, \"val_loss\": %.6f}\n", step, val_loss);
+    fflush(log->file);
+}
+
+static inline void run_log_close(RunLog *log) {
+    if (log->file) fclose(log->file);
+    log->file = NULL;
+}

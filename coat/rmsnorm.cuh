@@ -1,0 +1,253 @@
+// RMSNorm forward and backward on BF16 rows, FP32 math, and the residual add fused into
+// the forward so that the residual stream is read once per layer.
+//   forward:  y = x * rstd * w,  rstd = 1 / sqrt(mean(x^2) + eps)   (one rstd per row)
+//   backward: g = dy * w, xhat = x * rstd,
+//             dx = rstd * (g - xhat * mean(g * xhat)),   dw = sum over rows of dy * xhat
+// Layouts: x, y, dy, dx are [N, C] row-major BF16; w, dw are [C] BF16; rstd is [N] FP32.
+// Rows move as 16-byte vectors of 8 BF16 values: C must be a multiple of 8 and every pointer
+// 16-byte aligned; the backward pass takes C up to 8192. Results are deterministic: no atomics,
+// reductions in a fixed order.
+#pragma once
+#include "common.cuh"
+
+#define RMSNORM_FORWARD_THREADS 256            // one warp per row, 8 rows per block
+#define RMSNORM_BACKWARD_ROWS_PER_BLOCK 64     // rows whose dw partial one block sums
+#define RMSNORM_BACKWARD_MAX_THREADS 512      // 128 registers per thread: no spills
+#define RMSNORM_BACKWARD_MAX_VECS_PER_THREAD 2 // so C <= 8 * 512 * 2 = 8192
+#define RMSNORM_DWEIGHT_COLUMNS 32             // dw reduction block: 32 columns x 16 slices
+#define RMSNORM_DWEIGHT_SLICES 16
+
+// One warp per row; the first pass sums squares, the second re-reads the row (now in L1)
+// and writes it normalized, so nothing of the row has to stay in registers.
+__global__ void __launch_bounds__(RMSNORM_FORWARD_THREADS)
+    rmsnorm_forward_kernel(bf16 *out, float *rstd, const bf16 *in, const bf16 *weight, int N, int C, float eps) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= N) return;  // the whole warp leaves together
+    const bf16 *x = in + (size_t)row * C;
+    bf16 *y = out + (size_t)row * C;
+
+    float sum_squares = 0.0f;
+#pragma unroll 4
+    for (int c = lane * 8; c < C; c += 32 * 8) {
+        Vec16<bf16> v = load16(x + c);
+        for (int k = 0; k < 8; k++) {
+            float f = __bfloat162float(v[k]);
+            sum_squares += f * f;
+        }
+    }
+    sum_squares = warp_sum(sum_squares);
+    float row_rstd = 1.0f / sqrtf(sum_squares / (float)C + eps);
+    if (lane == 0) rstd[row] = row_rstd;
+
+#pragma unroll 4
+    for (int c = lane * 8; c < C; c += 32 * 8) {
+        Vec16<bf16> v = load16(x + c);
+        Vec16<bf16> w = load16(weight + c);
+        Vec16<bf16> o;
+        for (int k = 0; k < 8; k++)
+            o[k] = __float2bfloat16(__bfloat162float(v[k]) * row_rstd * __bfloat162float(w[k]));
+        store16(y + c, o);
+    }
+}
+
+// residual_out = bf16(residual_in + branch), then RMSNorm of the ROUNDED sum: the backward
+// pass only sees the stored BF16 residual, so the forward must normalize exactly that.
+// residual_out may alias residual_in (each thread reads an element before writing it).
+__global__ void __launch_bounds__(RMSNORM_FORWARD_THREADS)
+    residual_rmsnorm_forward_kernel(bf16 *residual_out, bf16 *norm_out, float *rstd, const bf16 *residual_in,
+                                    const bf16 *branch, const bf16 *weight, int N, int C, float eps) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= N) return;
+    size_t row_offset = (size_t)row * C;
+
+    float sum_squares = 0.0f;
+#pragma unroll 4
+    for (int c = lane * 8; c < C; c += 32 * 8) {
+        Vec16<bf16> a = load16(residual_in + row_offset + c);
+        Vec16<bf16> b = load16(branch + row_offset + c);
+        Vec16<bf16> s;
+        for (int k = 0; k < 8; k++) {
+            s[k] = __float2bfloat16(__bfloat162float(a[k]) + __bfloat162float(b[k]));
+            float f = __bfloat162float(s[k]);
+            sum_squares += f * f;
+        }
+        store16(residual_out + row_offset + c, s);
+    }
+    sum_squares = warp_sum(sum_squares);
+    float row_rstd = 1.0f / sqrtf(sum_squares / (float)C + eps);
+    if (lane == 0) rstd[row] = row_rstd;
+
+    // Each lane re-reads exactly the vectors it wrote above: its own writes are visible to it.
+#pragma unroll 4
+    for (int c = lane * 8; c < C; c += 32 * 8) {
+        Vec16<bf16> s = load16(residual_out + row_offset + c);
+        Vec16<bf16> w = load16(weight + c);
+        Vec16<bf16> o;
+        for (int k = 0; k < 8; k++)
+            o[k] = __float2bfloat16(__bfloat162float(s[k]) * row_rstd * __bfloat162float(w[k]));
+        store16(norm_out + row_offset + c, o);
+    }
+}
+
+// Sum of one value per thread over the block, the same on every thread. Warps add in a fixed
+// order, so the result is bitwise reproducible. `slots` holds 32 floats; callers alternate
+// between two slot arrays on consecutive calls, which makes one __syncthreads enough.
+__device__ __forceinline__ float block_sum_deterministic(float value, float *slots) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    value = warp_sum(value);
+    if (lane == 0) slots[warp] = value;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < warps; w++) total += slots[w];
+    return total;
+}
+
+// One block per group of RMSNORM_BACKWARD_ROWS_PER_BLOCK rows; thread t owns the 8-column
+// vectors t, t + blockDim.x, ... (VECS of them), keeps their weights and its dw partial sums in
+// registers, and writes the block's dw partial to dweight_partial[blockIdx.x, C].
+template <int VECS>
+__global__ void __launch_bounds__(RMSNORM_BACKWARD_MAX_THREADS)
+    rmsnorm_backward_kernel(bf16 *din, float *dweight_partial, const bf16 *dout, const bf16 *in,
+                            const bf16 *weight, const float *rstd, int N, int C) {
+    __shared__ float slots[2][32];
+    int vecs_per_row = C / 8;
+    int row_begin = blockIdx.x * RMSNORM_BACKWARD_ROWS_PER_BLOCK;
+    int row_end = min(row_begin + RMSNORM_BACKWARD_ROWS_PER_BLOCK, N);
+
+    float w[VECS][8], dw[VECS][8];
+#pragma unroll
+    for (int j = 0; j < VECS; j++) {
+        int vec = threadIdx.x + j * blockDim.x;
+        Vec16<bf16> wv;
+        if (vec < vecs_per_row) wv = load16(weight + vec * 8);
+        for (int k = 0; k < 8; k++) {
+            w[j][k] = vec < vecs_per_row ? __bfloat162float(wv[k]) : 0.0f;
+            dw[j][k] = 0.0f;
+        }
+    }
+
+    for (int row = row_begin; row < row_end; row++) {
+        size_t row_offset = (size_t)row * C;
+        float row_rstd = rstd[row];
+        float xhat[VECS][8], dy[VECS][8];
+        Vec16<bf16> din_old[VECS];  // loaded before the block reduction so that its latency overlaps it
+        float dot = 0.0f;           // this thread's part of sum(g * xhat)
+#pragma unroll
+        for (int j = 0; j < VECS; j++) {
+            int vec = threadIdx.x + j * blockDim.x;
+            bool active = vec < vecs_per_row;
+            Vec16<bf16> xv, dyv;
+            if (active) {
+                xv = load16_stream(in + row_offset + vec * 8);
+                dyv = load16_stream(dout + row_offset + vec * 8);
+                din_old[j] = load16(din + row_offset + vec * 8);
+            }
+            for (int k = 0; k < 8; k++) {
+                xhat[j][k] = active ? __bfloat162float(xv[k]) * row_rstd : 0.0f;
+                dy[j][k] = active ? __bfloat162float(dyv[k]) : 0.0f;
+                dot += dy[j][k] * w[j][k] * xhat[j][k];
+            }
+        }
+        float mean_dot = block_sum_deterministic(dot, slots[row & 1]) / (float)C;
+#pragma unroll
+        for (int j = 0; j < VECS; j++) {
+            int vec = threadIdx.x + j * blockDim.x;
+            if (vec >= vecs_per_row) continue;
+            Vec16<bf16> din_new;
+            for (int k = 0; k < 8; k++) {
+                float g = dy[j][k] * w[j][k];
+                float grad = row_rstd * (g - xhat[j][k] * mean_dot);
+                din_new[k] = __float2bfloat16(__bfloat162float(din_old[j][k]) + grad);
+                dw[j][k] += dy[j][k] * xhat[j][k];
+            }
+            store16(din + row_offset + vec * 8, din_new);
+        }
+    }
+
+    float *partial = dweight_partial + (size_t)blockIdx.x * C;
+#pragma unroll
+    for (int j = 0; j < VECS; j++) {
+        int vec = threadIdx.x + j * blockDim.x;
+        if (vec >= vecs_per_row) continue;
+        float4 *dst = reinterpret_cast<float4 *>(partial + vec * 8);
+        dst[0] = make_float4(dw[j][0], dw[j][1], dw[j][2], dw[j][3]);
+        dst[1] = make_float4(dw[j][4], dw[j][5], dw[j][6], dw[j][7]);
+    }
+}
+
+// dweight[c] += sum over partials p of partial[p, c], always in the same order: slice s adds
+// p = s, s + 16, ... and slice sums are then added in slice order.
+__global__ void __launch_bounds__(RMSNORM_DWEIGHT_COLUMNS * RMSNORM_DWEIGHT_SLICES)
+    rmsnorm_dweight_reduce_kernel(bf16 *dweight, const float *partial, int num_partials, int C) {
+    __shared__ float slice_sums[RMSNORM_DWEIGHT_SLICES][RMSNORM_DWEIGHT_COLUMNS];
+    int column = blockIdx.x * RMSNORM_DWEIGHT_COLUMNS + threadIdx.x;
+    float sum = 0.0f;
+    if (column < C)
+        for (int p = threadIdx.y; p < num_partials; p += RMSNORM_DWEIGHT_SLICES) sum += partial[(size_t)p * C + column];
+    slice_sums[threadIdx.y][threadIdx.x] = sum;
+    __syncthreads();
+    if (threadIdx.y != 0 || column >= C) return;
+    float total = 0.0f;
+    for (int s = 0; s < RMSNORM_DWEIGHT_SLICES; s++) total += slice_sums[s][threadIdx.x];
+    dweight[column] = __float2bfloat16(__bfloat162float(dweight[column]) + total);
+}
+
+static inline void rmsnorm_require_vector_rows(const char *launcher, int C) {
+    if (C > 0 && C % 8 == 0) return;
+    fprintf(stderr, "error: %s: C = %d must be a positive multiple of 8 (16-byte rows)\n", launcher, C);
+    exit(EXIT_FAILURE);
+}
+
+// out[N, C] = rmsnorm(in) * weight; rstd[N] is kept for the backward pass.
+static inline void rmsnorm_forward(bf16 *out, float *rstd, const bf16 *in, const bf16 *weight, int N, int C,
+                                   float eps, cudaStream_t stream) {
+    rmsnorm_require_vector_rows("rmsnorm_forward", C);
+    int rows_per_block = RMSNORM_FORWARD_THREADS / 32;
+    rmsnorm_forward_kernel<<<ceil_div(N, rows_per_block), RMSNORM_FORWARD_THREADS, 0, stream>>>(out, rstd, in, weight,
+                                                                                              N, C, eps);
+    cudaCheckLaunch();
+}
+
+// residual_out = residual_in + branch (rounded to BF16); norm_out = rmsnorm(residual_out) * weight.
+static inline void residual_rmsnorm_forward(bf16 *residual_out, bf16 *norm_out, float *rstd, const bf16 *residual_in,
+                                            const bf16 *branch, const bf16 *weight, int N, int C, float eps,
+                                            cudaStream_t stream) {
+    rmsnorm_require_vector_rows("residual_rmsnorm_forward", C);
+    int rows_per_block = RMSNORM_FORWARD_THREADS / 32;
+    residual_rmsnorm_forward_kernel<<<ceil_div(N, rows_per_block), RMSNORM_FORWARD_THREADS, 0, stream>>>(
+        residual_out, norm_out, rstd, residual_in, branch, weight, N, C, eps);
+    cudaCheckLaunch();
+}
+
+// FP32 dw partials, one row of C per block of RMSNORM_BACKWARD_ROWS_PER_BLOCK rows.
+static inline size_t rmsnorm_backward_scratch_bytes(int N, int C) {
+    return (size_t)ceil_div(N, RMSNORM_BACKWARD_ROWS_PER_BLOCK) * (size_t)C * sizeof(float);
+}
+
+// din += dx (read once, added in FP32, written once: din is the residual-stream gradient);
+// dweight += dw. scratch holds rmsnorm_backward_scratch_bytes(N, C).
+static inline void rmsnorm_backward(bf16 *din, bf16 *dweight, float *scratch, const bf16 *dout, const bf16 *in,
+                                    const bf16 *weight, const float *rstd, int N, int C, cudaStream_t stream) {
+    rmsnorm_require_vector_rows("rmsnorm_backward", C);
+    int vecs_per_row = C / 8;
+    int max_vecs = RMSNORM_BACKWARD_MAX_THREADS * RMSNORM_BACKWARD_MAX_VECS_PER_THREAD;
+    if (vecs_per_row > max_vecs) {
+        fprintf(stderr, "error: rmsnorm_backward: C = %d is above the supported %d\n", C, 8 * max_vecs);
+        exit(EXIT_FAILURE);
+    }
+    int blocks = ceil_div(N, RMSNORM_BACKWARD_ROWS_PER_BLOCK);
+    if (vecs_per_row <= RMSNORM_BACKWARD_MAX_THREADS) {
+        int threads = ceil_div(vecs_per_row, 32) * 32;
+        rmsnorm_backward_kernel<1><<<blocks, threads, 0, stream>>>(din, scratch, dout, in, weight, rstd, N, C);
+    } else {
+        int threads = ceil_div(ceil_div(vecs_per_row, 2), 32) * 32;
+        rmsnorm_backward_kernel<2><<<blocks, threads, 0, stream>>>(din, scratch, dout, in, weight, rstd, N, C);
+    }
+    cudaCheckLaunch();
+    dim3 reduce_threads(RMSNORM_DWEIGHT_COLUMNS, RMSNORM_DWEIGHT_SLICES);
+    rmsnorm_dweight_reduce_kernel<<<ceil_div(C, RMSNORM_DWEIGHT_COLUMNS), reduce_threads, 0, stream>>>(dweight, scratch,
+                                                                                                      blocks, C);
+    cudaCheckLaunch();
+}

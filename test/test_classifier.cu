@@ -1,0 +1,216 @@
+// Tests of coat/classifier.cuh on the GPU against the FP32 CPU reference (ref_matmul_forward,
+// ref_cross_entropy_forward/backward, ref_matmul_backward on BF16-rounded x and W): per-row
+// losses, their mean, dx (written over NaN poison) and dW (+= onto existing values), for odd
+// vocabularies (V = 1001, 37: the scalar tail) and V = 32000, with chunks smaller and larger
+// than N; the forward-only path; bitwise determinism of two runs; the FP32 logits of selected
+// rows (classifier_logits) with a row step.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "../coat/classifier.cuh"
+#include "../coat/random.h"
+#include "check.h"
+extern "C" {
+#include "reference_llama.h"
+}
+
+static void *host_alloc(size_t bytes) {
+    void *p = calloc(bytes, 1);
+    if (p == NULL) {
+        fprintf(stderr, "error: out of host memory (%zu bytes)\n", bytes);
+        exit(EXIT_FAILURE);
+    }
+    return p;
+}
+
+// Uniform in [-amplitude, amplitude), rounded to BF16 so that the CPU sees what the GPU sees.
+static float *random_bf16_values(Random *rng, size_t n, float amplitude) {
+    float *p = (float *)host_alloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++)
+        p[i] = __bfloat162float(__float2bfloat16((float)((2.0 * random_uniform(rng) - 1.0) * amplitude)));
+    return p;
+}
+
+static bf16 *device_bf16_from(const float *host, size_t n) {
+    bf16 *staging = (bf16 *)host_alloc(n * sizeof(bf16));
+    bf16 *device;
+    for (size_t i = 0; i < n; i++) staging[i] = __float2bfloat16(host[i]);
+    cudaCheck(cudaMalloc(&device, n * sizeof(bf16)));
+    cudaCheck(cudaMemcpy(device, staging, n * sizeof(bf16), cudaMemcpyHostToDevice));
+    free(staging);
+    return device;
+}
+
+static void copy_bf16_to_host(float *host, const bf16 *device, size_t n) {
+    bf16 *staging = (bf16 *)host_alloc(n * sizeof(bf16));
+    cudaCheck(cudaMemcpy(staging, device, n * sizeof(bf16), cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n; i++) host[i] = __bfloat162float(staging[i]);
+    free(staging);
+}
+
+static float max_abs(const float *x, size_t n) {
+    float m = 0.0f;
+    for (size_t i = 0; i < n; i++) m = fmaxf(m, fabsf(x[i]));
+    return m;
+}
+
+// One device run's outputs, copied back as raw bytes for the bitwise comparison.
+typedef struct {
+    float *losses;  // [N]
+    bf16 *dx;       // [N, C]
+    bf16 *dweight;  // [V, C]
+} ClassifierOutputs;
+
+static void test_case(GpuContext *gpu, int N, int C, int V, int chunk_rows) {
+    Random rng;
+    random_seed(&rng, 7 + (uint64_t)V);
+    size_t xn = (size_t)N * C, wn = (size_t)V * C;
+    // Logits of order 1 (std ~0.8 at C = 64): a peaked enough softmax, small BF16 rounding.
+    float *x = random_bf16_values(&rng, xn, 1.0f);
+    float *w = random_bf16_values(&rng, wn, 0.3f);
+    float *dw_before = random_bf16_values(&rng, wn, 0.01f);
+    int *targets = (int *)host_alloc((size_t)N * sizeof(int));
+    for (int i = 0; i < N; i++) targets[i] = (int)random_below(&rng, (uint64_t)V);
+    targets[0] = V - 1;  // the last column: the scalar tail when V % 8 != 0
+    targets[N - 1] = 0;
+
+    float *logits_ref = (float *)host_alloc((size_t)N * V * sizeof(float));
+    float *dlogits_ref = (float *)host_alloc((size_t)N * V * sizeof(float));
+    float *losses_ref = (float *)host_alloc((size_t)N * sizeof(float));
+    float *dx_ref = (float *)host_alloc(xn * sizeof(float));
+    float *dw_ref = (float *)host_alloc(wn * sizeof(float));
+    ref_matmul_forward(logits_ref, x, w, N, C, V);
+    float mean_ref = ref_cross_entropy_forward(losses_ref, logits_ref, targets, N, V);
+    ref_cross_entropy_backward(dlogits_ref, logits_ref, targets, N, V, 1.0f);  // (softmax - onehot) / N
+    ref_matmul_backward(dx_ref, dw_ref, dlogits_ref, x, w, N, C, V);
+
+    bf16 *d_x = device_bf16_from(x, xn), *d_w = device_bf16_from(w, wn), *d_dw = device_bf16_from(dw_before, wn);
+    bf16 *d_dw_before = device_bf16_from(dw_before, wn);
+    int *d_targets;
+    float *d_losses, *d_mean;
+    bf16 *d_dx, *d_scratch;
+    int stride = classifier_logits_stride(V);
+    cudaCheck(cudaMalloc(&d_targets, (size_t)N * sizeof(int)));
+    cudaCheck(cudaMemcpy(d_targets, targets, (size_t)N * sizeof(int), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMalloc(&d_losses, (size_t)N * sizeof(float)));
+    cudaCheck(cudaMalloc(&d_mean, sizeof(float)));
+    cudaCheck(cudaMalloc(&d_dx, xn * sizeof(bf16)));
+    cudaCheck(cudaMalloc(&d_scratch, (size_t)chunk_rows * stride * sizeof(bf16)));
+
+    ClassifierOutputs runs[2];
+    for (int run = 0; run < 2; run++) {
+        cudaCheck(cudaMemset(d_losses, 0xFF, (size_t)N * sizeof(float)));  // NaN poison
+        cudaCheck(cudaMemset(d_dx, 0xFF, xn * sizeof(bf16)));
+        cudaCheck(cudaMemset(d_scratch, 0xFF, (size_t)chunk_rows * stride * sizeof(bf16)));
+        cudaCheck(cudaMemcpy(d_dw, d_dw_before, wn * sizeof(bf16), cudaMemcpyDeviceToDevice));
+        classifier_forward_backward(gpu, d_losses, d_dx, d_dw, d_x, d_w, d_targets, N, C, V, 1.0f / N, d_scratch,
+                                    chunk_rows);
+        cudaCheck(cudaDeviceSynchronize());
+        runs[run].losses = (float *)host_alloc((size_t)N * sizeof(float));
+        runs[run].dx = (bf16 *)host_alloc(xn * sizeof(bf16));
+        runs[run].dweight = (bf16 *)host_alloc(wn * sizeof(bf16));
+        cudaCheck(cudaMemcpy(runs[run].losses, d_losses, (size_t)N * sizeof(float), cudaMemcpyDeviceToHost));
+        cudaCheck(cudaMemcpy(runs[run].dx, d_dx, xn * sizeof(bf16), cudaMemcpyDeviceToHost));
+        cudaCheck(cudaMemcpy(runs[run].dweight, d_dw, wn * sizeof(bf16), cudaMemcpyDeviceToHost));
+    }
+
+    char name[200];
+    // Logits are BF16 on the GPU (2^-9 relative), so a loss may be off by about twice that of
+    // the largest logit; the gradients carry about 1% of their largest term.
+    snprintf(name, sizeof(name), "losses N=%d C=%d V=%d chunk_rows=%d", N, C, V, chunk_rows);
+    check_close(name, runs[0].losses, losses_ref, (size_t)N, 1e-2, 2e-3);
+
+    float *got = (float *)host_alloc((xn > wn ? xn : wn) * sizeof(float));
+    float *expected = (float *)host_alloc(wn * sizeof(float));
+    copy_bf16_to_host(got, d_dx, xn);
+    snprintf(name, sizeof(name), "dx N=%d C=%d V=%d chunk_rows=%d", N, C, V, chunk_rows);
+    check_close(name, got, dx_ref, xn, 1e-2 * max_abs(dx_ref, xn), 2e-2);
+
+    copy_bf16_to_host(got, d_dw, wn);
+    for (size_t i = 0; i < wn; i++) expected[i] = dw_before[i] + dw_ref[i];
+    snprintf(name, sizeof(name), "dW += N=%d C=%d V=%d chunk_rows=%d", N, C, V, chunk_rows);
+    check_close(name, got, expected, wn, 1e-2 * max_abs(dw_ref, wn), 2e-2);
+
+    check(memcmp(runs[0].losses, runs[1].losses, (size_t)N * sizeof(float)) == 0 &&
+              memcmp(runs[0].dx, runs[1].dx, xn * sizeof(bf16)) == 0 &&
+              memcmp(runs[0].dweight, runs[1].dweight, wn * sizeof(bf16)) == 0,
+          "two runs bitwise equal (losses, dx, dW) N=%d V=%d chunk_rows=%d", N, V, chunk_rows);
+
+    classifier_mean_loss(gpu, d_mean, d_losses, N);
+    float mean_got;
+    cudaCheck(cudaMemcpy(&mean_got, d_mean, sizeof(float), cudaMemcpyDeviceToHost));
+    snprintf(name, sizeof(name), "mean loss N=%d V=%d", N, V);
+    check_close(name, &mean_got, &mean_ref, 1, 5e-3, 2e-3);
+
+    // Forward only: the same losses, bit for bit, and nothing else written.
+    cudaCheck(cudaMemset(d_losses, 0xFF, (size_t)N * sizeof(float)));
+    classifier_forward_backward(gpu, d_losses, NULL, NULL, d_x, d_w, d_targets, N, C, V, 1.0f / N, d_scratch,
+                                chunk_rows);
+    cudaCheck(cudaMemcpy(got, d_losses, (size_t)N * sizeof(float), cudaMemcpyDeviceToHost));
+    check(memcmp(got, runs[0].losses, (size_t)N * sizeof(float)) == 0,
+          "forward-only losses equal the forward+backward ones N=%d V=%d chunk_rows=%d", N, V, chunk_rows);
+
+    for (int run = 0; run < 2; run++) {
+        free(runs[run].losses);
+        free(runs[run].dx);
+        free(runs[run].dweight);
+    }
+    cudaCheck(cudaFree(d_x));
+    cudaCheck(cudaFree(d_w));
+    cudaCheck(cudaFree(d_dw));
+    cudaCheck(cudaFree(d_dw_before));
+    cudaCheck(cudaFree(d_targets));
+    cudaCheck(cudaFree(d_losses));
+    cudaCheck(cudaFree(d_mean));
+    cudaCheck(cudaFree(d_dx));
+    cudaCheck(cudaFree(d_scratch));
+    free(x); free(w); free(dw_before); free(targets); free(logits_ref); free(dlogits_ref); free(losses_ref);
+    free(dx_ref); free(dw_ref); free(got); free(expected);
+}
+
+// FP32 logits of rows first_row, first_row + row_step, ... against the reference logits.
+static void test_selected_logits(GpuContext *gpu, int N, int C, int V, int first_row, int row_step, int num_rows) {
+    Random rng;
+    random_seed(&rng, 11);
+    float *x = random_bf16_values(&rng, (size_t)N * C, 1.0f);
+    float *w = random_bf16_values(&rng, (size_t)V * C, 0.3f);
+    float *logits_ref = (float *)host_alloc((size_t)N * V * sizeof(float));
+    ref_matmul_forward(logits_ref, x, w, N, C, V);
+    int stride = classifier_logits_stride(V);
+    bf16 *d_x = device_bf16_from(x, (size_t)N * C), *d_w = device_bf16_from(w, (size_t)V * C);
+    float *d_logits;
+    cudaCheck(cudaMalloc(&d_logits, (size_t)num_rows * stride * sizeof(float)));
+    cudaCheck(cudaMemset(d_logits, 0xFF, (size_t)num_rows * stride * sizeof(float)));
+    classifier_logits(gpu, d_logits, d_x, d_w, first_row, row_step, num_rows, C, V);
+    float *logits = (float *)host_alloc((size_t)num_rows * stride * sizeof(float));
+    cudaCheck(cudaMemcpy(logits, d_logits, (size_t)num_rows * stride * sizeof(float), cudaMemcpyDeviceToHost));
+    float *got = (float *)host_alloc((size_t)num_rows * V * sizeof(float));
+    float *expected = (float *)host_alloc((size_t)num_rows * V * sizeof(float));
+    for (int r = 0; r < num_rows; r++) {
+        memcpy(got + (size_t)r * V, logits + (size_t)r * stride, (size_t)V * sizeof(float));
+        const float *reference_row = logits_ref + (size_t)(first_row + r * row_step) * V;
+        memcpy(expected + (size_t)r * V, reference_row, (size_t)V * sizeof(float));
+    }
+    char name[160];
+    // FP32 output of exact BF16 products summed in FP32: only the summation order differs.
+    snprintf(name, sizeof(name), "classifier_logits rows %d + %d*i (i < %d) V=%d", first_row, row_step, num_rows, V);
+    check_close(name, got, expected, (size_t)num_rows * V, 1e-4, 1e-4);
+    cudaCheck(cudaFree(d_x));
+    cudaCheck(cudaFree(d_w));
+    cudaCheck(cudaFree(d_logits));
+    free(x); free(w); free(logits_ref); free(logits); free(got); free(expected);
+}
+
+int main(void) {
+    GpuContext gpu;
+    gpu_context_create(&gpu, 0);
+    check(classifier_logits_stride(1001) == 1008 && classifier_logits_stride(32000) == 32000,
+          "logits stride rounds V up to a multiple of 8");
+    test_case(&gpu, 37, 64, 1001, 16);
+    test_case(&gpu, 37, 64, 1001, 64);
+    test_case(&gpu, 20, 32, 37, 8);
+    test_case(&gpu, 12, 64, 32000, 5);
+    test_selected_logits(&gpu, 37, 64, 1001, 2, 5, 7);
+    gpu_context_destroy(&gpu);
+    return check_summary("test_classifier");
+}

@@ -1,0 +1,667 @@
+// GPU tests of the embedding, RMSNorm (+ fused residual add), RoPE and SwiGLU kernels against the
+// FP32 CPU reference (test/reference_llama.c): random inputs from a fixed seed, rounded to BF16,
+// the same rounded values given to both sides. Outputs are poisoned with NaN bytes first, so an
+// element a kernel forgets to write fails the comparison; backward passes run twice and must agree
+// bit for bit. Ends with informational timings at llama-1b sizes (achieved GB/s, not checked).
+#include <stdint.h>
+#include <string.h>
+#include "../coat/embedding.cuh"
+#include "../coat/random.h"
+#include "../coat/rmsnorm.cuh"
+#include "../coat/rope.cuh"
+#include "../coat/swiglu.cuh"
+#include "check.h"
+extern "C" {
+#include "reference_llama.h"
+}
+
+// Outputs are BF16: rounding the result costs up to 2^-9 (0.2%) of its value, and the two sides
+// see identical BF16 inputs and compute in FP32 (GPU) or double (CPU), so what remains is FP32
+// rounding and summation order, far below that. rtol 1e-2 is a few BF16 roundings; atol 1e-2
+// covers results near zero that come out of cancelling O(1) terms (RMSNorm's g - xhat * mean,
+// SwiGLU's derivative), where the BF16 rounding of the inputs of the cancelling terms dominates.
+// An indexing error moves values by O(1) and still fails.
+#define BF16_ATOL 1e-2
+#define BF16_RTOL 1e-2
+#define RSTD_RTOL 1e-5  // FP32 sum of at most ~10^4 squares against a double sum
+#define RMS_EPS 1e-5f
+
+// ---- host helpers ----------------------------------------------------------------------
+
+static void *host_alloc(size_t bytes) {
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) {
+        fprintf(stderr, "error: test_kernels: cannot allocate %zu bytes of host memory\n", bytes);
+        exit(EXIT_FAILURE);
+    }
+    return p;
+}
+static float *host_floats(size_t n) { return (float *)host_alloc(n * sizeof(float)); }
+static bf16 *host_bf16s(size_t n) { return (bf16 *)host_alloc(n * sizeof(bf16)); }
+
+static void *device_alloc(size_t bytes) {
+    void *p = NULL;
+    cudaCheck(cudaMalloc(&p, bytes ? bytes : 1));
+    return p;
+}
+
+// Normal(0, scale) values rounded to BF16: `bits` for the GPU, `values` the same numbers as floats.
+static void random_bf16(Random *rng, bf16 *bits, float *values, size_t n, double mean, double scale) {
+    for (size_t i = 0; i < n; i++) {
+        bits[i] = __float2bfloat16((float)(mean + scale * random_normal(rng)));
+        values[i] = __bfloat162float(bits[i]);
+    }
+}
+
+static bf16 *upload_bf16(const bf16 *host, size_t n) {
+    bf16 *device = (bf16 *)device_alloc(n * sizeof(bf16));
+    cudaCheck(cudaMemcpy(device, host, n * sizeof(bf16), cudaMemcpyHostToDevice));
+    return device;
+}
+
+static void download_bf16(bf16 *host, const bf16 *device, size_t n) {
+    cudaCheck(cudaDeviceSynchronize());
+    cudaCheck(cudaMemcpy(host, device, n * sizeof(bf16), cudaMemcpyDeviceToHost));
+}
+
+static void bf16_to_float(float *out, const bf16 *in, size_t n) {
+    for (size_t i = 0; i < n; i++) out[i] = __bfloat162float(in[i]);
+}
+
+static void download_bf16_as_float(float *host, const bf16 *device, size_t n) {
+    bf16 *bits = host_bf16s(n);
+    download_bf16(bits, device, n);
+    bf16_to_float(host, bits, n);
+    free(bits);
+}
+
+static void download_floats(float *host, const float *device, size_t n) {
+    cudaCheck(cudaDeviceSynchronize());
+    cudaCheck(cudaMemcpy(host, device, n * sizeof(float), cudaMemcpyDeviceToHost));
+}
+
+// All bytes 0xFF: NaN as BF16 and as FP32.
+static void poison(void *device, size_t bytes) { cudaCheck(cudaMemset(device, 0xFF, bytes)); }
+
+// [rows, total_heads * head_dim] -> [rows, heads * head_dim], heads first_head.. of each row.
+static void gather_heads(float *out, const float *packed, size_t rows, int total_heads, int first_head, int heads,
+                         int head_dim) {
+    size_t width = (size_t)heads * head_dim, packed_width = (size_t)total_heads * head_dim;
+    for (size_t r = 0; r < rows; r++)
+        memcpy(out + r * width, packed + r * packed_width + (size_t)first_head * head_dim, width * sizeof(float));
+}
+
+// ---- embedding -------------------------------------------------------------------------
+
+// Tokens: each position is `hot_token` with probability hot_percent / 100, else uniform in [0, V).
+// A hot token makes one long run of the sorted list that crosses many chunk boundaries.
+static void random_tokens(Random *rng, int *tokens, int N, int V, int hot_percent, int hot_token) {
+    for (int n = 0; n < N; n++)
+        tokens[n] = (int)random_below(rng, 100) < hot_percent ? hot_token : (int)random_below(rng, (uint64_t)V);
+}
+
+static void test_embedding_forward(int N, int C, int V) {
+    Random rng;
+    random_seed(&rng, 1000 + N);
+    size_t table = (size_t)V * C, acts = (size_t)N * C;
+    int *tokens = (int *)host_alloc(N * sizeof(int));
+    bf16 *wte_bits = host_bf16s(table);
+    float *wte = host_floats(table), *expected = host_floats(acts), *got = host_floats(acts);
+    random_tokens(&rng, tokens, N, V, 0, 0);
+    random_bf16(&rng, wte_bits, wte, table, 0.0, 1.0);
+
+    int *d_tokens = (int *)device_alloc(N * sizeof(int));
+    cudaCheck(cudaMemcpy(d_tokens, tokens, N * sizeof(int), cudaMemcpyHostToDevice));
+    bf16 *d_wte = upload_bf16(wte_bits, table);
+    bf16 *d_out = (bf16 *)device_alloc(acts * sizeof(bf16));
+    poison(d_out, acts * sizeof(bf16));
+    embedding_forward(d_out, d_tokens, d_wte, N, C, 0);
+    download_bf16_as_float(got, d_out, acts);
+    ref_embedding_forward(expected, tokens, wte, N, C);
+    char name[128];
+    snprintf(name, sizeof name, "embedding_forward N=%d C=%d V=%d copies rows exactly", N, C, V);
+    check_close(name, got, expected, acts, 0.0, 0.0);
+
+    cudaCheck(cudaFree(d_tokens));
+    cudaCheck(cudaFree(d_wte));
+    cudaCheck(cudaFree(d_out));
+    free(tokens), free(wte_bits), free(wte), free(expected), free(got);
+}
+
+static void test_embedding_backward(int N, int C, int V, int hot_percent) {
+    Random rng;
+    random_seed(&rng, 2000 + N + hot_percent);
+    size_t table = (size_t)V * C, acts = (size_t)N * C;
+    int *tokens = (int *)host_alloc(N * sizeof(int));
+    bf16 *dwte_bits = host_bf16s(table), *dout_bits = host_bf16s(acts);
+    bf16 *first_bits = host_bf16s(table), *second_bits = host_bf16s(table);
+    float *dwte = host_floats(table), *dout = host_floats(acts), *got = host_floats(table);
+    random_tokens(&rng, tokens, N, V, hot_percent, V / 2);
+    random_bf16(&rng, dwte_bits, dwte, table, 0.0, 1.0);
+    random_bf16(&rng, dout_bits, dout, acts, 0.0, 1.0);
+
+    int *d_tokens = (int *)device_alloc(N * sizeof(int));
+    cudaCheck(cudaMemcpy(d_tokens, tokens, N * sizeof(int), cudaMemcpyHostToDevice));
+    bf16 *d_dout = upload_bf16(dout_bits, acts);
+    bf16 *d_dwte = (bf16 *)device_alloc(table * sizeof(bf16));
+    size_t scratch_bytes = embedding_backward_scratch_bytes(N, C, V);
+    void *d_scratch = device_alloc(scratch_bytes);
+    bf16 *runs[2] = {first_bits, second_bits};
+    for (int run = 0; run < 2; run++) {
+        cudaCheck(cudaMemcpy(d_dwte, dwte_bits, table * sizeof(bf16), cudaMemcpyHostToDevice));
+        poison(d_scratch, scratch_bytes);
+        embedding_backward(d_dwte, d_dout, d_tokens, N, C, V, d_scratch, 0);
+        download_bf16(runs[run], d_dwte, table);
+    }
+    bf16_to_float(got, first_bits, table);
+    ref_embedding_backward(dwte, dout, tokens, N, C);  // dwte now holds the expected result
+
+    char name[160];
+    snprintf(name, sizeof name, "embedding_backward N=%d C=%d V=%d hot=%d%% matches the reference", N, C, V,
+             hot_percent);
+    check_close(name, got, dwte, table, BF16_ATOL, BF16_RTOL);
+    char *used = (char *)host_alloc((size_t)V);
+    memset(used, 0, (size_t)V);
+    for (int n = 0; n < N; n++) used[tokens[n]] = 1;
+    int untouched_kept = 1;
+    for (int v = 0; v < V; v++)
+        if (!used[v])
+            untouched_kept &= !memcmp(first_bits + (size_t)v * C, dwte_bits + (size_t)v * C, C * sizeof(bf16));
+    check(untouched_kept, "embedding_backward N=%d C=%d V=%d hot=%d%%: rows of absent tokens are unchanged", N, C, V,
+          hot_percent);
+    check(!memcmp(first_bits, second_bits, table * sizeof(bf16)),
+          "embedding_backward N=%d C=%d V=%d hot=%d%%: two runs are bitwise equal", N, C, V, hot_percent);
+
+    cudaCheck(cudaFree(d_tokens));
+    cudaCheck(cudaFree(d_dout));
+    cudaCheck(cudaFree(d_dwte));
+    cudaCheck(cudaFree(d_scratch));
+    free(tokens), free(dwte_bits), free(dout_bits), free(first_bits), free(second_bits);
+    free(dwte), free(dout), free(got), free(used);
+}
+
+// ---- RMSNorm ---------------------------------------------------------------------------
+
+static void test_rmsnorm_forward(int N, int C) {
+    Random rng;
+    random_seed(&rng, 3000 + N);
+    size_t acts = (size_t)N * C;
+    bf16 *in_bits = host_bf16s(acts), *weight_bits = host_bf16s(C);
+    float *in = host_floats(acts), *weight = host_floats(C);
+    float *expected = host_floats(acts), *got = host_floats(acts), *rstd = host_floats(N), *got_rstd = host_floats(N);
+    random_bf16(&rng, in_bits, in, acts, 0.3, 2.0);
+    random_bf16(&rng, weight_bits, weight, C, 1.0, 0.1);
+
+    bf16 *d_in = upload_bf16(in_bits, acts), *d_weight = upload_bf16(weight_bits, C);
+    bf16 *d_out = (bf16 *)device_alloc(acts * sizeof(bf16));
+    float *d_rstd = (float *)device_alloc(N * sizeof(float));
+    poison(d_out, acts * sizeof(bf16));
+    poison(d_rstd, N * sizeof(float));
+    rmsnorm_forward(d_out, d_rstd, d_in, d_weight, N, C, RMS_EPS, 0);
+    download_bf16_as_float(got, d_out, acts);
+    download_floats(got_rstd, d_rstd, N);
+    ref_rmsnorm_forward(expected, rstd, in, weight, N, C, RMS_EPS);
+
+    char name[128];
+    snprintf(name, sizeof name, "rmsnorm_forward N=%d C=%d output", N, C);
+    check_close(name, got, expected, acts, BF16_ATOL, BF16_RTOL);
+    snprintf(name, sizeof name, "rmsnorm_forward N=%d C=%d rstd", N, C);
+    check_close(name, got_rstd, rstd, N, 0.0, RSTD_RTOL);
+
+    cudaCheck(cudaFree(d_in));
+    cudaCheck(cudaFree(d_weight));
+    cudaCheck(cudaFree(d_out));
+    cudaCheck(cudaFree(d_rstd));
+    free(in_bits), free(weight_bits), free(in), free(weight), free(expected), free(got), free(rstd), free(got_rstd);
+}
+
+// in_place: residual_out is the residual_in buffer, as a trainer may call it.
+static void test_residual_rmsnorm_forward(int N, int C, int in_place) {
+    Random rng;
+    random_seed(&rng, 4000 + N + in_place);
+    size_t acts = (size_t)N * C;
+    bf16 *residual_bits = host_bf16s(acts), *branch_bits = host_bf16s(acts), *weight_bits = host_bf16s(C);
+    float *residual = host_floats(acts), *branch = host_floats(acts), *weight = host_floats(C);
+    float *sum = host_floats(acts), *expected = host_floats(acts), *rstd = host_floats(N);
+    float *got_sum = host_floats(acts), *got = host_floats(acts), *got_rstd = host_floats(N);
+    random_bf16(&rng, residual_bits, residual, acts, 0.0, 3.0);
+    random_bf16(&rng, branch_bits, branch, acts, 0.0, 1.0);
+    random_bf16(&rng, weight_bits, weight, C, 1.0, 0.1);
+    // The GPU adds in FP32 and rounds once to BF16: the same operations here give the same bits.
+    for (size_t i = 0; i < acts; i++) sum[i] = __bfloat162float(__float2bfloat16(residual[i] + branch[i]));
+
+    bf16 *d_residual = upload_bf16(residual_bits, acts), *d_branch = upload_bf16(branch_bits, acts);
+    bf16 *d_weight = upload_bf16(weight_bits, C);
+    bf16 *d_residual_out = in_place ? d_residual : (bf16 *)device_alloc(acts * sizeof(bf16));
+    bf16 *d_norm = (bf16 *)device_alloc(acts * sizeof(bf16));
+    float *d_rstd = (float *)device_alloc(N * sizeof(float));
+    if (!in_place) poison(d_residual_out, acts * sizeof(bf16));
+    poison(d_norm, acts * sizeof(bf16));
+    poison(d_rstd, N * sizeof(float));
+    residual_rmsnorm_forward(d_residual_out, d_norm, d_rstd, d_residual, d_branch, d_weight, N, C, RMS_EPS, 0);
+    download_bf16_as_float(got_sum, d_residual_out, acts);
+    download_bf16_as_float(got, d_norm, acts);
+    download_floats(got_rstd, d_rstd, N);
+    ref_rmsnorm_forward(expected, rstd, sum, weight, N, C, RMS_EPS);
+
+    const char *mode = in_place ? " in place" : "";
+    char name[128];
+    snprintf(name, sizeof name, "residual_rmsnorm_forward%s N=%d C=%d residual sum is exact", mode, N, C);
+    check_close(name, got_sum, sum, acts, 0.0, 0.0);
+    snprintf(name, sizeof name, "residual_rmsnorm_forward%s N=%d C=%d norm of the rounded sum", mode, N, C);
+    check_close(name, got, expected, acts, BF16_ATOL, BF16_RTOL);
+    snprintf(name, sizeof name, "residual_rmsnorm_forward%s N=%d C=%d rstd", mode, N, C);
+    check_close(name, got_rstd, rstd, N, 0.0, RSTD_RTOL);
+
+    cudaCheck(cudaFree(d_residual));
+    cudaCheck(cudaFree(d_branch));
+    cudaCheck(cudaFree(d_weight));
+    if (!in_place) cudaCheck(cudaFree(d_residual_out));
+    cudaCheck(cudaFree(d_norm));
+    cudaCheck(cudaFree(d_rstd));
+    free(residual_bits), free(branch_bits), free(weight_bits), free(residual), free(branch), free(weight);
+    free(sum), free(expected), free(rstd), free(got_sum), free(got), free(got_rstd);
+}
+
+static void test_rmsnorm_backward(int N, int C) {
+    Random rng;
+    random_seed(&rng, 5000 + N);
+    size_t acts = (size_t)N * C;
+    bf16 *in_bits = host_bf16s(acts), *dout_bits = host_bf16s(acts), *din_bits = host_bf16s(acts);
+    bf16 *weight_bits = host_bf16s(C), *dweight_bits = host_bf16s(C);
+    float *in = host_floats(acts), *dout = host_floats(acts), *din = host_floats(acts), *weight = host_floats(C);
+    float *dweight = host_floats(C), *normed = host_floats(acts), *rstd = host_floats(N);
+    float *got_din = host_floats(acts), *got_dweight = host_floats(C);
+    bf16 *din_runs[2] = {host_bf16s(acts), host_bf16s(acts)}, *dweight_runs[2] = {host_bf16s(C), host_bf16s(C)};
+    random_bf16(&rng, in_bits, in, acts, 0.3, 2.0);
+    random_bf16(&rng, dout_bits, dout, acts, 0.0, 1.0);
+    random_bf16(&rng, din_bits, din, acts, 0.0, 1.0);
+    random_bf16(&rng, weight_bits, weight, C, 1.0, 0.1);
+    random_bf16(&rng, dweight_bits, dweight, C, 0.0, 1.0);
+    ref_rmsnorm_forward(normed, rstd, in, weight, N, C, RMS_EPS);  // both sides use these rstd
+
+    bf16 *d_in = upload_bf16(in_bits, acts), *d_dout = upload_bf16(dout_bits, acts);
+    bf16 *d_weight = upload_bf16(weight_bits, C);
+    bf16 *d_din = (bf16 *)device_alloc(acts * sizeof(bf16)), *d_dweight = (bf16 *)device_alloc(C * sizeof(bf16));
+    float *d_rstd = (float *)device_alloc(N * sizeof(float));
+    cudaCheck(cudaMemcpy(d_rstd, rstd, N * sizeof(float), cudaMemcpyHostToDevice));
+    size_t scratch_bytes = rmsnorm_backward_scratch_bytes(N, C);
+    float *d_scratch = (float *)device_alloc(scratch_bytes);
+    for (int run = 0; run < 2; run++) {
+        cudaCheck(cudaMemcpy(d_din, din_bits, acts * sizeof(bf16), cudaMemcpyHostToDevice));
+        cudaCheck(cudaMemcpy(d_dweight, dweight_bits, C * sizeof(bf16), cudaMemcpyHostToDevice));
+        poison(d_scratch, scratch_bytes);
+        rmsnorm_backward(d_din, d_dweight, d_scratch, d_dout, d_in, d_weight, d_rstd, N, C, 0);
+        download_bf16(din_runs[run], d_din, acts);
+        download_bf16(dweight_runs[run], d_dweight, C);
+    }
+    bf16_to_float(got_din, din_runs[0], acts);
+    bf16_to_float(got_dweight, dweight_runs[0], C);
+    ref_rmsnorm_backward(din, dweight, dout, in, weight, rstd, N, C);  // accumulates: din, dweight now expected
+
+    char name[128];
+    snprintf(name, sizeof name, "rmsnorm_backward N=%d C=%d din (accumulated)", N, C);
+    check_close(name, got_din, din, acts, BF16_ATOL, BF16_RTOL);
+    snprintf(name, sizeof name, "rmsnorm_backward N=%d C=%d dweight (accumulated)", N, C);
+    check_close(name, got_dweight, dweight, C, BF16_ATOL, BF16_RTOL);
+    check(!memcmp(din_runs[0], din_runs[1], acts * sizeof(bf16)) &&
+              !memcmp(dweight_runs[0], dweight_runs[1], C * sizeof(bf16)),
+          "rmsnorm_backward N=%d C=%d: two runs are bitwise equal", N, C);
+
+    cudaCheck(cudaFree(d_in));
+    cudaCheck(cudaFree(d_dout));
+    cudaCheck(cudaFree(d_weight));
+    cudaCheck(cudaFree(d_din));
+    cudaCheck(cudaFree(d_dweight));
+    cudaCheck(cudaFree(d_rstd));
+    cudaCheck(cudaFree(d_scratch));
+    free(in_bits), free(dout_bits), free(din_bits), free(weight_bits), free(dweight_bits);
+    free(in), free(dout), free(din), free(weight), free(dweight), free(normed), free(rstd);
+    free(got_din), free(got_dweight);
+    for (int run = 0; run < 2; run++) free(din_runs[run]), free(dweight_runs[run]);
+}
+
+// ---- RoPE ------------------------------------------------------------------------------
+
+static ModelShape rope_shape(int n_heads, int n_kv_heads, int head_dim, int llama31_scaling) {
+    ModelShape shape;
+    memset(&shape, 0, sizeof shape);
+    shape.dim = n_heads * head_dim;
+    shape.n_heads = n_heads;
+    shape.n_kv_heads = n_kv_heads;
+    shape.rope_theta = llama31_scaling ? 500000.0f : 10000.0f;
+    if (llama31_scaling) {  // Llama 3.1's published values
+        shape.rope_scaling_factor = 8.0f;
+        shape.rope_low_freq_factor = 1.0f;
+        shape.rope_high_freq_factor = 4.0f;
+        shape.rope_original_max_seq_len = 8192;
+    }
+    return shape;
+}
+
+static void test_rope_table(int T, int head_dim, int llama31_scaling) {
+    ModelShape shape = rope_shape(4, 4, head_dim, llama31_scaling);
+    size_t n = (size_t)T * head_dim / 2;
+    float *cos_got = host_floats(n), *sin_got = host_floats(n), *cos_ref = host_floats(n), *sin_ref = host_floats(n);
+    rope_table_init(cos_got, sin_got, T, &shape);
+    ref_rope_table(cos_ref, sin_ref, T, &shape);
+    char name[128];
+    snprintf(name, sizeof name, "rope_table_init T=%d head_dim=%d scaling=%d cos", T, head_dim, llama31_scaling);
+    check_close(name, cos_got, cos_ref, n, 1e-6, 0.0);
+    snprintf(name, sizeof name, "rope_table_init T=%d head_dim=%d scaling=%d sin", T, head_dim, llama31_scaling);
+    check_close(name, sin_got, sin_ref, n, 1e-6, 0.0);
+    free(cos_got), free(sin_got), free(cos_ref), free(sin_ref);
+}
+
+// One direction (forward or backward) on a random packed qkv: q and k against the reference,
+// v untouched, and (backward) two runs bitwise equal.
+static void test_rope(int B, int T, int n_heads, int n_kv_heads, int head_dim, int llama31_scaling, int backward) {
+    Random rng;
+    random_seed(&rng, 6000 + T + backward);
+    ModelShape shape = rope_shape(n_heads, n_kv_heads, head_dim, llama31_scaling);
+    int total_heads = n_heads + 2 * n_kv_heads;
+    size_t rows = (size_t)B * T, packed = rows * total_heads * head_dim, half_table = (size_t)T * head_dim / 2;
+    size_t q_size = rows * n_heads * head_dim, kv_size = rows * n_kv_heads * head_dim;
+    float *cos_table = host_floats(half_table), *sin_table = host_floats(half_table);
+    rope_table_init(cos_table, sin_table, T, &shape);
+    bf16 *qkv_bits = host_bf16s(packed), *result_bits = host_bf16s(packed), *repeat_bits = host_bf16s(packed);
+    float *qkv = host_floats(packed), *got = host_floats(packed);
+    float *q = host_floats(q_size), *q_ref = host_floats(q_size), *q_got = host_floats(q_size);
+    float *k = host_floats(kv_size), *k_ref = host_floats(kv_size), *k_got = host_floats(kv_size);
+    random_bf16(&rng, qkv_bits, qkv, packed, 0.0, 1.0);
+
+    float *d_cos = (float *)device_alloc(half_table * sizeof(float));
+    float *d_sin = (float *)device_alloc(half_table * sizeof(float));
+    cudaCheck(cudaMemcpy(d_cos, cos_table, half_table * sizeof(float), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemcpy(d_sin, sin_table, half_table * sizeof(float), cudaMemcpyHostToDevice));
+    bf16 *d_qkv = (bf16 *)device_alloc(packed * sizeof(bf16));
+    bf16 *runs[2] = {result_bits, repeat_bits};
+    for (int run = 0; run < 2; run++) {
+        cudaCheck(cudaMemcpy(d_qkv, qkv_bits, packed * sizeof(bf16), cudaMemcpyHostToDevice));
+        if (backward) rope_backward(d_qkv, d_cos, d_sin, B, T, n_heads, n_kv_heads, head_dim, 0);
+        else rope_forward(d_qkv, d_cos, d_sin, B, T, n_heads, n_kv_heads, head_dim, 0);
+        download_bf16(runs[run], d_qkv, packed);
+    }
+    bf16_to_float(got, result_bits, packed);
+
+    gather_heads(q, qkv, rows, total_heads, 0, n_heads, head_dim);
+    gather_heads(k, qkv, rows, total_heads, n_heads, n_kv_heads, head_dim);
+    if (backward) {
+        memset(q_ref, 0, q_size * sizeof(float));
+        memset(k_ref, 0, kv_size * sizeof(float));
+        ref_rope_backward(q_ref, q, cos_table, sin_table, B, T, n_heads, head_dim);
+        ref_rope_backward(k_ref, k, cos_table, sin_table, B, T, n_kv_heads, head_dim);
+    } else {
+        ref_rope_forward(q_ref, q, cos_table, sin_table, B, T, n_heads, head_dim);
+        ref_rope_forward(k_ref, k, cos_table, sin_table, B, T, n_kv_heads, head_dim);
+    }
+    gather_heads(q_got, got, rows, total_heads, 0, n_heads, head_dim);
+    gather_heads(k_got, got, rows, total_heads, n_heads, n_kv_heads, head_dim);
+
+    const char *direction = backward ? "rope_backward" : "rope_forward";
+    char name[160];
+    snprintf(name, sizeof name, "%s B=%d T=%d heads=%d/%d head_dim=%d scaling=%d q", direction, B, T, n_heads,
+             n_kv_heads, head_dim, llama31_scaling);
+    check_close(name, q_got, q_ref, q_size, BF16_ATOL, BF16_RTOL);
+    snprintf(name, sizeof name, "%s B=%d T=%d heads=%d/%d head_dim=%d scaling=%d k", direction, B, T, n_heads,
+             n_kv_heads, head_dim, llama31_scaling);
+    check_close(name, k_got, k_ref, kv_size, BF16_ATOL, BF16_RTOL);
+    int v_kept = 1;
+    size_t row_width = (size_t)total_heads * head_dim, v_begin = (size_t)(n_heads + n_kv_heads) * head_dim;
+    for (size_t r = 0; r < rows; r++)
+        v_kept &= !memcmp(result_bits + r * row_width + v_begin, qkv_bits + r * row_width + v_begin,
+                          (row_width - v_begin) * sizeof(bf16));
+    check(v_kept, "%s B=%d T=%d heads=%d/%d head_dim=%d: v heads are untouched", direction, B, T, n_heads, n_kv_heads,
+          head_dim);
+    if (backward)
+        check(!memcmp(result_bits, repeat_bits, packed * sizeof(bf16)),
+              "%s B=%d T=%d heads=%d/%d head_dim=%d: two runs are bitwise equal", direction, B, T, n_heads,
+              n_kv_heads, head_dim);
+
+    cudaCheck(cudaFree(d_cos));
+    cudaCheck(cudaFree(d_sin));
+    cudaCheck(cudaFree(d_qkv));
+    free(cos_table), free(sin_table), free(qkv_bits), free(result_bits), free(repeat_bits), free(qkv), free(got);
+    free(q), free(k), free(q_ref), free(k_ref), free(q_got), free(k_got);
+}
+
+// ---- SwiGLU ----------------------------------------------------------------------------
+
+static void test_swiglu(int N, int I) {
+    Random rng;
+    random_seed(&rng, 7000 + N);
+    size_t n = (size_t)N * I;
+    bf16 *gate_up_bits = host_bf16s(2 * n), *dout_bits = host_bf16s(n);
+    bf16 *dgate_up_runs[2] = {host_bf16s(2 * n), host_bf16s(2 * n)};
+    float *gate_up = host_floats(2 * n), *dout = host_floats(n), *gate = host_floats(n), *up = host_floats(n);
+    float *expected = host_floats(n), *got = host_floats(n), *dgate = host_floats(n), *dup = host_floats(n);
+    float *expected_dgate_up = host_floats(2 * n), *got_dgate_up = host_floats(2 * n);
+    // Gate values out to +-9 reach both flat ends of the sigmoid.
+    random_bf16(&rng, gate_up_bits, gate_up, 2 * n, 0.0, 3.0);
+    random_bf16(&rng, dout_bits, dout, n, 0.0, 1.0);
+    for (int r = 0; r < N; r++) {
+        memcpy(gate + (size_t)r * I, gate_up + (size_t)r * 2 * I, I * sizeof(float));
+        memcpy(up + (size_t)r * I, gate_up + (size_t)r * 2 * I + I, I * sizeof(float));
+    }
+
+    bf16 *d_gate_up = upload_bf16(gate_up_bits, 2 * n), *d_dout = upload_bf16(dout_bits, n);
+    bf16 *d_out = (bf16 *)device_alloc(n * sizeof(bf16)), *d_dgate_up = (bf16 *)device_alloc(2 * n * sizeof(bf16));
+    poison(d_out, n * sizeof(bf16));
+    swiglu_forward(d_out, d_gate_up, N, I, 0);
+    download_bf16_as_float(got, d_out, n);
+    for (int run = 0; run < 2; run++) {
+        poison(d_dgate_up, 2 * n * sizeof(bf16));
+        swiglu_backward(d_dgate_up, d_dout, d_gate_up, N, I, 0);
+        download_bf16(dgate_up_runs[run], d_dgate_up, 2 * n);
+    }
+    bf16_to_float(got_dgate_up, dgate_up_runs[0], 2 * n);
+
+    ref_swiglu_forward(expected, gate, up, n);
+    memset(dgate, 0, n * sizeof(float));
+    memset(dup, 0, n * sizeof(float));
+    ref_swiglu_backward(dgate, dup, dout, gate, up, n);
+    for (int r = 0; r < N; r++) {
+        memcpy(expected_dgate_up + (size_t)r * 2 * I, dgate + (size_t)r * I, I * sizeof(float));
+        memcpy(expected_dgate_up + (size_t)r * 2 * I + I, dup + (size_t)r * I, I * sizeof(float));
+    }
+
+    char name[128];
+    snprintf(name, sizeof name, "swiglu_forward N=%d I=%d", N, I);
+    check_close(name, got, expected, n, BF16_ATOL, BF16_RTOL);
+    snprintf(name, sizeof name, "swiglu_backward N=%d I=%d dgate and dup", N, I);
+    check_close(name, got_dgate_up, expected_dgate_up, 2 * n, BF16_ATOL, BF16_RTOL);
+    check(!memcmp(dgate_up_runs[0], dgate_up_runs[1], 2 * n * sizeof(bf16)),
+          "swiglu_backward N=%d I=%d: two runs are bitwise equal", N, I);
+
+    cudaCheck(cudaFree(d_gate_up));
+    cudaCheck(cudaFree(d_dout));
+    cudaCheck(cudaFree(d_out));
+    cudaCheck(cudaFree(d_dgate_up));
+    free(gate_up_bits), free(dout_bits), free(dgate_up_runs[0]), free(dgate_up_runs[1]);
+    free(gate_up), free(dout), free(gate), free(up), free(expected), free(got), free(dgate), free(dup);
+    free(expected_dgate_up), free(got_dgate_up);
+}
+
+// ---- timings at llama-1b sizes (informational) -------------------------------------------
+
+#define BENCH_WARMUP 3
+#define BENCH_REPEATS 21
+
+// Uniform values in [-1, 1) from a hash of the index: fills gigabytes without a host copy.
+__global__ void fill_uniform_bf16_kernel(bf16 *x, size_t n, uint64_t seed) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    uint64_t z = seed + (i + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    x[i] = __float2bfloat16((float)(z >> 40) * 0x1.0p-23f - 1.0f);
+}
+
+static bf16 *device_random_bf16(size_t n, uint64_t seed) {
+    bf16 *x = (bf16 *)device_alloc(n * sizeof(bf16));
+    fill_uniform_bf16_kernel<<<(unsigned)ceil_div_size(n, 256), 256>>>(x, n, seed);
+    cudaCheckLaunch();
+    return x;
+}
+
+typedef struct {
+    int B, T, N, C, I, V, n_heads, n_kv_heads, head_dim;
+    int *tokens;
+    bf16 *wte, *dwte, *weight, *dweight, *act_a, *act_b, *act_c, *act_d, *qkv, *gate_up, *dgate_up, *mlp_out;
+    float *rstd, *cos_table, *sin_table, *rmsnorm_scratch;
+    void *embedding_scratch;
+} Bench;
+
+static void bench_embedding_forward(const Bench *b) { embedding_forward(b->act_a, b->tokens, b->wte, b->N, b->C, 0); }
+static void bench_embedding_backward(const Bench *b) {
+    embedding_backward(b->dwte, b->act_a, b->tokens, b->N, b->C, b->V, b->embedding_scratch, 0);
+}
+static void bench_rmsnorm_forward(const Bench *b) {
+    rmsnorm_forward(b->act_b, b->rstd, b->act_a, b->weight, b->N, b->C, RMS_EPS, 0);
+}
+static void bench_residual_rmsnorm_forward(const Bench *b) {
+    residual_rmsnorm_forward(b->act_c, b->act_b, b->rstd, b->act_a, b->act_d, b->weight, b->N, b->C, RMS_EPS, 0);
+}
+static void bench_rmsnorm_backward(const Bench *b) {
+    rmsnorm_backward(b->act_c, b->dweight, b->rmsnorm_scratch, b->act_b, b->act_a, b->weight, b->rstd, b->N, b->C, 0);
+}
+static void bench_rope_forward(const Bench *b) {
+    rope_forward(b->qkv, b->cos_table, b->sin_table, b->B, b->T, b->n_heads, b->n_kv_heads, b->head_dim, 0);
+}
+static void bench_rope_backward(const Bench *b) {
+    rope_backward(b->qkv, b->cos_table, b->sin_table, b->B, b->T, b->n_heads, b->n_kv_heads, b->head_dim, 0);
+}
+static void bench_swiglu_forward(const Bench *b) { swiglu_forward(b->mlp_out, b->gate_up, b->N, b->I, 0); }
+static void bench_swiglu_backward(const Bench *b) {
+    swiglu_backward(b->dgate_up, b->mlp_out, b->gate_up, b->N, b->I, 0);
+}
+
+static int compare_floats(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+// Median time over BENCH_REPEATS launches after a warm-up; GB/s counts each byte the kernel
+// must read or write once.
+static void bench_kernel(const char *name, void (*launch)(const Bench *), const Bench *b, double bytes) {
+    cudaEvent_t start, stop;
+    cudaCheck(cudaEventCreate(&start));
+    cudaCheck(cudaEventCreate(&stop));
+    for (int i = 0; i < BENCH_WARMUP; i++) launch(b);
+    float ms[BENCH_REPEATS];
+    for (int i = 0; i < BENCH_REPEATS; i++) {
+        cudaCheck(cudaEventRecord(start, 0));
+        launch(b);
+        cudaCheck(cudaEventRecord(stop, 0));
+        cudaCheck(cudaEventSynchronize(stop));
+        cudaCheck(cudaEventElapsedTime(&ms[i], start, stop));
+    }
+    qsort(ms, BENCH_REPEATS, sizeof(float), compare_floats);
+    float median_ms = ms[BENCH_REPEATS / 2];
+    printf("time %-26s %9.1f us %8.0f GB/s\n", name, median_ms * 1e3, bytes / (median_ms * 1e-3) / 1e9);
+    cudaCheck(cudaEventDestroy(start));
+    cudaCheck(cudaEventDestroy(stop));
+}
+
+static void benchmark_llama_1b(void) {
+    Bench b;
+    b.B = 16, b.T = 2048, b.N = b.B * b.T, b.C = 2048, b.I = 5632, b.V = 32000;
+    b.n_heads = 32, b.n_kv_heads = 8, b.head_dim = 64;
+    size_t N = (size_t)b.N, C = (size_t)b.C, I = (size_t)b.I, V = (size_t)b.V;
+    size_t qkv_width = (size_t)(b.n_heads + 2 * b.n_kv_heads) * b.head_dim;
+
+    Random rng;
+    random_seed(&rng, 8000);
+    int *tokens = (int *)host_alloc(N * sizeof(int));
+    random_tokens(&rng, tokens, b.N, b.V, 0, 0);
+    char *used = (char *)host_alloc(V);
+    memset(used, 0, V);
+    size_t distinct_tokens = 0;
+    for (size_t n = 0; n < N; n++) {
+        if (!used[tokens[n]]) distinct_tokens++;
+        used[tokens[n]] = 1;
+    }
+    b.tokens = (int *)device_alloc(N * sizeof(int));
+    cudaCheck(cudaMemcpy(b.tokens, tokens, N * sizeof(int), cudaMemcpyHostToDevice));
+
+    b.wte = device_random_bf16(V * C, 1), b.dwte = device_random_bf16(V * C, 2);
+    b.weight = device_random_bf16(C, 3), b.dweight = device_random_bf16(C, 4);
+    b.act_a = device_random_bf16(N * C, 5), b.act_b = device_random_bf16(N * C, 6);
+    b.act_c = device_random_bf16(N * C, 7), b.act_d = device_random_bf16(N * C, 8);
+    b.qkv = device_random_bf16(N * qkv_width, 9);
+    b.gate_up = device_random_bf16(N * 2 * I, 10), b.dgate_up = device_random_bf16(N * 2 * I, 11);
+    b.mlp_out = device_random_bf16(N * I, 12);
+    b.rstd = (float *)device_alloc(N * sizeof(float));
+    rmsnorm_forward(b.act_b, b.rstd, b.act_a, b.weight, b.N, b.C, RMS_EPS, 0);  // realistic rstd for backward
+    ModelShape shape = rope_shape(b.n_heads, b.n_kv_heads, b.head_dim, 0);
+    size_t half_table = (size_t)b.T * b.head_dim / 2;
+    float *cos_host = host_floats(half_table), *sin_host = host_floats(half_table);
+    rope_table_init(cos_host, sin_host, b.T, &shape);
+    b.cos_table = (float *)device_alloc(half_table * sizeof(float));
+    b.sin_table = (float *)device_alloc(half_table * sizeof(float));
+    cudaCheck(cudaMemcpy(b.cos_table, cos_host, half_table * sizeof(float), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemcpy(b.sin_table, sin_host, half_table * sizeof(float), cudaMemcpyHostToDevice));
+    b.rmsnorm_scratch = (float *)device_alloc(rmsnorm_backward_scratch_bytes(b.N, b.C));
+    b.embedding_scratch = device_alloc(embedding_backward_scratch_bytes(b.N, b.C, b.V));
+    cudaCheck(cudaDeviceSynchronize());
+
+    double act = (double)N * C * 2, rotated = (double)N * (b.n_heads + b.n_kv_heads) * b.head_dim * 2;
+    double mlp = (double)N * I * 2;
+    printf("timings at llama-1b sizes: N=%d C=%d I=%d V=%d heads=%d/%d head_dim=%d (%zu distinct tokens)\n", b.N,
+           b.C, b.I, b.V, b.n_heads, b.n_kv_heads, b.head_dim, distinct_tokens);
+    bench_kernel("embedding_forward", bench_embedding_forward, &b, 2 * act);
+    bench_kernel("embedding_backward", bench_embedding_backward, &b, act + 2.0 * distinct_tokens * C * 2);
+    bench_kernel("rmsnorm_forward", bench_rmsnorm_forward, &b, 2 * act);
+    bench_kernel("residual_rmsnorm_forward", bench_residual_rmsnorm_forward, &b, 4 * act);
+    bench_kernel("rmsnorm_backward", bench_rmsnorm_backward, &b, 4 * act);
+    bench_kernel("rope_forward", bench_rope_forward, &b, 2 * rotated);
+    bench_kernel("rope_backward", bench_rope_backward, &b, 2 * rotated);
+    bench_kernel("swiglu_forward", bench_swiglu_forward, &b, 3 * mlp);
+    bench_kernel("swiglu_backward", bench_swiglu_backward, &b, 5 * mlp);
+
+    void *buffers[] = {b.tokens, b.wte, b.dwte, b.weight, b.dweight, b.act_a, b.act_b, b.act_c, b.act_d, b.qkv,
+                       b.gate_up, b.dgate_up, b.mlp_out, b.rstd, b.cos_table, b.sin_table, b.rmsnorm_scratch,
+                       b.embedding_scratch};
+    for (size_t i = 0; i < sizeof buffers / sizeof buffers[0]; i++) cudaCheck(cudaFree(buffers[i]));
+    free(tokens), free(used), free(cos_host), free(sin_host);
+}
+
+int main(void) {
+    cudaCheck(cudaSetDevice(0));
+
+    test_embedding_forward(1001, 1000, 97);
+    test_embedding_forward(5, 24, 4);
+    // Runs inside one chunk and across chunk boundaries, mostly single tokens, one run across
+    // dozens of chunks, and a single token everywhere (one run over all chunks).
+    test_embedding_backward(1001, 1000, 97, 0);
+    test_embedding_backward(777, 768, 8000, 0);
+    test_embedding_backward(2049, 64, 50, 60);
+    test_embedding_backward(300, 2056, 3, 100);
+    test_embedding_backward(5, 24, 4, 0);
+
+    test_rmsnorm_forward(257, 768);
+    test_rmsnorm_forward(33, 1000);
+    test_rmsnorm_forward(1, 8);
+    test_residual_rmsnorm_forward(257, 768, 0);
+    test_residual_rmsnorm_forward(33, 1000, 1);
+    test_rmsnorm_backward(257, 768);
+    test_rmsnorm_backward(33, 1000);
+    test_rmsnorm_backward(130, 8000);  // two vectors per thread
+    test_rmsnorm_backward(1, 8);
+
+    test_rope_table(37, 64, 0);
+    test_rope_table(1000, 128, 1);
+    for (int backward = 0; backward < 2; backward++) {
+        test_rope(2, 37, 12, 4, 64, 0, backward);
+        test_rope(1, 129, 8, 2, 128, 1, backward);
+        test_rope(3, 5, 4, 4, 16, 0, backward);
+    }
+
+    test_swiglu(257, 1000);
+    test_swiglu(3, 2048);
+    test_swiglu(31, 5632);
+
+    benchmark_llama_1b();
+    return check_summary("test_kernels");
+}

@@ -1,0 +1,236 @@
+// The whole GPU model (coat/model.cuh, BF16) against the FP32 CPU reference on a tiny shape:
+// loss, every parameter gradient, determinism, and a few AdamW steps. When the PyTorch
+// reference's debug state exists (build/debug_state.bin, written by scripts/train_llama.py
+// --debug-state on a machine with torch), also logits, loss, gradients and 10 training losses
+// against PyTorch. Tolerances are llm.c-style for BF16 compute: relative error norms per tensor.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "../coat/model.cuh"
+#include "../coat/optimizer.cuh"
+#include "check.h"
+#include "reference_llama.h"
+
+#define GRAD_REL_TOL 0.05    // ||g_gpu - g_ref|| / ||g_ref|| per tensor: BF16 activations and grads
+#define LOSS_REL_TOL 0.01
+
+static double relative_error_norm(const float *got, const float *expected, size_t n) {
+    double diff = 0.0, ref = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)got[i] - expected[i];
+        diff += d * d;
+        ref += (double)expected[i] * expected[i];
+    }
+    return sqrt(diff) / (sqrt(ref) + 1e-30);
+}
+
+static void upload_bf16(bf16 *device, const float *host, size_t n) {
+    bf16 *tmp = (bf16 *)malloc(n * sizeof(bf16));
+    for (size_t i = 0; i < n; i++) tmp[i] = __float2bfloat16(host[i]);
+    cudaCheck(cudaMemcpy(device, tmp, n * sizeof(bf16), cudaMemcpyHostToDevice));
+    free(tmp);
+}
+
+static void download_float(float *host, const bf16 *device, size_t n) {
+    bf16 *tmp = (bf16 *)malloc(n * sizeof(bf16));
+    cudaCheck(cudaMemcpy(tmp, device, n * sizeof(bf16), cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n; i++) host[i] = __bfloat162float(tmp[i]);
+    free(tmp);
+}
+
+static const char *tensor_name(ParamKind kind, int layer, char *buf, size_t size) {
+    if (param_kind_is_per_layer(kind)) snprintf(buf, size, "layer %d %s", layer, param_kind_name(kind));
+    else snprintf(buf, size, "%s", param_kind_name(kind));
+    return buf;
+}
+
+// Per tensor: relative error of the GPU gradient against the expected one.
+static void compare_grads(const char *against, const ParamLayout *layout, const float *got, const float *expected, double tol) {
+    for (int l = -1; l <= layout->shape.n_layers; l++)
+        for (int k = 0; k < PARAM_KINDS; k++) {
+            int per_layer = param_kind_is_per_layer((ParamKind)k);
+            if ((l >= 0 && l < layout->shape.n_layers) != per_layer) continue;
+            if (l == -1 && k != PARAM_EMBEDDING) continue;
+            if (l == layout->shape.n_layers && k == PARAM_EMBEDDING) continue;
+            size_t off = param_offset(layout, (ParamKind)k, l < 0 ? 0 : l), n = param_numel(layout, (ParamKind)k);
+            double err = relative_error_norm(got + off, expected + off, n);
+            char name[96];
+            check(err < tol, "gradient of %s vs %s: relative error %.4f (tolerance %.2f)",
+                  tensor_name((ParamKind)k, l, name, sizeof(name)), against, err, tol);
+        }
+}
+
+static float gpu_loss(GpuContext *gpu, LlamaModel *model) {
+    float loss;
+    classifier_mean_loss(gpu, model->mean_loss, model->losses, model->B * model->T);
+    cudaCheck(cudaMemcpyAsync(&loss, model->mean_loss, sizeof(float), cudaMemcpyDeviceToHost, gpu->stream));
+    cudaCheck(cudaStreamSynchronize(gpu->stream));
+    return loss;
+}
+
+static float gpu_forward_backward(GpuContext *gpu, LlamaModel *model) {
+    int N = model->B * model->T;
+    cudaCheck(cudaMemsetAsync(model->grads, 0, 2 * model->layout.total_padded, gpu->stream));
+    model_forward(gpu, model, 1, 1.0f / N);
+    model_backward(gpu, model);
+    return gpu_loss(gpu, model);
+}
+
+static void test_against_cpu_reference(GpuContext *gpu) {
+    ModelShape shape = {1000, 128, 2, 2, 1, 352, 64, 10000.0f, 1e-5f, 0, 1, 4, 8192};
+    int B = 2, T = 37, N = B * T;
+    ParamLayout layout;
+    param_layout_init(&layout, &shape);
+    size_t P = layout.total_padded;
+    float *weights = (float *)malloc(P * sizeof(float));
+    param_init_weights(&layout, weights, 42);
+    for (size_t i = 0; i < P; i++) weights[i] = __bfloat162float(__float2bfloat16(weights[i]));  // what the GPU sees
+    int *tokens = (int *)malloc(N * sizeof(int)), *targets = (int *)malloc(N * sizeof(int));
+    Random rng;
+    random_seed(&rng, 5);
+    for (int i = 0; i < N; i++) { tokens[i] = (int)random_below(&rng, 1000); targets[i] = (int)random_below(&rng, 1000); }
+
+    RefModel ref;
+    ref_model_create(&ref, &shape, B, T);
+    memcpy(ref.params, weights, P * sizeof(float));
+    float ref_loss = ref_model_forward(&ref, tokens, targets);
+    ref_model_backward(&ref);
+
+    LlamaModel model;
+    model_create(&model, &shape, B, T);
+    upload_bf16(model.params, weights, P);
+    cudaCheck(cudaMemcpy(model.tokens, tokens, N * sizeof(int), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemcpy(model.targets, targets, N * sizeof(int), cudaMemcpyHostToDevice));
+    float loss = gpu_forward_backward(gpu, &model);
+    check(fabsf(loss - ref_loss) < LOSS_REL_TOL * ref_loss, "loss: expected %.6f got %.6f", ref_loss, loss);
+    float *grads = (float *)malloc(P * sizeof(float)), *grads_again = (float *)malloc(P * sizeof(float));
+    download_float(grads, model.grads, P);
+    compare_grads("the CPU reference", &layout, grads, ref.grads, GRAD_REL_TOL);
+    int padding_zero = 1;
+    for (int l = 0; l < shape.n_layers; l++)
+        for (int k = PARAM_ATTN_NORM; k <= PARAM_W_DOWN; k++) {
+            size_t off = param_offset(&layout, (ParamKind)k, l);
+            for (size_t i = param_numel(&layout, (ParamKind)k); i < layout.padded[k]; i++) padding_zero &= grads[off + i] == 0.0f;
+        }
+    check(padding_zero, "padding gradients stay zero");
+    float loss_again = gpu_forward_backward(gpu, &model);
+    download_float(grads_again, model.grads, P);
+    check(loss_again == loss && memcmp(grads, grads_again, P * sizeof(float)) == 0,
+          "forward and backward are deterministic (bitwise equal on a second run)");
+
+    // AdamW steps on the same batch: GPU (BF16 compute, FP32 master) vs the FP32 reference.
+    AdamWConfig ac = {0.9f, 0.95f, 1e-8f, 0.1f, 0};
+    AdamW opt;
+    adamw_create(&opt, OPT_STATES_FP32, &ac, &layout, 0, P, gpu->stream);
+    adamw_set_master_from_host(&opt, weights, gpu->stream);
+    float ref_losses[8], gpu_losses[8];
+    for (int step = 0; step < 8; step++) {
+        ref_losses[step] = ref_model_forward(&ref, tokens, targets);
+        ref_model_backward(&ref);
+        ref_model_adamw(&ref, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step + 1);
+        gpu_losses[step] = gpu_forward_backward(gpu, &model);
+        adamw_step(&opt, model.params, model.grads, 1e-3f, 1.0f, gpu->stream);
+    }
+    int close = 1;
+    for (int step = 0; step < 8; step++) close &= fabsf(gpu_losses[step] - ref_losses[step]) < 0.02f * ref_losses[step];
+    check(close && gpu_losses[7] < gpu_losses[0] - 0.1f,
+          "8 AdamW steps track the reference (loss %.4f -> %.4f, reference %.4f -> %.4f)", gpu_losses[0], gpu_losses[7],
+          ref_losses[0], ref_losses[7]);
+    adamw_free(&opt);
+    model_free(&model);
+    ref_model_free(&ref);
+    free(weights); free(tokens); free(targets); free(grads); free(grads_again);
+}
+
+// The debug state of scripts/train_llama.py: see its --debug-state for the layout.
+static void test_against_pytorch(GpuContext *gpu, const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        check(0, "PyTorch debug state %s is missing (make test-gpu writes it with scripts/train_llama.py)", path);
+        return;
+    }
+    int32_t header[256];
+    if (fread(header, sizeof(header), 1, f) != 1 || header[0] != 20241129 || header[1] != 1) {
+        check(0, "%s: not a debug state (bad header)", path);
+        fclose(f);
+        return;
+    }
+    ModelShape shape;
+    memset(&shape, 0, sizeof(shape));
+    shape.vocab_size = header[2]; shape.dim = header[3]; shape.n_layers = header[4]; shape.n_heads = header[5];
+    shape.n_kv_heads = header[6]; shape.ffn_dim = header[7]; shape.max_seq_len = header[8];
+    shape.rope_original_max_seq_len = header[12];
+    float hf[16];
+    memcpy(hf, header + 16, sizeof(hf));
+    shape.rope_theta = hf[0]; shape.norm_eps = hf[1]; shape.rope_scaling_factor = hf[2];
+    shape.rope_low_freq_factor = hf[3]; shape.rope_high_freq_factor = hf[4];
+    float lr = hf[5], beta1 = hf[6], beta2 = hf[7], eps = hf[8], wd = hf[9], clip = hf[10];
+    int B = header[9], T = header[10], steps = header[11], N = B * T, V = shape.vocab_size;
+    ParamLayout layout;
+    param_layout_init(&layout, &shape);
+    size_t P = layout.total_padded;
+    float *weights = (float *)malloc(P * 4), *logits = (float *)malloc((size_t)N * V * 4), *grads = (float *)malloc(P * 4);
+    float *losses = (float *)malloc(steps * 4), loss;
+    int *tokens = (int *)malloc(N * 4), *targets = (int *)malloc(N * 4);
+    int ok = fread(weights, 4, P, f) == P && fread(tokens, 4, N, f) == (size_t)N && fread(targets, 4, N, f) == (size_t)N &&
+             fread(logits, 4, (size_t)N * V, f) == (size_t)N * V && fread(&loss, 4, 1, f) == 1 &&
+             fread(grads, 4, P, f) == P && fread(losses, 4, steps, f) == (size_t)steps;
+    fclose(f);
+    check(ok, "%s holds every section", path);
+    if (!ok) return;
+
+    LlamaModel model;
+    model_create(&model, &shape, B, T);
+    upload_bf16(model.params, weights, P);
+    cudaCheck(cudaMemcpy(model.tokens, tokens, N * sizeof(int), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemcpy(model.targets, targets, N * sizeof(int), cudaMemcpyHostToDevice));
+    float got_loss = gpu_forward_backward(gpu, &model);
+    check(fabsf(got_loss - loss) < LOSS_REL_TOL * loss, "loss vs PyTorch: expected %.6f got %.6f", loss, got_loss);
+    int stride = classifier_logits_stride(V);
+    float *device_logits, *got_logits = (float *)malloc((size_t)N * stride * 4);
+    cudaCheck(cudaMalloc(&device_logits, (size_t)N * stride * 4));
+    classifier_logits(gpu, device_logits, model.final_norm_out, model_param(&model, PARAM_LM_HEAD, 0), 0, 1, N, shape.dim, V);
+    cudaCheck(cudaMemcpy(got_logits, device_logits, (size_t)N * stride * 4, cudaMemcpyDeviceToHost));
+    double diff = 0.0, ref = 0.0, max_abs = 0.0;
+    for (int i = 0; i < N; i++)
+        for (int v = 0; v < V; v++) {
+            double d = (double)got_logits[(size_t)i * stride + v] - logits[(size_t)i * V + v];
+            diff += d * d;
+            ref += (double)logits[(size_t)i * V + v] * logits[(size_t)i * V + v];
+            if (fabs(d) > max_abs) max_abs = fabs(d);
+        }
+    check(sqrt(diff / (ref + 1e-30)) < 0.02, "logits vs PyTorch: relative error %.4f, max abs diff %.4f",
+          sqrt(diff / (ref + 1e-30)), max_abs);
+    float *got_grads = (float *)malloc(P * 4);
+    download_float(got_grads, model.grads, P);
+    compare_grads("PyTorch", &layout, got_grads, grads, GRAD_REL_TOL);
+
+    AdamWConfig ac = {beta1, beta2, eps, wd, 0};
+    AdamW opt;
+    adamw_create(&opt, OPT_STATES_FP32, &ac, &layout, 0, P, gpu->stream);
+    adamw_set_master_from_host(&opt, weights, gpu->stream);
+    double worst = 0.0;
+    for (int step = 0; step < steps; step++) {
+        float step_loss = gpu_forward_backward(gpu, &model);
+        grad_norm_squared(model.mean_loss, model.grads, P, (double *)model.kernel_scratch, gpu->stream);
+        float norm2;
+        cudaCheck(cudaMemcpy(&norm2, model.mean_loss, 4, cudaMemcpyDeviceToHost));
+        adamw_step(&opt, model.params, model.grads, lr, grad_clip_factor(sqrtf(norm2), clip), gpu->stream);
+        double rel = fabs(step_loss - losses[step]) / losses[step];
+        if (rel > worst) worst = rel;
+    }
+    check(worst < 0.02, "%d AdamW steps vs PyTorch: worst relative loss difference %.4f (tolerance 0.02)", steps, worst);
+    adamw_free(&opt);
+    model_free(&model);
+    cudaCheck(cudaFree(device_logits));
+    free(weights); free(logits); free(grads); free(losses); free(tokens); free(targets); free(got_logits); free(got_grads);
+}
+
+int main(int argc, char **argv) {
+    GpuContext gpu;
+    gpu_context_create(&gpu, 0);
+    test_against_cpu_reference(&gpu);
+    test_against_pytorch(&gpu, argc > 1 ? argv[1] : "build/debug_state.bin");
+    gpu_context_destroy(&gpu);
+    return check_summary("test_model");
+}

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Bit-exact resume on the GPU: 20 steps straight, against 10 steps + resume + 10 steps from the
+# step-10 checkpoint, on random-token shards; every logged loss must match to the last digit.
+# Also: the run's validation loss falls, and a corrupt checkpoint is refused with its name.
+cd "$(dirname "$0")/.." || exit 1
+passed=0; failed=0
+check() { if [ "$2" -eq 0 ]; then echo "PASS $1"; passed=$((passed + 1)); else echo "FAIL $1${3:+: $3}"; failed=$((failed + 1)); fi; }
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+
+python3 - "$tmp" <<'PY'
+import struct, random, sys
+# Shards in llm.c's format: 256 int32 header (magic, version, count), uint16 tokens. A repeating
+# pattern with noise, so that the loss has something to learn.
+random.seed(1)
+for name, count in (("train_000000.bin", 200000), ("val_000000.bin", 20000)):
+    tokens = [(i * 7 + (i // 13)) % 1000 if random.random() < 0.8 else random.randrange(1000) for i in range(count)]
+    with open(f"{sys.argv[1]}/{name}", "wb") as f:
+        f.write(struct.pack("<256i", 20240520, 1, count, *([0] * 253)))
+        f.write(struct.pack(f"<{count}H", *tokens))
+PY
+common=(configs/models/tiny.conf --train_data="$tmp/train_*.bin" --val_data="$tmp/val_*.bin" --micro_batch_size=4
+        --seq_len=64 --max_steps=20 --warmup_steps=5 --learning_rate=3e-3 --val_every=5 --val_batches=4
+        --checkpoint_every=10 --checkpoints_keep=5)
+./train_llama "${common[@]}" --out_dir="$tmp/straight" > "$tmp/straight.out" 2>&1
+check "20 steps straight run" $? "$(tail -3 "$tmp/straight.out")"
+mkdir -p "$tmp/resumed"
+cp "$tmp/straight/ckpt_00000010.bin" "$tmp/straight/ckpt_00000010.done" "$tmp/resumed/" 2>/dev/null
+head -n "$(grep -n '"step": 10,' "$tmp/straight/log.jsonl" | tail -1 | cut -d: -f1)" "$tmp/straight/log.jsonl" > "$tmp/resumed/log.jsonl"
+./train_llama "${common[@]}" --out_dir="$tmp/resumed" --resume=1 > "$tmp/resumed.out" 2>&1
+check "resume from the step-10 checkpoint runs" $? "$(tail -3 "$tmp/resumed.out")"
+losses() { grep -o '"step": [0-9]*, "\(train\|val\)_loss": [0-9.]*' "$1"; }
+check "10 + resume + 10 steps log the same losses as 20 straight, to the bit" \
+    "$(diff <(losses "$tmp/straight/log.jsonl") <(losses "$tmp/resumed/log.jsonl") > "$tmp/diff"; echo $?)" "$(head -4 "$tmp/diff")"
+check "the resumed run ends with the same checkpoint bytes" \
+    "$(cmp -s "$tmp/straight/ckpt_00000020.bin" "$tmp/resumed/ckpt_00000020.bin"; echo $?)"
+first=$(grep -o '"val_loss": [0-9.]*' "$tmp/straight/log.jsonl" | head -1 | cut -d' ' -f2)
+last=$(grep -o '"val_loss": [0-9.]*' "$tmp/straight/log.jsonl" | tail -1 | cut -d' ' -f2)
+check "validation loss falls ($first -> $last)" "$(awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 0.5) }'; echo $?)"
+
+head -c 100000 "$tmp/straight/ckpt_00000020.bin" > "$tmp/cut.bin"
+out=$(./train_llama "${common[@]}" --out_dir="$tmp/cut" --init_from="$tmp/cut.bin" 2>&1); rc=$?
+check "a truncated checkpoint is refused, naming the file" \
+    "$([ $rc -ne 0 ] && printf '%s' "$out" | grep -q "$tmp/cut.bin: size"; echo $?)" "$(printf '%s' "$out" | tail -1)"
+out=$(./train_llama "${common[@]}" --out_dir="$tmp/big" --micro_batch_size=100000 2>&1); rc=$?
+check "a micro-batch that does not fit is refused, naming the largest that does" \
+    "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q 'the largest that fits is'; echo $?)" "$(printf '%s' "$out" | tail -1)"
+
+echo "test_resume: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
