@@ -5,6 +5,7 @@
 #include "../coat/config.h"
 #include "../coat/memory_plan.h"
 #include "../coat/params.h"
+#include "../coat/schedule.h"
 #include "check.h"
 
 static char temp_dir[] = "/tmp/test_config_XXXXXX";
@@ -173,6 +174,25 @@ static void test_memory_plan(ConfigParser *p) {
     check(largest == 16, "the largest micro-batch within a 16-sequence budget is 16 (got %d)", largest);
 }
 
+static void test_schedule(ConfigParser *p) {
+    TrainConfig *c = &p->values;
+    config_defaults(p);
+    c->learning_rate = 1.0f; c->min_lr_ratio = 0.1f; c->warmup_steps = 10; c->max_steps = 110;
+    check(fabsf(learning_rate_at(c, 0) - 0.1f) < 1e-6f && fabsf(learning_rate_at(c, 9) - 1.0f) < 1e-6f,
+          "warmup rises linearly to the peak");
+    c->lr_schedule = SCHEDULE_COSINE;
+    check(fabsf(learning_rate_at(c, 10) - 1.0f) < 1e-6f && fabsf(learning_rate_at(c, 109) - 0.1f) < 1e-6f &&
+          fabsf(learning_rate_at(c, 60) - 0.55f) < 0.01f, "cosine goes from the peak to min_lr_ratio");
+    c->lr_schedule = SCHEDULE_LINEAR;
+    check(fabsf(learning_rate_at(c, 109) - 0.1f) < 1e-6f && learning_rate_at(c, 50) > learning_rate_at(c, 51),
+          "linear decays to min_lr_ratio");
+    c->lr_schedule = SCHEDULE_WSD; c->wsd_decay_fraction = 0.2f;
+    check(learning_rate_at(c, 80) == 1.0f && learning_rate_at(c, 100) < 1.0f && fabsf(learning_rate_at(c, 109) - 0.1f) < 1e-6f,
+          "wsd holds the peak, then decays in the last 20%% of the steps");
+    c->lr_schedule = SCHEDULE_CONSTANT;
+    check(learning_rate_at(c, 109) == 1.0f, "constant stays at the peak after warmup");
+}
+
 int main(void) {
     if (!mkdtemp(temp_dir)) { perror("mkdtemp"); return 1; }
     ConfigParser *parser = (ConfigParser *)malloc(sizeof(ConfigParser));
@@ -180,6 +200,7 @@ int main(void) {
     test_errors(parser);
     test_params(parser);
     test_memory_plan(parser);
+    test_schedule(parser);
     free(parser);
     char command[PATH_MAX + 16];
     snprintf(command, sizeof(command), "rm -rf %s", temp_dir);
