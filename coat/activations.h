@@ -55,6 +55,9 @@ static inline void activation_table(ActivationInfo table[ACT_LAYER_KINDS], const
     for (int i = 0; i < ACT_LAYER_KINDS; i++) table[i] = rows[i];
 }
 
+// Every saved tensor starts on a 256-byte boundary (vector loads, cuBLASLt alignment).
+static inline size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
 // Bytes to store `elems` values (one tensor) including its scales.
 static inline size_t activation_bytes(ActivationStorage storage, size_t elems) {
     switch (storage) {
@@ -76,6 +79,6 @@ static inline size_t activation_layer_bytes(const ModelShape *m, ActivationsChoi
     ActivationInfo table[ACT_LAYER_KINDS];
     activation_table(table, m, mode);
     size_t bytes = 0;
-    for (int i = 0; i < ACT_LAYER_KINDS; i++) bytes += activation_bytes(table[i].storage, table[i].per_token * tokens);
+    for (int i = 0; i < ACT_LAYER_KINDS; i++) bytes += align256(activation_bytes(table[i].storage, table[i].per_token * tokens));
     return bytes;
 }

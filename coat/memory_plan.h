@@ -24,8 +24,6 @@ typedef struct {
     size_t total_bytes;
 } WorkingLayout;
 
-static inline size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
-
 static inline void working_layout_init(WorkingLayout *w, const ModelShape *m, int micro_batch_size, int seq_len,
                                        int uses_fp8) {
     size_t H = (size_t)m->dim, I = (size_t)m->ffn_dim, hd = (size_t)model_head_dim(m), NH = (size_t)m->n_heads;
@@ -71,9 +69,11 @@ typedef struct {
     size_t total_bytes;
 } MemoryPlan;
 
-// Per token, outside the layers: final residual and norm output (BF16), the final rstd, the
-// per-token loss, and the input and target ids.
-static inline size_t final_activation_bytes_per_token(const ModelShape *m) { return 4 * (size_t)m->dim + 16; }
+// Outside the layers: final residual and norm output (BF16), the final rstd, the per-token loss,
+// and the input and target ids, each 256-byte aligned.
+static inline size_t final_activation_bytes(const ModelShape *m, size_t tokens) {
+    return 2 * align256(2 * tokens * (size_t)m->dim) + 4 * align256(4 * tokens);
+}
 
 // Bytes per element of m and v together, scales included (one 128-group shares them).
 static inline double optimizer_state_bytes_per_param(StatesChoice states) {
@@ -109,8 +109,7 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
     plan->master_bytes = 4 * plan->shard_elems;
     plan->states_bytes = (size_t)(optimizer_state_bytes_per_param(config_optimizer_states(c)) * (double)plan->shard_elems);
 
-    plan->activations_bytes = (size_t)m->n_layers * activation_layer_bytes(m, acts, tokens) +
-                              final_activation_bytes_per_token(m) * tokens;
+    plan->activations_bytes = (size_t)m->n_layers * activation_layer_bytes(m, acts, tokens) + final_activation_bytes(m, tokens);
     WorkingLayout working;
     working_layout_init(&working, m, micro_batch_size, c->seq_len, acts != ACTS_BF16 || c->precision != PRECISION_BF16);
     plan->working_bytes = working.total_bytes + CUBLASLT_WORKSPACE_BYTES;

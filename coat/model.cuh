@@ -89,21 +89,21 @@ static inline void model_create(LlamaModel *model, const ModelShape *shape, int 
     ActivationInfo table[ACT_LAYER_KINDS];
     activation_table(table, shape, ACTS_BF16);
     size_t per_layer = activation_layer_bytes(shape, ACTS_BF16, N);
-    model->activations_bytes = L * per_layer + final_activation_bytes_per_token(shape) * N;
+    model->activations_bytes = L * per_layer + final_activation_bytes(shape, N);
     model->activations = (char *)model_alloc(model->activations_bytes, "activations");
     model->saved = (void **)malloc(L * ACT_LAYER_KINDS * sizeof(void *));
     char *at = model->activations;
     for (size_t l = 0; l < L; l++)
         for (int k = 0; k < ACT_LAYER_KINDS; k++) {
             model->saved[l * ACT_LAYER_KINDS + k] = at;
-            at += activation_bytes(table[k].storage, table[k].per_token * N);
+            at += align256(activation_bytes(table[k].storage, table[k].per_token * N));
         }
     size_t H = (size_t)shape->dim;
-    model->final_residual = (bf16 *)at;   at += 2 * N * H;
-    model->final_norm_out = (bf16 *)at;   at += 2 * N * H;
-    model->final_rstd = (float *)at;      at += 4 * N;
-    model->losses = (float *)at;          at += 4 * N;
-    model->tokens = (int *)at;            at += 4 * N;
+    model->final_residual = (bf16 *)at;   at += align256(2 * N * H);
+    model->final_norm_out = (bf16 *)at;   at += align256(2 * N * H);
+    model->final_rstd = (float *)at;      at += align256(4 * N);
+    model->losses = (float *)at;          at += align256(4 * N);
+    model->tokens = (int *)at;            at += align256(4 * N);
     model->targets = (int *)at;
 
     WorkingLayout *w = &model->working_layout;

@@ -1,0 +1,704 @@
+// AdamW with FP32 master weights over one contiguous shard of the padded parameter buffer, its
+// moments m and v stored as FP32, BF16, FP8 E4M3 per 128-group, or FP8 E4M3 with COAT's Dynamic
+// Range Expansion (COAT_SPEC.md section 3); and the global gradient norm used for clipping.
+//
+// One step, all in FP32, g = grad * grad_scale, t counted from 1, decoupled weight decay:
+//   m = b1 m + (1-b1) g;   v = b2 v + (1-b2) g^2
+//   p = p - lr ((m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps) + wd p)
+// using the new m and v before they are stored back in their kind; the master p is kept in FP32
+// and the BF16 parameter is written as p rounded to nearest even.
+//
+// FP8 states, per 128-group and per moment x (the group of a new x is quantized as a whole):
+//   fp8:     s = max|x| / 448,  q = e4m3(x / s);                 back: x = q s
+//   fp8_dre: Mx = max|x|, Mn = min of the nonzero |x|, R = Mx / Mn,
+//            k = 1 if R <= 1 + 1e-6, else floor(16 log2(448^2 / 2) / log2 R) / 16,
+//            c = sqrt(Mx) sqrt(Mn),  s = (Mx / c)^k / 448,  q = e4m3(sign(x) (|x| / c)^k / s);
+//            back: x = sign(q s) |q s|^(1/k) c.   An all-zero group stores q = 0, s = k = c = 1.
+// e4m3 rounds to nearest even and saturates to +-448. The powers use log2 and exp2 written below
+// from correctly rounded operations only, and every product that feeds a sum is rounded on its own
+// (no FMA contraction), so a plain C program reproduces the FP8 states bit for bit.
+//
+// Layouts. params is the whole padded BF16 buffer of coat/params.h (at least shard_end elements, as
+// ZeRO pads it to ranks x shard size); the optimizer writes only [shard_begin, shard_end),
+// n = shard_end - shard_begin elements, a multiple of 128 so that every 128-group lies in one tensor
+// and one ZeRO shard. The gradients it reads are those n elements only (a shard buffer after a
+// reduce-scatter, or grads + shard_begin of a whole buffer).
+// Its device state is one allocation, saved and loaded as it is:
+//   master FP32 [n] | m [n] | v [n] | m group scalars [n/128][S] | v group scalars [n/128][S]
+// with m and v FP32, BF16 or E4M3 bytes, and S FP32 scalars per group: 0 (fp32, bf16),
+// 1 (fp8: scale), 3 (fp8_dre: scale, k, c). A separate table holds one byte per group:
+// 1 where weight decay applies.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include "common.cuh"
+#include "params.h"
+
+typedef enum {
+    OPT_STATES_FP32,     // 8 bytes per parameter
+    OPT_STATES_BF16,     // 4
+    OPT_STATES_FP8,      // 2 + 8/128
+    OPT_STATES_FP8_DRE,  // 2 + 24/128
+} OptimizerStateKind;
+
+typedef struct {
+    float beta1, beta2, eps;
+    float weight_decay;
+    int weight_decay_all;  // 0: decay the matrices (param_kind_is_matrix) only; 1: every tensor
+} AdamWConfig;
+
+typedef struct {
+    AdamWConfig config;
+    OptimizerStateKind kind;
+    long long step;                 // completed steps: t of the last step taken
+    size_t shard_begin, shard_end;  // elements of the padded buffer this optimizer owns
+    size_t n;                       // shard_end - shard_begin
+    void *state;                    // the one allocation described above
+    size_t state_bytes;
+    float *master;                  // [n]
+    void *m, *v;                    // [n] each, float, bf16 or E4M3 bytes
+    float *m_group, *v_group;       // [n/128][S] each (NULL when S = 0)
+    unsigned char *decay_group;     // [n/128]
+} AdamW;
+
+#define ADAMW_GROUP PARAM_ALIGN_ELEMS               // quantization group
+#define ADAMW_VEC 8                                 // elements per thread: one 16-byte BF16 load
+#define ADAMW_THREADS_PER_GROUP (ADAMW_GROUP / ADAMW_VEC)  // 16, half a warp
+#define ADAMW_THREADS 256
+#define DRE_E4M3_MAX 448.0f
+#define DRE_K_NUMERATOR 265.83535750584331f         // 16 * log2(448 * 448 / 2)
+#define DRE_EQUAL_RATIO (1.0f + 1e-6f)              // R up to this: all magnitudes equal, k = 1
+#define ADAMW_CHECKPOINT_MAGIC 0x4d41444154414f43ull  // "COATADAM" in a little-endian uint64
+#define ADAMW_CHECKPOINT_VERSION 1
+#define ADAMW_COPY_CHUNK_BYTES ((size_t)64 << 20)   // staging buffer for save and load
+
+static inline const char *optimizer_state_kind_name(OptimizerStateKind kind) {
+    switch (kind) {
+    case OPT_STATES_FP32: return "fp32";
+    case OPT_STATES_BF16: return "bf16";
+    case OPT_STATES_FP8: return "fp8";
+    case OPT_STATES_FP8_DRE: return "fp8_dre";
+    }
+    return "unknown";
+}
+
+static inline size_t adamw_moment_elem_bytes(OptimizerStateKind kind) {
+    switch (kind) {
+    case OPT_STATES_FP32: return 4;
+    case OPT_STATES_BF16: return 2;
+    case OPT_STATES_FP8: case OPT_STATES_FP8_DRE: return 1;
+    }
+    return 0;
+}
+
+// FP32 scalars each 128-group keeps per moment.
+static inline size_t adamw_group_scalars(OptimizerStateKind kind) {
+    switch (kind) {
+    case OPT_STATES_FP32: case OPT_STATES_BF16: return 0;
+    case OPT_STATES_FP8: return 1;
+    case OPT_STATES_FP8_DRE: return 3;
+    }
+    return 0;
+}
+
+// Bytes of the saved state (master, m, v, group scalars) for a shard of n elements.
+static inline size_t adamw_payload_bytes(OptimizerStateKind kind, size_t n) {
+    size_t groups = n / ADAMW_GROUP;
+    return 4 * n + 2 * (adamw_moment_elem_bytes(kind) * n + 4 * adamw_group_scalars(kind) * groups);
+}
+
+// Device memory the optimizer allocates for a shard of n elements: the state and the decay table.
+static inline size_t adamw_state_bytes(OptimizerStateKind kind, size_t n) {
+    return adamw_payload_bytes(kind, n) + n / ADAMW_GROUP;
+}
+
+// ---- arithmetic that rounds identically on the host and the device ----------------------
+
+// a * b rounded on its own: nvcc would otherwise fuse it into a following add (an FMA rounds
+// once), which a host compiler for baseline x86-64 never does.
+static __host__ __device__ __forceinline__ float mul_unfused(float a, float b) {
+#ifdef __CUDA_ARCH__
+    return __fmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+
+static __host__ __device__ __forceinline__ uint32_t dre_float_bits(float x) {
+#ifdef __CUDA_ARCH__
+    return __float_as_uint(x);
+#else
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof(bits));
+    return bits;
+#endif
+}
+
+static __host__ __device__ __forceinline__ float dre_bits_float(uint32_t bits) {
+#ifdef __CUDA_ARCH__
+    return __uint_as_float(bits);
+#else
+    float x;
+    memcpy(&x, &bits, sizeof(x));
+    return x;
+#endif
+}
+
+// log2(x) for x > 0 (infinity and NaN pass through), within a few ulp: x = 2^e f with f in [sqrt(1/2), sqrt(2)), and
+// ln f = 2 atanh(s) = 2 (s + s^3/3 + ... + s^11/11) with s = (f - 1) / (f + 1), |s| < 0.172.
+// f - 1 is exact, so log2 stays accurate relative to itself near x = 1, where DRE needs it.
+static __host__ __device__ inline float dre_log2(float x) {
+    if (!(x <= 3.40282347e38f)) return x;  // infinity and NaN
+    int exponent = 0;
+    if (x < 1.17549435e-38f) {  // subnormal: scale by 2^24 (exact)
+        x = mul_unfused(x, 16777216.0f);
+        exponent = -24;
+    }
+    uint32_t bits = dre_float_bits(x);
+    exponent += (int)(bits >> 23) - 127;
+    float f = dre_bits_float((bits & 0x007fffffu) | 0x3f800000u);  // [1, 2)
+    if (f > 1.41421356f) {
+        f = mul_unfused(f, 0.5f);
+        exponent += 1;
+    }
+    float s = (f - 1.0f) / (f + 1.0f);
+    float s2 = mul_unfused(s, s);
+    float series = fmaf(s2, 0.0909090936f, 0.111111112f);  // 1/11, 1/9
+    series = fmaf(s2, series, 0.142857149f);                // 1/7
+    series = fmaf(s2, series, 0.200000003f);                // 1/5
+    series = fmaf(s2, series, 0.333333343f);                // 1/3
+    float two_s = 2.0f * s;
+    float ln_f = fmaf(mul_unfused(two_s, s2), series, two_s);
+    return fmaf(ln_f, 1.44269502f, (float)exponent);        // log2(e)
+}
+
+// 2^t within a few ulp: t = n + r with n = rint(t), |r| <= 1/2 (exact), 2^r = e^(r ln 2) by its
+// Taylor series to degree 7, then times 2^n in two exact-or-once-rounded steps (subnormal results).
+static __host__ __device__ inline float dre_exp2(float t) {
+    if (t != t) return t;  // NaN
+    if (t >= 128.0f) return dre_bits_float(0x7f800000u);  // +infinity
+    if (t < -151.0f) return 0.0f;
+    float n = rintf(t);
+    float u = mul_unfused(t - n, 0.693147182f);  // ln 2
+    float p = fmaf(u, 1.98412701e-4f, 1.38888892e-3f);  // 1/5040, 1/720
+    p = fmaf(u, p, 8.33333377e-3f);                       // 1/120
+    p = fmaf(u, p, 4.16666679e-2f);                       // 1/24
+    p = fmaf(u, p, 0.166666672f);                         // 1/6
+    p = fmaf(u, p, 0.5f);
+    p = fmaf(u, p, 1.0f);
+    p = fmaf(u, p, 1.0f);  // in [0.70, 1.42]
+    int e = (int)n;
+    if (e > 127) return mul_unfused(mul_unfused(p, dre_bits_float(254u << 23)), 2.0f);
+    if (e >= -126) return mul_unfused(p, dre_bits_float((uint32_t)(e + 127) << 23));
+    return mul_unfused(mul_unfused(p, dre_bits_float((uint32_t)(e + 64 + 127) << 23)), dre_bits_float(63u << 23));  // 2^(e+64) 2^-64
+}
+
+// y^p for y >= 0: 0 stays 0 and p = 1 returns y itself.
+static __host__ __device__ inline float dre_pow(float y, float p) {
+    if (p == 1.0f || y == 0.0f) return y;
+    return dre_exp2(mul_unfused(p, dre_log2(y)));
+}
+
+// ---- the step kernel ----------------------------------------------------------------------
+
+// What every element of one step shares; computed on the host.
+typedef struct {
+    float lr, grad_scale;
+    float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay;
+    float bias_correction1, bias_correction2;  // 1 - b^t, from double
+} AdamWStepScalars;
+
+// The shard as the kernel sees it; every pointer starts at the shard's first element.
+typedef struct {
+    bf16 *params;
+    const bf16 *grads;
+    float *master;
+    void *m, *v;
+    float *m_group, *v_group;
+    const unsigned char *decay_group;
+    size_t n;
+} AdamWShard;
+
+__device__ __forceinline__ void adamw_load8(const float *p, float out[ADAMW_VEC]) {
+    Vec16<float> a = load16(p), b = load16(p + 4);
+    for (int j = 0; j < 4; j++) { out[j] = a[j]; out[j + 4] = b[j]; }
+}
+__device__ __forceinline__ void adamw_store8(float *p, const float in[ADAMW_VEC]) {
+    Vec16<float> a, b;
+    for (int j = 0; j < 4; j++) { a[j] = in[j]; b[j] = in[j + 4]; }
+    store16(p, a);
+    store16(p + 4, b);
+}
+__device__ __forceinline__ void adamw_load8(const bf16 *p, float out[ADAMW_VEC]) {
+    Vec16<bf16> a = load16(p);
+    for (int j = 0; j < ADAMW_VEC; j++) out[j] = __bfloat162float(a[j]);
+}
+__device__ __forceinline__ void adamw_store8(bf16 *p, const float in[ADAMW_VEC]) {
+    Vec16<bf16> a;
+    for (int j = 0; j < ADAMW_VEC; j++) a[j] = __float2bfloat16_rn(in[j]);
+    store16(p, a);
+}
+
+// Max and min over the 16 threads of one 128-group (lanes 0-15 or 16-31 of the warp). Every
+// lane of the warp must call them.
+__device__ __forceinline__ float adamw_group_max(float x) {
+    for (int offset = ADAMW_THREADS_PER_GROUP / 2; offset > 0; offset >>= 1)
+        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset, ADAMW_THREADS_PER_GROUP));
+    return x;
+}
+__device__ __forceinline__ float adamw_group_min(float x) {
+    for (int offset = ADAMW_THREADS_PER_GROUP / 2; offset > 0; offset >>= 1)
+        x = fminf(x, __shfl_xor_sync(0xffffffffu, x, offset, ADAMW_THREADS_PER_GROUP));
+    return x;
+}
+
+__device__ __forceinline__ float adamw_e4m3_decode(uint32_t code) {
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)code, __NV_E4M3)));
+}
+__device__ __forceinline__ uint32_t adamw_e4m3_encode(float x) {
+    return (uint32_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+}
+
+// This thread's 8 values of a moment from its E4M3 codes and the group's scalars.
+template <bool DRE>
+__device__ __forceinline__ void dequantize8_e4m3(float out[ADAMW_VEC], uint2 codes, const float *group) {
+    float scale = group[0];
+    for (int j = 0; j < ADAMW_VEC; j++) {
+        uint32_t word = j < 4 ? codes.x : codes.y;
+        float y = mul_unfused(adamw_e4m3_decode((word >> (8 * (j % 4))) & 0xffu), scale);
+        if (DRE) {
+            float k = group[1], c = group[2];
+            y = copysignf(mul_unfused(dre_pow(fabsf(y), 1.0f / k), c), y);
+        }
+        out[j] = y;
+    }
+}
+
+// Quantizes a whole 128-group, 8 values per thread of its 16: returns this thread's codes and
+// writes the group's scalars from its first thread. Called by every lane of the warp (inactive
+// lanes pass zeros and write nothing).
+template <bool DRE>
+__device__ __forceinline__ uint2 quantize8_e4m3(const float x[ADAMW_VEC], float *group, bool active) {
+    float local_max = 0.0f, local_min = dre_bits_float(0x7f800000u);
+    for (int j = 0; j < ADAMW_VEC; j++) {
+        float a = fabsf(x[j]);
+        local_max = fmaxf(local_max, a);
+        if (a > 0.0f) local_min = fminf(local_min, a);
+    }
+    float max_abs = adamw_group_max(local_max), min_abs = adamw_group_min(local_min);
+    float scale = 1.0f, k = 1.0f, c = 1.0f;
+    if (max_abs > 0.0f) {
+        if (DRE) {
+            float ratio = max_abs / min_abs;
+            if (ratio > DRE_EQUAL_RATIO) {
+                // Past FLT_MAX the ratio is taken as a difference of logs.
+                float log2_ratio = isinf(ratio) ? dre_log2(max_abs) - dre_log2(min_abs) : dre_log2(ratio);
+                k = fmaxf(floorf(DRE_K_NUMERATOR / log2_ratio), 1.0f) * 0.0625f;
+            }
+            c = mul_unfused(sqrtf(max_abs), sqrtf(min_abs));
+            scale = dre_pow(max_abs / c, k) / DRE_E4M3_MAX;
+        } else {
+            scale = max_abs / DRE_E4M3_MAX;
+        }
+    }
+    uint2 codes = make_uint2(0u, 0u);
+    for (int j = 0; j < ADAMW_VEC; j++) {
+        float y = DRE ? copysignf(dre_pow(fabsf(x[j]) / c, k), x[j]) / scale : x[j] / scale;
+        uint32_t code = adamw_e4m3_encode(y) << (8 * (j % 4));
+        if (j < 4) codes.x |= code; else codes.y |= code;
+    }
+    if (active && (threadIdx.x % ADAMW_THREADS_PER_GROUP) == 0) {
+        group[0] = scale;
+        if (DRE) { group[1] = k; group[2] = c; }
+    }
+    return codes;
+}
+
+// One thread per 8 elements, 16 threads per 128-group; the grid covers the shard once.
+template <OptimizerStateKind KIND>
+__global__ void __launch_bounds__(ADAMW_THREADS) adamw_step_kernel(AdamWShard shard, AdamWStepScalars sc) {
+    constexpr bool FP8 = KIND == OPT_STATES_FP8 || KIND == OPT_STATES_FP8_DRE;
+    constexpr bool DRE = KIND == OPT_STATES_FP8_DRE;
+    constexpr int SCALARS = DRE ? 3 : 1;
+    size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * ADAMW_VEC;
+    bool active = i < shard.n;  // n is a multiple of 128: whole groups are in or out
+    if (!FP8 && !active) return;
+    size_t group = i / ADAMW_GROUP;
+
+    float p[ADAMW_VEC] = {0}, g[ADAMW_VEC] = {0}, m[ADAMW_VEC] = {0}, v[ADAMW_VEC] = {0};
+    if (active) {
+        adamw_load8(shard.master + i, p);
+        Vec16<bf16> grad = load16_stream(shard.grads + i);
+        for (int j = 0; j < ADAMW_VEC; j++) g[j] = mul_unfused(__bfloat162float(grad[j]), sc.grad_scale);
+        if constexpr (KIND == OPT_STATES_FP32) {
+            adamw_load8((const float *)shard.m + i, m);
+            adamw_load8((const float *)shard.v + i, v);
+        } else if constexpr (KIND == OPT_STATES_BF16) {
+            adamw_load8((const bf16 *)shard.m + i, m);
+            adamw_load8((const bf16 *)shard.v + i, v);
+        } else {
+            dequantize8_e4m3<DRE>(m, *(const uint2 *)((const unsigned char *)shard.m + i), shard.m_group + group * SCALARS);
+            dequantize8_e4m3<DRE>(v, *(const uint2 *)((const unsigned char *)shard.v + i), shard.v_group + group * SCALARS);
+        }
+        float decay = shard.decay_group[group] ? sc.weight_decay : 0.0f;
+        for (int j = 0; j < ADAMW_VEC; j++) {
+            m[j] = fmaf(sc.beta1, m[j], mul_unfused(sc.one_minus_beta1, g[j]));
+            v[j] = fmaf(sc.beta2, v[j], mul_unfused(mul_unfused(sc.one_minus_beta2, g[j]), g[j]));
+            float m_hat = m[j] / sc.bias_correction1;
+            float v_hat = v[j] / sc.bias_correction2;
+            float update = fmaf(decay, p[j], m_hat / (sqrtf(v_hat) + sc.eps));
+            p[j] = fmaf(-sc.lr, update, p[j]);
+        }
+        adamw_store8(shard.master + i, p);
+        adamw_store8(shard.params + i, p);
+        if constexpr (KIND == OPT_STATES_FP32) {
+            adamw_store8((float *)shard.m + i, m);
+            adamw_store8((float *)shard.v + i, v);
+        } else if constexpr (KIND == OPT_STATES_BF16) {
+            adamw_store8((bf16 *)shard.m + i, m);
+            adamw_store8((bf16 *)shard.v + i, v);
+        }
+    }
+    if constexpr (FP8) {  // every lane takes part in the group reductions
+        uint2 m_codes = quantize8_e4m3<DRE>(m, shard.m_group + group * SCALARS, active);
+        uint2 v_codes = quantize8_e4m3<DRE>(v, shard.v_group + group * SCALARS, active);
+        if (active) {
+            *(uint2 *)((unsigned char *)shard.m + i) = m_codes;
+            *(uint2 *)((unsigned char *)shard.v + i) = v_codes;
+        }
+    }
+}
+
+__global__ void adamw_fill_kernel(float *out, float value, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = value;
+}
+
+// params[i] = bf16_rn(master[i]) over the shard (both pointers start at shard_begin).
+__global__ void adamw_master_to_params_kernel(bf16 *params, const float *master, size_t n) {
+    size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * ADAMW_VEC;
+    if (i >= n) return;
+    float p[ADAMW_VEC];
+    adamw_load8(master + i, p);
+    adamw_store8(params + i, p);
+}
+
+__global__ void adamw_params_to_master_kernel(float *master, const bf16 *params, size_t n) {
+    size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * ADAMW_VEC;
+    if (i >= n) return;
+    float p[ADAMW_VEC];
+    adamw_load8(params + i, p);
+    adamw_store8(master + i, p);
+}
+
+// ---- host side --------------------------------------------------------------------------
+
+static inline void adamw_die(const char *what, const char *detail) {
+    fprintf(stderr, "error: %s: %s\n", what, detail);
+    exit(EXIT_FAILURE);
+}
+
+static inline void adamw_check_aligned(const void *pointer, const char *what) {
+    if ((uintptr_t)pointer % 16 != 0) adamw_die(what, "pointer is not 16-byte aligned");
+}
+
+static inline void adamw_mark_decay(unsigned char *table, size_t shard_begin, size_t shard_end, size_t offset,
+                                    size_t padded, int decay) {
+    size_t begin = offset > shard_begin ? offset : shard_begin;
+    size_t end = offset + padded < shard_end ? offset + padded : shard_end;
+    for (size_t e = begin; e < end; e += ADAMW_GROUP) table[(e - shard_begin) / ADAMW_GROUP] = (unsigned char)decay;
+}
+
+// One byte per group of the shard: 1 where the tensor is decayed. Groups past the model (the
+// padding of the last ZeRO shard) hold only zeros and are not decayed.
+static inline void adamw_build_decay_table(unsigned char *table, const ParamLayout *layout, size_t shard_begin,
+                                           size_t shard_end, int decay_all) {
+    memset(table, 0, (shard_end - shard_begin) / ADAMW_GROUP);
+    for (int kind = 0; kind < PARAM_KINDS; kind++) {
+        int decay = decay_all || param_kind_is_matrix((ParamKind)kind);
+        int copies = param_kind_is_per_layer((ParamKind)kind) ? layout->shape.n_layers : 1;
+        for (int layer = 0; layer < copies; layer++)
+            adamw_mark_decay(table, shard_begin, shard_end, param_offset(layout, (ParamKind)kind, layer),
+                             layout->padded[kind], decay);
+    }
+}
+
+// Allocates the state of the shard [shard_begin, shard_end): moments zero (FP8 groups as an
+// all-zero group: s = k = c = 1), master zero until adamw_set_master_* fills it, step 0.
+static inline void adamw_create(AdamW *opt, OptimizerStateKind kind, const AdamWConfig *config,
+                                const ParamLayout *layout, size_t shard_begin, size_t shard_end, cudaStream_t stream) {
+    if (shard_begin % ADAMW_GROUP != 0 || shard_end % ADAMW_GROUP != 0 || shard_end <= shard_begin) {
+        char detail[160];
+        snprintf(detail, sizeof(detail), "shard [%zu, %zu) must be a non-empty range of multiples of %d", shard_begin,
+                 shard_end, ADAMW_GROUP);
+        adamw_die("adamw_create", detail);
+    }
+    size_t n = shard_end - shard_begin, groups = n / ADAMW_GROUP;
+    size_t scalars = adamw_group_scalars(kind), moment_bytes = adamw_moment_elem_bytes(kind) * n;
+    opt->config = *config;
+    opt->kind = kind;
+    opt->step = 0;
+    opt->shard_begin = shard_begin;
+    opt->shard_end = shard_end;
+    opt->n = n;
+    opt->state_bytes = adamw_payload_bytes(kind, n);
+    cudaCheck(cudaMalloc(&opt->state, opt->state_bytes));
+    cudaCheck(cudaMemsetAsync(opt->state, 0, opt->state_bytes, stream));
+    unsigned char *base = (unsigned char *)opt->state;
+    opt->master = (float *)base;
+    opt->m = base + 4 * n;
+    opt->v = base + 4 * n + moment_bytes;
+    opt->m_group = scalars ? (float *)(base + 4 * n + 2 * moment_bytes) : NULL;
+    opt->v_group = scalars ? opt->m_group + groups * scalars : NULL;
+    if (scalars) {
+        size_t count = 2 * groups * scalars;
+        adamw_fill_kernel<<<(unsigned)ceil_div_size(count, 256), 256, 0, stream>>>(opt->m_group, 1.0f, count);
+        cudaCheckLaunch();
+    }
+    unsigned char *table = (unsigned char *)malloc(groups);
+    if (!table) adamw_die("adamw_create", "out of host memory for the weight-decay table");
+    adamw_build_decay_table(table, layout, shard_begin, shard_end, config->weight_decay_all);
+    cudaCheck(cudaMalloc(&opt->decay_group, groups));
+    cudaCheck(cudaMemcpyAsync(opt->decay_group, table, groups, cudaMemcpyHostToDevice, stream));
+    cudaCheck(cudaStreamSynchronize(stream));
+    free(table);
+}
+
+static inline void adamw_free(AdamW *opt) {
+    cudaCheck(cudaFree(opt->state));
+    cudaCheck(cudaFree(opt->decay_group));
+    opt->state = NULL;
+    opt->decay_group = NULL;
+}
+
+// Master weights from an FP32 host buffer of the whole model (a fresh initialisation), holding
+// at least shard_end elements.
+static inline void adamw_set_master_from_host(AdamW *opt, const float *params_fp32, cudaStream_t stream) {
+    cudaCheck(cudaMemcpyAsync(opt->master, params_fp32 + opt->shard_begin, 4 * opt->n, cudaMemcpyHostToDevice, stream));
+    cudaCheck(cudaStreamSynchronize(stream));
+}
+
+// Master weights from the BF16 parameters (whole buffer on the device), exactly.
+static inline void adamw_set_master_from_params(AdamW *opt, const bf16 *params, cudaStream_t stream) {
+    adamw_check_aligned(params, "adamw_set_master_from_params: params");
+    unsigned blocks = (unsigned)ceil_div_size(opt->n / ADAMW_VEC, ADAMW_THREADS);
+    adamw_params_to_master_kernel<<<blocks, ADAMW_THREADS, 0, stream>>>(opt->master, params + opt->shard_begin, opt->n);
+    cudaCheckLaunch();
+}
+
+// The shard of the BF16 parameters (whole buffer on the device) as the master rounded to nearest
+// even: what a step writes, for after adamw_set_master_from_host or adamw_load.
+static inline void adamw_write_params(const AdamW *opt, bf16 *params, cudaStream_t stream) {
+    adamw_check_aligned(params, "adamw_write_params: params");
+    unsigned blocks = (unsigned)ceil_div_size(opt->n / ADAMW_VEC, ADAMW_THREADS);
+    adamw_master_to_params_kernel<<<blocks, ADAMW_THREADS, 0, stream>>>(params + opt->shard_begin, opt->master, opt->n);
+    cudaCheckLaunch();
+}
+
+// The shard's master weights into host_params[shard_begin, shard_end) (for the checkpoint's
+// FP32 weights); waits for the copy.
+static inline void adamw_copy_master_to_host(const AdamW *opt, float *host_params, cudaStream_t stream) {
+    cudaCheck(cudaMemcpyAsync(host_params + opt->shard_begin, opt->master, 4 * opt->n, cudaMemcpyDeviceToHost, stream));
+    cudaCheck(cudaStreamSynchronize(stream));
+}
+
+// One AdamW step over the shard (t = ++opt->step): params is the whole buffer, grads_shard the
+// shard's n gradients. grad_scale multiplies every gradient first (the clip factor).
+static inline void adamw_step(AdamW *opt, bf16 *params, const bf16 *grads_shard, float lr, float grad_scale,
+                              cudaStream_t stream) {
+    adamw_check_aligned(params, "adamw_step: params");
+    adamw_check_aligned(grads_shard, "adamw_step: grads_shard");
+    opt->step++;
+    const AdamWConfig *c = &opt->config;
+    AdamWStepScalars sc;
+    sc.lr = lr;
+    sc.grad_scale = grad_scale;
+    sc.beta1 = c->beta1;
+    sc.one_minus_beta1 = 1.0f - c->beta1;
+    sc.beta2 = c->beta2;
+    sc.one_minus_beta2 = 1.0f - c->beta2;
+    sc.eps = c->eps;
+    sc.weight_decay = c->weight_decay;
+    sc.bias_correction1 = (float)(1.0 - pow((double)c->beta1, (double)opt->step));
+    sc.bias_correction2 = (float)(1.0 - pow((double)c->beta2, (double)opt->step));
+    AdamWShard shard;
+    shard.params = params + opt->shard_begin;
+    shard.grads = grads_shard;
+    shard.master = opt->master;
+    shard.m = opt->m;
+    shard.v = opt->v;
+    shard.m_group = opt->m_group;
+    shard.v_group = opt->v_group;
+    shard.decay_group = opt->decay_group;
+    shard.n = opt->n;
+    unsigned blocks = (unsigned)ceil_div_size(opt->n / ADAMW_VEC, ADAMW_THREADS);
+    switch (opt->kind) {
+    case OPT_STATES_FP32: adamw_step_kernel<OPT_STATES_FP32><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc); break;
+    case OPT_STATES_BF16: adamw_step_kernel<OPT_STATES_BF16><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc); break;
+    case OPT_STATES_FP8: adamw_step_kernel<OPT_STATES_FP8><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc); break;
+    case OPT_STATES_FP8_DRE: adamw_step_kernel<OPT_STATES_FP8_DRE><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc); break;
+    }
+    cudaCheckLaunch();
+}
+
+// ---- save and load ----------------------------------------------------------------------
+// File layout: AdamWCheckpointHeader (7 little-endian uint64), then the state allocation as it
+// is (payload_bytes): master, m, v, group scalars. The decay table is rebuilt from the config.
+
+typedef struct {
+    uint64_t magic, version, state_kind, shard_begin, shard_end, step, payload_bytes;
+} AdamWCheckpointHeader;
+
+// Bytes adamw_save writes.
+static inline size_t adamw_checkpoint_bytes(const AdamW *opt) { return sizeof(AdamWCheckpointHeader) + opt->state_bytes; }
+
+static inline void adamw_checkpoint_header(const AdamW *opt, AdamWCheckpointHeader *h) {
+    h->magic = ADAMW_CHECKPOINT_MAGIC;
+    h->version = ADAMW_CHECKPOINT_VERSION;
+    h->state_kind = (uint64_t)opt->kind;
+    h->shard_begin = opt->shard_begin;
+    h->shard_end = opt->shard_end;
+    h->step = (uint64_t)opt->step;
+    h->payload_bytes = opt->state_bytes;
+}
+
+// 0 when a saved header fits this optimizer; otherwise -1 with what is wrong in `error`.
+static inline int adamw_checkpoint_header_check(const AdamW *opt, const AdamWCheckpointHeader *h, char *error,
+                                                size_t error_size) {
+    if (h->magic != ADAMW_CHECKPOINT_MAGIC) {
+        snprintf(error, error_size, "not an AdamW state (bad magic)");
+        return -1;
+    }
+    if (h->version != ADAMW_CHECKPOINT_VERSION) {
+        snprintf(error, error_size, "AdamW state version %llu, expected %d", (unsigned long long)h->version,
+                 ADAMW_CHECKPOINT_VERSION);
+        return -1;
+    }
+    if (h->state_kind != (uint64_t)opt->kind) {
+        snprintf(error, error_size, "optimizer states are %s in the file, %s in the config",
+                 h->state_kind <= OPT_STATES_FP8_DRE ? optimizer_state_kind_name((OptimizerStateKind)h->state_kind) : "unknown",
+                 optimizer_state_kind_name(opt->kind));
+        return -1;
+    }
+    if (h->shard_begin != opt->shard_begin || h->shard_end != opt->shard_end) {
+        snprintf(error, error_size, "optimizer shard [%llu, %llu) in the file, [%zu, %zu) here (different ranks or model)",
+                 (unsigned long long)h->shard_begin, (unsigned long long)h->shard_end, opt->shard_begin, opt->shard_end);
+        return -1;
+    }
+    if (h->payload_bytes != opt->state_bytes) {
+        snprintf(error, error_size, "optimizer state of %llu bytes in the file, %zu expected",
+                 (unsigned long long)h->payload_bytes, opt->state_bytes);
+        return -1;
+    }
+    if (h->step > (uint64_t)1 << 62) {
+        snprintf(error, error_size, "corrupt optimizer step count %llu", (unsigned long long)h->step);
+        return -1;
+    }
+    return 0;
+}
+
+// Writes the whole state (step, master, moments) to `file` (path names it in errors); waits
+// for the stream first.
+static inline void adamw_save(const AdamW *opt, FILE *file, const char *path, cudaStream_t stream) {
+    AdamWCheckpointHeader h;
+    adamw_checkpoint_header(opt, &h);
+    if (fwrite(&h, sizeof(h), 1, file) != 1) adamw_die(path, "cannot write the optimizer state header");
+    unsigned char *staging = (unsigned char *)malloc(ADAMW_COPY_CHUNK_BYTES);
+    if (!staging) adamw_die(path, "out of host memory for the optimizer staging buffer");
+    for (size_t done = 0; done < opt->state_bytes; done += ADAMW_COPY_CHUNK_BYTES) {
+        size_t bytes = opt->state_bytes - done < ADAMW_COPY_CHUNK_BYTES ? opt->state_bytes - done : ADAMW_COPY_CHUNK_BYTES;
+        cudaCheck(cudaMemcpyAsync(staging, (const unsigned char *)opt->state + done, bytes, cudaMemcpyDeviceToHost, stream));
+        cudaCheck(cudaStreamSynchronize(stream));
+        if (fwrite(staging, 1, bytes, file) != bytes) adamw_die(path, "cannot write the optimizer state");
+    }
+    free(staging);
+}
+
+// Reads what adamw_save wrote into an optimizer created with the same kind and shard; names
+// any mismatch and exits. The BF16 parameters are not touched: see adamw_write_params.
+static inline void adamw_load(AdamW *opt, FILE *file, const char *path, cudaStream_t stream) {
+    AdamWCheckpointHeader h;
+    char error[256];
+    if (fread(&h, sizeof(h), 1, file) != 1) adamw_die(path, "truncated optimizer state (header)");
+    if (adamw_checkpoint_header_check(opt, &h, error, sizeof(error)) != 0) adamw_die(path, error);
+    unsigned char *staging = (unsigned char *)malloc(ADAMW_COPY_CHUNK_BYTES);
+    if (!staging) adamw_die(path, "out of host memory for the optimizer staging buffer");
+    for (size_t done = 0; done < opt->state_bytes; done += ADAMW_COPY_CHUNK_BYTES) {
+        size_t bytes = opt->state_bytes - done < ADAMW_COPY_CHUNK_BYTES ? opt->state_bytes - done : ADAMW_COPY_CHUNK_BYTES;
+        if (fread(staging, 1, bytes, file) != bytes) adamw_die(path, "truncated optimizer state");
+        cudaCheck(cudaMemcpyAsync((unsigned char *)opt->state + done, staging, bytes, cudaMemcpyHostToDevice, stream));
+        cudaCheck(cudaStreamSynchronize(stream));
+    }
+    free(staging);
+    opt->step = (long long)h.step;
+}
+
+// ---- global gradient norm ---------------------------------------------------------------
+// Sum of squares of n BF16 values in two fixed-shape passes: GRAD_NORM_BLOCKS blocks each sum
+// a fixed grid-stride slice in FP32 per 8 values and FP64 across them, reduce in a fixed tree,
+// then one block adds the partials in a fixed tree. Same input, same bits, on any GPU.
+
+#define GRAD_NORM_BLOCKS 1024
+#define GRAD_NORM_THREADS 256
+
+static inline size_t grad_norm_scratch_bytes(void) { return GRAD_NORM_BLOCKS * sizeof(double); }
+
+__device__ __forceinline__ double grad_norm_warp_sum(double x) {
+    for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024), valid in thread 0.
+__device__ __forceinline__ double grad_norm_block_sum(double x) {
+    __shared__ double warp_sums[32];
+    x = grad_norm_warp_sum(x);
+    int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    if (threadIdx.x % 32 == 0) warp_sums[warp] = x;
+    __syncthreads();
+    double total = 0.0;
+    if (threadIdx.x == 0)
+        for (int w = 0; w < warps; w++) total += warp_sums[w];
+    return total;
+}
+
+__global__ void __launch_bounds__(GRAD_NORM_THREADS) grad_norm_partial_kernel(double *partials, const bf16 *grads, size_t n_vecs) {
+    double sum = 0.0;
+    for (size_t vec = (size_t)blockIdx.x * blockDim.x + threadIdx.x; vec < n_vecs; vec += (size_t)gridDim.x * blockDim.x) {
+        Vec16<bf16> g = load16_stream(grads + vec * 8);
+        float squares = 0.0f;
+        for (int j = 0; j < 8; j++) {
+            float x = __bfloat162float(g[j]);
+            squares = fmaf(x, x, squares);
+        }
+        sum += (double)squares;
+    }
+    double block_total = grad_norm_block_sum(sum);
+    if (threadIdx.x == 0) partials[blockIdx.x] = block_total;
+}
+
+__global__ void __launch_bounds__(GRAD_NORM_BLOCKS) grad_norm_final_kernel(float *out, const double *partials) {
+    double total = grad_norm_block_sum(partials[threadIdx.x]);
+    if (threadIdx.x == 0) *out = (float)total;
+}
+
+// *out_device = sum of grads[i]^2 over n values (n a multiple of 8, grads 16-byte aligned);
+// scratch holds grad_norm_scratch_bytes(). Under ZeRO each rank sums its shard and the ranks
+// add their sums.
+static inline void grad_norm_squared(float *out_device, const bf16 *grads, size_t n, double *scratch, cudaStream_t stream) {
+    if (n % 8 != 0) adamw_die("grad_norm_squared", "the element count must be a multiple of 8");
+    adamw_check_aligned(grads, "grad_norm_squared: grads");
+    grad_norm_partial_kernel<<<GRAD_NORM_BLOCKS, GRAD_NORM_THREADS, 0, stream>>>(scratch, grads, n / 8);
+    cudaCheckLaunch();
+    grad_norm_final_kernel<<<1, GRAD_NORM_BLOCKS, 0, stream>>>(out_device, scratch);
+    cudaCheckLaunch();
+}
+
+// The factor that scales the gradients to a global norm of at most max_norm (max_norm <= 0: no
+// clipping). A non-finite norm must be handled by the caller: this returns 1 for NaN.
+static inline float grad_clip_factor(float norm, float max_norm) {
+    if (max_norm <= 0.0f) return 1.0f;
+    return fminf(1.0f, max_norm / (norm + 1e-6f));
+}

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Training throughput of train_llama beside the PyTorch reference (torch.compile, BF16 autocast,
+# fused AdamW), measured in the same call on the same GPU, on random tokens:
+# tokens/s, MFU and peak memory for llama-125m and llama-1b at the ANCHORS.md micro-batches.
+# Usage: scripts/bench.sh [STEPS]      (writes build/bench/results.md; $OUT/bench.md too when set)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+steps=${1:-30}
+dir=build/bench
+mkdir -p "$dir"
+python3 - "$dir" <<'PY'
+import os, random, struct, sys
+# 8M random tokens below 32000 in llm.c's uint16 shard format (throughput only: content is irrelevant).
+path = os.path.join(sys.argv[1], "train_000000.bin")
+count = 8 << 20
+if not os.path.exists(path):
+    rng = random.Random(0)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<256i", 20240520, 1, count, *([0] * 253)))
+        f.write(struct.pack(f"<{count}H", *(rng.randrange(32000) for _ in range(count))))
+PY
+
+# Median tokens/s and MFU over the steps after the first five, and the memory plan's total.
+ours() {  # ours NAME CONFIG B T
+    local out="$dir/$1"
+    rm -rf "$out"
+    ./train_llama "configs/models/$2.conf" --train_data="$dir/train_*.bin" --micro_batch_size="$3" --seq_len="$4" \
+        --max_steps="$steps" --warmup_steps=1 --val_every=0 --checkpoints_keep=1 --out_dir="$out" > "$out.log" 2>&1 ||
+        { tail -5 "$out.log" >&2; echo "{\"impl\": \"train_llama\", \"error\": \"failed\"}"; return; }
+    python3 - "$out/log.jsonl" "$out.log" <<'PY'
+import json, re, statistics, sys
+records = [json.loads(line) for line in open(sys.argv[1]) if '"train_loss"' in line][5:]
+plan = re.search(r"^  total\s+([0-9.]+) GiB", open(sys.argv[2]).read(), re.M)
+print(json.dumps({"impl": "train_llama", "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
+                  "mfu": statistics.median(r["mfu"] for r in records), "peak_gib": float(plan.group(1)),
+                  "used_gib": max(r["gpu_mem_gib"] for r in records)}))
+PY
+}
+pytorch() {  # pytorch CONFIG B T
+    python3 scripts/train_llama.py --bench --compile --config "configs/models/$1.conf" --batch "$2" --seq "$3" \
+        --steps "$steps" 2>"$dir/pytorch-$1.err" | tail -1 || echo '{"impl": "pytorch-compile", "error": "failed"}'
+}
+
+{
+    echo "| model | micro-batch | implementation | tokens/s | MFU | peak GiB | tokens/s vs PyTorch |"
+    echo "|---|---|---|---|---|---|---|"
+    for spec in "llama-125m 64 1024" "llama-1b 16 2048"; do
+        set -- $spec
+        a=$(ours "$1" "$1" "$2" "$3"); b=$(pytorch "$1" "$2" "$3")
+        python3 - "$1" "$2x$3" "$a" "$b" <<'PY'
+import json, sys
+name, batch, ours, ref = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+def row(r, ratio):
+    if "error" in r:
+        return f"| {name} | {batch} | {r.get('impl')} | {r['error']} | | | |"
+    return (f"| {name} | {batch} | {r['impl']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
+            f"{r['peak_gib']:.1f} | {ratio} |")
+ok = "error" not in ours and "error" not in ref
+print(row(ours, f"{ours['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ok else ""))
+print(row(ref, "1.00x"))
+PY
+    done
+} | tee "$dir/results.md"
+echo "train_llama peak = its memory plan (all it allocates); PyTorch peak = torch.cuda.max_memory_allocated()."
+if [ -n "${OUT:-}" ]; then cp "$dir/results.md" "$OUT/bench.md"; fi

@@ -1,0 +1,384 @@
+"""Shared helpers of the Python scripts, standard library only: the config reader, the model
+shape, the parameter layout of coat/params.h, the RoPE frequencies, and the binary formats the
+scripts exchange with ./train_llama (checkpoint header, debug state header, logits file).
+
+Parameter layout (one flat float32 buffer, layer-major, as coat/params.h):
+  embedding [V, H]; per layer: attn_norm [H], wq [NH*hd, H], wk [NKV*hd, H], wv [NKV*hd, H],
+  wo [H, NH*hd], mlp_norm [H], w_gate [I, H], w_up [I, H], w_down [H, I]; final_norm [H],
+  lm_head [V, H]. Matrices are [out, in] (y = x W^T); every tensor is padded with zeros to a
+  multiple of 128 elements. Names are the Hugging Face ones.
+All binary formats are little-endian.
+"""
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+PARAM_ALIGN_ELEMS = 128
+
+
+class FormatError(Exception):
+    """A file that cannot be used; str() is "<path>: <what is wrong>"."""
+
+
+# ---- config files ---------------------------------------------------------------------------
+
+def read_config(path: str) -> Dict[str, str]:
+    """Reads `key = value` lines with `#` comments and `include = other.conf` (relative to the
+    including file), later values overriding earlier ones, as coat/config.h does."""
+    values: Dict[str, str] = {}
+    _read_config_into(path, values, [])
+    return values
+
+
+def _read_config_into(path: str, values: Dict[str, str], include_stack: List[str]) -> None:
+    resolved = os.path.realpath(path)
+    if resolved in include_stack:
+        raise FormatError(f"{path}: include cycle")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise FormatError(f"{path}: cannot open config: {e.strerror}") from None
+    include_stack.append(resolved)
+    for number, line in enumerate(lines, start=1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        name, equals, value = text.partition("=")
+        name, value = name.strip(), value.strip()
+        if not equals or not name or not value:
+            raise FormatError(f"{path}:{number}: expected `key = value`")
+        if name == "include":
+            included = value if os.path.isabs(value) else os.path.join(os.path.dirname(path), value)
+            _read_config_into(included, values, include_stack)
+        else:
+            values[name] = value
+    include_stack.pop()
+
+
+# ---- model shape ----------------------------------------------------------------------------
+
+def float32(x: float) -> float:
+    """x rounded to the nearest float32, as the C trainer stores its float settings."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+@dataclass
+class ModelShape:
+    """The model keys of a config (coat/model_shape.h); defaults are those of coat/config.h."""
+    vocab_size: int = 32000
+    dim: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    n_kv_heads: int = 4
+    ffn_dim: int = 2048
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    norm_eps: float = float32(1e-5)
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def problem(self) -> Optional[str]:
+        """What makes this shape unusable, or None."""
+        if min(self.vocab_size, self.dim, self.n_layers, self.n_heads, self.n_kv_heads, self.ffn_dim,
+               self.max_seq_len) <= 0:
+            return "every size must be positive"
+        if self.dim % self.n_heads != 0:
+            return f"n_heads {self.n_heads} does not divide dim {self.dim}"
+        if self.n_heads % self.n_kv_heads != 0:
+            return f"n_kv_heads {self.n_kv_heads} does not divide n_heads {self.n_heads}"
+        if self.head_dim % 2 != 0:
+            return f"head_dim {self.head_dim} must be even for RoPE"
+        if self.rope_scaling_factor > 0 and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            return "rope_high_freq_factor must exceed rope_low_freq_factor"
+        return None
+
+
+_INT_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len",
+             "rope_original_max_seq_len")
+_FLOAT_KEYS = ("rope_theta", "norm_eps", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor")
+
+
+def model_shape_from_config(path: str) -> ModelShape:
+    """The model shape a config file describes; keys other than the model's are ignored."""
+    values = read_config(path)
+    shape = ModelShape()
+    for key in _INT_KEYS + _FLOAT_KEYS:
+        if key not in values:
+            continue
+        try:
+            value = int(values[key]) if key in _INT_KEYS else float32(float(values[key]))
+        except ValueError:
+            raise FormatError(f"{path}: {key}: '{values[key]}' is not a number") from None
+        setattr(shape, key, value)
+    problem = shape.problem()
+    if problem:
+        raise FormatError(f"{path}: {problem}")
+    return shape
+
+
+def _llama3_scaled_inv_freq(inv_freq: float, shape: ModelShape) -> float:
+    """Llama 3.1 scaling (HF _compute_llama3_parameters): wavelengths shorter than
+    original_len/high_freq_factor are kept, longer than original_len/low_freq_factor are divided by
+    the factor, and the band between is interpolated linearly in original_len/wavelength."""
+    original_len = float(shape.rope_original_max_seq_len)
+    low, high = shape.rope_low_freq_factor, shape.rope_high_freq_factor
+    wavelength = 2.0 * math.pi / inv_freq
+    if wavelength < original_len / high:
+        return inv_freq
+    if wavelength > original_len / low:
+        return inv_freq / shape.rope_scaling_factor
+    smooth = (original_len / wavelength - low) / (high - low)
+    return (1.0 - smooth) * inv_freq / shape.rope_scaling_factor + smooth * inv_freq
+
+
+def rope_inv_frequencies(shape: ModelShape) -> List[float]:
+    """inv_freq_i = theta^(-2i/head_dim) for i < head_dim/2 (pairs i, i + head_dim/2), in double
+    precision, scaled as Llama 3.1 when rope_scaling_factor > 0."""
+    frequencies = []
+    for i in range(shape.head_dim // 2):
+        inv_freq = float(shape.rope_theta) ** (-2.0 * i / shape.head_dim)
+        if shape.rope_scaling_factor > 0:
+            inv_freq = _llama3_scaled_inv_freq(inv_freq, shape)
+        frequencies.append(inv_freq)
+    return frequencies
+
+
+# ---- parameter layout (coat/params.h) -------------------------------------------------------
+
+class ParamKind(NamedTuple):
+    name: str        # as in coat/params.h, lower case
+    hf_name: str     # Hugging Face name; "model.layers.<i>." is prefixed for per-layer kinds
+    per_layer: bool
+    is_matrix: bool  # weight decay applies; norms are vectors
+
+
+PARAM_KINDS: Tuple[ParamKind, ...] = (
+    ParamKind("embedding", "model.embed_tokens.weight", False, True),
+    ParamKind("attn_norm", "input_layernorm.weight", True, False),
+    ParamKind("wq", "self_attn.q_proj.weight", True, True),
+    ParamKind("wk", "self_attn.k_proj.weight", True, True),
+    ParamKind("wv", "self_attn.v_proj.weight", True, True),
+    ParamKind("wo", "self_attn.o_proj.weight", True, True),
+    ParamKind("mlp_norm", "post_attention_layernorm.weight", True, False),
+    ParamKind("w_gate", "mlp.gate_proj.weight", True, True),
+    ParamKind("w_up", "mlp.up_proj.weight", True, True),
+    ParamKind("w_down", "mlp.down_proj.weight", True, True),
+    ParamKind("final_norm", "model.norm.weight", False, False),
+    ParamKind("lm_head", "lm_head.weight", False, True),
+)
+
+
+class TensorSlot(NamedTuple):
+    """One tensor of the flat buffer."""
+    name: str      # Hugging Face name
+    kind: str
+    layer: int     # -1 for the embedding, the final norm and lm_head
+    offset: int    # in elements
+    rows: int
+    cols: int      # 1 for vectors
+    padded: int    # elements reserved
+    is_matrix: bool
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return (self.rows, self.cols) if self.is_matrix else (self.rows,)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+class ParamLayout:
+    """Offsets and sizes of every tensor, computed exactly as param_layout_init does."""
+
+    def __init__(self, shape: ModelShape):
+        self.shape = shape
+        hd, H, I, V = shape.head_dim, shape.dim, shape.ffn_dim, shape.vocab_size
+        NH, NKV = shape.n_heads, shape.n_kv_heads
+        self.rows = [V, H, NH * hd, NKV * hd, NKV * hd, H, H, I, I, H, H, V]
+        self.cols = [H, 1, H, H, H, NH * hd, 1, H, H, I, 1, H]
+        self.padded = [round_up(r * c, PARAM_ALIGN_ELEMS) for r, c in zip(self.rows, self.cols)]
+        self.total_params = sum(r * c * (shape.n_layers if kind.per_layer else 1)
+                                for kind, r, c in zip(PARAM_KINDS, self.rows, self.cols))
+        self.first_layer_offset = self.padded[0]
+        self.within_layer: Dict[int, int] = {}
+        self.layer_stride = 0
+        for k, kind in enumerate(PARAM_KINDS):
+            if kind.per_layer:
+                self.within_layer[k] = self.layer_stride
+                self.layer_stride += self.padded[k]
+        tail = self.first_layer_offset + shape.n_layers * self.layer_stride
+        final_norm, lm_head = len(PARAM_KINDS) - 2, len(PARAM_KINDS) - 1
+        self.tail_offset = {final_norm: tail, lm_head: tail + self.padded[final_norm]}
+        self.total_padded = self.tail_offset[lm_head] + self.padded[lm_head]
+
+    def offset(self, k: int, layer: int) -> int:
+        if k == 0:
+            return 0
+        if not PARAM_KINDS[k].per_layer:
+            return self.tail_offset[k]
+        return self.first_layer_offset + layer * self.layer_stride + self.within_layer[k]
+
+    def slot(self, k: int, layer: int) -> TensorSlot:
+        kind = PARAM_KINDS[k]
+        name = f"model.layers.{layer}.{kind.hf_name}" if kind.per_layer else kind.hf_name
+        return TensorSlot(name, kind.name, layer if kind.per_layer else -1, self.offset(k, layer),
+                          self.rows[k], self.cols[k], self.padded[k], kind.is_matrix)
+
+    def tensors(self) -> List[TensorSlot]:
+        """Every tensor in buffer order."""
+        slots = [self.slot(0, -1)]
+        for layer in range(self.shape.n_layers):
+            slots += [self.slot(k, layer) for k, kind in enumerate(PARAM_KINDS) if kind.per_layer]
+        slots += [self.slot(k, -1) for k in (len(PARAM_KINDS) - 2, len(PARAM_KINDS) - 1)]
+        return slots
+
+    @property
+    def non_embedding_params(self) -> int:
+        """Parameters counted by the MFU convention (ANCHORS.md): all but the embedding."""
+        return self.total_params - self.rows[0] * self.cols[0]
+
+
+# ---- checkpoint files (coat/checkpoint.h) ----------------------------------------------------
+# "LLAMACK1", int64 fields[63], then float32 master weights [total_padded], then the optimizer
+# state and the trainer state (opaque here).
+
+CHECKPOINT_MAGIC = b"LLAMACK1"
+CHECKPOINT_VERSION = 1
+CHECKPOINT_FIELDS = 63
+CHECKPOINT_HEADER_BYTES = 8 + 8 * CHECKPOINT_FIELDS
+_CK_DOUBLE_FIELDS = {8: "rope_theta", 9: "norm_eps", 10: "rope_scaling_factor", 11: "rope_low_freq_factor",
+                     12: "rope_high_freq_factor"}
+_CK_INT_SHAPE_FIELDS = {1: "vocab_size", 2: "dim", 3: "n_layers", 4: "n_heads", 5: "n_kv_heads", 6: "ffn_dim",
+                        7: "max_seq_len", 13: "rope_original_max_seq_len"}
+
+
+@dataclass
+class CheckpointHeader:
+    shape: ModelShape
+    step: int = 0
+    total_padded: int = 0
+    has_optimizer_state: int = 0
+    optimizer_state_bytes: int = 0
+    trainer_state_bytes: int = 0
+
+    @property
+    def file_bytes(self) -> int:
+        return (CHECKPOINT_HEADER_BYTES + 4 * self.total_padded + self.optimizer_state_bytes
+                + self.trainer_state_bytes)
+
+
+def _double_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _bits_double(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+def pack_checkpoint_header(header: CheckpointHeader) -> bytes:
+    fields = [0] * CHECKPOINT_FIELDS
+    fields[0] = CHECKPOINT_VERSION
+    for index, key in _CK_INT_SHAPE_FIELDS.items():
+        fields[index] = getattr(header.shape, key)
+    for index, key in _CK_DOUBLE_FIELDS.items():
+        fields[index] = _double_bits(getattr(header.shape, key))
+    fields[14:19] = [header.step, header.total_padded, header.has_optimizer_state, header.optimizer_state_bytes,
+                     header.trainer_state_bytes]
+    return CHECKPOINT_MAGIC + struct.pack(f"<{CHECKPOINT_FIELDS}q", *fields)
+
+
+def unpack_checkpoint_header(data: bytes, path: str) -> CheckpointHeader:
+    if len(data) < CHECKPOINT_HEADER_BYTES:
+        raise FormatError(f"{path}: truncated header")
+    if data[:8] != CHECKPOINT_MAGIC:
+        raise FormatError(f"{path}: not a train_llama checkpoint (bad magic)")
+    fields = struct.unpack_from(f"<{CHECKPOINT_FIELDS}q", data, 8)
+    if fields[0] != CHECKPOINT_VERSION:
+        raise FormatError(f"{path}: checkpoint version {fields[0]}, expected {CHECKPOINT_VERSION}")
+    shape = ModelShape()
+    for index, key in _CK_INT_SHAPE_FIELDS.items():
+        setattr(shape, key, fields[index])
+    for index, key in _CK_DOUBLE_FIELDS.items():
+        setattr(shape, key, float32(_bits_double(fields[index])))
+    header = CheckpointHeader(shape, *fields[14:19])
+    if min(header.step, header.total_padded - 1, header.optimizer_state_bytes, header.trainer_state_bytes) < 0:
+        raise FormatError(f"{path}: corrupt header (negative sizes)")
+    problem = shape.problem()
+    if problem:
+        raise FormatError(f"{path}: corrupt header: {problem}")
+    return header
+
+
+def read_checkpoint_header(path: str) -> CheckpointHeader:
+    """The header of a checkpoint file, checked against the file size and the layout of its shape."""
+    try:
+        with open(path, "rb") as f:
+            header = unpack_checkpoint_header(f.read(CHECKPOINT_HEADER_BYTES), path)
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read: {e.strerror}") from None
+    if size != header.file_bytes:
+        raise FormatError(f"{path}: size {size} bytes, header announces {header.file_bytes} (truncated or corrupt)")
+    expected = ParamLayout(header.shape).total_padded
+    if header.total_padded != expected:
+        raise FormatError(f"{path}: total_padded {header.total_padded}, the layout of its shape needs {expected}")
+    return header
+
+
+# ---- debug state files (scripts/train_llama.py --debug-state) --------------------------------
+# int32 header[256], then float32 params, int32 tokens, int32 targets, float32 logits, float32
+# loss, float32 grads, float32 losses (see train_llama.py).
+
+DEBUG_STATE_MAGIC = 20241129
+DEBUG_STATE_VERSION = 1
+DEBUG_STATE_HEADER_INTS = 256
+
+
+def pack_debug_state_header(shape: ModelShape, batch: int, seq: int, steps: int, lr: float, beta1: float,
+                            beta2: float, eps: float, weight_decay: float, grad_clip: float) -> bytes:
+    header = bytearray(4 * DEBUG_STATE_HEADER_INTS)
+    ints = [DEBUG_STATE_MAGIC, DEBUG_STATE_VERSION, shape.vocab_size, shape.dim, shape.n_layers, shape.n_heads,
+            shape.n_kv_heads, shape.ffn_dim, shape.max_seq_len, batch, seq, steps, shape.rope_original_max_seq_len]
+    struct.pack_into(f"<{len(ints)}i", header, 0, *ints)
+    floats = [shape.rope_theta, shape.norm_eps, shape.rope_scaling_factor, shape.rope_low_freq_factor,
+              shape.rope_high_freq_factor, lr, beta1, beta2, eps, weight_decay, grad_clip]
+    struct.pack_into(f"<{len(floats)}f", header, 4 * 16, *floats)
+    return bytes(header)
+
+
+# ---- logits files (our trainer's logits dump, checked by check_hf_export.py) -----------------
+# int32 [n_tokens, vocab], int32 tokens[n_tokens], float32 logits[n_tokens, vocab].
+
+def pack_logits_header(tokens: List[int], vocab: int) -> bytes:
+    return struct.pack(f"<2i{len(tokens)}i", len(tokens), vocab, *tokens)
+
+
+def read_logits_file(path: str) -> Tuple[List[int], int, bytes]:
+    """(tokens, vocab, float32 logits bytes) of a logits file."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read: {e.strerror}") from None
+    if len(data) < 8:
+        raise FormatError(f"{path}: truncated header")
+    n_tokens, vocab = struct.unpack_from("<2i", data, 0)
+    expected = 8 + 4 * n_tokens + 4 * n_tokens * vocab
+    if n_tokens <= 0 or vocab <= 0 or len(data) != expected:
+        raise FormatError(f"{path}: {len(data)} bytes, header [{n_tokens}, {vocab}] needs {expected}")
+    tokens = list(struct.unpack_from(f"<{n_tokens}i", data, 8))
+    return tokens, vocab, data[8 + 4 * n_tokens:]

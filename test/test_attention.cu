@@ -1,0 +1,325 @@
+// Tests of coat/attention.cuh on the GPU: the causal GQA flash attention forward (out, lse) and
+// backward (dq, dk, dv in the packed dqkv) against the FP32 CPU reference on BF16-rounded inputs,
+// for T in {1, 17, 64, 100, 257} (one partial tile, several, and the tile edges), head_dim 64 and
+// 128, NH/NKV 4/4, 8/2, 12/4, B 1 or 2. Outputs are poisoned with NaN (0xFF bytes) before every
+// run, with poisoned guards on both sides, so an element left unwritten or a write out of bounds
+// shows. The backward runs twice and must be bitwise equal. Prints forward and forward+backward
+// TFLOP/s at the four ANCHORS.md shapes (information, not a check).
+//
+// Tolerances. out: atol = rtol = 2e-2; P is rounded to BF16 before P V (relative 2^-9) and out
+// itself is BF16 (2^-9), against values of order 1. lse: atol 1e-3, rtol 1e-4; it is FP32 all the
+// way. dq, dk, dv: each is a sum of products of BF16-rounded factors (P or dS = P (dP - D)), so
+// the error scales with the size of the terms, not of the sum; a sum that cancels to near zero
+// keeps the absolute error of its terms. So atol = 3e-2 * rms(expected tensor) (floor 1e-4 for
+// the all-zero T = 1 gradients, where dP - D cancels exactly) and rtol = 3e-2.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "../coat/attention.cuh"
+#include "../coat/random.h"
+#include "check.h"
+extern "C" {
+#include "reference_llama.h"
+}
+
+// Poisoned elements kept on each side of every output buffer (a multiple of 16 bytes for any type).
+#define GUARD_ELEMS 64
+
+typedef struct {
+    int B, T, NH, NKV, head_dim;
+} AttnShape;
+
+// ---- host helpers ------------------------------------------------------------------------------
+
+static void *host_alloc(size_t bytes) {
+    void *p = calloc(bytes ? bytes : 1, 1);
+    if (p == NULL) {
+        fprintf(stderr, "error: out of host memory (%zu bytes)\n", bytes);
+        exit(EXIT_FAILURE);
+    }
+    return p;
+}
+static float *host_floats(size_t n) { return (float *)host_alloc(n * sizeof(float)); }
+
+static float round_to_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+// Normal with standard deviation `sigma`, rounded to BF16 so that the CPU sees what the GPU sees.
+static void fill_normal_bf16(float *x, size_t n, Random *rng, double sigma) {
+    for (size_t i = 0; i < n; i++) x[i] = round_to_bf16((float)(sigma * random_normal(rng)));
+}
+
+static bf16 *to_bf16(const float *x, size_t n) {
+    bf16 *out = (bf16 *)host_alloc(n * sizeof(bf16));
+    for (size_t i = 0; i < n; i++) out[i] = __float2bfloat16(x[i]);
+    return out;
+}
+
+static double rms(const float *x, size_t n) {
+    double sum = 0.0;
+    for (size_t i = 0; i < n; i++) sum += (double)x[i] * x[i];
+    return n ? sqrt(sum / (double)n) : 0.0;
+}
+
+// ---- device buffers with poisoned guards -------------------------------------------------------
+
+// n elements of elem_size bytes, with GUARD_ELEMS poisoned elements before and after.
+typedef struct {
+    unsigned char *base;  // start of the front guard
+    void *data;           // what the kernels see
+    size_t n, elem_size;
+} GuardedBuffer;
+
+static GuardedBuffer guarded_alloc(size_t n, size_t elem_size) {
+    GuardedBuffer buf;
+    buf.n = n;
+    buf.elem_size = elem_size;
+    cudaCheck(cudaMalloc(&buf.base, (n + 2 * GUARD_ELEMS) * elem_size));
+    buf.data = buf.base + GUARD_ELEMS * elem_size;
+    return buf;
+}
+
+static void guarded_poison(GuardedBuffer *buf) {
+    cudaCheck(cudaMemset(buf->base, 0xFF, (buf->n + 2 * GUARD_ELEMS) * buf->elem_size));
+}
+
+// Copies the data to host (n elements) and returns 1 when both guards still hold 0xFF bytes.
+static int guarded_fetch(const GuardedBuffer *buf, void *host_data) {
+    size_t guard_bytes = GUARD_ELEMS * buf->elem_size;
+    unsigned char *all = (unsigned char *)host_alloc(buf->n * buf->elem_size + 2 * guard_bytes);
+    cudaCheck(cudaMemcpy(all, buf->base, buf->n * buf->elem_size + 2 * guard_bytes, cudaMemcpyDeviceToHost));
+    memcpy(host_data, all + guard_bytes, buf->n * buf->elem_size);
+    int intact = 1;
+    for (size_t i = 0; i < guard_bytes; i++)
+        if (all[i] != 0xFF || all[guard_bytes + buf->n * buf->elem_size + i] != 0xFF) intact = 0;
+    free(all);
+    return intact;
+}
+
+static void guarded_free(GuardedBuffer *buf) { cudaCheck(cudaFree(buf->base)); }
+
+static size_t count_nan_bf16(const bf16 *x, size_t n) {
+    size_t count = 0;
+    for (size_t i = 0; i < n; i++) count += isnan(__bfloat162float(x[i])) ? 1 : 0;
+    return count;
+}
+static size_t count_nan_float(const float *x, size_t n) {
+    size_t count = 0;
+    for (size_t i = 0; i < n; i++) count += isnan(x[i]) ? 1 : 0;
+    return count;
+}
+
+static void check_grad(const char *label, const char *name, const float *got, const float *expected, size_t n) {
+    char what[160];
+    snprintf(what, sizeof what, "%s: %s", label, name);
+    double atol = fmax(3e-2 * rms(expected, n), 1e-4);
+    check_close(what, got, expected, n, atol, 3e-2);
+}
+
+// ---- one shape against the reference -----------------------------------------------------------
+
+static void test_shape(AttnShape s, Random *rng) {
+    const int B = s.B, T = s.T, NH = s.NH, NKV = s.NKV, hd = s.head_dim;
+    char label[96];
+    snprintf(label, sizeof label, "B=%d T=%d NH=%d NKV=%d hd=%d", B, T, NH, NKV, hd);
+    const size_t width = (size_t)(NH + 2 * NKV) * hd;
+    const size_t n_qkv = (size_t)B * T * width, n_q = (size_t)B * T * NH * hd, n_kv = (size_t)B * T * NKV * hd;
+    const size_t n_lse = (size_t)B * NH * T;
+
+    // Inputs: q wider than k so that the softmax is peaked (score std 1.5), all BF16-exact.
+    float *q = host_floats(n_q), *k = host_floats(n_kv), *v = host_floats(n_kv), *dout = host_floats(n_q);
+    fill_normal_bf16(q, n_q, rng, 1.5);
+    fill_normal_bf16(k, n_kv, rng, 1.0);
+    fill_normal_bf16(v, n_kv, rng, 1.0);
+    fill_normal_bf16(dout, n_q, rng, 1.0);
+    float *qkv = host_floats(n_qkv);
+    for (size_t bt = 0; bt < (size_t)B * T; bt++) {
+        memcpy(qkv + bt * width, q + bt * NH * hd, (size_t)NH * hd * sizeof(float));
+        memcpy(qkv + bt * width + (size_t)NH * hd, k + bt * NKV * hd, (size_t)NKV * hd * sizeof(float));
+        memcpy(qkv + bt * width + (size_t)(NH + NKV) * hd, v + bt * NKV * hd, (size_t)NKV * hd * sizeof(float));
+    }
+
+    // Reference forward; the backward (CPU and GPU alike) then runs on the reference's out rounded
+    // to BF16 and its lse, so that it is tested on its own.
+    float *ref_out = host_floats(n_q), *ref_lse = host_floats(n_lse);
+    ref_attention_forward(ref_out, ref_lse, q, k, v, B, T, NH, NKV, hd);
+    float *out_in = host_floats(n_q);
+    for (size_t i = 0; i < n_q; i++) out_in[i] = round_to_bf16(ref_out[i]);
+    float *ref_dq = host_floats(n_q), *ref_dk = host_floats(n_kv), *ref_dv = host_floats(n_kv);
+    ref_attention_backward(ref_dq, ref_dk, ref_dv, dout, q, k, v, out_in, ref_lse, B, T, NH, NKV, hd);
+
+    bf16 *qkv_h = to_bf16(qkv, n_qkv), *dout_h = to_bf16(dout, n_q), *out_in_h = to_bf16(out_in, n_q);
+    bf16 *d_qkv, *d_dout, *d_out_in;
+    float *d_lse_in, *d_scratch;
+    cudaCheck(cudaMalloc(&d_qkv, n_qkv * sizeof(bf16)));
+    cudaCheck(cudaMalloc(&d_dout, n_q * sizeof(bf16)));
+    cudaCheck(cudaMalloc(&d_out_in, n_q * sizeof(bf16)));
+    cudaCheck(cudaMalloc(&d_lse_in, n_lse * sizeof(float)));
+    cudaCheck(cudaMalloc(&d_scratch, attention_backward_scratch_bytes(B, T, NH)));
+    cudaCheck(cudaMemcpy(d_qkv, qkv_h, n_qkv * sizeof(bf16), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemcpy(d_dout, dout_h, n_q * sizeof(bf16), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemcpy(d_out_in, out_in_h, n_q * sizeof(bf16), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemcpy(d_lse_in, ref_lse, n_lse * sizeof(float), cudaMemcpyHostToDevice));
+    GuardedBuffer out_buf = guarded_alloc(n_q, sizeof(bf16)), lse_buf = guarded_alloc(n_lse, sizeof(float));
+    GuardedBuffer dqkv_buf = guarded_alloc(n_qkv, sizeof(bf16));
+
+    // Forward.
+    guarded_poison(&out_buf);
+    guarded_poison(&lse_buf);
+    attention_forward((bf16 *)out_buf.data, (float *)lse_buf.data, d_qkv, B, T, NH, NKV, hd, 0);
+    cudaCheck(cudaDeviceSynchronize());
+    bf16 *out_h = (bf16 *)host_alloc(n_q * sizeof(bf16));
+    float *lse_h = host_floats(n_lse);
+    int guards_intact = guarded_fetch(&out_buf, out_h);
+    guards_intact &= guarded_fetch(&lse_buf, lse_h);
+    size_t unwritten = count_nan_bf16(out_h, n_q) + count_nan_float(lse_h, n_lse);
+    float *out_f = host_floats(n_q);
+    for (size_t i = 0; i < n_q; i++) out_f[i] = __bfloat162float(out_h[i]);
+    char what[160];
+    snprintf(what, sizeof what, "%s: forward out", label);
+    check_close(what, out_f, ref_out, n_q, 2e-2, 2e-2);
+    snprintf(what, sizeof what, "%s: forward lse", label);
+    check_close(what, lse_h, ref_lse, n_lse, 1e-3, 1e-4);
+
+    // Backward, twice, with the scratch poisoned too: it must not depend on what was there.
+    bf16 *dqkv_h[2];
+    for (int run = 0; run < 2; run++) {
+        guarded_poison(&dqkv_buf);
+        cudaCheck(cudaMemset(d_scratch, 0xFF, attention_backward_scratch_bytes(B, T, NH)));
+        attention_backward((bf16 *)dqkv_buf.data, d_scratch, d_dout, d_qkv, d_out_in, d_lse_in, B, T, NH, NKV, hd,
+                           0);
+        cudaCheck(cudaDeviceSynchronize());
+        dqkv_h[run] = (bf16 *)host_alloc(n_qkv * sizeof(bf16));
+        guards_intact &= guarded_fetch(&dqkv_buf, dqkv_h[run]);
+    }
+    unwritten += count_nan_bf16(dqkv_h[0], n_qkv);
+    float *dq = host_floats(n_q), *dk = host_floats(n_kv), *dv = host_floats(n_kv);
+    for (size_t bt = 0; bt < (size_t)B * T; bt++) {
+        const bf16 *row = dqkv_h[0] + bt * width;
+        for (size_t i = 0; i < (size_t)NH * hd; i++) dq[bt * NH * hd + i] = __bfloat162float(row[i]);
+        for (size_t i = 0; i < (size_t)NKV * hd; i++) {
+            dk[bt * NKV * hd + i] = __bfloat162float(row[(size_t)NH * hd + i]);
+            dv[bt * NKV * hd + i] = __bfloat162float(row[(size_t)(NH + NKV) * hd + i]);
+        }
+    }
+    check_grad(label, "backward dq", dq, ref_dq, n_q);
+    check_grad(label, "backward dk", dk, ref_dk, n_kv);
+    check_grad(label, "backward dv", dv, ref_dv, n_kv);
+    check(unwritten == 0 && guards_intact, "%s: every element of out, lse, dqkv written (%zu NaN left), guards %s",
+          label, unwritten, guards_intact ? "intact" : "overwritten");
+    check(memcmp(dqkv_h[0], dqkv_h[1], n_qkv * sizeof(bf16)) == 0, "%s: backward bitwise deterministic", label);
+
+    guarded_free(&out_buf);
+    guarded_free(&lse_buf);
+    guarded_free(&dqkv_buf);
+    cudaCheck(cudaFree(d_qkv));
+    cudaCheck(cudaFree(d_dout));
+    cudaCheck(cudaFree(d_out_in));
+    cudaCheck(cudaFree(d_lse_in));
+    cudaCheck(cudaFree(d_scratch));
+    float *host_buffers[] = {q, k, v, dout, qkv, ref_out, ref_lse, out_in, ref_dq, ref_dk, ref_dv, lse_h, out_f,
+                             dq, dk, dv};
+    for (size_t i = 0; i < sizeof host_buffers / sizeof host_buffers[0]; i++) free(host_buffers[i]);
+    free(qkv_h);
+    free(dout_h);
+    free(out_in_h);
+    free(out_h);
+    free(dqkv_h[0]);
+    free(dqkv_h[1]);
+}
+
+// ---- timing at the ANCHORS.md shapes -----------------------------------------------------------
+
+// Uniform values in [-1, 1) from a hash of the index: fast to make at benchmark sizes.
+__global__ void fill_uniform_bf16_kernel(bf16 *x, size_t n, uint64_t seed) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t z = (i + seed) * 0x9E3779B97F4A7C15ull;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        x[i] = __float2bfloat16((float)(z >> 40) * 0x1.0p-23f - 1.f);
+    }
+}
+
+static int compare_floats(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+#define TIMED_RUNS 10
+
+// Median milliseconds of TIMED_RUNS runs of forward (with_backward = 0) or forward + backward.
+static float time_attention(int with_backward, bf16 *out, float *lse, const bf16 *qkv, bf16 *dqkv, float *scratch,
+                            const bf16 *dout, AttnShape s, cudaStream_t stream) {
+    cudaEvent_t start, stop;
+    cudaCheck(cudaEventCreate(&start));
+    cudaCheck(cudaEventCreate(&stop));
+    float ms[TIMED_RUNS];
+    for (int run = -2; run < TIMED_RUNS; run++) {  // two warm-up runs
+        cudaCheck(cudaEventRecord(start, stream));
+        attention_forward(out, lse, qkv, s.B, s.T, s.NH, s.NKV, s.head_dim, stream);
+        if (with_backward)
+            attention_backward(dqkv, scratch, dout, qkv, out, lse, s.B, s.T, s.NH, s.NKV, s.head_dim, stream);
+        cudaCheck(cudaEventRecord(stop, stream));
+        cudaCheck(cudaEventSynchronize(stop));
+        if (run >= 0) cudaCheck(cudaEventElapsedTime(&ms[run], start, stop));
+    }
+    cudaCheck(cudaEventDestroy(start));
+    cudaCheck(cudaEventDestroy(stop));
+    qsort(ms, TIMED_RUNS, sizeof(float), compare_floats);
+    return ms[TIMED_RUNS / 2];
+}
+
+static void benchmark(AttnShape s) {
+    const size_t n_qkv = (size_t)s.B * s.T * (s.NH + 2 * s.NKV) * s.head_dim, n_q = (size_t)s.B * s.T * s.NH * s.head_dim;
+    bf16 *qkv, *dqkv, *out, *dout;
+    float *lse, *scratch;
+    cudaStream_t stream;
+    cudaCheck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cudaCheck(cudaMalloc(&qkv, n_qkv * sizeof(bf16)));
+    cudaCheck(cudaMalloc(&dqkv, n_qkv * sizeof(bf16)));
+    cudaCheck(cudaMalloc(&out, n_q * sizeof(bf16)));
+    cudaCheck(cudaMalloc(&dout, n_q * sizeof(bf16)));
+    cudaCheck(cudaMalloc(&lse, (size_t)s.B * s.NH * s.T * sizeof(float)));
+    cudaCheck(cudaMalloc(&scratch, attention_backward_scratch_bytes(s.B, s.T, s.NH)));
+    fill_uniform_bf16_kernel<<<1024, 256, 0, stream>>>(qkv, n_qkv, 1);
+    cudaCheckLaunch();
+    fill_uniform_bf16_kernel<<<1024, 256, 0, stream>>>(dout, n_q, 2);
+    cudaCheckLaunch();
+
+    float forward_ms = time_attention(0, out, lse, qkv, dqkv, scratch, dout, s, stream);
+    float both_ms = time_attention(1, out, lse, qkv, dqkv, scratch, dout, s, stream);
+    double forward_flops = 4.0 * s.B * s.NH * (double)s.T * s.T * s.head_dim / 2.0;  // causal: half of S
+    printf("attention B=%d NH=%d NKV=%d T=%d hd=%d: forward %.3f ms %.0f TFLOP/s, forward+backward %.3f ms %.0f "
+           "TFLOP/s\n",
+           s.B, s.NH, s.NKV, s.T, s.head_dim, forward_ms, forward_flops / (forward_ms * 1e-3) / 1e12, both_ms,
+           3.5 * forward_flops / (both_ms * 1e-3) / 1e12);
+
+    cudaCheck(cudaFree(qkv));
+    cudaCheck(cudaFree(dqkv));
+    cudaCheck(cudaFree(out));
+    cudaCheck(cudaFree(dout));
+    cudaCheck(cudaFree(lse));
+    cudaCheck(cudaFree(scratch));
+    cudaCheck(cudaStreamDestroy(stream));
+}
+
+int main(void) {
+    Random rng;
+    random_seed(&rng, 20261101);
+    const int seq_lens[] = {1, 17, 64, 100, 257};
+    const int head_dims[] = {64, 128};
+    const int heads[][2] = {{4, 4}, {8, 2}, {12, 4}};
+    for (size_t ti = 0; ti < sizeof seq_lens / sizeof seq_lens[0]; ti++)
+        for (size_t di = 0; di < sizeof head_dims / sizeof head_dims[0]; di++)
+            for (size_t hi = 0; hi < sizeof heads / sizeof heads[0]; hi++) {
+                AttnShape s = {1 + (int)random_below(&rng, 2), seq_lens[ti], heads[hi][0], heads[hi][1],
+                               head_dims[di]};
+                test_shape(s, &rng);
+            }
+
+    const AttnShape anchors[] = {
+        {64, 1024, 12, 4, 64}, {16, 2048, 32, 8, 64}, {4, 2048, 32, 32, 128}, {8, 4096, 16, 16, 128}};
+    for (size_t i = 0; i < sizeof anchors / sizeof anchors[0]; i++) benchmark(anchors[i]);
+    return check_summary("test_attention");
+}

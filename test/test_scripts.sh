@@ -1,0 +1,365 @@
+#!/usr/bin/env bash
+# The torch-free parts of scripts/*.py, with the standard library only: the parameter layout of
+# llama_layout.py against coat/params.h (compiled here) and ./train_llama --dry_run=1, the config
+# reader, the RoPE frequencies, float32 -> bfloat16 rounding, convert_hf.py export -> import round
+# trips (F32 exact, BF16 rounded, tied and sharded HF folders) and its refusals, and plot_curves.py
+# (SKIP without matplotlib). Needs no GPU.
+cd "$(dirname "$0")/.." || exit 1
+PYTHON=${PYTHON:-python3}
+export PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
+passed=0; failed=0
+check() {  # check NAME CONDITION-EXIT-CODE [DETAIL]
+    if [ "$2" -eq 0 ]; then echo "PASS $1"; passed=$((passed + 1)); else echo "FAIL $1${3:+: $3}"; failed=$((failed + 1)); fi
+}
+# Runs a Python check program (stdin) that prints PASS/FAIL lines itself; a crash is one failure.
+python_checks() {  # python_checks NAME [ARGS...]
+    local name=$1; shift
+    local out rc
+    out=$("$PYTHON" - "$@" 2>&1); rc=$?
+    printf '%s\n' "$out"
+    passed=$((passed + $(printf '%s\n' "$out" | grep -c '^PASS ')))
+    failed=$((failed + $(printf '%s\n' "$out" | grep -c '^FAIL ')))
+    if [ $rc -ne 0 ]; then echo "FAIL $name exited with status $rc"; failed=$((failed + 1)); fi
+}
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+
+for script in scripts/llama_layout.py scripts/convert_hf.py scripts/plot_curves.py scripts/train_llama.py \
+              scripts/check_hf_export.py; do
+    out=$("$PYTHON" -m py_compile "$script" 2>&1); rc=$?
+    check "$script compiles" $rc "$out"
+done
+
+# ---- layout: every offset against coat/params.h, totals against ./train_llama -------------
+cat > "$tmp/layout.c" <<'EOF'
+// Prints the parameter table of coat/params.h for the shape given on the command line.
+#include <stdio.h>
+#include <stdlib.h>
+#include "params.h"
+int main(int argc, char **argv) {
+    if (argc != 7) return 2;
+    ModelShape shape = {0};
+    shape.vocab_size = atoi(argv[1]); shape.dim = atoi(argv[2]); shape.n_layers = atoi(argv[3]);
+    shape.n_heads = atoi(argv[4]); shape.n_kv_heads = atoi(argv[5]); shape.ffn_dim = atoi(argv[6]);
+    ParamLayout layout;
+    param_layout_init(&layout, &shape);
+    printf("total_params %zu\ntotal_padded %zu\n", layout.total_params, layout.total_padded);
+    for (int k = 0; k < PARAM_KINDS; k++) {
+        int copies = param_kind_is_per_layer((ParamKind)k) ? shape.n_layers : 1;
+        for (int l = 0; l < copies; l++)
+            printf("%s%d %s %zu %zu\n", param_kind_is_per_layer((ParamKind)k) ? "layer" : "global",
+                   param_kind_is_per_layer((ParamKind)k) ? l : -1, param_kind_name((ParamKind)k),
+                   param_offset(&layout, (ParamKind)k, l), param_numel(&layout, (ParamKind)k));
+    }
+    return 0;
+}
+EOF
+cat > "$tmp/layout.py" <<'EOF'
+# Prints the table of layout.c from llama_layout.py for a config (--shape: the shape arguments).
+import sys
+import llama_layout as L
+shape = L.model_shape_from_config(sys.argv[1])
+if sys.argv[2:] == ["--shape"]:
+    print(shape.vocab_size, shape.dim, shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.ffn_dim)
+    sys.exit(0)
+layout = L.ParamLayout(shape)
+print(f"total_params {layout.total_params}\ntotal_padded {layout.total_padded}")
+kind_index = {kind.name: k for k, kind in enumerate(L.PARAM_KINDS)}
+for t in sorted(layout.tensors(), key=lambda t: (kind_index[t.kind], t.layer)):
+    kind = L.PARAM_KINDS[kind_index[t.kind]]
+    print(f"{'layer' if kind.per_layer else 'global'}{t.layer} {kind.hf_name} {t.offset} {t.numel}")
+EOF
+out=$(${CC:-cc} -std=c11 -Wall -Wextra -Werror -I coat "$tmp/layout.c" -o "$tmp/layout" -lm 2>&1); rc=$?
+check "the C layout printer builds against coat/params.h" $rc "$out"
+# The standard shapes need no padding (every size is a multiple of 128); odd.conf does.
+printf 'include = %s/configs/models/tiny.conf\nvocab_size = 1001\ndim = 72\nn_heads = 6\nn_kv_heads = 2\nffn_dim = 200\nn_layers = 3\n' \
+    "$PWD" > "$tmp/odd.conf"
+for conf in configs/models/*.conf "$tmp/odd.conf"; do
+    name=$(basename "$conf" .conf)
+    shape=$("$PYTHON" "$tmp/layout.py" "$conf" --shape 2>&1)
+    check "$name: llama_layout reads the config" $? "$shape"
+    python_table=$("$PYTHON" "$tmp/layout.py" "$conf" 2>&1)
+    # shellcheck disable=SC2086
+    c_table=$("$tmp/layout" $shape 2>&1)
+    difference=$(diff <(printf '%s\n' "$c_table") <(printf '%s\n' "$python_table") | head -n 4)
+    check "$name: every offset and size equals coat/params.h" "$([ -n "$c_table" ] && [ -z "$difference" ]; echo $?)" \
+        "expected (C) vs got (Python): $difference"
+    if [ -x ./train_llama ]; then
+        expected=$(./train_llama "$conf" --dry_run=1 2>&1 | sed -n 's/^parameters: \([0-9]*\) .*/\1/p')
+        got=$(printf '%s\n' "$python_table" | sed -n 's/^total_params //p')
+        check "$name: total parameters equal ./train_llama --dry_run=1" "$([ -n "$expected" ] && [ "$expected" = "$got" ]; echo $?)" \
+            "expected $expected, got $got"
+    else
+        check "$name: total parameters equal ./train_llama --dry_run=1" 1 "./train_llama is not built (make)"
+    fi
+done
+
+python_checks "layout properties" configs/models/*.conf "$tmp/odd.conf" <<'EOF'
+import sys
+import llama_layout as L
+
+def check(name, ok, detail=""):
+    print(f"PASS {name}" if ok else f"FAIL {name}: {detail}")
+
+for path in sys.argv[1:]:
+    layout = L.ParamLayout(L.model_shape_from_config(path))
+    slots = layout.tensors()
+    bad = [t.name for t in slots if t.offset % L.PARAM_ALIGN_ELEMS or t.padded % L.PARAM_ALIGN_ELEMS
+           or not 0 <= t.padded - t.numel < L.PARAM_ALIGN_ELEMS]
+    check(f"{path}: every tensor starts 128-aligned and is padded by less than 128", not bad, f"bad: {bad[:3]}")
+    gaps = [b.name for a, b in zip(slots, slots[1:]) if b.offset != a.offset + a.padded]
+    check(f"{path}: tensors are contiguous in buffer order (embedding, layers, final norm, lm_head)",
+          not gaps and slots[0].kind == "embedding" and [t.kind for t in slots[-2:]] == ["final_norm", "lm_head"]
+          and slots[-1].offset + slots[-1].padded == layout.total_padded, f"gaps before {gaps[:3]}")
+EOF
+
+# ---- config reader, RoPE, bf16 rounding --------------------------------------------------
+mkdir -p "$tmp/conf/sub"
+printf '# base\ndim = 64   # trailing comment\nn_heads = 4\nn_kv_heads = 2\nvocab_size = 500\n' > "$tmp/conf/sub/base.conf"
+printf 'include = sub/base.conf\nn_heads = 8\nlearning_rate = 1e-3\n\nrope_scaling_factor = 8\n' > "$tmp/conf/run.conf"
+printf 'include = b.conf\n' > "$tmp/conf/a.conf"; printf 'include = a.conf\n' > "$tmp/conf/b.conf"
+printf 'dim 64\n' > "$tmp/conf/bad.conf"
+python_checks "config and rounding" "$tmp/conf" <<'EOF'
+import math, os, random, struct, sys
+import llama_layout as L
+from convert_hf import bfloat16_to_float32, float32_to_bfloat16
+
+def check(name, ok, detail=""):
+    print(f"PASS {name}" if ok else f"FAIL {name}: {detail}")
+
+def error_of(function, *args):
+    try:
+        function(*args)
+    except L.FormatError as e:
+        return str(e)
+    return "no error"
+
+conf = sys.argv[1]
+shape = L.model_shape_from_config(os.path.join(conf, "run.conf"))
+got = (shape.dim, shape.n_heads, shape.n_kv_heads, shape.vocab_size, shape.rope_scaling_factor, shape.n_layers)
+check("config: include relative to the including file, later keys override, comments, defaults",
+      got == (64, 8, 2, 500, 8.0, 12), f"expected (64, 8, 2, 500, 8.0, 12), got {got}")
+message = error_of(L.read_config, os.path.join(conf, "a.conf"))
+check("config: an include cycle is an error", "include cycle" in message, message)
+message = error_of(L.read_config, os.path.join(conf, "bad.conf"))
+check("config: a line without '=' names file:line", message.endswith("bad.conf:1: expected `key = value`"), message)
+message = error_of(L.read_config, os.path.join(conf, "none.conf"))
+check("config: a missing file is named", "none.conf: cannot open config" in message, message)
+
+plain = L.ModelShape(dim=128, n_heads=2, rope_theta=10000.0)
+frequencies = L.rope_inv_frequencies(plain)
+check("rope: 32 frequencies theta^(-2i/64) for head_dim 64",
+      len(frequencies) == 32 and frequencies[0] == 1.0 and math.isclose(frequencies[16], 10000.0 ** -0.5),
+      f"got {len(frequencies)}: {frequencies[:2]}")
+scaled = L.ModelShape(dim=2048, n_heads=32, rope_theta=500000.0, rope_scaling_factor=32.0,
+                      rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_seq_len=8192)
+unscaled = L.rope_inv_frequencies(L.ModelShape(dim=2048, n_heads=32, rope_theta=500000.0))
+ratios = [a / b for a, b in zip(unscaled, L.rope_inv_frequencies(scaled))]
+wavelengths = [2 * math.pi / f for f in unscaled]
+kept = all(math.isclose(r, 1.0) for r, w in zip(ratios, wavelengths) if w < 8192 / 4)
+divided = all(math.isclose(r, 32.0) for r, w in zip(ratios, wavelengths) if w > 8192)
+between = [r for r, w in zip(ratios, wavelengths) if 8192 / 4 <= w <= 8192]
+check("rope: llama3 scaling keeps short wavelengths, divides long ones by the factor, interpolates between",
+      kept and divided and between and all(1.0 < r < 32.0 for r in between) and between == sorted(between),
+      f"ratios {[round(r, 3) for r in ratios]}")
+
+def reference_bfloat16(bits):
+    if bits & 0x7FFFFFFF > 0x7F800000:
+        return (bits | 0x00400000) >> 16
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+random.seed(7)
+special = [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFF800001, 0x7F800001, 0xFFFFFFFF, 0x7F7FFFFF,
+           0xFF7FFFFF, 0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0x00008000, 0x00018000, 1, 0x80000001]
+values = special + [random.getrandbits(32) for _ in range(20000)]
+rounded = struct.unpack(f"<{len(values)}H", float32_to_bfloat16(struct.pack(f"<{len(values)}I", *values)))
+wrong = [(hex(v), hex(r), hex(reference_bfloat16(v))) for v, r in zip(values, rounded) if r != reference_bfloat16(v)]
+check("bf16: round to nearest even, ties to even, overflow to inf, NaN stays NaN (18 special + 20000 random)",
+      not wrong, f"(input, got, expected): {wrong[:3]}")
+halves = [random.getrandbits(16) for _ in range(1000)]
+widened = struct.unpack("<1000I", bfloat16_to_float32(struct.pack("<1000H", *halves)))
+check("bf16 -> f32 is exact (upper half, zero lower half)", list(widened) == [h << 16 for h in halves])
+EOF
+
+# ---- convert_hf.py round trips -----------------------------------------------------------
+python_checks "convert_hf round trips" "$tmp/hf" <<'EOF'
+import json, os, random, struct, subprocess, sys
+import llama_layout as L
+import convert_hf
+
+work = sys.argv[1]
+os.makedirs(work)
+
+def check(name, ok, detail=""):
+    print(f"PASS {name}" if ok else f"FAIL {name}: {detail}")
+
+def convert(*args):
+    result = subprocess.run([sys.executable, "scripts/convert_hf.py", *args], capture_output=True, text=True)
+    return result.returncode, result.stderr.strip()
+
+def read_weights(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    header = L.unpack_checkpoint_header(data, path)
+    return header, data[L.CHECKPOINT_HEADER_BYTES:L.CHECKPOINT_HEADER_BYTES + 4 * header.total_padded]
+
+# A small synthetic checkpoint: sizes that are not multiples of 128, GQA, Llama 3.1 RoPE scaling,
+# optimizer and trainer state present (export must skip them), random weights and zero padding.
+shape = L.ModelShape(vocab_size=103, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=80, max_seq_len=64,
+                     rope_theta=500000.0, norm_eps=L.float32(1e-5), rope_scaling_factor=8.0,
+                     rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_seq_len=32)
+layout = L.ParamLayout(shape)
+random.seed(3)
+weights = [0.0] * layout.total_padded
+for slot in layout.tensors():
+    for i in range(slot.numel):
+        weights[slot.offset + i] = random.gauss(0.0, 0.05)
+weight_bytes = struct.pack(f"<{layout.total_padded}f", *weights)
+source_header = L.CheckpointHeader(shape, step=1234, total_padded=layout.total_padded, has_optimizer_state=1,
+                                   optimizer_state_bytes=96, trainer_state_bytes=40)
+source = os.path.join(work, "source.bin")
+with open(source, "wb") as f:
+    f.write(L.pack_checkpoint_header(source_header) + weight_bytes + bytes(range(96)) + bytes(40))
+
+# float32: export -> import gives the same weights, the same shape, step 0 and no optimizer state
+rc, err = convert("export", source, os.path.join(work, "f32"), "--dtype", "float32")
+check("export float32 exits 0", rc == 0, err)
+rc, err = convert("import", os.path.join(work, "f32"), os.path.join(work, "f32.bin"))
+check("import of the float32 export exits 0", rc == 0, err)
+header, imported = read_weights(os.path.join(work, "f32.bin"))
+check("float32 round trip: identical weights and zero padding", imported == weight_bytes)
+check("float32 round trip: same shape, step 0, no optimizer or trainer state",
+      header.shape == shape and (header.step, header.has_optimizer_state, header.optimizer_state_bytes,
+                                 header.trainer_state_bytes) == (0, 0, 0, 0),
+      f"expected {shape}, got {header}")
+check("the imported checkpoint has exactly the size its header announces",
+      os.path.getsize(os.path.join(work, "f32.bin")) == header.file_bytes)
+
+# the safetensors file: header length, JSON, every tensor once, contiguous data that fills the file
+st_path = os.path.join(work, "f32", "model.safetensors")
+with open(st_path, "rb") as f:
+    (header_length,) = struct.unpack("<Q", f.read(8))
+    st_header = json.loads(f.read(header_length))
+file_size = os.path.getsize(st_path)
+st_header.pop("__metadata__", None)
+entries = sorted(st_header.items(), key=lambda item: item[1]["data_offsets"][0])
+expected_names = {slot.name: slot for slot in layout.tensors()}
+contiguous = all(a[1]["data_offsets"][1] == b[1]["data_offsets"][0] for a, b in zip(entries, entries[1:]))
+sizes_ok = all(info["dtype"] == "F32" and tuple(info["shape"]) == expected_names[name].shape
+               and info["data_offsets"][1] - info["data_offsets"][0] == 4 * expected_names[name].numel
+               for name, info in st_header.items() if name in expected_names)
+check("safetensors: 8-byte aligned JSON header naming every tensor once with dtype, HF shape and offsets",
+      header_length % 8 == 0 and set(st_header) == set(expected_names) and sizes_ok and contiguous
+      and entries[0][1]["data_offsets"][0] == 0 and 8 + header_length + entries[-1][1]["data_offsets"][1] == file_size,
+      f"names {sorted(set(st_header) ^ set(expected_names))[:3]}, sizes_ok {sizes_ok}, contiguous {contiguous}")
+with open(os.path.join(work, "f32", "config.json")) as f:
+    config = json.load(f)
+expected_config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 48, "intermediate_size": 80,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "head_dim": 12,
+                   "vocab_size": 103, "max_position_embeddings": 64, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+                   "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
+                   "torch_dtype": "float32",
+                   "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}
+mismatched = {key: config.get(key) for key, value in expected_config.items() if config.get(key) != value}
+check("config.json: LlamaForCausalLM fields and llama3 rope_scaling", not mismatched, f"got {mismatched}")
+
+# bfloat16: export -> import gives the weights rounded to nearest even
+rc, err = convert("export", source, os.path.join(work, "bf16"))
+check("export bfloat16 (the default) exits 0", rc == 0, err)
+rc, err = convert("import", os.path.join(work, "bf16"), os.path.join(work, "bf16.bin"))
+check("import of the bfloat16 export exits 0", rc == 0, err)
+_, imported = read_weights(os.path.join(work, "bf16.bin"))
+expected = convert_hf.bfloat16_to_float32(convert_hf.float32_to_bfloat16(weight_bytes))
+with open(os.path.join(work, "bf16", "config.json")) as f:
+    dtype = json.load(f)["torch_dtype"]
+check("bfloat16 round trip: weights rounded to bf16, padding zero, torch_dtype bfloat16",
+      imported == expected and imported != weight_bytes and dtype == "bfloat16")
+
+# a tied HF model without lm_head.weight, split into two shards with an index
+_, tensors = convert_hf.read_safetensors_header(st_path)
+data_start = 8 + header_length
+def entry(name):
+    begin, end = tensors[name]["data_offsets"]
+    return convert_hf.SafetensorsEntry(name, "F32", tuple(tensors[name]["shape"]),
+                                       lambda: convert_hf.read_chunks(st_path, data_start + begin, end - begin, 1 << 16))
+names = [slot.name for slot in layout.tensors() if slot.name != "lm_head.weight"]
+tied = os.path.join(work, "tied")
+os.makedirs(tied)
+shards = {"model-00001-of-00002.safetensors": names[:5], "model-00002-of-00002.safetensors": names[5:]}
+for file_name, shard_names in shards.items():
+    convert_hf.write_safetensors(os.path.join(tied, file_name), [entry(name) for name in shard_names])
+with open(os.path.join(tied, "model.safetensors.index.json"), "w") as f:
+    json.dump({"weight_map": {name: file_name for file_name, shard in shards.items() for name in shard}}, f)
+tied_config = dict(config, tie_word_embeddings=True)
+with open(os.path.join(tied, "config.json"), "w") as f:
+    json.dump(tied_config, f)
+rc, err = convert("import", tied, os.path.join(work, "tied.bin"))
+check("import of a sharded, tied HF folder exits 0", rc == 0, err)
+_, imported = read_weights(os.path.join(work, "tied.bin"))
+embedding, lm_head = layout.slot(0, -1), layout.slot(len(L.PARAM_KINDS) - 1, -1)
+def tensor_bytes(data, slot):
+    return data[4 * slot.offset:4 * (slot.offset + slot.numel)]
+check("tied import: lm_head is a copy of the embedding, the rest unchanged",
+      tensor_bytes(imported, lm_head) == tensor_bytes(weight_bytes, embedding)
+      and imported[:4 * lm_head.offset] == weight_bytes[:4 * lm_head.offset])
+
+# refusals: one line naming the file and the problem, exit status 1
+def expect_refusal(name, args, text):
+    rc, err = convert(*args)
+    check(f"{name}: exit 1 and one line naming the problem", rc == 1 and err.count("\n") == 0 and text in err,
+          f"rc {rc}, stderr: {err}")
+
+biased = os.path.join(work, "biased")
+os.makedirs(biased)
+with open(os.path.join(biased, "config.json"), "w") as f:
+    json.dump(dict(config, attention_bias=True), f)
+expect_refusal("import refuses attention biases", ["import", biased, os.path.join(work, "x.bin")],
+               "config.json: unsupported model: biases")
+with open(os.path.join(biased, "config.json"), "w") as f:
+    json.dump(dict(config, model_type="mistral", architectures=["MistralForCausalLM"]), f)
+expect_refusal("import refuses another architecture", ["import", biased, os.path.join(work, "x.bin")],
+               "unsupported model: model_type 'mistral'")
+untied = os.path.join(work, "untied")
+os.makedirs(untied)
+for file_name in list(shards) + ["model.safetensors.index.json"]:
+    os.link(os.path.join(tied, file_name), os.path.join(untied, file_name))
+with open(os.path.join(untied, "config.json"), "w") as f:
+    json.dump(config, f)
+expect_refusal("import refuses an untied model without lm_head.weight", ["import", untied, os.path.join(work, "x.bin")],
+               "tensor lm_head.weight is missing")
+check("a refused import leaves no file behind", not os.path.exists(os.path.join(work, "x.bin"))
+      and not os.path.exists(os.path.join(work, "x.bin.tmp")))
+bad_magic = os.path.join(work, "bad_magic.bin")
+with open(bad_magic, "wb") as f:
+    f.write(b"NOTACKPT" + bytes(L.CHECKPOINT_HEADER_BYTES))
+expect_refusal("export refuses a file that is not a checkpoint", ["export", bad_magic, os.path.join(work, "y")],
+               "bad_magic.bin: not a train_llama checkpoint")
+truncated = os.path.join(work, "truncated.bin")
+with open(source, "rb") as f, open(truncated, "wb") as g:
+    g.write(f.read(L.CHECKPOINT_HEADER_BYTES + 1000))
+expect_refusal("export refuses a truncated checkpoint", ["export", truncated, os.path.join(work, "y")],
+               "truncated.bin: size")
+EOF
+
+# ---- plot_curves.py ----------------------------------------------------------------------
+if "$PYTHON" -c 'import matplotlib' 2>/dev/null; then
+    for run in a b; do
+        mkdir -p "$tmp/runs/$run"
+        for step in 1 2 3 4 5 6 7 8 9 10; do
+            printf '{"step": %d, "train_loss": %s, "lr": 0.001, "grad_norm": 1.0, "ms": 10, "tokens_per_s": 1000, "mfu": 0.3, "gpu_mem_gib": 1.0, "tokens": %d}\n' \
+                "$step" "$((20 - step)).5" "$((step * 4096))"
+        done >> "$tmp/runs/$run/log.jsonl"
+        printf '{"step": 10, "val_loss": 9.75}\n{"step": 11, "train_lo' >> "$tmp/runs/$run/log.jsonl"
+    done
+    out=$("$PYTHON" scripts/plot_curves.py "$tmp/curves.png" "$tmp/runs/a:first" "$tmp/runs/b" 2>&1); rc=$?
+    check "plot_curves.py reads logs with a partly written last line and writes a PNG" \
+        "$([ $rc -eq 0 ] && [ "$(head -c 4 "$tmp/curves.png" | tail -c 3)" = PNG ] &&
+           printf '%s\n' "$out" | grep -q '^first: train 10.5000 at step 10, val 9.7500 at step 10$'; echo $?)" "$out"
+    out=$("$PYTHON" scripts/plot_curves.py "$tmp/none.png" "$tmp/runs/missing" 2>&1); rc=$?
+    check "plot_curves.py names a missing log" "$([ $rc -eq 1 ] && printf '%s' "$out" | grep -q 'missing/log.jsonl: cannot open'; echo $?)" "$out"
+else
+    echo "SKIP plot_curves.py (matplotlib is not installed)"
+fi
+
+echo "test_scripts: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]

@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# `./tokenize shards` end to end with a byte-level tokenizer.json made here (byte b has id b, BOS
+# 256, EOS 257), so that the shards can be decoded back and compared with the documents: the
+# llm.c header, the document split (separator, blank lines, JSONL "text"), BOS/EOS, the evenly
+# spread validation split, identical output for 1, 2 and 4 threads, uint32 shards for a
+# vocabulary over 65536 ids, errors naming file:line, no temporary file left behind.
+cd "$(dirname "$0")/.." || exit 1
+passed=0; failed=0
+check() {  # check NAME CONDITION-EXIT-CODE [DETAIL]
+    if [ "$2" -eq 0 ]; then echo "PASS $1"; passed=$((passed + 1)); else echo "FAIL $1${3:+: $3}"; failed=$((failed + 1)); fi
+}
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+
+# tokenizer.json: GPT-2's byte-to-character map, no merges; an optional extra special token at a
+# high id makes the vocabulary larger than 65536.
+make_tokenizer() {  # make_tokenizer OUT [HIGH_ID]
+    python3 - "$@" <<'PYTHON'
+import json, sys
+visible = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+chars, extra = {}, 0
+for b in range(256):
+    if b in visible:
+        chars[b] = chr(b)
+    else:
+        chars[b] = chr(256 + extra)
+        extra += 1
+added = [(256, '<|begin_of_text|>'), (257, '<|end_of_text|>')]
+if len(sys.argv) > 2:
+    added.append((int(sys.argv[2]), '<|high|>'))
+vocab = {chars[b]: b for b in range(256)}
+vocab.update({content: i for i, content in added})
+spec = {
+    'version': '1.0', 'truncation': None, 'padding': None,
+    'added_tokens': [{'id': i, 'content': c, 'single_word': False, 'lstrip': False, 'rstrip': False,
+                      'normalized': False, 'special': True} for i, c in added],
+    'normalizer': None,
+    'pre_tokenizer': {'type': 'ByteLevel', 'add_prefix_space': False, 'trim_offsets': True, 'use_regex': False},
+    'post_processor': None,
+    'decoder': {'type': 'ByteLevel', 'add_prefix_space': True, 'trim_offsets': True, 'use_regex': True},
+    'model': {'type': 'BPE', 'dropout': None, 'unk_token': None, 'continuing_subword_prefix': None,
+              'end_of_word_suffix': None, 'fuse_unk': False, 'byte_fallback': False, 'ignore_merges': False,
+              'vocab': vocab, 'merges': []},
+}
+json.dump(spec, open(sys.argv[1], 'w'), ensure_ascii=False)
+PYTHON
+}
+make_tokenizer "$tmp/tokenizer.json"
+make_tokenizer "$tmp/tokenizer_large.json" 70000
+
+# Inputs: several files, a sub-directory, a JSONL file, a hidden file that the walk skips, and
+# enough text (about 3 MB) for several chunks, so that the threads really share the work.
+mkdir -p "$tmp/in/sub" "$tmp/in/.hidden"
+python3 - "$tmp/in" <<'PYTHON'
+import json, random, sys
+root = sys.argv[1]
+rng = random.Random(5)
+words = ['shard', 'token', 'loader', 'épée', 'naïve', '数据', 'x', '', 'line\nbreak', 'tab\there']
+def document():
+    return ' '.join(rng.choice(words) for _ in range(rng.randint(1, 4000)))
+open(root + '/a.txt', 'w').write('<|sep|>'.join(document() for _ in range(300)) + '<|sep|>')
+open(root + '/sub/b.txt', 'w').write('<|sep|>first<|sep|><|sep|>second')
+lines = [json.dumps({'id': i, 'meta': {'text': 'nested'}, 'text': document() + ' \u00e9 \ud83d\ude00 "q"\n'})
+         for i in range(50)]
+open(root + '/sub/c.jsonl', 'w').write('\n'.join(lines[:25]) + '\n\n' + '\n'.join(lines[25:]) + '\n')
+open(root + '/.hidden/skip.txt', 'w').write('never read')
+PYTHON
+
+run_shards() {  # run_shards OUTDIR ARGS...
+    local out=$1; shift
+    ./tokenize shards -t "$tmp/tokenizer.json" -o "$out" "$@" > "$out.log" 2>&1
+}
+options=(--separator '<|sep|>' --eos --val-fraction 0.02 --shard-tokens 400000)
+for threads in 1 2 4; do
+    run_shards "$tmp/out$threads" "${options[@]}" --threads $threads "$tmp/in"
+    check "tokenize shards --threads $threads exits 0" $? "$(cat "$tmp/out$threads.log")"
+done
+identical=0
+for threads in 2 4; do
+    [ "$(ls "$tmp/out1")" = "$(ls "$tmp/out$threads")" ] || identical=1
+    for file in "$tmp"/out1/*; do cmp -s "$file" "$tmp/out$threads/$(basename "$file")" || identical=1; done
+done
+check "shards are byte-identical with 1, 2 and 4 threads ($(ls "$tmp/out1" | wc -l) files)" $identical
+check "the summary counts the documents" \
+    "$(grep -q '^documents: 352 (train 345, val 7)' "$tmp/out1.log"; echo $?)" "$(head -1 "$tmp/out1.log")"
+
+# Decode the shards and compare with the documents, split and assigned as documented.
+verify() {  # verify OUTDIR MAGIC SHARD_TOKENS
+    python3 - "$tmp/in" "$@" <<'PYTHON'
+import glob, json, math, os, struct, sys
+root, out, magic, shard_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+documents = []  # in walk order: a.txt, sub/b.txt, sub/c.jsonl
+for path in [root + '/a.txt', root + '/sub/b.txt']:
+    documents += [d.encode() for d in open(path, encoding='utf-8').read().split('<|sep|>') if d]
+documents += [json.loads(line)['text'].encode() for line in open(root + '/sub/c.jsonl') if line.strip()]
+is_val = [math.floor((i + 1) * 0.02) > math.floor(i * 0.02) for i in range(len(documents))]
+problems = []
+def read(prefix):
+    tokens = []
+    paths = sorted(glob.glob('%s/%s_*.bin' % (out, prefix)))
+    for n, path in enumerate(paths):
+        data = open(path, 'rb').read()
+        header = struct.unpack('<256i', data[:1024])
+        width = 2 if magic == 20240520 else 4
+        if header[0] != magic or header[1] != (1 if width == 2 else 2) or any(header[3:]):
+            problems.append('%s: header %s' % (path, header[:4]))
+        if len(data) != 1024 + header[2] * width:
+            problems.append('%s: %d bytes for %d tokens' % (path, len(data), header[2]))
+        if n < len(paths) - 1 and header[2] != shard_tokens:
+            problems.append('%s: %d tokens, not %d' % (path, header[2], shard_tokens))
+        tokens += struct.unpack('<%d%s' % (header[2], 'H' if width == 2 else 'I'), data[1024:])
+    return tokens
+for prefix, wanted in (('train', False), ('val', True)):
+    expected = []
+    for document, val in zip(documents, is_val):
+        if val == wanted:
+            expected += [256] + list(document) + [257]
+    got = read(prefix)
+    if got != expected:
+        first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+        problems.append('%s: %d tokens, expected %d; first difference at %d' % (prefix, len(got), len(expected), first))
+print('; '.join(problems))
+sys.exit(1 if problems else 0)
+PYTHON
+}
+detail=$(verify "$tmp/out1" 20240520 400000); rc=$?
+check "uint16 shards decode to BOS + document + EOS in input order (files sorted, JSONL text, hidden skipped), val every 50th" $rc "$detail"
+
+./tokenize shards -t "$tmp/tokenizer_large.json" -o "$tmp/large" "${options[@]}" "$tmp/in" > "$tmp/large.log" 2>&1
+check "a vocabulary of 70001 ids exits 0" $? "$(cat "$tmp/large.log")"
+detail=$(verify "$tmp/large" 20240801 400000); rc=$?
+check "vocabulary over 65536 ids gives uint32 shards (magic 20240801, version 2)" $rc "$detail"
+
+# Blank-line split and --val-docs on a small file.
+printf 'one\n\n\n two\nthree\n \t\nfour' > "$tmp/blank.txt"
+run_shards "$tmp/blank" --blank-lines --val-docs 1 "$tmp/blank.txt"
+got=$(python3 -c "
+import struct, sys
+for name in ('train', 'val'):
+    d = open('$tmp/blank/%s_000000.bin' % name, 'rb').read()
+    print(name, bytes(t if t < 256 else 124 for t in struct.unpack('<%dH' % ((len(d) - 1024) // 2), d[1024:])).decode())
+")
+check "--blank-lines splits at blank lines, --val-docs 1 takes the last of 3" \
+    "$([ "$got" = "$(printf 'train |one| two\nthree\nval |four')" ]; echo $?)" "got: $got"
+
+# Fewer shards than before: the stale ones of the earlier run are removed.
+run_shards "$tmp/out1" "${options[@]:0:5}" --shard-tokens 100000000 "$tmp/in"
+check "a rerun with larger shards removes the stale shards" \
+    "$([ "$(ls "$tmp/out1")" = "$(printf 'train_000000.bin\nval_000000.bin')" ]; echo $?)" "$(ls "$tmp/out1" | tr '\n' ' ')"
+
+expect_error() {  # expect_error NAME EXPECTED-TEXT INPUT
+    out=$(./tokenize shards -t "$tmp/tokenizer.json" -o "$tmp/bad" "$3" 2>&1); rc=$?
+    check "$1: exits non-zero" "$([ $rc -ne 0 ]; echo $?)"
+    check "$1: names the problem" "$(printf '%s' "$out" | grep -qF -- "$2"; echo $?)" "got: $out"
+}
+printf '{"text": "ok"}\n{"txt": "no"}\n' > "$tmp/bad1.jsonl"
+expect_error "JSONL line without text" "error: $tmp/bad1.jsonl:2: no \"text\" field" "$tmp/bad1.jsonl"
+printf '{"text": "ok"}\n{"text": "cut\n' > "$tmp/bad2.jsonl"
+expect_error "JSONL line cut short" "error: $tmp/bad2.jsonl:2: the \"text\" field is not a valid string" "$tmp/bad2.jsonl"
+expect_error "missing input" "error: $tmp/none.txt: No such file or directory" "$tmp/none.txt"
+check "a failed run leaves no temporary shard" "$([ -z "$(ls "$tmp/bad" 2>/dev/null | grep tmp)" ]; echo $?)"
+out=$(./tokenize shards -t "$tmp/tokenizer.json" "$tmp/in" 2>&1); rc=$?
+check "missing -o is an error" "$([ $rc -ne 0 ] && printf '%s' "$out" | grep -q 'give -o DIR'; echo $?)" "got: $out"
+
+echo "test_shards: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
