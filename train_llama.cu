@@ -509,6 +509,12 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
     return (float)(loss_sum / t->grad_accum);
 }
 
+static void log_validation(Trainer *t) {
+    float val = validation_loss(t);
+    printf("step %6lld | val loss %.4f\n", t->state.step, val);
+    run_log_val(&t->log, t->state.step, val);
+}
+
 static int train(ConfigParser *parser, int ranks) {
     const TrainConfig *c = &parser->values;
     char error[1024];
@@ -534,39 +540,32 @@ static int train(ConfigParser *parser, int ranks) {
     cudaEvent_t start, stop;
     cudaCheck(cudaEventCreate(&start));
     cudaCheck(cudaEventCreate(&stop));
+    // Validation, samples and checkpoints come after the step they follow, so a run resumed from
+    // a checkpoint repeats none of them.
+    if (t->state.step == 0 && t->have_val && c->val_every > 0) log_validation(t);
     while (t->state.step < c->max_steps) {
-        long long step = t->state.step;
-        if (t->have_val && c->val_every > 0 && step % c->val_every == 0) {
-            float val = validation_loss(t);
-            printf("step %6lld | val loss %.4f\n", step, val);
-            run_log_val(&t->log, step, val);
-        }
-        if (c->sample_every > 0 && step > 0 && step % c->sample_every == 0) print_sample(t);
-        float lr = learning_rate_at(c, (int)step), grad_norm = 0.0f;
+        float lr = learning_rate_at(c, (int)t->state.step), grad_norm = 0.0f;
         cudaCheck(cudaEventRecord(start, t->gpu.stream));
         float loss = train_step(t, lr, &grad_norm);
         cudaCheck(cudaEventRecord(stop, t->gpu.stream));
         cudaCheck(cudaEventSynchronize(stop));
         float ms = 0.0f;
         cudaCheck(cudaEventElapsedTime(&ms, start, stop));
-        t->state.step++;
+        long long step = ++t->state.step;
         t->state.tokens_seen += tokens_per_step;
         double tokens_per_s = tokens_per_step / (ms / 1000.0);
         double mfu = tokens_per_s / ranks * t->flops_per_token / 989e12;
         size_t free_bytes, total_bytes;
         cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
         double mem = gib(total_bytes - free_bytes);
-        printf("step %6lld/%d | loss %.4f | lr %.3e | norm %.3f | %.1f ms | %.0f tok/s | MFU %.1f%% | %.1f GiB\n",
-               t->state.step, c->max_steps, loss, lr, grad_norm, ms, tokens_per_s, 100.0 * mfu, mem);
+        printf("step %6lld/%d | loss %.4f | lr %.3e | norm %.3f | %.1f ms | %.0f tok/s | MFU %.1f%% | %.1f GiB\n", step,
+               c->max_steps, loss, lr, grad_norm, ms, tokens_per_s, 100.0 * mfu, mem);
         fflush(stdout);
-        run_log_train(&t->log, t->state.step, loss, lr, grad_norm, ms, t->state.tokens_seen, tokens_per_s, mfu, mem);
-        int last = t->state.step == c->max_steps;
-        if (last || (c->checkpoint_every > 0 && t->state.step % c->checkpoint_every == 0)) save_checkpoint(t);
-    }
-    if (t->have_val && c->val_every > 0) {
-        float val = validation_loss(t);
-        printf("step %6lld | val loss %.4f\n", t->state.step, val);
-        run_log_val(&t->log, t->state.step, val);
+        run_log_train(&t->log, step, loss, lr, grad_norm, ms, t->state.tokens_seen, tokens_per_s, mfu, mem);
+        int last = step == c->max_steps;
+        if (t->have_val && c->val_every > 0 && (step % c->val_every == 0 || last)) log_validation(t);
+        if (c->sample_every > 0 && (step % c->sample_every == 0 || last)) print_sample(t);
+        if (last || (c->checkpoint_every > 0 && step % c->checkpoint_every == 0)) save_checkpoint(t);
     }
     run_log_close(&t->log);
     cudaCheck(cudaEventDestroy(start));

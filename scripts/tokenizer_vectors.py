@@ -14,7 +14,7 @@ the C tokenizer does it (tokenizer/tokenizer.h), since HF only takes valid strin
 towards byte tokens and special tokens) and HF's decode(ids, skip_special_tokens=False) as
 hex UTF-8 bytes, one "ids<TAB>hex" line each.
 
---classes FILE writes, as "first last class" ranges over all code points except surrogates,
+--classes FILE (test/data/tokenizer/hf_unicode_classes.ranges) writes, as "first last class" ranges over all code points except surrogates,
 how HF's pre-tokenizer regex (the first NAME's Split) classifies each code point: L letter,
 N number, S space, O other; it probes the regex with "a"+c, "1"+c and c+"!".
 Needs: pip tokenizers (run where it is installed; the GPU machine has it).

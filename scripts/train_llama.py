@@ -78,7 +78,8 @@ def causal_attention_exact(q, k, v):
 class Attention(nn.Module):
     def __init__(self, shape: ModelShape, exact: bool):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim, self.exact = shape.n_heads, shape.n_kv_heads, shape.head_dim, exact
+        self.n_heads, self.n_kv_heads, self.head_dim = shape.n_heads, shape.n_kv_heads, shape.head_dim
+        self.exact = exact
         self.q_proj = nn.Linear(shape.dim, shape.n_heads * shape.head_dim, bias=False)
         self.k_proj = nn.Linear(shape.dim, shape.n_kv_heads * shape.head_dim, bias=False)
         self.v_proj = nn.Linear(shape.dim, shape.n_kv_heads * shape.head_dim, bias=False)
@@ -252,6 +253,7 @@ def debug_state(args, shape: ModelShape) -> int:
 
 
 def bench(args, shape: ModelShape) -> int:
+    """Median step time over --steps timed steps after --warmup; tokens/s, MFU and peak memory."""
     config_name = os.path.splitext(os.path.basename(args.config))[0]
     result = {"impl": "pytorch" + ("-compile" if args.compile else ""), "config": config_name,
               "batch": args.batch, "seq": args.seq}
@@ -265,8 +267,8 @@ def bench(args, shape: ModelShape) -> int:
         init_weights(model, generator)
         optimizer = make_optimizer(model, args.lr, fused=True)
         forward = torch.compile(model) if args.compile else model
-        sequence = torch.randint(0, shape.vocab_size, (args.batch, args.seq + 1), device=device, generator=generator)
-        tokens, targets = sequence[:, :-1].contiguous(), sequence[:, 1:].contiguous()
+        tokens, targets = random_batch(shape.vocab_size, args.batch, args.seq, torch.Generator().manual_seed(args.seed))
+        tokens, targets = tokens.to(device), targets.to(device)
 
         def train_step():
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -287,7 +289,9 @@ def bench(args, shape: ModelShape) -> int:
             end.record()
             end.synchronize()
             step_ms.append(start.elapsed_time(end))
-    except torch.cuda.OutOfMemoryError:
+    except RuntimeError as e:  # torch.cuda.OutOfMemoryError, or one that torch.compile wrapped in its own error
+        if not isinstance(e, torch.cuda.OutOfMemoryError) and "out of memory" not in str(e):
+            raise
         result["error"] = "out of memory"
         print(json.dumps(result))
         return 0

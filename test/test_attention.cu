@@ -8,10 +8,11 @@
 //
 // Tolerances. out: atol = rtol = 2e-2; P is rounded to BF16 before P V (relative 2^-9) and out
 // itself is BF16 (2^-9), against values of order 1. lse: atol 1e-3, rtol 1e-4; it is FP32 all the
-// way. dq, dk, dv: each is a sum of products of BF16-rounded factors (P or dS = P (dP - D)), so
-// the error scales with the size of the terms, not of the sum; a sum that cancels to near zero
-// keeps the absolute error of its terms. So atol = 3e-2 * rms(expected tensor) (floor 1e-4 for
-// the all-zero T = 1 gradients, where dP - D cancels exactly) and rtol = 3e-2.
+// way. dq, dk, dv: each is a sum of products of BF16-rounded factors (P, or dS = P (dP - D) whose
+// dP = dO.v is of order sqrt(head_dim)), so the error follows the size of the terms, not of the
+// sum, and a sum that cancels keeps the absolute error of its terms. So atol = 5e-2 * rms of the
+// expected tensor (floor 1e-4 for the all-zero gradients at T = 1, where dP - D cancels exactly)
+// and rtol = 3e-2. A wrong mask or tile gives errors of the order of the rms itself.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -112,7 +113,7 @@ static size_t count_nan_float(const float *x, size_t n) {
 static void check_grad(const char *label, const char *name, const float *got, const float *expected, size_t n) {
     char what[160];
     snprintf(what, sizeof what, "%s: %s", label, name);
-    double atol = fmax(3e-2 * rms(expected, n), 1e-4);
+    double atol = fmax(5e-2 * rms(expected, n), 1e-4);
     check_close(what, got, expected, n, atol, 3e-2);
 }
 

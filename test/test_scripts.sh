@@ -6,7 +6,7 @@
 # (SKIP without matplotlib). Needs no GPU.
 cd "$(dirname "$0")/.." || exit 1
 PYTHON=${PYTHON:-python3}
-export PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" PYTHONDONTWRITEBYTECODE=1
 passed=0; failed=0
 check() {  # check NAME CONDITION-EXIT-CODE [DETAIL]
     if [ "$2" -eq 0 ]; then echo "PASS $1"; passed=$((passed + 1)); else echo "FAIL $1${3:+: $3}"; failed=$((failed + 1)); fi
@@ -25,7 +25,7 @@ tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 
 for script in scripts/llama_layout.py scripts/convert_hf.py scripts/plot_curves.py scripts/train_llama.py \
               scripts/check_hf_export.py; do
-    out=$("$PYTHON" -m py_compile "$script" 2>&1); rc=$?
+    out=$("$PYTHON" -c 'import sys; compile(open(sys.argv[1]).read(), sys.argv[1], "exec")' "$script" 2>&1); rc=$?
     check "$script compiles" $rc "$out"
 done
 
@@ -71,7 +71,7 @@ EOF
 out=$(${CC:-cc} -std=c11 -Wall -Wextra -Werror -I coat "$tmp/layout.c" -o "$tmp/layout" -lm 2>&1); rc=$?
 check "the C layout printer builds against coat/params.h" $rc "$out"
 # The standard shapes need no padding (every size is a multiple of 128); odd.conf does.
-printf 'include = %s/configs/models/tiny.conf\nvocab_size = 1001\ndim = 72\nn_heads = 6\nn_kv_heads = 2\nffn_dim = 200\nn_layers = 3\n' \
+printf 'include = %s/configs/models/tiny.conf\nvocab_size = 1001\ndim = 192\nn_heads = 3\nn_kv_heads = 1\nffn_dim = 208\nn_layers = 3\n' \
     "$PWD" > "$tmp/odd.conf"
 for conf in configs/models/*.conf "$tmp/odd.conf"; do
     name=$(basename "$conf" .conf)
@@ -346,8 +346,8 @@ if "$PYTHON" -c 'import matplotlib' 2>/dev/null; then
     for run in a b; do
         mkdir -p "$tmp/runs/$run"
         for step in 1 2 3 4 5 6 7 8 9 10; do
-            printf '{"step": %d, "train_loss": %s, "lr": 0.001, "grad_norm": 1.0, "ms": 10, "tokens_per_s": 1000, "mfu": 0.3, "gpu_mem_gib": 1.0, "tokens": %d}\n' \
-                "$step" "$((20 - step)).5" "$((step * 4096))"
+            printf '{"step": %d, "train_loss": %s, "lr": 0.001, "grad_norm": 1.0, "ms": 10, "tokens_per_s": 1000, ' "$step" "$((20 - step)).5"
+            printf '"mfu": 0.3, "gpu_mem_gib": 1.0, "tokens": %d}\n' "$((step * 4096))"
         done >> "$tmp/runs/$run/log.jsonl"
         printf '{"step": 10, "val_loss": 9.75}\n{"step": 11, "train_lo' >> "$tmp/runs/$run/log.jsonl"
     done
@@ -356,7 +356,8 @@ if "$PYTHON" -c 'import matplotlib' 2>/dev/null; then
         "$([ $rc -eq 0 ] && [ "$(head -c 4 "$tmp/curves.png" | tail -c 3)" = PNG ] &&
            printf '%s\n' "$out" | grep -q '^first: train 10.5000 at step 10, val 9.7500 at step 10$'; echo $?)" "$out"
     out=$("$PYTHON" scripts/plot_curves.py "$tmp/none.png" "$tmp/runs/missing" 2>&1); rc=$?
-    check "plot_curves.py names a missing log" "$([ $rc -eq 1 ] && printf '%s' "$out" | grep -q 'missing/log.jsonl: cannot open'; echo $?)" "$out"
+    check "plot_curves.py names a missing log" \
+        "$([ $rc -eq 1 ] && printf '%s' "$out" | grep -q 'missing/log.jsonl: cannot open'; echo $?)" "$out"
 else
     echo "SKIP plot_curves.py (matplotlib is not installed)"
 fi

@@ -124,7 +124,6 @@ static const char *type_of(const JsonValue *config) {
 
 static int is_null(const JsonValue *v) { return !v || v->type == JSON_NULL; }
 static int is_true(const JsonValue *v) { return v && v->type == JSON_TRUE; }
-static int is_bool(const JsonValue *v) { return v && (v->type == JSON_TRUE || v->type == JSON_FALSE); }
 
 // The GPT-2 byte-to-character map: printable Latin-1 bytes stand for themselves, the others
 // (controls, space, DEL, NBSP, soft hyphen) for U+0100 onwards in byte order.
@@ -489,8 +488,7 @@ static int load_added_tokens(LoadContext *ctx, Tokenizer *tok, const JsonValue *
         for (int k = 0; k < 3; k++) {
             if (is_true(json_get(token, options[k]))) return load_error(ctx, "unsupported: added token %s", options[k]);
         }
-        const JsonValue *normalized = json_get(token, "normalized");
-        if (is_bool(normalized) && is_true(normalized) && tok->normalizer_count)
+        if (is_true(json_get(token, "normalized")) && tok->normalizer_count)
             return load_error(ctx, "unsupported: normalized added token with a normalizer");
         uint32_t token_id = (uint32_t)id->number;
         // An added token that is also in the model vocab keeps the model's id in HF.
@@ -649,11 +647,11 @@ static int load_document(LoadContext *ctx, Tokenizer *tok, const JsonValue *root
         tok->vocab_size = model_size > added_size ? model_size : added_size;
         result = build_decode_table(ctx, tok, model_strings, model_size, added_strings, added_size, replaces, replace_count,
                                     inverse);
+        static const char *const bos_names[] = {"<|begin_of_text|>", "<s>"};
+        static const char *const eos_names[] = {"<|end_of_text|>", "</s>"};
+        tok->bos_id = find_special(tok, bos_names, 2);
+        tok->eos_id = find_special(tok, eos_names, 2);
     }
-    static const char *const bos_names[] = {"<|begin_of_text|>", "<s>"};
-    static const char *const eos_names[] = {"<|end_of_text|>", "</s>"};
-    tok->bos_id = find_special(tok, bos_names, 2);
-    tok->eos_id = find_special(tok, eos_names, 2);
     for (size_t i = 0; replaces && i < replace_count; i++) { free(replaces[i].pattern); free(replaces[i].content); }
     free(replaces);
     free(model_strings);

@@ -1,0 +1,394 @@
+// Tests of the tokenizer (tokenizer/): exact ids against Hugging Face tokenizers' vectors for
+// every text in test/data/tokenizer/ with Llama 3 and Llama 2, round trips, HF's decode of
+// random ids, the Unicode classes against HF's regex, encoding from several threads, the JSON
+// reader, and bad tokenizer files. Run from the repository root; needs
+// scripts/fetch_tokenizers.sh to have put the tokenizer.json files in data/tokenizers/.
+#include <dirent.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../tokenizer/json.h"
+#include "../tokenizer/tokenizer.h"
+#include "../tokenizer/unicode.h"
+#include "check.h"
+
+#define VECTORS_DIR "test/data/tokenizer"
+enum { MAX_TEXTS = 64 };
+
+typedef struct {
+    char *data;
+    size_t len;
+} Buffer;
+
+static Buffer read_all(const char *path) {
+    Buffer b = {NULL, 0};
+    FILE *f = fopen(path, "rb");
+    if (!f) return b;
+    size_t capacity = 1 << 16;
+    b.data = (char *)malloc(capacity + 1);
+    while (b.data) {
+        b.len += fread(b.data + b.len, 1, capacity - b.len, f);
+        if (b.len < capacity) break;
+        capacity *= 2;
+        char *grown = (char *)realloc(b.data, capacity + 1);
+        if (!grown) { free(b.data); b.data = NULL; b.len = 0; }
+        else b.data = grown;
+    }
+    fclose(f);
+    if (b.data) b.data[b.len] = '\0';
+    return b;
+}
+
+static uint32_t *parse_ids(const char *text, size_t *count) {
+    size_t capacity = 1024;
+    uint32_t *ids = (uint32_t *)malloc(capacity * sizeof(uint32_t));
+    *count = 0;
+    for (const char *p = text; ids;) {
+        while (*p == ' ' || *p == '\n') p++;
+        if (*p < '0' || *p > '9') break;
+        char *end;
+        unsigned long id = strtoul(p, &end, 10);
+        if (*count == capacity) {
+            capacity *= 2;
+            uint32_t *grown = (uint32_t *)realloc(ids, capacity * sizeof(uint32_t));
+            if (!grown) { free(ids); return NULL; }
+            ids = grown;
+        }
+        ids[(*count)++] = (uint32_t)id;
+        p = end;
+    }
+    return ids;
+}
+
+static int compare_names(const void *a, const void *b) { return strcmp((const char *)a, (const char *)b); }
+
+// The test texts: every VECTORS_DIR/<name>.txt, sorted.
+static int list_texts(char names[][128]) {
+    DIR *dir = opendir(VECTORS_DIR);
+    if (!dir) return 0;
+    int n = 0;
+    struct dirent *entry;
+    while ((entry = readdir(dir)) && n < MAX_TEXTS) {
+        size_t len = strlen(entry->d_name);
+        if (len > 4 && len < 128 && strcmp(entry->d_name + len - 4, ".txt") == 0) {
+            memcpy(names[n], entry->d_name, len - 4);
+            names[n++][len - 4] = '\0';
+        }
+    }
+    closedir(dir);
+    qsort(names, (size_t)n, 128, compare_names);
+    return n;
+}
+
+static int contains(const Buffer *text, const char *needle) {
+    size_t n = strlen(needle);
+    for (size_t i = 0; i + n <= text->len; i++) {
+        if (memcmp(text->data + i, needle, n) == 0) return 1;
+    }
+    return 0;
+}
+
+// Llama 2 re-adds a space after each special token and decodes "▁" as a space (HF does too),
+// so texts holding those do not round-trip with it.
+static int round_trips(const char *name, const Buffer *text) {
+    return strcmp(name, "llama2") != 0 ||
+           !(contains(text, "<s>") || contains(text, "</s>") || contains(text, "<unk>") || contains(text, "\xE2\x96\x81"));
+}
+
+// Compares ids with the expected ones; returns the first differing index or -1.
+static long first_difference(const uint32_t *got, size_t got_count, const uint32_t *expected, size_t expected_count) {
+    size_t n = got_count < expected_count ? got_count : expected_count;
+    for (size_t i = 0; i < n; i++) {
+        if (got[i] != expected[i]) return (long)i;
+    }
+    return got_count == expected_count ? -1 : (long)n;
+}
+
+static void check_ids(const char *what, const uint32_t *got, size_t got_count, const uint32_t *expected, size_t expected_count) {
+    long i = first_difference(got, got_count, expected, expected_count);
+    if (i < 0) {
+        check(1, "%s: %zu ids equal HF's", what, expected_count);
+        return;
+    }
+    check(0, "%s: ids differ at %ld (expected %zu ids, got %zu): expected %ld got %ld", what, i, expected_count, got_count,
+          (size_t)i < expected_count ? (long)expected[i] : -1L, (size_t)i < got_count ? (long)got[i] : -1L);
+}
+
+static void test_vectors(const Tokenizer *tok, const char *name, char texts[][128], int text_count) {
+    for (int t = 0; t < text_count; t++) {
+        char path[512], what[256];
+        snprintf(path, sizeof(path), VECTORS_DIR "/%s.txt", texts[t]);
+        Buffer text = read_all(path);
+        snprintf(path, sizeof(path), VECTORS_DIR "/%s.%s.ids", texts[t], name);
+        Buffer expected_text = read_all(path);
+        snprintf(what, sizeof(what), "%s %s", name, texts[t]);
+        if (!text.data || !expected_text.data) {
+            check(0, "%s: missing %s (make it with scripts/tokenizer_vectors.py)", what, path);
+            free(text.data);
+            free(expected_text.data);
+            continue;
+        }
+        size_t expected_count;
+        uint32_t *expected = parse_ids(expected_text.data, &expected_count);
+        uint32_t *ids = NULL;
+        size_t count = 0, capacity = 0;
+        int rc = tokenizer_encode(tok, text.data, text.len, &ids, &count, &capacity);
+        check(rc == 0, "%s: encode returns 0 (got %d)", what, rc);
+        check_ids(what, ids, count, expected, expected_count);
+
+        // Round trip: decode gives the text back, with invalid UTF-8 replaced by U+FFFD.
+        if (round_trips(name, &text)) {
+            unsigned char *replaced = (unsigned char *)malloc(3 * text.len + 1);
+            size_t replaced_len = utf8_replace_invalid((const unsigned char *)text.data, text.len, replaced);
+            size_t decoded_len;
+            char *decoded = tokenizer_decode(tok, ids, count, &decoded_len);
+            size_t at = 0;
+            while (at < decoded_len && at < replaced_len && decoded[at] == (char)replaced[at]) at++;
+            check(decoded_len == replaced_len && at == replaced_len,
+                  "%s: decode(encode(text)) is the text (expected %zu bytes, got %zu, first difference at byte %zu)", what,
+                  replaced_len, decoded_len, at);
+            free(decoded);
+            free(replaced);
+        }
+        free(ids);
+        free(expected);
+        free(text.data);
+        free(expected_text.data);
+    }
+}
+
+static int hex_byte(const char *s) {
+    unsigned value;
+    return sscanf(s, "%2x", &value) == 1 ? (int)value : -1;
+}
+
+// Each line: ids, a tab, HF's decode as hex bytes.
+static void test_decode_cases(const Tokenizer *tok, const char *name) {
+    char path[256];
+    snprintf(path, sizeof(path), VECTORS_DIR "/decode_cases.%s.tsv", name);
+    Buffer cases = read_all(path);
+    if (!cases.data) { check(0, "%s: missing %s", name, path); return; }
+    int lines = 0, failures = 0;
+    char *save = NULL;
+    for (char *line = strtok_r(cases.data, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        char *tab = strchr(line, '\t');
+        if (!tab) continue;
+        *tab = '\0';
+        size_t count, out_len;
+        uint32_t *ids = parse_ids(line, &count);
+        char *out = tokenizer_decode(tok, ids, count, &out_len);
+        const char *hex = tab + 1;
+        size_t expected_len = strlen(hex) / 2;
+        int same = out_len == expected_len;
+        for (size_t i = 0; same && i < expected_len; i++) same = hex_byte(hex + 2 * i) == (unsigned char)out[i];
+        if (!same && failures++ == 0) printf("  first failing decode case: ids %s expected %s\n", line, hex);
+        lines++;
+        free(out);
+        free(ids);
+    }
+    check(lines > 0 && failures == 0, "%s: decode equals HF's decode on %d random id sequences (%d differ)", name, lines,
+          failures);
+    free(cases.data);
+}
+
+static void test_unicode_classes(void) {
+    Buffer ranges = read_all(VECTORS_DIR "/hf_unicode_classes.ranges");
+    if (!ranges.data) { check(0, "missing " VECTORS_DIR "/hf_unicode_classes.ranges"); return; }
+    long checked = 0, wrong = 0, first_wrong = -1;
+    char *save = NULL;
+    for (char *line = strtok_r(ranges.data, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        unsigned first, last;
+        char cls;
+        if (line[0] == '#' || sscanf(line, "%x %x %c", &first, &last, &cls) != 3) continue;
+        unsigned expected = cls == 'L' ? UNICODE_LETTER : cls == 'N' ? UNICODE_NUMBER : cls == 'S' ? UNICODE_SPACE : 0;
+        for (unsigned cp = first; cp <= last; cp++) {
+            if (cp >= 0xD800 && cp <= 0xDFFF) continue;
+            checked++;
+            if (unicode_class(cp) != expected && wrong++ == 0) first_wrong = cp;
+        }
+    }
+    check(checked == 0x110000 - 0x800 && wrong == 0,
+          "Unicode %s tables classify all %ld code points as HF's regex does (%ld differ, first U+%04lX)",
+          unicode_tables_version, checked, wrong, first_wrong < 0 ? 0 : first_wrong);
+    free(ranges.data);
+}
+
+typedef struct {
+    const Tokenizer *tok;
+    char (*texts)[128];
+    int text_count, thread, mismatches;
+} ThreadJob;
+
+static void *encode_all(void *arg) {
+    ThreadJob *job = (ThreadJob *)arg;
+    for (int k = 0; k < job->text_count; k++) {
+        int t = (k + job->thread) % job->text_count; // each thread in its own order
+        char path[512];
+        snprintf(path, sizeof(path), VECTORS_DIR "/%s.txt", job->texts[t]);
+        Buffer text = read_all(path);
+        snprintf(path, sizeof(path), VECTORS_DIR "/%s.llama3.ids", job->texts[t]);
+        Buffer expected_text = read_all(path);
+        size_t expected_count = 0, count = 0, capacity = 0;
+        uint32_t *expected = expected_text.data ? parse_ids(expected_text.data, &expected_count) : NULL;
+        uint32_t *ids = NULL;
+        if (!text.data || !expected || tokenizer_encode(job->tok, text.data, text.len, &ids, &count, &capacity) ||
+            first_difference(ids, count, expected, expected_count) >= 0)
+            job->mismatches++;
+        free(ids);
+        free(expected);
+        free(text.data);
+        free(expected_text.data);
+    }
+    return NULL;
+}
+
+static void test_threads(const Tokenizer *tok, char texts[][128], int text_count) {
+    enum { THREADS = 4 };
+    pthread_t threads[THREADS];
+    ThreadJob jobs[THREADS];
+    int started = 0;
+    for (int i = 0; i < THREADS; i++) {
+        jobs[i] = (ThreadJob){tok, texts, text_count, i, 0};
+        if (pthread_create(&threads[i], NULL, encode_all, &jobs[i]) == 0) started++;
+    }
+    int mismatches = 0;
+    for (int i = 0; i < started; i++) {
+        pthread_join(threads[i], NULL);
+        mismatches += jobs[i].mismatches;
+    }
+    check(started == THREADS && mismatches == 0, "%d threads encoding on one Tokenizer match the vectors (%d mismatches)",
+          started, mismatches);
+}
+
+static void test_small_cases(const Tokenizer *llama3) {
+    uint32_t *ids = NULL, *replacement_ids = NULL;
+    size_t count = 0, capacity = 0, replacement_count = 0, replacement_capacity = 0;
+    check(tokenizer_encode(llama3, "", 0, &ids, &count, &capacity) == 0 && count == 0, "empty text gives no ids (got %zu)",
+          count);
+    tokenizer_encode(llama3, "a\xFF" "b", 3, &ids, &count, &capacity);
+    tokenizer_encode(llama3, "a\xEF\xBF\xBD" "b", 5, &replacement_ids, &replacement_count, &replacement_capacity);
+    check(count == replacement_count && memcmp(ids, replacement_ids, count * sizeof(uint32_t)) == 0,
+          "an invalid byte encodes as U+FFFD (%zu vs %zu ids)", count, replacement_count);
+    count = 0;
+    tokenizer_encode(llama3, "<|begin_of_text|>", 17, &ids, &count, &capacity);
+    check(count == 1 && ids[0] == 128000, "\"<|begin_of_text|>\" in text is the special id 128000 (got %zu ids, first %u)",
+          count, count ? ids[0] : 0);
+    free(ids);
+    free(replacement_ids);
+}
+
+static void test_json(void) {
+    const char *text = "{\"a\": \"\\u00e9\\ud83d\\ude00\\u0000x\\n\", \"b\": [1, -2.5e3, true, false, null, {}, []]}";
+    char error[256];
+    JsonDocument *doc = json_parse(text, strlen(text), error, sizeof(error));
+    check(doc != NULL, "json: parses an object with escapes and nested values");
+    if (!doc) return;
+    const JsonValue *a = json_get(json_root(doc), "a"), *b = json_get(json_root(doc), "b");
+    check(a && a->type == JSON_STRING && a->count == 9 && memcmp(a->string, "\xC3\xA9\xF0\x9F\x98\x80\0x\n", 9) == 0,
+          "json: \\u escapes, a surrogate pair and \\u0000 decode to UTF-8 (length %zu)", a ? a->count : 0);
+    check(b && b->type == JSON_ARRAY && b->count == 7 && b->items[1].number == -2500.0 && b->items[2].type == JSON_TRUE &&
+              b->items[5].type == JSON_OBJECT && b->items[6].type == JSON_ARRAY,
+          "json: array of numbers, literals, empty object and array");
+    json_free(doc);
+    static const char *const bad[] = {"{\"a\": }", "[1, 2", "{\"a\" 1}", "\"abc", "[01]", "{} x", "[\"\\q\"]", ""};
+    int rejected = 0;
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        JsonDocument *d = json_parse(bad[i], strlen(bad[i]), error, sizeof(error));
+        if (!d && strncmp(error, "line 1 column", 13) == 0) rejected++;
+        json_free(d);
+    }
+    check(rejected == (int)(sizeof(bad) / sizeof(bad[0])), "json: %d of %zu malformed inputs rejected with line and column",
+          rejected, sizeof(bad) / sizeof(bad[0]));
+}
+
+// Writes contents to a temporary file and loads it; checks the error names the path and
+// contains the expected words.
+static void expect_load_error(const char *what, const char *contents, size_t len, const char *expected) {
+    char path[] = "/tmp/test_tokenizer_XXXXXX";
+    int fd = mkstemp(path);
+    if (fd < 0 || write(fd, contents, len) != (ssize_t)len) { check(0, "%s: cannot write %s", what, path); return; }
+    close(fd);
+    char error[512] = "";
+    Tokenizer *tok = tokenizer_load(path, error, sizeof(error));
+    check(!tok && strncmp(error, path, strlen(path)) == 0 && strstr(error, expected),
+          "%s: load fails with \"%s\" (got \"%s\")", what, expected, error);
+    tokenizer_free(tok);
+    unlink(path);
+}
+
+static void test_bad_files(const char *llama2_path) {
+    char error[512] = "";
+    Tokenizer *tok = tokenizer_load("test/no/such/tokenizer.json", error, sizeof(error));
+    check(!tok && strcmp(error, "test/no/such/tokenizer.json: cannot open: No such file or directory") == 0,
+          "missing file: \"%s\"", error);
+    Buffer real = read_all(llama2_path);
+    if (real.data) {
+        expect_load_error("truncated tokenizer.json", real.data, real.len / 2, "invalid JSON: line");
+        free(real.data);
+    }
+    expect_load_error("empty file", "", 0, "invalid JSON: line 1 column 1: unexpected end of input");
+    expect_load_error("top level array", "[1, 2]", 6, "not a tokenizer.json");
+    expect_load_error("no model", "{\"added_tokens\": []}", 20, "unsupported: decoder null");
+    const char *decoder = "\"decoder\": {\"type\": \"ByteLevel\"}";
+    char json[1024];
+    snprintf(json, sizeof(json), "{%s, \"model\": {\"type\": \"WordPiece\", \"vocab\": {}}}", decoder);
+    expect_load_error("WordPiece model", json, strlen(json), "unsupported: model WordPiece");
+    snprintf(json, sizeof(json), "{%s, \"pre_tokenizer\": {\"type\": \"Whitespace\"}, \"model\": {\"type\": \"BPE\"}}", decoder);
+    expect_load_error("Whitespace pre-tokenizer", json, strlen(json), "unsupported: pre_tokenizer Whitespace");
+    snprintf(json, sizeof(json),
+             "{%s, \"pre_tokenizer\": {\"type\": \"Sequence\", \"pretokenizers\": [{\"type\": \"Split\", \"pattern\": "
+             "{\"Regex\": \"\\\\w+\"}, \"behavior\": \"Isolated\"}, {\"type\": \"ByteLevel\", \"use_regex\": false}]}}",
+             decoder);
+    expect_load_error("other Split regex", json, strlen(json), "unsupported: pre_tokenizer Split pattern");
+    snprintf(json, sizeof(json), "{%s, \"normalizer\": {\"type\": \"NFKC\"}}", decoder);
+    expect_load_error("NFKC normalizer", json, strlen(json), "unsupported: normalizer NFKC");
+    snprintf(json, sizeof(json), "{%s, \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": [\"a b\"]}}", decoder);
+    expect_load_error("merge of an unknown token", json, strlen(json), "merge 0 uses a token that is not in the vocab");
+    snprintf(json, sizeof(json), "{%s, \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": \"x\"}, \"merges\": []}}", decoder);
+    expect_load_error("non-numeric id", json, strlen(json), "model vocab: id of token 0 is not an integer");
+    snprintf(json, sizeof(json), "{%s, \"model\": {\"type\": \"BPE\", \"dropout\": 0.1, \"vocab\": {}, \"merges\": []}}",
+             decoder);
+    expect_load_error("BPE dropout", json, strlen(json), "unsupported: BPE dropout");
+}
+
+int main(void) {
+    const char *llama3_path = "data/tokenizers/llama3/tokenizer.json";
+    const char *llama2_path = "data/tokenizers/llama2/tokenizer.json";
+    char error[512];
+    Tokenizer *llama3 = tokenizer_load(llama3_path, error, sizeof(error));
+    check(llama3 != NULL, "load %s%s%s", llama3_path, llama3 ? "" : ": ", llama3 ? "" : error);
+    Tokenizer *llama2 = tokenizer_load(llama2_path, error, sizeof(error));
+    check(llama2 != NULL, "load %s%s%s", llama2_path, llama2 ? "" : ": ", llama2 ? "" : error);
+    if (!llama3 || !llama2) {
+        printf("the tokenizer files are missing: run scripts/fetch_tokenizers.sh first\n");
+        tokenizer_free(llama3);
+        tokenizer_free(llama2);
+        return check_summary("test_tokenizer");
+    }
+    check(tokenizer_vocab_size(llama3) == 128256 && tokenizer_bos_id(llama3) == 128000 && tokenizer_eos_id(llama3) == 128001,
+          "llama3: vocab 128256, BOS 128000, EOS 128001 (got %d, %d, %d)", tokenizer_vocab_size(llama3),
+          tokenizer_bos_id(llama3), tokenizer_eos_id(llama3));
+    check(tokenizer_vocab_size(llama2) == 32000 && tokenizer_bos_id(llama2) == 1 && tokenizer_eos_id(llama2) == 2,
+          "llama2: vocab 32000, BOS 1, EOS 2 (got %d, %d, %d)", tokenizer_vocab_size(llama2), tokenizer_bos_id(llama2),
+          tokenizer_eos_id(llama2));
+
+    static char texts[MAX_TEXTS][128];
+    int text_count = list_texts(texts);
+    check(text_count >= 10, "found %d test texts in " VECTORS_DIR, text_count);
+    test_vectors(llama3, "llama3", texts, text_count);
+    test_vectors(llama2, "llama2", texts, text_count);
+    test_decode_cases(llama3, "llama3");
+    test_decode_cases(llama2, "llama2");
+    test_unicode_classes();
+    test_threads(llama3, texts, text_count);
+    test_small_cases(llama3);
+    test_json();
+    test_bad_files(llama2_path);
+    tokenizer_free(llama3);
+    tokenizer_free(llama2);
+    return check_summary("test_tokenizer");
+}
