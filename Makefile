@@ -92,6 +92,7 @@ $(BUILD)/reference_double.o: test/reference_llama.c $(TEST_HEADERS) $(COAT_HEADE
 $(BUILD)/reference_float.o: test/reference_llama.c $(TEST_HEADERS) $(COAT_HEADERS)
 	@mkdir -p $(BUILD)
 	$(CC) $(CFLAGS) -c $< -o $@
+.SECONDARY: $(REFERENCE_DOUBLE) $(REFERENCE_FLOAT) $(BUILD)/reference_double.o $(BUILD)/reference_float.o
 $(BUILD)/lib%.a: $(BUILD)/%.o
 	rm -f $@ && ar rcs $@ $<
 
@@ -103,7 +104,7 @@ $(BUILD)/test_%: test/test_%.cu $(REFERENCE_FLOAT) $(TEST_HEADERS) $(COAT_HEADER
 
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 CPU_SCRIPT_TESTS := test/test_cli.sh test/test_shards.sh test/test_scripts.sh
-GPU_SCRIPT_TESTS := test/test_resume.sh
+GPU_SCRIPT_TESTS := test/test_resume.sh test/test_hf.sh
 
 # The PyTorch reference's debug state that test_model compares against (needs python3 with
 # torch; without it test_model reports the comparison as failed).

@@ -349,12 +349,54 @@ static int sample_token(const float *logits, int V, float top_p, float temperatu
     return order[kept - 1];
 }
 
-// Generates sample_tokens after sample_prompt with the model's buffers, one sequence at a time
-// (the micro-batch buffers hold it), and prints the text.
+// Runs the model on one sequence of `count` tokens (count <= T: the micro-batch buffers hold
+// it) and copies the FP32 logits of positions first..count-1 to host_logits [count - first, stride],
+// a few rows at a time through the kernels' scratch buffer (forward passes leave it free).
+static void sequence_logits(Trainer *t, const uint32_t *ids, int count, int first, float *host_logits) {
+    LlamaModel *m = &t->model;
+    int V = m->shape.vocab_size, stride = classifier_logits_stride(V), B_saved = m->B, T_saved = m->T;
+    for (int j = 0; j < count; j++) t->host_inputs[j] = (int)ids[j];
+    cudaCheck(cudaMemcpyAsync(m->tokens, t->host_inputs, count * sizeof(int), cudaMemcpyHostToDevice, t->gpu.stream));
+    cudaCheck(cudaMemsetAsync(m->targets, 0, count * sizeof(int), t->gpu.stream));
+    m->B = 1;
+    m->T = count;
+    model_forward(&t->gpu, m, 0, 0.0f);
+    m->B = B_saved;
+    m->T = T_saved;
+    int rows_per_chunk = (int)(m->working_layout.kernel_scratch_bytes / ((size_t)stride * sizeof(float)));
+    for (int row = first; row < count; row += rows_per_chunk) {
+        int rows = count - row < rows_per_chunk ? count - row : rows_per_chunk;
+        classifier_logits(&t->gpu, (float *)m->kernel_scratch, m->final_norm_out, model_param(m, PARAM_LM_HEAD, 0), row,
+                          1, rows, m->shape.dim, V);
+        cudaCheck(cudaMemcpyAsync(host_logits + (size_t)(row - first) * stride, m->kernel_scratch,
+                                  (size_t)rows * stride * sizeof(float), cudaMemcpyDeviceToHost, t->gpu.stream));
+    }
+    cudaCheck(cudaStreamSynchronize(t->gpu.stream));
+}
+
+// logits_out: the prompt's tokens and the logits at every position, for comparisons with other
+// implementations (scripts/check_hf_export.py).
+static void write_prompt_logits(Trainer *t, const uint32_t *ids, int count) {
+    int V = t->model.shape.vocab_size, stride = classifier_logits_stride(V);
+    float *logits = (float *)malloc((size_t)count * stride * sizeof(float));
+    if (!logits) fail("out of host memory for the prompt's logits");
+    sequence_logits(t, ids, count, 0, logits);
+    const char *path = t->c->logits_out;
+    FILE *f = fopen(path, "wb");
+    if (!f) { fprintf(stderr, "error: %s: cannot create: %s\n", path, strerror(errno)); exit(EXIT_FAILURE); }
+    int32_t header[2] = {count, V};
+    int ok = fwrite(header, sizeof(header), 1, f) == 1 && fwrite(ids, sizeof(uint32_t), (size_t)count, f) == (size_t)count;
+    for (int i = 0; ok && i < count; i++) ok = fwrite(logits + (size_t)i * stride, sizeof(float), (size_t)V, f) == (size_t)V;
+    if (fclose(f) != 0 || !ok) { fprintf(stderr, "error: %s: write failed\n", path); exit(EXIT_FAILURE); }
+    printf("logits of %d prompt tokens: %s\n", count, path);
+    free(logits);
+}
+
+// Generates sample_tokens after sample_prompt, one sequence through the micro-batch buffers,
+// and prints the text.
 static void print_sample(Trainer *t) {
     const TrainConfig *c = t->c;
-    LlamaModel *m = &t->model;
-    int V = m->shape.vocab_size, T_max = m->T, B_saved = m->B, T_saved = m->T;
+    int V = t->model.shape.vocab_size, T_max = t->model.T;
     uint32_t *ids = NULL;
     size_t count = 0, capacity = 0;
     int bos = tokenizer_bos_id(t->tokenizer);
@@ -366,22 +408,14 @@ static void print_sample(Trainer *t) {
     if (tokenizer_encode(t->tokenizer, c->sample_prompt, strlen(c->sample_prompt), &ids, &count, &capacity) != 0)
         fail("out of memory encoding the sample prompt");
     if (count == 0) fail("sample_prompt is empty and the tokenizer has no BOS token to start from");
+    if (count > (size_t)T_max) fail("sample_prompt is longer than seq_len tokens");
+    if (c->generate && c->logits_out[0]) write_prompt_logits(t, ids, (int)count);
     size_t prompt_count = count;
-    int stride = classifier_logits_stride(V);
-    float *logits = (float *)malloc((size_t)stride * sizeof(float)), *probs = (float *)malloc((size_t)V * sizeof(float));
-    int *order = (int *)malloc((size_t)V * sizeof(int)), *host_tokens = (int *)malloc((size_t)T_max * sizeof(int));
-    float *device_logits = (float *)m->kernel_scratch;
+    float *logits = (float *)malloc((size_t)classifier_logits_stride(V) * sizeof(float));
+    float *probs = (float *)malloc((size_t)V * sizeof(float));
+    int *order = (int *)malloc((size_t)V * sizeof(int));
     for (int i = 0; i < c->sample_tokens && count < (size_t)T_max; i++) {
-        m->B = 1;
-        m->T = (int)count;
-        for (size_t j = 0; j < count; j++) host_tokens[j] = (int)ids[j];
-        cudaCheck(cudaMemcpyAsync(m->tokens, host_tokens, count * sizeof(int), cudaMemcpyHostToDevice, t->gpu.stream));
-        cudaCheck(cudaMemsetAsync(m->targets, 0, count * sizeof(int), t->gpu.stream));
-        model_forward(&t->gpu, m, 0, 0.0f);
-        classifier_logits(&t->gpu, device_logits, m->final_norm_out, model_param(m, PARAM_LM_HEAD, 0), (int)count - 1, 1, 1,
-                          m->shape.dim, V);
-        cudaCheck(cudaMemcpyAsync(logits, device_logits, (size_t)stride * sizeof(float), cudaMemcpyDeviceToHost, t->gpu.stream));
-        cudaCheck(cudaStreamSynchronize(t->gpu.stream));
+        sequence_logits(t, ids, (int)count, (int)count - 1, logits);
         int next = sample_token(logits, V, c->top_p, c->temperature, &t->sample_rng, order, probs);
         if (count == capacity) {
             capacity = capacity ? 2 * capacity : 16;
@@ -390,17 +424,15 @@ static void print_sample(Trainer *t) {
         ids[count++] = (uint32_t)next;
         if (next == tokenizer_eos_id(t->tokenizer)) break;
     }
-    m->B = B_saved;
-    m->T = T_saved;
-    size_t length = 0;
-    char *text = tokenizer_decode(t->tokenizer, ids + (bos >= 0 ? 1 : 0), count - (bos >= 0 ? 1 : 0), &length);
+    size_t length = 0, skip = bos >= 0 ? 1 : 0;
+    char *text = tokenizer_decode(t->tokenizer, ids + skip, count - skip, &length);
     printf("sample (%s, %zu prompt tokens): %.*s\n", c->top_p > 0 ? "top-p" : "greedy", prompt_count, (int)length, text);
+    fflush(stdout);
     free(text);
     free(ids);
     free(logits);
     free(probs);
     free(order);
-    free(host_tokens);
 }
 
 static void trainer_create(Trainer *t, ConfigParser *parser, int ranks) {

@@ -37,6 +37,7 @@ typedef struct {
     int resume;
     char init_from[CONFIG_STRING_MAX];
     int generate;
+    char logits_out[CONFIG_STRING_MAX];
     int checkpoint_every;
     int checkpoints_keep;
     // batch and schedule
@@ -117,6 +118,8 @@ static const ConfigKey config_keys[] = {
     {"init_from", KEY_STRING, CFG(init_from), "", 0, 0, NULL, "checkpoint file whose weights start the run (fresh optimizer)"},
     {"generate", KEY_INT, CFG(generate), "0", 0, 1, NULL,
      "sample sample_tokens after sample_prompt from the newest checkpoint in out_dir (or init_from), then exit"},
+    {"logits_out", KEY_STRING, CFG(logits_out), "", 0, 0, NULL,
+     "with generate: also write the prompt's logits here (int32 count, vocab, ids; float32 [count, vocab])"},
     {"checkpoint_every", KEY_INT, CFG(checkpoint_every), "0", 0, INT_MAX, NULL, "steps between checkpoints (0: only at the end)"},
     {"checkpoints_keep", KEY_INT, CFG(checkpoints_keep), "2", 1, 1000, NULL, "newest checkpoints kept"},
     // batch and schedule

@@ -6,6 +6,8 @@
 #   HF batch   tokenizers encode_batch() over the lines on all cores
 #   tiktoken   encode_ordinary(), one thread, line by line (Llama 3 only: an Encoding built from
 #              the tokenizer.json's vocab, its special tokens and its Split regex)
+#   shards 1 / shards N   ./tokenize shards on the text split into 64 documents, with 1 thread and
+#              with all cores (whole command, writing the shards)
 # Usage: scripts/bench_tokenizer.sh TEXT NAME=TOKENIZER.json [NAME=...]
 # Needs python3 with tokenizers and tiktoken (the GPU machine has them). Best of 3 runs each.
 set -euo pipefail
@@ -81,4 +83,15 @@ if split:
     enc = tiktoken.Encoding(name=name, pat_str=split[0]["pattern"]["Regex"], mergeable_ranks=ranks, special_tokens=special)
     print("%-8s %-10s %10.2f" % (name, "tiktoken", mb / best(lambda: [enc.encode_ordinary(l) for l in lines])))
 EOF
+    # ./tokenize shards: the text cut into 64 documents, 1 thread and all cores.
+    docs=$(mktemp -d)
+    split -n l/64 -d -a 2 "$text" "$docs/doc_"
+    for threads in 1 "$(nproc)"; do
+        start=$(date +%s.%N)
+        ./tokenize shards -t "$path" -o "$docs/out_$threads" --threads "$threads" "$docs"/doc_* > /dev/null 2>&1
+        end=$(date +%s.%N)
+        python3 -c "print('%-8s %-10s %10.2f' % ('$name', 'shards $threads', $bytes / 1e6 / ($end - $start)))"
+    done
+    cmp -s "$docs/out_1/train_000000.bin" "$docs/out_$(nproc)/train_000000.bin" || echo "error: shards differ between thread counts" >&2
+    rm -rf "$docs"
 done
