@@ -251,9 +251,15 @@ static inline void matmul_lt(GpuContext *gpu, MatmulOutput out, MatmulOperand a,
     }
 
     const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-    cublasCheck(cublasLtMatmul(gpu->cublaslt, desc, &alpha, b.data, layout_a, a.data, layout_b, &beta, out.data,
-                               layout_d, out.data, layout_d, &algo, gpu->cublaslt_workspace,
-                               gpu->cublaslt_workspace_bytes, gpu->stream));
+    cublasStatus_t status = cublasLtMatmul(gpu->cublaslt, desc, &alpha, b.data, layout_a, a.data, layout_b, &beta,
+                                           out.data, layout_d, out.data, layout_d, &algo, gpu->cublaslt_workspace,
+                                           gpu->cublaslt_workspace_bytes, gpu->stream);
+    if (status != CUBLAS_STATUS_SUCCESS) {
+        char reason[128];
+        snprintf(reason, sizeof(reason), "cublasLtMatmul failed: %s%s", cublasLtGetStatusString(status),
+                 accumulate ? " (accumulating)" : "");
+        matmul_fail(reason, &out, &a, &b, M, N, K);
+    }
     cublasCheck(cublasLtMatrixLayoutDestroy(layout_d));
     cublasCheck(cublasLtMatrixLayoutDestroy(layout_b));
     cublasCheck(cublasLtMatrixLayoutDestroy(layout_a));

