@@ -150,6 +150,21 @@ static void open_loader(Dataloader *loader, const char *pattern, const TrainConf
     }
 }
 
+// The checkpoint a run starts from: with resume, the newest in out_dir (optimizer and trainer
+// state included: *resuming); otherwise init_from (weights only); generating without init_from
+// takes the newest in out_dir. Returns 0 when the run starts from scratch.
+static int start_checkpoint(const TrainConfig *c, char *path, size_t size, int *resuming) {
+    long long newest = checkpoint_find_newest(c->out_dir);
+    *resuming = c->resume && !c->generate && newest >= 0;
+    if (*resuming || (c->generate && !c->init_from[0] && newest >= 0)) {
+        checkpoint_path(path, size, c->out_dir, newest, ".bin");
+        return 1;
+    }
+    if (!c->init_from[0]) return 0;
+    snprintf(path, size, "%s", c->init_from);
+    return 1;
+}
+
 // Opens and checks every input the config names (shards with every token against the
 // vocabulary, the tokenizer, the checkpoint to start from); exits naming the file on a problem.
 static void validate_inputs(const ConfigParser *parser) {
@@ -181,10 +196,8 @@ static void validate_inputs(const ConfigParser *parser) {
         printf("%s: %d tokens\n", c->tokenizer, vocab);
     }
     char path[4096];
-    long long newest = c->resume ? checkpoint_find_newest(c->out_dir) : -1;
-    if (newest >= 0) checkpoint_path(path, sizeof(path), c->out_dir, newest, ".bin");
-    else if (c->init_from[0]) snprintf(path, sizeof(path), "%s", c->init_from);
-    else return;
+    int resuming;
+    if (!start_checkpoint(c, path, sizeof(path), &resuming)) return;
     CheckpointHeader h;
     FILE *f = checkpoint_open(path, &h, error, sizeof(error));
     if (!f) { fprintf(stderr, "error: %s\n", error); exit(EXIT_FAILURE); }
@@ -479,21 +492,14 @@ static void trainer_create(Trainer *t, ConfigParser *parser, int ranks) {
                          6.0 * c->model.n_layers * (double)c->model.dim * c->seq_len;
 
     // Weights: the newest checkpoint when resuming, else init_from, else a fresh initialisation.
-    long long newest = c->resume ? checkpoint_find_newest(c->out_dir) : -1;
-    if (newest >= 0 || c->generate) {
-        char path[4096];
-        if (newest < 0 && c->init_from[0] == '\0') newest = checkpoint_find_newest(c->out_dir);
-        if (newest >= 0) checkpoint_path(path, sizeof(path), c->out_dir, newest, ".bin");
-        else if (c->init_from[0]) snprintf(path, sizeof(path), "%s", c->init_from);
-        else {
-            fprintf(stderr, "error: %s: no checkpoint to generate from (set init_from)\n", c->out_dir);
-            exit(EXIT_FAILURE);
-        }
-        load_checkpoint(t, path, newest >= 0 && !c->generate);
-        printf("%s from %s (step %lld)\n", c->generate ? "weights" : "resumed", path, t->state.step);
-    } else if (c->init_from[0]) {
-        load_checkpoint(t, c->init_from, 0);
-        printf("weights from %s\n", c->init_from);
+    char path[4096];
+    int resuming;
+    if (start_checkpoint(c, path, sizeof(path), &resuming)) {
+        load_checkpoint(t, path, resuming);
+        printf("%s %s\n", resuming ? "resumed from" : "weights from", path);
+    } else if (c->generate) {
+        fprintf(stderr, "error: %s: no checkpoint to generate from (set init_from)\n", c->out_dir);
+        exit(EXIT_FAILURE);
     } else {
         float *init = (float *)malloc(4 * t->model.layout.total_padded);
         if (!init) fail("out of host memory for the initial weights");

@@ -26,6 +26,13 @@ static inline void cublas_check(cublasStatus_t status, const char *call, const c
 // Checks the last kernel launch (launch errors only; execution errors surface at the next sync).
 #define cudaCheckLaunch() cuda_check(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
 
+// Kernels that move rows as 16-byte vectors of BF16 need rows of a positive multiple of 8 values.
+static inline void require_vector_rows(const char *launcher, const char *name, int width) {
+    if (width > 0 && width % 8 == 0) return;
+    fprintf(stderr, "error: %s: %s = %d must be a positive multiple of 8 (16-byte rows)\n", launcher, name, width);
+    exit(EXIT_FAILURE);
+}
+
 static inline __host__ __device__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 static inline __host__ __device__ size_t ceil_div_size(size_t a, size_t b) { return (a + b - 1) / b; }
 

@@ -277,15 +277,6 @@ static inline char *config_trim(char *s) {
     return s;
 }
 
-// error = "<where>: <message>", cut to fit (snprintf would warn about the possible cut).
-static inline void config_error_at(char *error, size_t error_size, const char *where, const char *message) {
-    size_t used = 0;
-    const char *parts[3] = {where, ": ", message};
-    for (int i = 0; i < 3; i++)
-        for (const char *p = parts[i]; *p && used + 1 < error_size; p++) error[used++] = *p;
-    error[used] = '\0';
-}
-
 // Sets one key from "name" and "value", recording `where` as its source.
 static inline int config_assign(ConfigParser *parser, const char *name, const char *value, const char *where,
                                 char *error, size_t error_size) {
@@ -296,7 +287,7 @@ static inline int config_assign(ConfigParser *parser, const char *name, const ch
         return -1;
     }
     if (config_set_value(&parser->values, key, value, message, sizeof(message)) != 0) {
-        config_error_at(error, error_size, where, message);
+        snprintf(error, error_size, "%s: %s", where, message);
         return -1;
     }
     snprintf(parser->source[key - config_keys], CONFIG_STRING_MAX, "%s", where);
@@ -333,7 +324,7 @@ static inline int config_parse_line(ConfigParser *parser, const char *path, int 
     else snprintf(include_path, sizeof(include_path), "%.*s/%s", (int)(slash - path), path, value);
     char message[CONFIG_ERROR_MAX];
     if (config_load_file(parser, include_path, message, sizeof(message)) != 0) {
-        config_error_at(error, error_size, where, message);
+        snprintf(error, error_size, "%s: %s", where, message);
         return -1;
     }
     return 0;

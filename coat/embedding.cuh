@@ -180,16 +180,10 @@ static inline size_t embedding_backward_scratch_bytes(int N, int C, int V) {
     return embedding_backward_scratch_layout(N, C, V).total_bytes;
 }
 
-static inline void embedding_require_vector_rows(const char *launcher, int C) {
-    if (C > 0 && C % 8 == 0) return;
-    fprintf(stderr, "error: %s: C = %d must be a positive multiple of 8 (16-byte rows)\n", launcher, C);
-    exit(EXIT_FAILURE);
-}
-
 // out[N, C] = wte[tokens[n]]; tokens must lie in [0, V).
 static inline void embedding_forward(bf16 *out, const int *tokens, const bf16 *wte, int N, int C,
                                      cudaStream_t stream) {
-    embedding_require_vector_rows("embedding_forward", C);
+    require_vector_rows("embedding_forward", "C", C);
     size_t vecs = (size_t)N * (size_t)(C / 8);
     unsigned blocks = (unsigned)ceil_div_size(vecs, EMBEDDING_FORWARD_THREADS);
     embedding_forward_kernel<<<blocks, EMBEDDING_FORWARD_THREADS, 0, stream>>>(out, tokens, wte, N, C);
@@ -199,7 +193,7 @@ static inline void embedding_forward(bf16 *out, const int *tokens, const bf16 *w
 // dwte[V, C] += the sum of dout rows per token. scratch holds embedding_backward_scratch_bytes(N, C, V).
 static inline void embedding_backward(bf16 *dwte, const bf16 *dout, const int *tokens, int N, int C, int V,
                                       void *scratch, cudaStream_t stream) {
-    embedding_require_vector_rows("embedding_backward", C);
+    require_vector_rows("embedding_backward", "C", C);
     EmbeddingBackwardScratch layout = embedding_backward_scratch_layout(N, C, V);
     char *base = (char *)scratch;
     int *sorted_tokens = (int *)(base + layout.sorted_tokens);

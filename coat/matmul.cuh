@@ -127,6 +127,7 @@ typedef struct {
     int fast_accumulation;
 } MatmulAlgoKey;
 
+#define MATMUL_HEURISTIC_CANDIDATES 8  // algorithms tried, in the heuristic's order, on a product's first use
 #define MATMUL_ALGO_CACHE_ENTRIES 256
 
 typedef struct {
@@ -216,9 +217,12 @@ static inline void matmul_lt(GpuContext *gpu, MatmulOutput out, MatmulOperand a,
     int slot = -1;
     for (int i = 0; i < cache->count && slot < 0; i++)
         if (memcmp(&cache->keys[i], &key, sizeof(key)) == 0) slot = i;
-    cublasLtMatmulAlgo_t algo;
+    const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+    cublasStatus_t status = CUBLAS_STATUS_NOT_SUPPORTED;
     if (slot >= 0) {
-        algo = cache->algos[slot];
+        status = cublasLtMatmul(gpu->cublaslt, desc, &alpha, b.data, layout_a, a.data, layout_b, &beta, out.data,
+                                layout_d, out.data, layout_d, &cache->algos[slot], gpu->cublaslt_workspace,
+                                gpu->cublaslt_workspace_bytes, gpu->stream);
     } else {
         cublasLtMatmulPreference_t preference;
         cublasCheck(cublasLtMatmulPreferenceCreate(&preference));
@@ -235,25 +239,28 @@ static inline void matmul_lt(GpuContext *gpu, MatmulOutput out, MatmulOperand a,
                                                          &alignment_d, sizeof(alignment_d)));
         cublasCheck(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
                                                          &alignment_d, sizeof(alignment_d)));
-        cublasLtMatmulHeuristicResult_t heuristic;
+        cublasLtMatmulHeuristicResult_t heuristics[MATMUL_HEURISTIC_CANDIDATES];
         int found = 0;
-        cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(gpu->cublaslt, desc, layout_a, layout_b, layout_d,
-                                                               layout_d, preference, 1, &heuristic, &found);
+        cublasStatus_t query = cublasLtMatmulAlgoGetHeuristic(gpu->cublaslt, desc, layout_a, layout_b, layout_d, layout_d,
+                                                              preference, MATMUL_HEURISTIC_CANDIDATES, heuristics, &found);
         cublasCheck(cublasLtMatmulPreferenceDestroy(preference));
-        if (status != CUBLAS_STATUS_SUCCESS || found == 0)
+        if (query != CUBLAS_STATUS_SUCCESS || found == 0)
             matmul_fail("cublasLtMatmulAlgoGetHeuristic found no algorithm for this product", &out, &a, &b, M, N, K);
-        algo = heuristic.algo;
-        if (cache->count < MATMUL_ALGO_CACHE_ENTRIES) {
-            cache->keys[cache->count] = key;
-            cache->algos[cache->count] = algo;
-            cache->count++;
+        // Candidates in the heuristic's order; the first that launches is kept for this product.
+        for (int i = 0; i < found; i++) {
+            if (heuristics[i].state != CUBLAS_STATUS_SUCCESS) continue;
+            status = cublasLtMatmul(gpu->cublaslt, desc, &alpha, b.data, layout_a, a.data, layout_b, &beta, out.data,
+                                    layout_d, out.data, layout_d, &heuristics[i].algo, gpu->cublaslt_workspace,
+                                    gpu->cublaslt_workspace_bytes, gpu->stream);
+            if (status != CUBLAS_STATUS_SUCCESS) continue;
+            if (cache->count < MATMUL_ALGO_CACHE_ENTRIES) {
+                cache->keys[cache->count] = key;
+                cache->algos[cache->count] = heuristics[i].algo;
+                cache->count++;
+            }
+            break;
         }
     }
-
-    const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-    cublasStatus_t status = cublasLtMatmul(gpu->cublaslt, desc, &alpha, b.data, layout_a, a.data, layout_b, &beta,
-                                           out.data, layout_d, out.data, layout_d, &algo, gpu->cublaslt_workspace,
-                                           gpu->cublaslt_workspace_bytes, gpu->stream);
     if (status != CUBLAS_STATUS_SUCCESS) {
         char reason[128];
         snprintf(reason, sizeof(reason), "cublasLtMatmul failed: %s%s", cublasLtGetStatusString(status),

@@ -194,16 +194,10 @@ __global__ void __launch_bounds__(RMSNORM_DWEIGHT_COLUMNS * RMSNORM_DWEIGHT_SLIC
     dweight[column] = __float2bfloat16(__bfloat162float(dweight[column]) + total);
 }
 
-static inline void rmsnorm_require_vector_rows(const char *launcher, int C) {
-    if (C > 0 && C % 8 == 0) return;
-    fprintf(stderr, "error: %s: C = %d must be a positive multiple of 8 (16-byte rows)\n", launcher, C);
-    exit(EXIT_FAILURE);
-}
-
 // out[N, C] = rmsnorm(in) * weight; rstd[N] is kept for the backward pass.
 static inline void rmsnorm_forward(bf16 *out, float *rstd, const bf16 *in, const bf16 *weight, int N, int C,
                                    float eps, cudaStream_t stream) {
-    rmsnorm_require_vector_rows("rmsnorm_forward", C);
+    require_vector_rows("rmsnorm_forward", "C", C);
     int rows_per_block = RMSNORM_FORWARD_THREADS / 32;
     rmsnorm_forward_kernel<<<ceil_div(N, rows_per_block), RMSNORM_FORWARD_THREADS, 0, stream>>>(out, rstd, in, weight,
                                                                                               N, C, eps);
@@ -214,7 +208,7 @@ static inline void rmsnorm_forward(bf16 *out, float *rstd, const bf16 *in, const
 static inline void residual_rmsnorm_forward(bf16 *residual_out, bf16 *norm_out, float *rstd, const bf16 *residual_in,
                                             const bf16 *branch, const bf16 *weight, int N, int C, float eps,
                                             cudaStream_t stream) {
-    rmsnorm_require_vector_rows("residual_rmsnorm_forward", C);
+    require_vector_rows("residual_rmsnorm_forward", "C", C);
     int rows_per_block = RMSNORM_FORWARD_THREADS / 32;
     residual_rmsnorm_forward_kernel<<<ceil_div(N, rows_per_block), RMSNORM_FORWARD_THREADS, 0, stream>>>(
         residual_out, norm_out, rstd, residual_in, branch, weight, N, C, eps);
@@ -230,7 +224,7 @@ static inline size_t rmsnorm_backward_scratch_bytes(int N, int C) {
 // dweight += dw. scratch holds rmsnorm_backward_scratch_bytes(N, C).
 static inline void rmsnorm_backward(bf16 *din, bf16 *dweight, float *scratch, const bf16 *dout, const bf16 *in,
                                     const bf16 *weight, const float *rstd, int N, int C, cudaStream_t stream) {
-    rmsnorm_require_vector_rows("rmsnorm_backward", C);
+    require_vector_rows("rmsnorm_backward", "C", C);
     int vecs_per_row = C / 8;
     int max_vecs = RMSNORM_BACKWARD_MAX_THREADS * RMSNORM_BACKWARD_MAX_VECS_PER_THREAD;
     if (vecs_per_row > max_vecs) {

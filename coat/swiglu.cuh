@@ -47,15 +47,9 @@ __global__ void __launch_bounds__(SWIGLU_THREADS)
     store16(dgate_up + gate_offset + I, du);
 }
 
-static inline void swiglu_require_vector_rows(const char *launcher, int I) {
-    if (I > 0 && I % 8 == 0) return;
-    fprintf(stderr, "error: %s: I = %d must be a positive multiple of 8 (16-byte rows)\n", launcher, I);
-    exit(EXIT_FAILURE);
-}
-
 // out[N, I] = silu(gate) * up.
 static inline void swiglu_forward(bf16 *out, const bf16 *gate_up, int N, int I, cudaStream_t stream) {
-    swiglu_require_vector_rows("swiglu_forward", I);
+    require_vector_rows("swiglu_forward", "I", I);
     size_t total_vecs = (size_t)N * (size_t)(I / 8);
     unsigned blocks = (unsigned)ceil_div_size(total_vecs, SWIGLU_THREADS);
     swiglu_forward_kernel<<<blocks, SWIGLU_THREADS, 0, stream>>>(out, gate_up, I, total_vecs);
@@ -65,7 +59,7 @@ static inline void swiglu_forward(bf16 *out, const bf16 *gate_up, int N, int I, 
 // dgate_up[N, 2I] is written (not accumulated): the gradients of gate and up.
 static inline void swiglu_backward(bf16 *dgate_up, const bf16 *dout, const bf16 *gate_up, int N, int I,
                                    cudaStream_t stream) {
-    swiglu_require_vector_rows("swiglu_backward", I);
+    require_vector_rows("swiglu_backward", "I", I);
     size_t total_vecs = (size_t)N * (size_t)(I / 8);
     unsigned blocks = (unsigned)ceil_div_size(total_vecs, SWIGLU_THREADS);
     swiglu_backward_kernel<<<blocks, SWIGLU_THREADS, 0, stream>>>(dgate_up, dout, gate_up, I, total_vecs);
