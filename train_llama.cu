@@ -57,8 +57,6 @@ static void print_activation_table(const TrainConfig *c) {
            activation_layer_bytes(&c->model, config_activations(c), 1 << 16) / (double)(1 << 16) / unit);
 }
 
-// ---- training --------------------------------------------------------------------------
-
 // What a checkpoint adds to the weights and the optimizer to continue exactly.
 typedef struct {
     long long step;               // optimizer steps done
@@ -111,7 +109,7 @@ static void check_gpu_and_precision(const ConfigParser *parser, GpuContext *gpu)
         fail("no CUDA GPU found: training needs one (dry_run = 1 checks a config without a GPU)");
     gpu_context_create(gpu, 0);
     const TrainConfig *c = &parser->values;
-    if (c->precision != PRECISION_BF16 && gpu->compute_capability < 89)
+    if (c->precision != PRECISION_BF16 && gpu->compute_capability < 90)
         fail_config(parser, "precision", "needs FP8 tensor cores (Hopper, compute capability 9.0); this GPU has less");
     if (c->precision != PRECISION_BF16 || config_activations(c) != ACTS_BF16)
         fail_config(parser, "precision", "fp8 and coat need the FP8 GEMM and activation kernels, not in this build: use bf16");
@@ -149,6 +147,8 @@ static void open_loader(Dataloader *loader, const char *pattern, const TrainConf
         exit(EXIT_FAILURE);
     }
 }
+
+// ---- inputs and the dry run ----------------------------------------------------------
 
 // The checkpoint a run starts from: with resume, the newest in out_dir (optimizer and trainer
 // state included: *resuming); otherwise init_from (weights only); generating without init_from
@@ -243,6 +243,8 @@ static int dry_run(const ConfigParser *parser, int ranks) {
     return 0;
 }
 
+// ---- training --------------------------------------------------------------------------
+
 // Reads a checkpoint's weights into the optimizer's master copy and the BF16 parameters; with
 // `resume`, also the optimizer and trainer state.
 static void load_checkpoint(Trainer *t, const char *path, int resume) {
@@ -266,8 +268,13 @@ static void load_checkpoint(Trainer *t, const char *path, int resume) {
     adamw_write_params(&t->opt, t->model.params, t->gpu.stream);
     free(master);
     if (resume) {
-        if (!h.has_optimizer_state || h.trainer_state_bytes != sizeof(TrainerState)) {
-            fprintf(stderr, "error: %s: holds no optimizer or trainer state to resume from\n", path);
+        if (!h.has_optimizer_state) {
+            fprintf(stderr, "error: %s: holds weights only, no optimizer state to resume from (use init_from)\n", path);
+            exit(EXIT_FAILURE);
+        }
+        if (h.trainer_state_bytes != sizeof(TrainerState)) {
+            fprintf(stderr, "error: %s: trainer state of %zu bytes, this build writes %zu (another version's checkpoint: use init_from)\n",
+                    path, h.trainer_state_bytes, sizeof(TrainerState));
             exit(EXIT_FAILURE);
         }
         adamw_load(&t->opt, f, path, t->gpu.stream);

@@ -1,13 +1,14 @@
 // Tests dataloader/shard.h and dataloader/dataloader.h on small shards in a temporary directory:
 // the llm.c file format (uint16 and uint32), each validation error, disjoint and complete batches
-// across ranks, the seeded order, exact resume from a saved position, the fixed validation order.
+// across ranks, the seeded global order over all shards, exact resume from a saved position, the
+// fixed validation order, the bounded cache of open files, read errors that name the file.
 // Shard tokens encode where they sit, token = shard * 2^20 + position, so that every batch read
 // says which shard and offset it came from.
 #define _POSIX_C_SOURCE 200809L
 #include "../dataloader/dataloader.h"
 #include "check.h"
 
-enum { MAX_TEST_FILES = 64, POSITION_BITS = 20 };
+enum { MAX_TEST_FILES = 128, POSITION_BITS = 20 };
 
 static char temp_dir[64];
 static char *test_files[MAX_TEST_FILES];
@@ -270,16 +271,55 @@ static int read_sequence(Dataloader *loader, int n, BatchId *ids, int *rows_ok) 
     return status;
 }
 
+// Reads up to n batches and stops at the first error: returns its status, the message in error.
+static int read_until_error(Dataloader *loader, int n, char *error, size_t error_size) {
+    int B = loader->config.batch_size, T = loader->config.seq_len;
+    int *inputs = (int *)malloc((size_t)B * T * sizeof(int)), *targets = (int *)malloc((size_t)B * T * sizeof(int));
+    int status = 0;
+    for (int i = 0; i < n && status == 0; i++) status = dataloader_next_batch(loader, inputs, targets, error, error_size);
+    free(inputs);
+    free(targets);
+    return status;
+}
+
 static int same_sequence(const BatchId *a, const BatchId *b, int n) {
     for (int i = 0; i < n; i++)
         if (a[i].shard != b[i].shard || a[i].first_position != b[i].first_position) return 0;
     return 1;
 }
 
+// Counts how often each (shard, batch) was read: counts[shard * max_batches + batch]. Returns the
+// number of ids outside [0, shard_count) x [0, shard_batches[shard]).
+static int count_batches(const BatchId *ids, int n, const int *shard_batches, int shard_count, int batch_tokens,
+                         int max_batches, int *counts) {
+    memset(counts, 0, (size_t)shard_count * max_batches * sizeof(int));
+    int outside = 0;
+    for (int i = 0; i < n; i++) {
+        int shard = ids[i].shard;
+        int64_t batch = ids[i].first_position / batch_tokens;
+        if (shard < 0 || shard >= shard_count || batch >= shard_batches[shard]) outside++;
+        else counts[shard * max_batches + batch]++;
+    }
+    return outside;
+}
+
+// The lowest file descriptor free now: a leaked descriptor would take it.
+static int lowest_free_descriptor(void) {
+    FILE *file = fopen("/dev/null", "rb");
+    if (!file) return -1;
+    int descriptor = fileno(file);
+    fclose(file);
+    return descriptor;
+}
+
 enum { B = 2, T = 7, WORLD = 3, BATCH_TOKENS = B * (T + 1) };
-// Shard sizes in batches: 10, 7, 9 (plus some spare tokens), and one too small to hold W batches.
-static const int shard_batches[] = {10, 7, 9};
-#define SHARD_COUNT 3
+// Shard sizes in batches: 10, 7, 9, 2 (plus some spare tokens): 28 batches, 9 steps of 3 ranks, one
+// batch left out each epoch. Shard 3 holds fewer than W batches and still takes part; a fifth shard
+// holds less than one batch and is skipped.
+static const int shard_batches[] = {10, 7, 9, 2};
+#define SHARD_COUNT 4
+#define TOTAL_BATCHES 28
+#define MAX_SHARD_BATCHES 16
 
 static void write_loader_shards(void) {
     char name[64];
@@ -287,56 +327,111 @@ static void write_loader_shards(void) {
         snprintf(name, sizeof(name), "train_%06d.bin", s);
         write_position_shard(temp_path(name), s, (int64_t)shard_batches[s] * BATCH_TOKENS + 5);
     }
-    write_position_shard(temp_path("train_000003.bin"), 3, 2 * BATCH_TOKENS);  // < WORLD batches
+    write_position_shard(temp_path("train_000004.bin"), 4, BATCH_TOKENS - 1);  // no whole batch
 }
 
+// Over each epoch the ranks read disjoint batches that cover all but TOTAL_BATCHES % W of them.
 static void test_epoch_coverage(const char *pattern) {
-    int64_t expected_steps = 0;
-    for (int s = 0; s < SHARD_COUNT; s++) expected_steps += shard_batches[s] / WORLD;
-    enum { MAX_STEPS = 64 };
-    BatchId ids[WORLD][MAX_STEPS];
+    const int64_t expected_steps = TOTAL_BATCHES / WORLD;
+    enum { EPOCHS = 3, MAX_STEPS = 16 };
+    BatchId ids[WORLD][EPOCHS * MAX_STEPS];
     int rows_ok = 1, status = 0;
-    int64_t steps = 0, skipped = 0;
-    DataloaderPosition end_position = {0, 0, 0};
+    int64_t steps = 0, skipped = 0, shards = 0;
+    DataloaderPosition end_position = {-1, -1};
     for (int rank = 0; rank < WORLD && status == 0; rank++) {
         Dataloader loader;
         if (open_loader(&loader, pattern, B, T, rank, WORLD, 1, 1234) != 0) return;
         steps = dataloader_steps_per_epoch(&loader);
         skipped = loader.skipped_shard_count;
+        shards = loader.shard_count;
+        if (steps != expected_steps) {
+            dataloader_close(&loader);
+            break;
+        }
         status = read_sequence(&loader, (int)steps, ids[rank], &rows_ok);
         end_position = dataloader_position(&loader);
+        if (status == 0) status = read_sequence(&loader, (int)steps * (EPOCHS - 1), ids[rank] + steps, &rows_ok);
         dataloader_close(&loader);
     }
-    check(skipped == 1, "the shard with fewer than W batches is skipped: expected 1 skipped, got %lld",
-          (long long)skipped);
-    check(steps == expected_steps, "steps per epoch: expected %lld, got %lld", (long long)expected_steps,
-          (long long)steps);
+    check(skipped == 1 && shards == SHARD_COUNT,
+          "only the shard without a whole batch is skipped: expected %d usable and 1 skipped, got %lld and %lld",
+          SHARD_COUNT, (long long)shards, (long long)skipped);
+    check(steps == expected_steps, "steps per epoch = floor(total batches / W): expected %lld, got %lld",
+          (long long)expected_steps, (long long)steps);
     if (status != 0 || steps != expected_steps) return;
     check(rows_ok, "every row is T+1 consecutive tokens, targets shifted by one, batches aligned to B*(T+1)");
-    check(end_position.epoch == 1 && end_position.shard_index == 0 && end_position.step == 0,
-          "after one epoch the position is (1, 0, 0): got (%lld, %lld, %lld)", (long long)end_position.epoch,
-          (long long)end_position.shard_index, (long long)end_position.step);
-    // Disjoint: no batch is read twice across ranks; complete: each shard gives floor(batches/W)*W.
-    int seen[SHARD_COUNT + 1][16];
-    memset(seen, 0, sizeof(seen));
-    int duplicates = 0, per_shard[SHARD_COUNT + 1] = {0};
-    for (int rank = 0; rank < WORLD; rank++)
-        for (int64_t i = 0; i < steps; i++) {
-            int shard = ids[rank][i].shard, batch = (int)(ids[rank][i].first_position / BATCH_TOKENS);
-            if (seen[shard][batch]++) duplicates++;
-            per_shard[shard]++;
-        }
-    check(duplicates == 0, "ranks read disjoint batches: %d batches read twice", duplicates);
-    int complete = per_shard[SHARD_COUNT] == 0;
-    for (int s = 0; s < SHARD_COUNT; s++) complete &= per_shard[s] == shard_batches[s] / WORLD * WORLD;
-    check(complete, "the epoch covers floor(batches/W)*W batches of each shard: got %d, %d, %d (expected %d, %d, %d)",
-          per_shard[0], per_shard[1], per_shard[2], shard_batches[0] / WORLD * WORLD,
-          shard_batches[1] / WORLD * WORLD, shard_batches[2] / WORLD * WORLD);
-    // In step k all ranks are in the same shard.
-    int lock_step = 1;
-    for (int64_t i = 0; i < steps; i++)
-        for (int rank = 1; rank < WORLD; rank++) lock_step &= ids[rank][i].shard == ids[0][i].shard;
-    check(lock_step, "at every step all ranks read from the same shard");
+    check(end_position.epoch == 1 && end_position.step == 0,
+          "after one epoch the position is (epoch 1, step 0): got (%lld, %lld)", (long long)end_position.epoch,
+          (long long)end_position.step);
+    int disjoint = 1, complete = 1, outside = 0, small_shard_read = 0;
+    int counts[SHARD_COUNT * MAX_SHARD_BATCHES];
+    for (int epoch = 0; epoch < EPOCHS; epoch++) {
+        BatchId epoch_ids[WORLD * MAX_STEPS];
+        for (int rank = 0; rank < WORLD; rank++)
+            for (int64_t k = 0; k < steps; k++) epoch_ids[rank * steps + k] = ids[rank][epoch * steps + k];
+        outside += count_batches(epoch_ids, (int)(WORLD * steps), shard_batches, SHARD_COUNT, BATCH_TOKENS,
+                                 MAX_SHARD_BATCHES, counts);
+        int read_once = 0;
+        for (int s = 0; s < SHARD_COUNT; s++)
+            for (int b = 0; b < shard_batches[s]; b++) {
+                int n = counts[s * MAX_SHARD_BATCHES + b];
+                disjoint &= n <= 1;
+                read_once += n == 1;
+                if (s == 3) small_shard_read |= n;
+            }
+        complete &= read_once == WORLD * steps;
+    }
+    check(outside == 0, "every batch read lies in a usable shard: %d outside", outside);
+    check(disjoint, "in each epoch no batch is read twice, by any rank");
+    check(complete, "each epoch reads floor(%d / %d) * %d = %lld distinct batches", TOTAL_BATCHES, WORLD, WORLD,
+          (long long)(WORLD * steps));
+    check(small_shard_read, "a shard with fewer than W batches is read too");
+}
+
+// Two shards of equal size (say code and prose): a training epoch mixes them from its first steps.
+static void test_global_shuffle(void) {
+    enum { EQUAL_BATCHES = 40, EPOCH = 2 * EQUAL_BATCHES, FIRST = 20, SEEDS = 10 };
+    const int equal_batches[2] = {EQUAL_BATCHES, EQUAL_BATCHES};
+    write_position_shard(temp_path("equal_000000.bin"), 0, EQUAL_BATCHES * BATCH_TOKENS);
+    write_position_shard(temp_path("equal_000001.bin"), 1, EQUAL_BATCHES * BATCH_TOKENS);
+    char pattern[256];
+    snprintf(pattern, sizeof(pattern), "%s/equal_*.bin", temp_dir);
+    int rows_ok = 1, mixed_seeds = 0;
+    BatchId ids[2 * EPOCH];
+    Dataloader loader;
+    for (uint64_t seed = 1; seed <= SEEDS; seed++) {
+        if (open_loader(&loader, pattern, B, T, 0, 1, 1, seed) != 0) return;
+        int status = read_sequence(&loader, FIRST, ids, &rows_ok);
+        dataloader_close(&loader);
+        int from[2] = {0, 0};
+        for (int i = 0; i < FIRST && status == 0; i++) from[ids[i].shard & 1]++;
+        mixed_seeds += from[0] > 0 && from[1] > 0;
+    }
+    check(mixed_seeds == SEEDS, "seeds 1..%d: the first %d batches come from both shards: %d of %d seeds", SEEDS,
+          FIRST, mixed_seeds, SEEDS);
+
+    if (open_loader(&loader, pattern, B, T, 0, 1, 1, 5) != 0) return;
+    int64_t steps = dataloader_steps_per_epoch(&loader);
+    int status = read_sequence(&loader, 2 * EPOCH, ids, &rows_ok);
+    dataloader_close(&loader);
+    check(steps == EPOCH, "one rank: an epoch is every batch of both shards: expected %d steps, got %lld", EPOCH,
+          (long long)steps);
+    if (status != 0 || steps != EPOCH) return;
+    int counts[2 * EQUAL_BATCHES];
+    int exactly_once = 1;
+    for (int epoch = 0; epoch < 2; epoch++) {
+        int outside = count_batches(ids + epoch * EPOCH, EPOCH, equal_batches, 2, BATCH_TOKENS, EQUAL_BATCHES, counts);
+        for (int i = 0; i < 2 * EQUAL_BATCHES; i++) exactly_once &= counts[i] == 1;
+        exactly_once &= outside == 0;
+    }
+    check(exactly_once, "epochs 0 and 1 each read every batch of every shard exactly once");
+    check(!same_sequence(ids, ids + EPOCH, EPOCH), "epoch 1 reads them in another order than epoch 0");
+    // Shard by shard reading switches once per epoch; a uniform permutation about EPOCH / 2 times.
+    int switches = 0;
+    for (int i = 1; i < EPOCH; i++) switches += ids[i].shard != ids[i - 1].shard;
+    check(switches >= EPOCH / 4, "consecutive batches alternate between shards: %d switches in %d batches, "
+          "expected at least %d", switches, EPOCH, EPOCH / 4);
+    check(rows_ok, "rows are consecutive tokens in the global order");
 }
 
 static void test_order(const char *pattern) {
@@ -356,7 +451,6 @@ static void test_order(const char *pattern) {
     dataloader_close(&loader);
     check(same_sequence(first, again, LONG_RUN), "same seed, same order over %d steps", LONG_RUN);
     check(!same_sequence(first, other_seed, STEPS), "another seed gives another order");
-    // Epoch 1 (steps epoch_steps..) is shuffled differently from epoch 0 but holds the same batches.
     int64_t shown = LONG_RUN - epoch_steps < epoch_steps ? LONG_RUN - epoch_steps : epoch_steps;
     check(shown > 0 && !same_sequence(first, first + epoch_steps, (int)shown),
           "epoch 1 starts in another order than epoch 0");
@@ -386,53 +480,61 @@ static void test_order(const char *pattern) {
     check(rows_ok, "rows are consecutive tokens in every order");
 }
 
-// Saves the position after k batches, restores it into a fresh loader: the next batches match.
+// Saves the position after k batches and restores it into a fresh loader, and into one that has
+// read on into later epochs: the next batches match.
 static void test_resume(const char *pattern) {
     enum { TOTAL = 40 };
     BatchId original[TOTAL];
     int rows_ok = 1;
     Dataloader loader;
     if (open_loader(&loader, pattern, B, T, 2, WORLD, 1, 7) != 0) return;
-    int64_t epoch_steps = dataloader_steps_per_epoch(&loader);
+    int epoch_steps = (int)dataloader_steps_per_epoch(&loader);
     dataloader_close(&loader);
-    const int save_points[] = {0, 1, 3, 5, (int)epoch_steps - 1, (int)epoch_steps, (int)epoch_steps + 4};
+    const int save_points[] = {0, 1, 3, 5, epoch_steps - 1, epoch_steps, epoch_steps + 4, 2 * epoch_steps - 1,
+                               2 * epoch_steps, 3 * epoch_steps + 2};
     for (size_t p = 0; p < sizeof(save_points) / sizeof(save_points[0]); p++) {
         int k = save_points[p];
         if (open_loader(&loader, pattern, B, T, 2, WORLD, 1, 7) != 0) return;
         read_sequence(&loader, k, original, &rows_ok);
         DataloaderPosition saved = dataloader_position(&loader);
         read_sequence(&loader, TOTAL - k, original + k, &rows_ok);
-        dataloader_close(&loader);
 
         Dataloader resumed;
         if (open_loader(&resumed, pattern, B, T, 2, WORLD, 1, 7) != 0) return;
         char error[SHARD_ERROR_SIZE];
         int status = dataloader_set_position(&resumed, saved, error, sizeof(error));
-        BatchId continued[TOTAL];
+        BatchId continued[TOTAL], rewound[TOTAL];
         if (status == 0) read_sequence(&resumed, TOTAL - k, continued, &rows_ok);
         dataloader_close(&resumed);
         check(status == 0 && same_sequence(original + k, continued, TOTAL - k),
-              "resume after %d batches at (epoch %lld, shard %lld, step %lld): next %d batches equal %s", k,
-              (long long)saved.epoch, (long long)saved.shard_index, (long long)saved.step, TOTAL - k,
-              status ? error : "");
+              "resume after %d batches at (epoch %lld, step %lld): next %d batches equal %s", k,
+              (long long)saved.epoch, (long long)saved.step, TOTAL - k, status ? error : "");
+        int64_t expected_epoch = k / epoch_steps, expected_step = k % epoch_steps;
+        check(saved.epoch == expected_epoch && saved.step == expected_step,
+              "position after %d batches: expected (epoch %lld, step %lld), got (%lld, %lld)", k,
+              (long long)expected_epoch, (long long)expected_step, (long long)saved.epoch, (long long)saved.step);
+        status = dataloader_set_position(&loader, saved, error, sizeof(error));
+        if (status == 0) read_sequence(&loader, TOTAL - k, rewound, &rows_ok);
+        dataloader_close(&loader);
+        check(status == 0 && same_sequence(original + k, rewound, TOTAL - k),
+              "set back from epoch %d to (epoch %lld, step %lld): next %d batches equal %s",
+              TOTAL / epoch_steps, (long long)saved.epoch, (long long)saved.step, TOTAL - k, status ? error : "");
     }
+    check(rows_ok, "rows are consecutive tokens after every resume");
     if (open_loader(&loader, pattern, B, T, 2, WORLD, 1, 7) != 0) return;
     char error[SHARD_ERROR_SIZE];
-    DataloaderPosition outside = {0, 0, 1000};
-    int status = dataloader_set_position(&loader, outside, error, sizeof(error));
-    check(status == -1 && strncmp(error, "error: ", 7) == 0 && strstr(error, "/train_00000") &&
-              strstr(error, "step 1000 is past the"),
-          "position past the shard's steps: expected an error naming the shard, got %d \"%s\"", status,
-          status ? error : "");
-    DataloaderPosition no_shard = {0, SHARD_COUNT, 0};
-    check_error("position past the shards", dataloader_set_position(&loader, no_shard, error, sizeof(error)), error,
-                pattern, "outside these 3 shards");
+    DataloaderPosition past_epoch = {0, epoch_steps};
+    check_error("position step past the epoch's steps", dataloader_set_position(&loader, past_epoch, error,
+                sizeof(error)), error, pattern, "step 9) is outside these shards' 9 steps per epoch");
+    DataloaderPosition negative = {-1, 0};
+    check_error("negative epoch", dataloader_set_position(&loader, negative, error, sizeof(error)), error, pattern,
+                "position (epoch -1, step 0) is outside");
     dataloader_close(&loader);
 }
 
 // Validation: shards in path order, batches in file order, identical on every run and after reset.
 static void test_validation(const char *pattern) {
-    enum { K = 6 };
+    enum { K = 7 };
     BatchId first[K], second[K], after_reset[K];
     int rows_ok = 1;
     Dataloader loader;
@@ -444,14 +546,63 @@ static void test_validation(const char *pattern) {
     if (open_loader(&loader, pattern, B, T, 1, WORLD, 0, 999) != 0) return;
     read_sequence(&loader, K, second, &rows_ok);
     dataloader_close(&loader);
-    // Rank 1 of 3 reads batches 1, 4, 7 of shard 0 (3 steps of 10 batches), then 1, 4 of shard 1 (2 of 7), ...
+    // Rank 1 of 3 reads global batches 1, 4, 7, ..., 19: shard 0 holds 0..9, shard 1 10..16, shard 2 17..25.
     const BatchId expected[K] = {{0, 1 * BATCH_TOKENS}, {0, 4 * BATCH_TOKENS}, {0, 7 * BATCH_TOKENS},
-                                 {1, 1 * BATCH_TOKENS}, {1, 4 * BATCH_TOKENS}, {2, 1 * BATCH_TOKENS}};
-    check(same_sequence(first, expected, K), "validation order is the file order: batch 3 expected shard 1 at %d, "
-          "got shard %d at %lld", BATCH_TOKENS, first[3].shard, (long long)first[3].first_position);
+                                 {1, 0 * BATCH_TOKENS}, {1, 3 * BATCH_TOKENS}, {1, 6 * BATCH_TOKENS},
+                                 {2, 2 * BATCH_TOKENS}};
+    check(same_sequence(first, expected, K), "validation order is the file order: batch 3 expected shard 1 at 0, "
+          "got shard %d at %lld; batch 6 expected shard 2 at %d, got shard %d at %lld", first[3].shard,
+          (long long)first[3].first_position, 2 * BATCH_TOKENS, first[6].shard, (long long)first[6].first_position);
     check(same_sequence(first, second, K) && same_sequence(first, after_reset, K),
           "validation batches are the same on every run (any seed) and after reset");
     check(rows_ok, "validation rows are consecutive tokens");
+}
+
+// More shards than stay open: reading evicts the least recently read, every batch still arrives
+// once per epoch, and closing the loader leaves no descriptor open.
+static void test_open_files(void) {
+    enum { MANY = 20, MANY_BATCHES = 3, EPOCH = MANY * MANY_BATCHES };
+    int many_batches[MANY];
+    char name[64];
+    for (int s = 0; s < MANY; s++) {
+        snprintf(name, sizeof(name), "many_%06d.bin", s);
+        write_position_shard(temp_path(name), s, MANY_BATCHES * BATCH_TOKENS);
+        many_batches[s] = MANY_BATCHES;
+    }
+    char pattern[256];
+    snprintf(pattern, sizeof(pattern), "%s/many_*.bin", temp_dir);
+    int free_before = lowest_free_descriptor();
+    Dataloader loader;
+    if (open_loader(&loader, pattern, B, T, 0, 1, 1, 11) != 0) return;
+    int *inputs = (int *)malloc(B * T * sizeof(int)), *targets = (int *)malloc(B * T * sizeof(int));
+    BatchId ids[2 * EPOCH];
+    int rows_ok = 1, status = 0, most_open = 0;
+    for (int i = 0; i < 2 * EPOCH && status == 0; i++) {
+        status = read_batch(&loader, inputs, targets, &ids[i], &rows_ok);
+        int open_files = 0;
+        for (int j = 0; j < DATALOADER_MAX_OPEN_SHARDS; j++) open_files += loader.open_shards[j].shard.file != NULL;
+        if (open_files > most_open) most_open = open_files;
+    }
+    free(inputs);
+    free(targets);
+    char error[SHARD_ERROR_SIZE];
+    int validate_status = dataloader_validate_tokens(&loader, (int64_t)MANY << POSITION_BITS, error, sizeof(error));
+    dataloader_close(&loader);
+    int free_after = lowest_free_descriptor();
+    check(status == 0 && most_open == DATALOADER_MAX_OPEN_SHARDS,
+          "%d shards: at most %d files open at once, got %d", MANY, DATALOADER_MAX_OPEN_SHARDS, most_open);
+    int counts[MANY * MANY_BATCHES], exactly_once = 1;
+    for (int epoch = 0; epoch < 2 && status == 0; epoch++) {
+        int outside = count_batches(ids + epoch * EPOCH, EPOCH, many_batches, MANY, BATCH_TOKENS, MANY_BATCHES, counts);
+        for (int i = 0; i < MANY * MANY_BATCHES; i++) exactly_once &= counts[i] == 1;
+        exactly_once &= outside == 0;
+    }
+    check(status == 0 && exactly_once && rows_ok, "%d shards: each epoch reads every batch once, evicting files", MANY);
+    check(validate_status == 0, "token check over %d shards through the file cache: %s", MANY,
+          validate_status ? error : "ok");
+    check(free_before >= 0 && free_after == free_before,
+          "no descriptor leaks: lowest free descriptor %d before the loader, %d after closing it", free_before,
+          free_after);
 }
 
 static void test_loader_errors(const char *pattern) {
@@ -466,16 +617,20 @@ static void test_loader_errors(const char *pattern) {
     config.pattern = pattern;
     config.batch_size = 100;
     check_error("no shard holds a batch", dataloader_open(&loader, &config, error, sizeof(error)), error, pattern,
-                "no shard holds 3 batches of 100 x 8 tokens");
+                "no shard holds a batch of 100 x 8 tokens");
     config.batch_size = B;
     config.rank = WORLD;
     check_error("rank outside the world", dataloader_open(&loader, &config, error, sizeof(error)), error, pattern,
                 "invalid loader settings");
+    config.rank = 0;
+    const char *small = temp_path("train_000003.bin");
+    config.pattern = small;
+    check_error("fewer batches than ranks", dataloader_open(&loader, &config, error, sizeof(error)), error, small,
+                "1 shard(s) hold 2 batches of 2 x 8 tokens, fewer than the 3 ranks need");
 
     char bad_pattern[256];
     snprintf(bad_pattern, sizeof(bad_pattern), "%s/*.bin", temp_dir);  // includes the malformed shards
     config.pattern = bad_pattern;
-    config.rank = 0;
     check_error("a malformed shard among the matches", dataloader_open(&loader, &config, error, sizeof(error)),
                 error, temp_path("cut.bin"), "size mismatch");
 
@@ -492,6 +647,49 @@ static void test_loader_errors(const char *pattern) {
     dataloader_close(&loader);
 }
 
+// A shard that changes, disappears or shrinks after the loader opened: the read fails naming it.
+static void test_read_errors(void) {
+    enum { BATCHES = 5, READS = 2 * BATCHES };
+    const char *first = temp_path("resized_000000.bin"), *second = temp_path("resized_000001.bin");
+    char pattern[256], error[SHARD_ERROR_SIZE];
+    snprintf(pattern, sizeof(pattern), "%s/resized_*.bin", temp_dir);
+    write_position_shard(first, 0, BATCHES * BATCH_TOKENS);
+    write_position_shard(second, 1, BATCHES * BATCH_TOKENS);
+    Dataloader loader;
+    if (open_loader(&loader, pattern, B, T, 0, 1, 1, 3) != 0) return;
+    write_position_shard(second, 1, (BATCHES - 2) * BATCH_TOKENS);
+    check_error("a shard resized after open", read_until_error(&loader, READS, error, sizeof(error)), error, second,
+                "changed while in use: 48 tokens, 80 when the loader opened it");
+    dataloader_close(&loader);
+
+    write_position_shard(second, 1, BATCHES * BATCH_TOKENS);
+    if (open_loader(&loader, pattern, B, T, 0, 1, 1, 3) != 0) return;
+    remove(first);
+    check_error("a shard removed after open", read_until_error(&loader, READS, error, sizeof(error)), error, first,
+                "cannot open");
+    dataloader_close(&loader);
+
+    // Shards larger than stdio's buffer, so that reads after the truncation reach the file.
+    enum { LARGE_BATCHES = 200 };
+    write_position_shard(first, 0, LARGE_BATCHES * BATCH_TOKENS);
+    write_position_shard(second, 1, LARGE_BATCHES * BATCH_TOKENS);
+    if (open_loader(&loader, pattern, B, T, 0, 1, 1, 3) != 0) return;
+    BatchId id;
+    int rows_ok = 1;
+    int *inputs = (int *)malloc(B * T * sizeof(int)), *targets = (int *)malloc(B * T * sizeof(int));
+    if (read_batch(&loader, inputs, targets, &id, &rows_ok) == 0) {
+        const char *open_path = id.shard == 0 ? first : second;  // open in the loader's cache now
+        if (truncate(open_path, SHARD_HEADER_BYTES) != 0)
+            check(0, "truncate %s: %s", open_path, strerror(errno));
+        else
+            check_error("a shard truncated while open", read_until_error(&loader, 2 * LARGE_BATCHES, error,
+                        sizeof(error)), error, open_path, "cannot read tokens at");
+    }
+    free(inputs);
+    free(targets);
+    dataloader_close(&loader);
+}
+
 int main(void) {
     snprintf(temp_dir, sizeof(temp_dir), "/tmp/test_dataloader_XXXXXX");
     if (!mkdtemp(temp_dir)) {
@@ -504,10 +702,13 @@ int main(void) {
     char pattern[256];
     snprintf(pattern, sizeof(pattern), "%s/train_*.bin", temp_dir);
     test_epoch_coverage(pattern);
+    test_global_shuffle();
     test_order(pattern);
     test_resume(pattern);
     test_validation(pattern);
+    test_open_files();
     test_loader_errors(pattern);
+    test_read_errors();
     remove_test_files();
     return check_summary("test_dataloader");
 }
