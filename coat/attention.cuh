@@ -7,44 +7,45 @@
 //
 // Layouts (row-major): qkv and dqkv [B, T, (NH + 2 NKV) * head_dim] BF16, each row holding NH query
 // heads, then NKV key heads, then NKV value heads (q and k already rotated by RoPE); out and dout
-// [B, T, NH, head_dim] BF16; lse (natural log) and the backward's D [B, NH, T] FP32.
+// [B, T, NH, head_dim] BF16; lse (natural log) [B, NH, T] FP32.
 // Query head h reads kv head h / (NH / NKV) where it lies: K and V are never copied per query head.
 // head_dim is 64 or 128; any T >= 1: tile rows past T are zero-filled in shared memory and masked.
 //
-// Work split: each warp owns 16 rows of the tile its block produces and keeps them in mma
-// accumulators. Forward and dQ: a block owns 128 query rows of one head and walks the K/V tiles up
-// to the diagonal. dK and dV: a block owns 128 key rows of one kv head and walks the query tiles of
-// every query head of its group, summing in registers in a fixed order. The backward is therefore
-// deterministic without atomics, at the price of computing S and dP twice (once per pass).
+// Forward: a block of 4 warps owns 128 query rows of one head, 32 per warp (two m16 tiles, so that
+// every K or V fragment read from shared memory feeds two mma), and walks the K/V tiles up to the
+// diagonal with an online softmax in base 2.
+// Backward: a dK/dV block owns 128 key rows of one kv head, 16 per warp with dK and dV in its
+// registers, and walks the query tiles of every query head of its group in a fixed order, S^T and
+// dP^T computed transposed so that P^T and dS^T feed dV and dK straight from registers. No
+// atomics, and bitwise deterministic. dQ depends on head_dim:
+//   64, two passes: a second kernel owns 128 query rows and computes S and dP again for dQ. Its
+//     steps are short, and there the one-pass handshake below costs more than the recomputation.
+//   128, one pass: the dK/dV block also writes dS^T to shared memory and computes its share of
+//     dQ = dS K over its 128 keys. Shares go, in FP32, to a slot per (head, 64-row query tile) in
+//     scratch through the copy engine (cp.reduce.async.bulk), the kv blocks taking turns in a fixed
+//     order counted by a flag per slot; a last small kernel scales the slots into dQ as BF16.
 #pragma once
 #include <math.h>
 #include <stdint.h>
+
 #include "common.cuh"
 
-#define ATTENTION_WARPS 8
-#define ATTENTION_THREADS (ATTENTION_WARPS * 32)
-// Query rows (forward, dQ) or key rows (dK, dV) one block owns: 16 per warp.
-#define ATTENTION_BLOCK_ROWS (ATTENTION_WARPS * 16)
 // Shared-memory rows are padded by 16 bytes so that the 8 row addresses of one ldmatrix fall in
 // 8 different 4-bank groups (row strides of 144 or 272 bytes), with no swizzle to reason about.
 #define ATTENTION_SMEM_PAD 8
 
+#define ATTENTION_FORWARD_WARPS 4
+#define ATTENTION_FORWARD_THREADS (ATTENTION_FORWARD_WARPS * 32)
+#define ATTENTION_FORWARD_Q_TILE (ATTENTION_FORWARD_WARPS * 32)  // query rows per block: 32 per warp
+
+#define ATTENTION_BACKWARD_WARPS 8
+#define ATTENTION_BACKWARD_THREADS (ATTENTION_BACKWARD_WARPS * 32)
+// Rows one backward block owns, 16 per warp: key rows (dK/dV, one pass) or query rows (dQ pass).
+#define ATTENTION_BACKWARD_BLOCK_ROWS (ATTENTION_BACKWARD_WARPS * 16)
+#define ATTENTION_BACKWARD_Q_TILE 64  // query rows per step of a dK/dV block
+
 static constexpr float ATTENTION_LOG2E = 1.4426950408889634f;
 static constexpr float ATTENTION_LN2 = 0.6931471805599453f;
-
-// Tile sizes per head dimension, chosen so that the accumulators fit in registers without spills:
-// the dK/dV pass holds dK, dV (head_dim / 2 floats each per thread) plus S^T and dP^T (q_tile / 2 each).
-template <int HEAD_DIM> struct AttentionTiles;
-template <> struct AttentionTiles<64> {
-    static constexpr int forward_kv = 64, forward_min_blocks = 2;
-    static constexpr int dkdv_q = 64, dkdv_min_blocks = 1;
-    static constexpr int dq_kv = 32, dq_min_blocks = 2;
-};
-template <> struct AttentionTiles<128> {
-    static constexpr int forward_kv = 64, forward_min_blocks = 1;
-    static constexpr int dkdv_q = 32, dkdv_min_blocks = 1;
-    static constexpr int dq_kv = 64, dq_min_blocks = 1;
-};
 
 // ---- warp-level building blocks -------------------------------------------------------------------
 
@@ -103,6 +104,13 @@ __device__ __forceinline__ void load_a_operand(uint32_t (&a)[4], const bf16 *til
     ldmatrix_x4(a, tile + (row0 + (lane & 7) + (lane & 8)) * ld + col0 + (lane >> 4) * 8);
 }
 
+// The A operand of rows [m0, m0 + 16) and columns [k0, k0 + 16) of A = M^T, for a row-major [k][m]
+// tile M (dS^T stored by key rows, read as dS).
+__device__ __forceinline__ void load_a_operand_transposed(uint32_t (&a)[4], const bf16 *tile, int ld, int m0, int k0,
+                                                          int lane) {
+    ldmatrix_x4_trans(a, tile + (k0 + (lane & 7) + (lane >> 4) * 8) * ld + m0 + (lane & 8));
+}
+
 // B operands of two n8 tiles when B = M^T for a row-major [n][k] tile M (keys or queries by
 // head_dim): n in [n0, n0 + 16), k in [k0, k0 + 16). b[0], b[1] serve n-tile n0; b[2], b[3] n0 + 8.
 __device__ __forceinline__ void load_b_operands_nk(uint32_t (&b)[4], const bf16 *tile, int ld, int n0, int k0,
@@ -128,24 +136,24 @@ __device__ __forceinline__ void accumulators_to_a_operand(uint32_t (&a)[4], cons
 }
 
 // Rows [row0, row0 + ROWS) of one head (head_dim elements each, row_stride apart in global memory)
-// into a padded shared tile, asynchronously, spread over the whole block; rows >= T become zeros
-// so that no stale value (possibly NaN) can reach an mma.
-template <int ROWS, int HEAD_DIM>
+// into a padded shared tile, asynchronously, spread over the THREADS threads of the block; rows >= T
+// become zeros so that no stale value (possibly NaN) can reach an mma.
+template <int ROWS, int HEAD_DIM, int THREADS>
 __device__ __forceinline__ void load_tile_async(bf16 *tile, const bf16 *head, size_t row_stride, int row0, int T) {
     constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD;
     constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;
     constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
-    static_assert(CHUNKS % ATTENTION_THREADS == 0, "tile must split evenly over the block");
+    static_assert(CHUNKS % THREADS == 0, "tile must split evenly over the block");
 #pragma unroll
-    for (int i = 0; i < CHUNKS / ATTENTION_THREADS; i++) {
-        int chunk = i * ATTENTION_THREADS + (int)threadIdx.x;
+    for (int i = 0; i < CHUNKS / THREADS; i++) {
+        int chunk = i * THREADS + (int)threadIdx.x;
         int r = chunk / CHUNKS_PER_ROW, col = (chunk % CHUNKS_PER_ROW) * 8;
         bool valid = row0 + r < T;
         cp_async_16(tile + r * LD + col, head + (size_t)(valid ? row0 + r : 0) * row_stride + col, valid);
     }
 }
 
-// Writes a warp's 16 x HEAD_DIM accumulators as BF16 into its 16 shared rows, row g scaled by
+// Writes 16 x HEAD_DIM accumulators of a warp as BF16 into 16 shared rows, row g scaled by
 // scale_lo and row g + 8 by scale_hi, ready for coalesced 16-byte stores.
 template <int HEAD_DIM>
 __device__ __forceinline__ void stage_accumulator_rows(bf16 *rows, int ld, const float (&acc)[HEAD_DIM / 8][4],
@@ -160,13 +168,13 @@ __device__ __forceinline__ void stage_accumulator_rows(bf16 *rows, int ld, const
     }
 }
 
-// Copies a warp's 16 staged shared rows to global rows first_row.. of one head, skipping rows >= T.
-template <int HEAD_DIM>
-__device__ __forceinline__ void store_warp_rows(bf16 *head, size_t row_stride, int first_row, int T,
-                                                const bf16 *rows, int ld, int lane) {
+// Copies ROWS staged shared rows of a warp to global rows first_row.. of one head, skipping rows >= T.
+template <int ROWS, int HEAD_DIM>
+__device__ __forceinline__ void store_warp_rows(bf16 *head, size_t row_stride, int first_row, int T, const bf16 *rows,
+                                                int ld, int lane) {
     constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;
 #pragma unroll
-    for (int chunk = lane; chunk < 16 * CHUNKS_PER_ROW; chunk += 32) {
+    for (int chunk = lane; chunk < ROWS * CHUNKS_PER_ROW; chunk += 32) {
         int r = chunk / CHUNKS_PER_ROW, col = (chunk % CHUNKS_PER_ROW) * 8;
         if (first_row + r < T) store16(head + (size_t)(first_row + r) * row_stride + col, load16(rows + r * ld + col));
     }
@@ -174,19 +182,38 @@ __device__ __forceinline__ void store_warp_rows(bf16 *head, size_t row_stride, i
 
 // ---- forward ------------------------------------------------------------------------------------
 
-// Block: 128 query rows of head h of batch b; warp w: rows 16w..16w+15 of them. Each K/V tile is
-// prefetched (cp.async, two stages) while the previous one is used. Online softmax in base 2:
-// m = running max of S log2(e), l = running sum of 2^(S log2(e) - m), O rescaled when m grows.
-template <int HEAD_DIM, int KV_TILE, int MIN_BLOCKS>
-__global__ void __launch_bounds__(ATTENTION_THREADS, MIN_BLOCKS)
+// Forward tiles per head dimension, the largest without register spills (ptxas, 255 registers at
+// two blocks per SM): K/V tiles of 64 keys with the Q fragments kept in registers for 64; for 128,
+// where O alone takes 128 registers, tiles of 32 keys and Q read from shared memory.
+template <int HEAD_DIM>
+struct AttentionForwardTiles;
+template <>
+struct AttentionForwardTiles<64> {
+    static constexpr int kv = 64;
+    static constexpr bool q_in_registers = true;
+};
+template <>
+struct AttentionForwardTiles<128> {
+    static constexpr int kv = 32;
+    static constexpr bool q_in_registers = false;
+};
+
+// Block: 128 query rows of head h of batch b; warp w: rows 32w..32w+31 of them, as two m16 tiles.
+// Each K/V tile is prefetched (cp.async, two stages) while the previous one is used. Online
+// softmax in base 2: m = running max of S log2(e), l = running sum of 2^(S log2(e) - m), O
+// rescaled when m grows.
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(ATTENTION_FORWARD_THREADS, 2)
     attention_forward_kernel(bf16 *out, float *lse, const bf16 *qkv, int T, int NH, int NKV, float softmax_scale) {
-    constexpr int Q_TILE = ATTENTION_BLOCK_ROWS;
+    constexpr int THREADS = ATTENTION_FORWARD_THREADS;
+    constexpr int Q_TILE = ATTENTION_FORWARD_Q_TILE, KV_TILE = AttentionForwardTiles<HEAD_DIM>::kv;
+    constexpr bool Q_IN_REGISTERS = AttentionForwardTiles<HEAD_DIM>::q_in_registers;
     constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD;
     constexpr int K_STEPS = HEAD_DIM / 16, S_TILES = KV_TILE / 8, O_TILES = HEAD_DIM / 8;
     extern __shared__ __align__(16) unsigned char attention_smem[];
     bf16 *q_tile = reinterpret_cast<bf16 *>(attention_smem);
-    bf16 *k_tiles = q_tile + Q_TILE * LD;           // two stages
-    bf16 *v_tiles = k_tiles + 2 * KV_TILE * LD;     // two stages
+    bf16 *k_tiles = q_tile + Q_TILE * LD;        // two stages
+    bf16 *v_tiles = k_tiles + 2 * KV_TILE * LD;  // two stages
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int q_block = gridDim.x - 1 - blockIdx.x;  // longest causal rows first: fewer idle SMs at the end
@@ -200,124 +227,166 @@ __global__ void __launch_bounds__(ATTENTION_THREADS, MIN_BLOCKS)
     const int q0 = q_block * Q_TILE;
     const int num_kv_tiles = (min(q0 + Q_TILE, T) - 1) / KV_TILE + 1;  // up to the last valid row's diagonal
 
-    load_tile_async<Q_TILE, HEAD_DIM>(q_tile, q_head, qkv_row, q0, T);
-    load_tile_async<KV_TILE, HEAD_DIM>(k_tiles, k_head, qkv_row, 0, T);
-    load_tile_async<KV_TILE, HEAD_DIM>(v_tiles, v_head, qkv_row, 0, T);
+    load_tile_async<Q_TILE, HEAD_DIM, THREADS>(q_tile, q_head, qkv_row, q0, T);
+    load_tile_async<KV_TILE, HEAD_DIM, THREADS>(k_tiles, k_head, qkv_row, 0, T);
+    load_tile_async<KV_TILE, HEAD_DIM, THREADS>(v_tiles, v_head, qkv_row, 0, T);
     cp_async_commit();
 
-    const int warp_row0 = q0 + warp * 16;       // this thread's rows: warp_row0 + g and + g + 8
+    const int warp_row0 = q0 + warp * 32;        // this thread's rows: warp_row0 + 16 mt + g (+ 8)
     const int g = lane / 4, c = (lane % 4) * 2;  // ... and columns c, c + 1 of every 8-wide tile
     const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
-    uint32_t q_frag[K_STEPS][4];
-    float o_acc[O_TILES][4];
+    uint32_t q_frag[2][Q_IN_REGISTERS ? K_STEPS : 1][4];
+    float o_acc[2][O_TILES][4];
 #pragma unroll
-    for (int dt = 0; dt < O_TILES; dt++) o_acc[dt][0] = o_acc[dt][1] = o_acc[dt][2] = o_acc[dt][3] = 0.f;
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int dt = 0; dt < O_TILES; dt++)
+            o_acc[mt][dt][0] = o_acc[mt][dt][1] = o_acc[mt][dt][2] = o_acc[mt][dt][3] = 0.f;
     // Tile 0 holds key 0, which every row sees, so the running max is finite after it and
-    // 2^(m_old - m_new) never meets -inf - -inf.
-    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    // 2^(m_old - m_new) never meets -inf - -inf. [mt][r]: row 16 mt + g + 8 r of the warp.
+    float row_max[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}};
+    float row_sum[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
 
     for (int j = 0; j < num_kv_tiles; j++) {
         cp_async_wait_all();
         __syncthreads();  // tile j visible to all; everyone is done with the stage refilled below
-        if (j == 0) {
+        if constexpr (Q_IN_REGISTERS) {
+            if (j == 0) {
 #pragma unroll
-            for (int kk = 0; kk < K_STEPS; kk++) load_a_operand(q_frag[kk], q_tile, LD, warp * 16, kk * 16, lane);
+                for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                    for (int kk = 0; kk < K_STEPS; kk++)
+                        load_a_operand(q_frag[mt][kk], q_tile, LD, warp * 32 + mt * 16, kk * 16, lane);
+            }
         }
         if (j + 1 < num_kv_tiles) {
             int next = (j + 1) & 1;
-            load_tile_async<KV_TILE, HEAD_DIM>(k_tiles + next * KV_TILE * LD, k_head, qkv_row, (j + 1) * KV_TILE, T);
-            load_tile_async<KV_TILE, HEAD_DIM>(v_tiles + next * KV_TILE * LD, v_head, qkv_row, (j + 1) * KV_TILE, T);
+            load_tile_async<KV_TILE, HEAD_DIM, THREADS>(k_tiles + next * KV_TILE * LD, k_head, qkv_row,
+                                                        (j + 1) * KV_TILE, T);
+            load_tile_async<KV_TILE, HEAD_DIM, THREADS>(v_tiles + next * KV_TILE * LD, v_head, qkv_row,
+                                                        (j + 1) * KV_TILE, T);
             cp_async_commit();
         }
         const int kv0 = j * KV_TILE;
-        if (kv0 > warp_row0 + 15) continue;  // the whole tile lies right of this warp's diagonal
+        if (kv0 > warp_row0 + 31) continue;  // the whole tile lies right of this warp's diagonal
         const bf16 *k_cur = k_tiles + (j & 1) * KV_TILE * LD;
         const bf16 *v_cur = v_tiles + (j & 1) * KV_TILE * LD;
 
-        float s[S_TILES][4];
+        float s[2][S_TILES][4];
 #pragma unroll
-        for (int nt = 0; nt < S_TILES; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int nt = 0; nt < S_TILES; nt++) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < K_STEPS; kk++) {
+            uint32_t qa[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                if constexpr (Q_IN_REGISTERS) {
+#pragma unroll
+                    for (int i = 0; i < 4; i++) qa[mt][i] = q_frag[mt][kk][i];
+                } else {
+                    load_a_operand(qa[mt], q_tile, LD, warp * 32 + mt * 16, kk * 16, lane);
+                }
+            }
 #pragma unroll
             for (int nt = 0; nt < S_TILES; nt += 2) {
                 uint32_t kb[4];
                 load_b_operands_nk(kb, k_cur, LD, nt * 8, kk * 16, lane);
-                mma_16x8x16(s[nt], q_frag[kk], kb[0], kb[1]);
-                mma_16x8x16(s[nt + 1], q_frag[kk], kb[2], kb[3]);
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    mma_16x8x16(s[mt][nt], qa[mt], kb[0], kb[1]);
+                    mma_16x8x16(s[mt][nt + 1], qa[mt], kb[2], kb[3]);
+                }
             }
         }
         if (kv0 + KV_TILE - 1 > warp_row0) {  // the tile crosses this warp's diagonal
 #pragma unroll
-            for (int nt = 0; nt < S_TILES; nt++)
+            for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++)
-                    if (kv0 + nt * 8 + c + (e & 1) > warp_row0 + g + (e >> 1) * 8) s[nt][e] = -INFINITY;
+                for (int nt = 0; nt < S_TILES; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        if (kv0 + nt * 8 + c + (e & 1) > warp_row0 + mt * 16 + g + (e >> 1) * 8)
+                            s[mt][nt][e] = -INFINITY;
         }
 #pragma unroll
-        for (int r = 0; r < 2; r++) {  // r = 0: row g, r = 1: row g + 8
-            float tile_max = -INFINITY;
+        for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-            for (int nt = 0; nt < S_TILES; nt++) tile_max = fmaxf(tile_max, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));  // the 4 threads of a row
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-            float new_max = fmaxf(row_max[r], tile_max * scale_log2);
-            float correction = exp2_approx(row_max[r] - new_max);
-            row_max[r] = new_max;
-            row_sum[r] *= correction;  // a per-thread partial sum: the 4 partials are added at the end
+            for (int r = 0; r < 2; r++) {  // r = 0: row g, r = 1: row g + 8
+                float tile_max = -INFINITY;
 #pragma unroll
-            for (int dt = 0; dt < O_TILES; dt++) {
-                o_acc[dt][2 * r] *= correction;
-                o_acc[dt][2 * r + 1] *= correction;
-            }
+                for (int nt = 0; nt < S_TILES; nt++)
+                    tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));  // the 4 threads of a row
+                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+                float new_max = fmaxf(row_max[mt][r], tile_max * scale_log2);
+                float correction = exp2_approx(row_max[mt][r] - new_max);
+                row_max[mt][r] = new_max;
+                row_sum[mt][r] *= correction;  // a per-thread partial sum: the 4 partials are added at the end
 #pragma unroll
-            for (int nt = 0; nt < S_TILES; nt++)
-#pragma unroll
-                for (int e = 2 * r; e < 2 * r + 2; e++) {
-                    float p = exp2_approx(fmaf(s[nt][e], scale_log2, -new_max));
-                    s[nt][e] = p;
-                    row_sum[r] += p;
+                for (int dt = 0; dt < O_TILES; dt++) {
+                    o_acc[mt][dt][2 * r] *= correction;
+                    o_acc[mt][dt][2 * r + 1] *= correction;
                 }
-        }
+#pragma unroll
+                for (int nt = 0; nt < S_TILES; nt++)
+#pragma unroll
+                    for (int e = 2 * r; e < 2 * r + 2; e++) {
+                        float p = exp2_approx(fmaf(s[mt][nt][e], scale_log2, -new_max));
+                        s[mt][nt][e] = p;
+                        row_sum[mt][r] += p;
+                    }
+            }
+        uint32_t p_frag[2][KV_TILE / 16][4];  // P as BF16 A operands: half the registers of S
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int kk = 0; kk < KV_TILE / 16; kk++)
+                accumulators_to_a_operand(p_frag[mt][kk], s[mt][2 * kk], s[mt][2 * kk + 1]);
 #pragma unroll
         for (int kk = 0; kk < KV_TILE / 16; kk++) {
-            uint32_t p_frag[4];
-            accumulators_to_a_operand(p_frag, s[2 * kk], s[2 * kk + 1]);
 #pragma unroll
             for (int dt = 0; dt < O_TILES; dt += 2) {
                 uint32_t vb[4];
                 load_b_operands_kn(vb, v_cur, LD, kk * 16, dt * 8, lane);
-                mma_16x8x16(o_acc[dt], p_frag, vb[0], vb[1]);
-                mma_16x8x16(o_acc[dt + 1], p_frag, vb[2], vb[3]);
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    mma_16x8x16(o_acc[mt][dt], p_frag[mt][kk], vb[0], vb[1]);
+                    mma_16x8x16(o_acc[mt][dt + 1], p_frag[mt][kk], vb[2], vb[3]);
+                }
             }
         }
     }
 
-    float inv_sum[2];
+    // The warp's own Q rows are free now (only this warp ever read them) and take its output.
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float sum = row_sum[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        inv_sum[r] = 1.f / sum;
-        int row = warp_row0 + g + 8 * r;
-        // lse = ln(2^m l) = (m + log2 l) ln 2
-        if (lane % 4 == 0 && row < T) lse[((size_t)b * NH + h) * T + row] = (row_max[r] + log2f(sum)) * ATTENTION_LN2;
+    for (int mt = 0; mt < 2; mt++) {
+        float inv_sum[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float sum = row_sum[mt][r];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            inv_sum[r] = 1.f / sum;
+            int row = warp_row0 + mt * 16 + g + 8 * r;
+            // lse = ln(2^m l) = (m + log2 l) ln 2
+            if (lane % 4 == 0 && row < T)
+                lse[((size_t)b * NH + h) * T + row] = (row_max[mt][r] + log2f(sum)) * ATTENTION_LN2;
+        }
+        stage_accumulator_rows<HEAD_DIM>(q_tile + (warp * 32 + mt * 16) * LD, LD, o_acc[mt], inv_sum[0], inv_sum[1],
+                                         lane);
     }
-    // The warp's own Q rows are free (Q lives in registers since tile 0) and no other warp reads them.
-    bf16 *rows = q_tile + warp * 16 * LD;
-    stage_accumulator_rows<HEAD_DIM>(rows, LD, o_acc, inv_sum[0], inv_sum[1], lane);
     __syncwarp();
-    store_warp_rows<HEAD_DIM>(out + ((size_t)b * T * NH + h) * HEAD_DIM, (size_t)NH * HEAD_DIM, warp_row0, T, rows,
-                              LD, lane);
+    store_warp_rows<32, HEAD_DIM>(out + ((size_t)b * T * NH + h) * HEAD_DIM, (size_t)NH * HEAD_DIM, warp_row0, T,
+                                  q_tile + warp * 32 * LD, LD, lane);
 }
 
 // ---- backward -----------------------------------------------------------------------------------
 
 // D[b, h, t] = sum_d dout[b, t, h, d] * out[b, t, h, d] in FP32; HEAD_DIM / 8 lanes per row.
 template <int HEAD_DIM>
-__global__ void attention_backward_delta_kernel(float *delta, const bf16 *dout, const bf16 *out, int B, int T,
-                                                int NH) {
+__global__ void attention_backward_delta_kernel(float *delta, const bf16 *dout, const bf16 *out, int B, int T, int NH) {
     constexpr int LANES_PER_ROW = HEAD_DIM / 8;
     size_t thread = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     size_t row = thread / LANES_PER_ROW;  // over (b, t, h), the order of out
@@ -338,16 +407,17 @@ __global__ void attention_backward_delta_kernel(float *delta, const bf16 *dout, 
     }
 }
 
-// Issues the loads of one step of the dK/dV pass (a query tile of one query head) into a stage,
-// and returns this thread's row statistics for row q0 + threadIdx.x, stored by the caller: lse in
-// log2 units and D. Rows past T get lse = +inf, so that their P is exactly 0, and D = 0.
-template <int HEAD_DIM, int Q_TILE>
-__device__ __forceinline__ void dkdv_load_step(bf16 *q_dst, bf16 *dout_dst, float *lse_log2, float *delta_value,
-                                               const bf16 *q_head, size_t qkv_row, const bf16 *dout_head,
-                                               size_t dout_row, const float *lse_head, const float *delta_head,
-                                               int q0, int T) {
-    load_tile_async<Q_TILE, HEAD_DIM>(q_dst, q_head, qkv_row, q0, T);
-    load_tile_async<Q_TILE, HEAD_DIM>(dout_dst, dout_head, dout_row, q0, T);
+// Issues the loads of one step (a query tile of one query head) into a stage, and returns this
+// thread's row statistics for row q0 + threadIdx.x, stored by the caller: lse in log2 units and D.
+// Rows past T get lse = +inf, so that their P is exactly 0, and D = 0.
+template <int HEAD_DIM>
+__device__ __forceinline__ void backward_load_step(bf16 *q_dst, bf16 *dout_dst, float *lse_log2, float *delta_value,
+                                                   const bf16 *q_head, size_t qkv_row, const bf16 *dout_head,
+                                                   size_t dout_row, const float *lse_head, const float *delta_head,
+                                                   int q0, int T) {
+    constexpr int Q_TILE = ATTENTION_BACKWARD_Q_TILE;
+    load_tile_async<Q_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(q_dst, q_head, qkv_row, q0, T);
+    load_tile_async<Q_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(dout_dst, dout_head, dout_row, q0, T);
     cp_async_commit();
     int q = q0 + (int)threadIdx.x;
     bool valid = (int)threadIdx.x < Q_TILE && q < T;
@@ -355,28 +425,30 @@ __device__ __forceinline__ void dkdv_load_step(bf16 *q_dst, bf16 *dout_dst, floa
     *delta_value = valid ? delta_head[q] : 0.f;
 }
 
+// ---- backward, head_dim 64: dK/dV pass, then dQ pass ----------------------------------------------
+
 // Block: 128 key rows of kv head kv_head of batch b; warp w: rows 16w..16w+15. For every query
 // head of the group and every query tile from the diagonal on (Q, dO, lse, D double-buffered):
 //   S^T = K Q^T, P^T = 2^(S^T scale log2 e - lse log2 e), dV += P^T dO,
 //   dP^T = V dO^T, dS^T = P^T (dP^T - D), dK += dS^T Q.
 // Computing the transposes keeps key rows in the accumulators' rows, so P^T and dS^T feed the
 // dV and dK products straight from registers.
-template <int HEAD_DIM, int Q_TILE, int MIN_BLOCKS>
-__global__ void __launch_bounds__(ATTENTION_THREADS, MIN_BLOCKS)
-    attention_backward_dkdv_kernel(bf16 *dqkv, const bf16 *qkv, const bf16 *dout, const float *lse,
-                                   const float *delta, int T, int NH, int NKV, float softmax_scale) {
-    constexpr int KV_TILE = ATTENTION_BLOCK_ROWS;
+template <int HEAD_DIM, int MIN_BLOCKS>
+__global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, MIN_BLOCKS)
+    attention_backward_dkdv_kernel(bf16 *dqkv, const bf16 *qkv, const bf16 *dout, const float *lse, const float *delta,
+                                   int T, int NH, int NKV, float softmax_scale) {
+    constexpr int KV_TILE = ATTENTION_BACKWARD_BLOCK_ROWS, Q_TILE = ATTENTION_BACKWARD_Q_TILE;
     constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD;
     constexpr int K_STEPS = HEAD_DIM / 16, S_TILES = Q_TILE / 8, D_TILES = HEAD_DIM / 8;
     static_assert(KV_TILE % Q_TILE == 0, "a key block must start on a query tile boundary");
-    static_assert(Q_TILE <= ATTENTION_THREADS, "one thread loads each row's lse and D");
+    static_assert(Q_TILE <= ATTENTION_BACKWARD_THREADS, "one thread loads each row's lse and D");
     extern __shared__ __align__(16) unsigned char attention_smem[];
     bf16 *k_tile = reinterpret_cast<bf16 *>(attention_smem);
     bf16 *v_tile = k_tile + KV_TILE * LD;
-    bf16 *q_tiles = v_tile + KV_TILE * LD;         // two stages
-    bf16 *dout_tiles = q_tiles + 2 * Q_TILE * LD;  // two stages
+    bf16 *q_tiles = v_tile + KV_TILE * LD;                                       // two stages
+    bf16 *dout_tiles = q_tiles + 2 * Q_TILE * LD;                                // two stages
     float *lse_tiles = reinterpret_cast<float *>(dout_tiles + 2 * Q_TILE * LD);  // two stages, log2 units
-    float *delta_tiles = lse_tiles + 2 * Q_TILE;                                  // two stages
+    float *delta_tiles = lse_tiles + 2 * Q_TILE;                                 // two stages
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int kv0 = blockIdx.x * KV_TILE, kv_head = blockIdx.y, b = blockIdx.z;
@@ -390,16 +462,16 @@ __global__ void __launch_bounds__(ATTENTION_THREADS, MIN_BLOCKS)
     const int q_tiles_per_head = ceil_div(T, Q_TILE) - first_q_tile;
     const int steps = group * q_tiles_per_head;  // step i: head kv_head * group + i / q_tiles_per_head
 
-    load_tile_async<KV_TILE, HEAD_DIM>(k_tile, qkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, qkv_row, kv0, T);
-    load_tile_async<KV_TILE, HEAD_DIM>(v_tile, qkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM, qkv_row,
-                                       kv0, T);
+    load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(
+        k_tile, qkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, qkv_row, kv0, T);
+    load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(
+        v_tile, qkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM, qkv_row, kv0, T);
     {
         int head = kv_head * group, q0 = first_q_tile * Q_TILE;
         float lse_log2, delta_value;
-        dkdv_load_step<HEAD_DIM, Q_TILE>(q_tiles, dout_tiles, &lse_log2, &delta_value,
-                                         qkv_batch + (size_t)head * HEAD_DIM, qkv_row,
-                                         dout_batch + (size_t)head * HEAD_DIM, dout_row,
-                                         lse_batch + (size_t)head * T, delta_batch + (size_t)head * T, q0, T);
+        backward_load_step<HEAD_DIM>(q_tiles, dout_tiles, &lse_log2, &delta_value, qkv_batch + (size_t)head * HEAD_DIM,
+                                     qkv_row, dout_batch + (size_t)head * HEAD_DIM, dout_row,
+                                     lse_batch + (size_t)head * T, delta_batch + (size_t)head * T, q0, T);
         if ((int)threadIdx.x < Q_TILE) {
             lse_tiles[threadIdx.x] = lse_log2;
             delta_tiles[threadIdx.x] = delta_value;
@@ -423,10 +495,10 @@ __global__ void __launch_bounds__(ATTENTION_THREADS, MIN_BLOCKS)
         if (step + 1 < steps) {
             int head = kv_head * group + (step + 1) / q_tiles_per_head;
             int q0 = (first_q_tile + (step + 1) % q_tiles_per_head) * Q_TILE;
-            dkdv_load_step<HEAD_DIM, Q_TILE>(q_tiles + (stage ^ 1) * Q_TILE * LD, dout_tiles + (stage ^ 1) * Q_TILE * LD,
-                                             &next_lse_log2, &next_delta, qkv_batch + (size_t)head * HEAD_DIM,
-                                             qkv_row, dout_batch + (size_t)head * HEAD_DIM, dout_row,
-                                             lse_batch + (size_t)head * T, delta_batch + (size_t)head * T, q0, T);
+            backward_load_step<HEAD_DIM>(q_tiles + (stage ^ 1) * Q_TILE * LD, dout_tiles + (stage ^ 1) * Q_TILE * LD,
+                                         &next_lse_log2, &next_delta, qkv_batch + (size_t)head * HEAD_DIM, qkv_row,
+                                         dout_batch + (size_t)head * HEAD_DIM, dout_row, lse_batch + (size_t)head * T,
+                                         delta_batch + (size_t)head * T, q0, T);
         }
         const int q0 = (first_q_tile + step % q_tiles_per_head) * Q_TILE;
         // Skip when all of the warp's keys lie past T or after the tile's last query.
@@ -515,19 +587,20 @@ __global__ void __launch_bounds__(ATTENTION_THREADS, MIN_BLOCKS)
     stage_accumulator_rows<HEAD_DIM>(k_rows, LD, dk_acc, softmax_scale, softmax_scale, lane);
     stage_accumulator_rows<HEAD_DIM>(v_rows, LD, dv_acc, 1.f, 1.f, lane);
     __syncwarp();
-    store_warp_rows<HEAD_DIM>(dqkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, qkv_row, warp_kv0, T, k_rows, LD, lane);
-    store_warp_rows<HEAD_DIM>(dqkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM, qkv_row, warp_kv0, T, v_rows, LD,
-                              lane);
+    store_warp_rows<16, HEAD_DIM>(dqkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, qkv_row, warp_kv0, T, k_rows, LD,
+                                  lane);
+    store_warp_rows<16, HEAD_DIM>(dqkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM, qkv_row, warp_kv0, T, v_rows,
+                                  LD, lane);
 }
 
 // Block: 128 query rows of head h of batch b (Q and dO resident), walking the K/V tiles up to the
 // diagonal like the forward pass: S = Q K^T, P = 2^(S scale log2 e - lse log2 e), dP = dO V^T,
 // dS = P (dP - D), dQ += dS K.
 template <int HEAD_DIM, int KV_TILE, int MIN_BLOCKS>
-__global__ void __launch_bounds__(ATTENTION_THREADS, MIN_BLOCKS)
-    attention_backward_dq_kernel(bf16 *dqkv, const bf16 *qkv, const bf16 *dout, const float *lse,
-                                 const float *delta, int T, int NH, int NKV, float softmax_scale) {
-    constexpr int Q_TILE = ATTENTION_BLOCK_ROWS;
+__global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, MIN_BLOCKS)
+    attention_backward_dq_kernel(bf16 *dqkv, const bf16 *qkv, const bf16 *dout, const float *lse, const float *delta,
+                                 int T, int NH, int NKV, float softmax_scale) {
+    constexpr int Q_TILE = ATTENTION_BACKWARD_BLOCK_ROWS;
     constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD;
     constexpr int K_STEPS = HEAD_DIM / 16, S_TILES = KV_TILE / 8, D_TILES = HEAD_DIM / 8;
     extern __shared__ __align__(16) unsigned char attention_smem[];
@@ -547,11 +620,12 @@ __global__ void __launch_bounds__(ATTENTION_THREADS, MIN_BLOCKS)
     const int q0 = q_block * Q_TILE;
     const int num_kv_tiles = (min(q0 + Q_TILE, T) - 1) / KV_TILE + 1;
 
-    load_tile_async<Q_TILE, HEAD_DIM>(q_tile, qkv_batch + (size_t)h * HEAD_DIM, qkv_row, q0, T);
-    load_tile_async<Q_TILE, HEAD_DIM>(dout_tile, dout + (size_t)b * T * dout_row + (size_t)h * HEAD_DIM, dout_row,
-                                      q0, T);
-    load_tile_async<KV_TILE, HEAD_DIM>(k_tiles, k_head, qkv_row, 0, T);
-    load_tile_async<KV_TILE, HEAD_DIM>(v_tiles, v_head, qkv_row, 0, T);
+    load_tile_async<Q_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(q_tile, qkv_batch + (size_t)h * HEAD_DIM, qkv_row, q0,
+                                                                  T);
+    load_tile_async<Q_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(
+        dout_tile, dout + (size_t)b * T * dout_row + (size_t)h * HEAD_DIM, dout_row, q0, T);
+    load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(k_tiles, k_head, qkv_row, 0, T);
+    load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(v_tiles, v_head, qkv_row, 0, T);
     cp_async_commit();
 
     const int warp_row0 = q0 + warp * 16;
@@ -574,8 +648,10 @@ __global__ void __launch_bounds__(ATTENTION_THREADS, MIN_BLOCKS)
         __syncthreads();  // tile j visible to all; everyone is done with the stage refilled below
         if (j + 1 < num_kv_tiles) {
             int next = (j + 1) & 1;
-            load_tile_async<KV_TILE, HEAD_DIM>(k_tiles + next * KV_TILE * LD, k_head, qkv_row, (j + 1) * KV_TILE, T);
-            load_tile_async<KV_TILE, HEAD_DIM>(v_tiles + next * KV_TILE * LD, v_head, qkv_row, (j + 1) * KV_TILE, T);
+            load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(k_tiles + next * KV_TILE * LD, k_head,
+                                                                           qkv_row, (j + 1) * KV_TILE, T);
+            load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(v_tiles + next * KV_TILE * LD, v_head,
+                                                                           qkv_row, (j + 1) * KV_TILE, T);
             cp_async_commit();
         }
         const int kv0 = j * KV_TILE;
@@ -643,8 +719,358 @@ __global__ void __launch_bounds__(ATTENTION_THREADS, MIN_BLOCKS)
     bf16 *rows = q_tile + warp * 16 * LD;
     stage_accumulator_rows<HEAD_DIM>(rows, LD, dq_acc, softmax_scale, softmax_scale, lane);
     __syncwarp();
-    store_warp_rows<HEAD_DIM>(dqkv + (size_t)b * T * qkv_row + (size_t)h * HEAD_DIM, qkv_row, warp_row0, T, rows, LD,
-                              lane);
+    store_warp_rows<16, HEAD_DIM>(dqkv + (size_t)b * T * qkv_row + (size_t)h * HEAD_DIM, qkv_row, warp_row0, T, rows,
+                                  LD, lane);
+}
+
+// ---- backward, head_dim 128: one pass -----------------------------------------------------------
+
+// Flags between blocks (GPU scope) and the copy engine's bulk copies from shared to global memory.
+__device__ __forceinline__ int load_acquire_gpu(const int *p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(__cvta_generic_to_global(p)) : "memory");
+    return v;
+}
+__device__ __forceinline__ void store_release_gpu(int *p, int v) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p)), "r"(v) : "memory");
+}
+// Orders this thread's ordinary shared-memory writes before later copy-engine reads of them.
+__device__ __forceinline__ void fence_shared_for_copy_engine() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Orders global-memory accesses of the copy engine and of ordinary loads and stores of this thread.
+__device__ __forceinline__ void fence_global_for_copy_engine() {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_copy_to_global(float *dst, const float *src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(__cvta_generic_to_global(dst)),
+                 "r"(shared_address(src)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_add_to_global(float *dst, const float *src, uint32_t bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                     __cvta_generic_to_global(dst)),
+                 "r"(shared_address(src)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// Thread 0 only. Once `turn` kv blocks have added their shares to the dQ slot (done == turn), hands
+// this block's share, staged in shared memory, to the copy engine: the first share is written, the
+// later ones added in FP32. The fixed turns make the sums bitwise reproducible.
+__device__ __forceinline__ void dq_share_issue(float *slot, const float *staged, uint32_t bytes, const int *done,
+                                               int turn) {
+    while (load_acquire_gpu(done) != turn) __nanosleep(100);
+    fence_global_for_copy_engine();
+    if (turn == 0)
+        bulk_copy_to_global(slot, staged, bytes);
+    else
+        bulk_add_to_global(slot, staged, bytes);
+    bulk_commit();
+}
+// Thread 0 only: waits until the copy engine has finished with the share (the staging buffer is
+// free again and the slot updated), then gives the slot to the next kv block.
+__device__ __forceinline__ void dq_share_release(int *done, int turn) {
+    bulk_wait_all();
+    fence_global_for_copy_engine();
+    store_release_gpu(done, turn + 1);
+}
+
+// Shared memory of the one-pass backward kernel, in bytes from the start (each offset a multiple of 16).
+template <int HEAD_DIM>
+struct AttentionBackwardSmem {
+    static constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD;                      // K, V, Q, dO rows
+    static constexpr int DS_LD = ATTENTION_BACKWARD_Q_TILE + ATTENTION_SMEM_PAD;  // dS^T rows
+    static constexpr size_t kv_bytes = (size_t)ATTENTION_BACKWARD_BLOCK_ROWS * LD * sizeof(bf16);
+    static constexpr size_t q_bytes = (size_t)ATTENTION_BACKWARD_Q_TILE * LD * sizeof(bf16);
+    static constexpr size_t k_tile = 0, v_tile = k_tile + kv_bytes;
+    static constexpr size_t q_tiles = v_tile + kv_bytes;         // two stages
+    static constexpr size_t dout_tiles = q_tiles + 2 * q_bytes;  // two stages
+    static constexpr size_t ds_tile = dout_tiles + 2 * q_bytes;
+    static constexpr size_t dq_staged = ds_tile + (size_t)ATTENTION_BACKWARD_BLOCK_ROWS * DS_LD * sizeof(bf16);
+    static constexpr size_t lse_tiles = dq_staged + (size_t)ATTENTION_BACKWARD_Q_TILE * HEAD_DIM * sizeof(float);
+    static constexpr size_t delta_tiles = lse_tiles + 2 * ATTENTION_BACKWARD_Q_TILE * sizeof(float);
+    static constexpr size_t ticket = delta_tiles + 2 * ATTENTION_BACKWARD_Q_TILE * sizeof(float);
+    static constexpr size_t bytes = ticket + 16;
+};
+
+// The dQ slot of (batch b, query head h, query tile): Q_TILE x HEAD_DIM floats in the order the
+// warps hold them (see attention_backward_dq_from_slots_kernel), so that staging and adding are
+// plain copies.
+template <int HEAD_DIM>
+__host__ __device__ __forceinline__ size_t attention_dq_slot(int b, int h, int tile, int NH, int num_q_tiles) {
+    return (((size_t)b * NH + h) * num_q_tiles + tile) * ATTENTION_BACKWARD_Q_TILE * HEAD_DIM;
+}
+
+// Block: 128 key rows kv0.. of kv head kv_head of batch b; warp w: rows 16w..16w+15 (dK, dV in its
+// registers). For every query head of the group (outer) and every query tile from the diagonal on
+// (inner; Q, dO, lse, D double-buffered):
+//   S^T = K Q^T, P^T = 2^(S^T scale log2 e - lse log2 e), dV += P^T dO,
+//   dP^T = V dO^T, dS^T = P^T (dP^T - D), dK += dS^T Q,
+//   dS^T to shared memory, then this block's share of the tile's dQ: dS K over its 128 keys.
+// The share goes to its slot through the copy engine after the shares of all higher kv blocks
+// (the slot's flag counts them), one step late so that the wait overlaps the next step's work.
+// Blocks take their kv block from a counter, one head group after another and inside a group from
+// the last kv block down: a block only ever waits on blocks that started before it, and those
+// are ahead by two query tiles per head (the diagonal moves by a kv block), so it rarely waits.
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, 1)
+    attention_backward_one_pass_kernel(bf16 *dqkv, float *dq_slots, int *dq_done, int *block_counter, const bf16 *qkv,
+                                       const bf16 *dout, const float *lse, const float *delta, int T, int NH, int NKV,
+                                       float softmax_scale) {
+    typedef AttentionBackwardSmem<HEAD_DIM> Smem;
+    constexpr int KV_TILE = ATTENTION_BACKWARD_BLOCK_ROWS, Q_TILE = ATTENTION_BACKWARD_Q_TILE;
+    constexpr int LD = Smem::LD, DS_LD = Smem::DS_LD;
+    constexpr int K_STEPS = HEAD_DIM / 16, S_TILES = Q_TILE / 8, D_TILES = HEAD_DIM / 8;
+    // dQ share: warp w computes query rows 32 (w % 2).. + 31 and columns (w / 2) DQ_COLS.. of the tile.
+    constexpr int DQ_COLS = HEAD_DIM / 4, DQ_N_TILES = DQ_COLS / 8;
+    constexpr uint32_t DQ_SLOT_BYTES = Q_TILE * HEAD_DIM * sizeof(float);
+    static_assert(ATTENTION_BACKWARD_WARPS == 8 && Q_TILE == 64, "the dQ share splits 64 x HEAD_DIM over 2 x 4 warps");
+    static_assert(KV_TILE % Q_TILE == 0, "a key block must start on a query tile boundary");
+    extern __shared__ __align__(16) unsigned char attention_smem[];
+    bf16 *k_tile = reinterpret_cast<bf16 *>(attention_smem + Smem::k_tile);
+    bf16 *v_tile = reinterpret_cast<bf16 *>(attention_smem + Smem::v_tile);
+    bf16 *q_tiles = reinterpret_cast<bf16 *>(attention_smem + Smem::q_tiles);
+    bf16 *dout_tiles = reinterpret_cast<bf16 *>(attention_smem + Smem::dout_tiles);
+    bf16 *ds_tile = reinterpret_cast<bf16 *>(attention_smem + Smem::ds_tile);
+    float *dq_staged = reinterpret_cast<float *>(attention_smem + Smem::dq_staged);
+    float *lse_tiles = reinterpret_cast<float *>(attention_smem + Smem::lse_tiles);  // log2 units
+    float *delta_tiles = reinterpret_cast<float *>(attention_smem + Smem::delta_tiles);
+    int *ticket_slot = reinterpret_cast<int *>(attention_smem + Smem::ticket);
+
+    if (threadIdx.x == 0) *ticket_slot = atomicAdd(block_counter, 1);
+    __syncthreads();
+    const int ticket = *ticket_slot;
+    const int num_kv_blocks = ceil_div(T, KV_TILE), num_q_tiles = ceil_div(T, Q_TILE);
+    const int kv_block = num_kv_blocks - 1 - ticket % num_kv_blocks;
+    const int kv_head = (ticket / num_kv_blocks) % NKV, b = ticket / num_kv_blocks / NKV;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int kv0 = kv_block * KV_TILE;
+    const int group = NH / NKV;
+    const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM, dout_row = (size_t)NH * HEAD_DIM;
+    bf16 *dqkv_batch = dqkv + (size_t)b * T * qkv_row;
+    const bf16 *qkv_batch = qkv + (size_t)b * T * qkv_row;
+    const bf16 *dout_batch = dout + (size_t)b * T * dout_row;
+    const float *lse_batch = lse + (size_t)b * NH * T, *delta_batch = delta + (size_t)b * NH * T;
+    const int first_q_tile = kv0 / Q_TILE;  // earlier queries see none of these keys
+    const int q_tiles_per_head = num_q_tiles - first_q_tile;
+    const int steps = group * q_tiles_per_head;  // step i: head kv_head * group + i / q_tiles_per_head
+
+    load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(
+        k_tile, qkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, qkv_row, kv0, T);
+    load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(
+        v_tile, qkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM, qkv_row, kv0, T);
+    {
+        int head = kv_head * group, q0 = first_q_tile * Q_TILE;
+        float lse_log2, delta_value;
+        backward_load_step<HEAD_DIM>(q_tiles, dout_tiles, &lse_log2, &delta_value, qkv_batch + (size_t)head * HEAD_DIM,
+                                     qkv_row, dout_batch + (size_t)head * HEAD_DIM, dout_row,
+                                     lse_batch + (size_t)head * T, delta_batch + (size_t)head * T, q0, T);
+        if ((int)threadIdx.x < Q_TILE) {
+            lse_tiles[threadIdx.x] = lse_log2;
+            delta_tiles[threadIdx.x] = delta_value;
+        }
+    }
+
+    const int warp_kv0 = kv0 + warp * 16;        // this thread's keys: warp_kv0 + g and + g + 8
+    const int g = lane / 4, c = (lane % 4) * 2;  // ... and queries c, c + 1 of every 8-wide tile
+    const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
+    float dk_acc[D_TILES][4], dv_acc[D_TILES][4];
+#pragma unroll
+    for (int dt = 0; dt < D_TILES; dt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dk_acc[dt][e] = dv_acc[dt][e] = 0.f;
+    // The tile's dQ slot and flag, and this block's turn there (thread 0 uses them one step late).
+    float *slot = nullptr;
+    int *done = nullptr;
+    int turn = 0;
+
+    for (int step = 0; step < steps; step++) {
+        cp_async_wait_all();
+        __syncthreads();  // this step's tiles visible to all; everyone is done with the stage refilled below,
+                          // and the previous step's dQ share is staged
+        if (threadIdx.x == 0 && step > 0) dq_share_issue(slot, dq_staged, DQ_SLOT_BYTES, done, turn);
+        const int stage = step & 1;
+        float next_lse_log2 = INFINITY, next_delta = 0.f;
+        if (step + 1 < steps) {
+            int head = kv_head * group + (step + 1) / q_tiles_per_head;
+            int q0 = (first_q_tile + (step + 1) % q_tiles_per_head) * Q_TILE;
+            backward_load_step<HEAD_DIM>(q_tiles + (stage ^ 1) * Q_TILE * LD, dout_tiles + (stage ^ 1) * Q_TILE * LD,
+                                         &next_lse_log2, &next_delta, qkv_batch + (size_t)head * HEAD_DIM, qkv_row,
+                                         dout_batch + (size_t)head * HEAD_DIM, dout_row, lse_batch + (size_t)head * T,
+                                         delta_batch + (size_t)head * T, q0, T);
+        }
+        const int head = kv_head * group + step / q_tiles_per_head;
+        const int q_tile_index = first_q_tile + step % q_tiles_per_head;
+        const int q0 = q_tile_index * Q_TILE;
+        const bf16 *q_cur = q_tiles + stage * Q_TILE * LD;
+        // Warps whose keys all lie past T or after the tile's last query have nothing to add; they
+        // are the last ones, so the active warps' keys are rows 0 .. 16 active_warps - 1.
+        const int active_warps = min(min(ATTENTION_BACKWARD_WARPS, ceil_div(T - kv0, 16)), (q0 + Q_TILE - kv0) / 16);
+        if (warp < active_warps) {
+            const bf16 *dout_cur = dout_tiles + stage * Q_TILE * LD;
+            const float *lse_cur = lse_tiles + stage * Q_TILE;
+            const float *delta_cur = delta_tiles + stage * Q_TILE;
+
+            float pt[S_TILES][4];  // S^T, then P^T: key rows x query columns
+#pragma unroll
+            for (int nt = 0; nt < S_TILES; nt++) pt[nt][0] = pt[nt][1] = pt[nt][2] = pt[nt][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < K_STEPS; kk++) {
+                uint32_t ka[4];
+                load_a_operand(ka, k_tile, LD, warp * 16, kk * 16, lane);
+#pragma unroll
+                for (int nt = 0; nt < S_TILES; nt += 2) {
+                    uint32_t qb[4];
+                    load_b_operands_nk(qb, q_cur, LD, nt * 8, kk * 16, lane);
+                    mma_16x8x16(pt[nt], ka, qb[0], qb[1]);
+                    mma_16x8x16(pt[nt + 1], ka, qb[2], qb[3]);
+                }
+            }
+            const bool crosses_diagonal = warp_kv0 + 15 > q0;
+#pragma unroll
+            for (int nt = 0; nt < S_TILES; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int q_local = nt * 8 + c + (e & 1);
+                    float p = exp2_approx(fmaf(pt[nt][e], scale_log2, -lse_cur[q_local]));
+                    pt[nt][e] = crosses_diagonal && warp_kv0 + g + (e >> 1) * 8 > q0 + q_local ? 0.f : p;
+                }
+#pragma unroll
+            for (int kq = 0; kq < Q_TILE / 16; kq++) {  // dV += P^T dO
+                uint32_t pa[4];
+                accumulators_to_a_operand(pa, pt[2 * kq], pt[2 * kq + 1]);
+#pragma unroll
+                for (int dt = 0; dt < D_TILES; dt += 2) {
+                    uint32_t db[4];
+                    load_b_operands_kn(db, dout_cur, LD, kq * 16, dt * 8, lane);
+                    mma_16x8x16(dv_acc[dt], pa, db[0], db[1]);
+                    mma_16x8x16(dv_acc[dt + 1], pa, db[2], db[3]);
+                }
+            }
+            float dst[S_TILES][4];  // dP^T, then dS^T
+#pragma unroll
+            for (int nt = 0; nt < S_TILES; nt++) dst[nt][0] = dst[nt][1] = dst[nt][2] = dst[nt][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < K_STEPS; kk++) {
+                uint32_t va[4];
+                load_a_operand(va, v_tile, LD, warp * 16, kk * 16, lane);
+#pragma unroll
+                for (int nt = 0; nt < S_TILES; nt += 2) {
+                    uint32_t db[4];
+                    load_b_operands_nk(db, dout_cur, LD, nt * 8, kk * 16, lane);
+                    mma_16x8x16(dst[nt], va, db[0], db[1]);
+                    mma_16x8x16(dst[nt + 1], va, db[2], db[3]);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < S_TILES; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) dst[nt][e] = pt[nt][e] * (dst[nt][e] - delta_cur[nt * 8 + c + (e & 1)]);
+            bf16 *ds_rows = ds_tile + (warp * 16 + g) * DS_LD + c;
+#pragma unroll
+            for (int kq = 0; kq < Q_TILE / 16; kq++) {  // dK += dS^T Q (scaled at the end); dS^T to shared
+                uint32_t dsa[4];
+                accumulators_to_a_operand(dsa, dst[2 * kq], dst[2 * kq + 1]);
+                *reinterpret_cast<uint32_t *>(ds_rows + kq * 16) = dsa[0];
+                *reinterpret_cast<uint32_t *>(ds_rows + 8 * DS_LD + kq * 16) = dsa[1];
+                *reinterpret_cast<uint32_t *>(ds_rows + kq * 16 + 8) = dsa[2];
+                *reinterpret_cast<uint32_t *>(ds_rows + 8 * DS_LD + kq * 16 + 8) = dsa[3];
+#pragma unroll
+                for (int dt = 0; dt < D_TILES; dt += 2) {
+                    uint32_t qb[4];
+                    load_b_operands_kn(qb, q_cur, LD, kq * 16, dt * 8, lane);
+                    mma_16x8x16(dk_acc[dt], dsa, qb[0], qb[1]);
+                    mma_16x8x16(dk_acc[dt + 1], dsa, qb[2], qb[3]);
+                }
+            }
+        }
+        if (threadIdx.x == 0 && step > 0) dq_share_release(done, turn);
+        __syncthreads();  // dS^T complete; the copy engine is done with the staging buffer
+
+        // This block's share of dQ for the tile: dS (queries x its active keys) times K.
+        float dq[2][DQ_N_TILES][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int nt = 0; nt < DQ_N_TILES; nt++) dq[mt][nt][0] = dq[mt][nt][1] = dq[mt][nt][2] = dq[mt][nt][3] = 0.f;
+        const int dq_row0 = (warp % 2) * 32, dq_col0 = (warp / 2) * DQ_COLS;
+        for (int kk = 0; kk < active_warps; kk++) {
+            uint32_t dsa[2][4];
+            load_a_operand_transposed(dsa[0], ds_tile, DS_LD, dq_row0, kk * 16, lane);
+            load_a_operand_transposed(dsa[1], ds_tile, DS_LD, dq_row0 + 16, kk * 16, lane);
+#pragma unroll
+            for (int nt = 0; nt < DQ_N_TILES; nt += 2) {
+                uint32_t kb[4];
+                load_b_operands_kn(kb, k_tile, LD, kk * 16, dq_col0 + nt * 8, lane);
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    mma_16x8x16(dq[mt][nt], dsa[mt], kb[0], kb[1]);
+                    mma_16x8x16(dq[mt][nt + 1], dsa[mt], kb[2], kb[3]);
+                }
+            }
+        }
+        float4 *staged = reinterpret_cast<float4 *>(dq_staged);
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int nt = 0; nt < DQ_N_TILES; nt++)
+                staged[((warp * 2 + mt) * DQ_N_TILES + nt) * 32 + lane] =
+                    make_float4(dq[mt][nt][0], dq[mt][nt][1], dq[mt][nt][2], dq[mt][nt][3]);
+        fence_shared_for_copy_engine();
+        slot = dq_slots + attention_dq_slot<HEAD_DIM>(b, head, q_tile_index, NH, num_q_tiles);
+        done = dq_done + ((size_t)b * NH + head) * num_q_tiles + q_tile_index;
+        turn = q_tile_index * Q_TILE / KV_TILE - kv_block;  // the kv blocks above this one that see the tile
+
+        if (step + 1 < steps && (int)threadIdx.x < Q_TILE) {
+            lse_tiles[(stage ^ 1) * Q_TILE + threadIdx.x] = next_lse_log2;
+            delta_tiles[(stage ^ 1) * Q_TILE + threadIdx.x] = next_delta;
+        }
+    }
+    __syncthreads();  // the last share is staged; every warp is done reading K (dQ share)
+    if (threadIdx.x == 0) {
+        dq_share_issue(slot, dq_staged, DQ_SLOT_BYTES, done, turn);
+        dq_share_release(done, turn);
+    }
+
+    // K and V rows are free now; each warp stages its own 16 rows of dK and dV there.
+    bf16 *k_rows = k_tile + warp * 16 * LD, *v_rows = v_tile + warp * 16 * LD;
+    stage_accumulator_rows<HEAD_DIM>(k_rows, LD, dk_acc, softmax_scale, softmax_scale, lane);
+    stage_accumulator_rows<HEAD_DIM>(v_rows, LD, dv_acc, 1.f, 1.f, lane);
+    __syncwarp();
+    store_warp_rows<16, HEAD_DIM>(dqkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, qkv_row, warp_kv0, T, k_rows, LD,
+                                  lane);
+    store_warp_rows<16, HEAD_DIM>(dqkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM, qkv_row, warp_kv0, T, v_rows,
+                                  LD, lane);
+}
+
+// dQ = scale * (sum of the shares in each slot), as BF16 into dqkv. One thread per float4 of a slot:
+// float4 i of a slot is accumulator tile (i / 32) % DQ_FRAGS of lane i % 32 of warp i / (32 DQ_FRAGS).
+template <int HEAD_DIM>
+__global__ void attention_backward_dq_from_slots_kernel(bf16 *dqkv, const float *dq_slots, int B, int T, int NH,
+                                                        int NKV, float softmax_scale) {
+    constexpr int Q_TILE = ATTENTION_BACKWARD_Q_TILE, DQ_COLS = HEAD_DIM / 4, DQ_N_TILES = DQ_COLS / 8;
+    constexpr int DQ_FRAGS = 2 * DQ_N_TILES, SLOT_VECS = Q_TILE * HEAD_DIM / 4;
+    const int num_q_tiles = ceil_div(T, Q_TILE);
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)B * NH * num_q_tiles * SLOT_VECS) return;
+    int within = (int)(i % SLOT_VECS);
+    size_t slot = i / SLOT_VECS;
+    int tile = (int)(slot % num_q_tiles), h = (int)(slot / num_q_tiles % NH), b = (int)(slot / num_q_tiles / NH);
+    int lane = within % 32, frag = within / 32 % DQ_FRAGS, warp = within / (32 * DQ_FRAGS);
+    int mt = frag / DQ_N_TILES, nt = frag % DQ_N_TILES;
+    int row = tile * Q_TILE + (warp % 2) * 32 + mt * 16 + lane / 4;
+    int col = (warp / 2) * DQ_COLS + nt * 8 + (lane % 4) * 2;
+    float4 v = reinterpret_cast<const float4 *>(dq_slots)[i];
+    size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM;
+    bf16 *dq = dqkv + (size_t)b * T * qkv_row + (size_t)h * HEAD_DIM + col;
+    if (row < T)
+        *reinterpret_cast<__nv_bfloat162 *>(dq + (size_t)row * qkv_row) =
+            __floats2bfloat162_rn(v.x * softmax_scale, v.y * softmax_scale);
+    if (row + 8 < T)
+        *reinterpret_cast<__nv_bfloat162 *>(dq + (size_t)(row + 8) * qkv_row) =
+            __floats2bfloat162_rn(v.z * softmax_scale, v.w * softmax_scale);
 }
 
 // ---- launchers ----------------------------------------------------------------------------------
@@ -677,41 +1103,101 @@ static void attention_launch_setup(Kernel kernel, size_t smem_bytes) {
 template <int HEAD_DIM>
 static void attention_forward_launch(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH, int NKV,
                                      cudaStream_t stream) {
-    typedef AttentionTiles<HEAD_DIM> Tiles;
     constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD;
-    size_t smem = (size_t)(ATTENTION_BLOCK_ROWS + 4 * Tiles::forward_kv) * LD * sizeof(bf16);
-    auto kernel = attention_forward_kernel<HEAD_DIM, Tiles::forward_kv, Tiles::forward_min_blocks>;
+    size_t smem = (size_t)(ATTENTION_FORWARD_Q_TILE + 4 * AttentionForwardTiles<HEAD_DIM>::kv) * LD * sizeof(bf16);
+    auto kernel = attention_forward_kernel<HEAD_DIM>;
     attention_launch_setup(kernel, smem);
-    dim3 grid(ceil_div(T, ATTENTION_BLOCK_ROWS), NH, B);
-    kernel<<<grid, ATTENTION_THREADS, smem, stream>>>(out, lse, qkv, T, NH, NKV, attention_softmax_scale(HEAD_DIM));
+    dim3 grid(ceil_div(T, ATTENTION_FORWARD_Q_TILE), NH, B);
+    kernel<<<grid, ATTENTION_FORWARD_THREADS, smem, stream>>>(out, lse, qkv, T, NH, NKV,
+                                                              attention_softmax_scale(HEAD_DIM));
     cudaCheckLaunch();
 }
 
+// The one-pass backward (measured faster on H200 for head_dim 128 only; see the top of the file).
+static inline bool attention_backward_one_pass(int head_dim) { return head_dim == 128; }
+
+// Byte offsets of the pieces of the backward scratch, each 256-byte aligned: D [B, NH, T]; for the
+// one-pass backward also the dQ slots' flags [B, NH, query tiles] followed by the counter that
+// hands out kv blocks (all zeroed per call), and the FP32 dQ slots [B, NH, query tiles][64 x head_dim].
+typedef struct {
+    size_t delta, dq_done, dq_slots, total_bytes;
+    size_t flag_count;  // flags plus the counter
+} AttentionBackwardScratch;
+
+static inline size_t attention_align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+static inline AttentionBackwardScratch attention_backward_scratch_layout(int B, int T, int NH, int head_dim) {
+    AttentionBackwardScratch s;
+    size_t slots = (size_t)B * NH * ceil_div(T, ATTENTION_BACKWARD_Q_TILE);
+    s.delta = 0;
+    s.dq_done = s.delta + attention_align256((size_t)B * NH * T * sizeof(float));
+    if (!attention_backward_one_pass(head_dim)) {
+        s.flag_count = 0;
+        s.dq_slots = s.total_bytes = s.dq_done;
+        return s;
+    }
+    s.flag_count = slots + 1;
+    s.dq_slots = s.dq_done + attention_align256(s.flag_count * sizeof(int));
+    s.total_bytes = s.dq_slots + slots * ATTENTION_BACKWARD_Q_TILE * head_dim * sizeof(float);
+    return s;
+}
+
 template <int HEAD_DIM>
-static void attention_backward_launch(bf16 *dqkv, float *delta, const bf16 *dout, const bf16 *qkv, const bf16 *out,
-                                      const float *lse, int B, int T, int NH, int NKV, cudaStream_t stream) {
-    typedef AttentionTiles<HEAD_DIM> Tiles;
-    constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD;
+static void attention_backward_delta_launch(float *delta, const bf16 *dout, const bf16 *out, int B, int T, int NH,
+                                            cudaStream_t stream) {
+    size_t threads = (size_t)B * T * NH * (HEAD_DIM / 8);
+    attention_backward_delta_kernel<HEAD_DIM>
+        <<<(unsigned)ceil_div_size(threads, 256), 256, 0, stream>>>(delta, dout, out, B, T, NH);
+    cudaCheckLaunch();
+}
+
+// Two passes (head_dim 64): dK and dV per 128 key rows, then dQ per 128 query rows; tile sizes
+// chosen so that the accumulators fit in registers without spills.
+template <int HEAD_DIM>
+static void attention_backward_two_pass_launch(bf16 *dqkv, const float *delta, const bf16 *dout, const bf16 *qkv,
+                                               const float *lse, int B, int T, int NH, int NKV, cudaStream_t stream) {
+    constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD, ROWS = ATTENTION_BACKWARD_BLOCK_ROWS;
+    constexpr int DKDV_Q_TILE = ATTENTION_BACKWARD_Q_TILE, DQ_KV_TILE = 32;
     const float scale = attention_softmax_scale(HEAD_DIM);
 
-    size_t delta_threads = (size_t)B * T * NH * (HEAD_DIM / 8);
-    attention_backward_delta_kernel<HEAD_DIM><<<(unsigned)ceil_div_size(delta_threads, 256), 256, 0, stream>>>(
-        delta, dout, out, B, T, NH);
-    cudaCheckLaunch();
-
-    size_t dkdv_smem = (size_t)(2 * ATTENTION_BLOCK_ROWS + 4 * Tiles::dkdv_q) * LD * sizeof(bf16) +
-                       4 * Tiles::dkdv_q * sizeof(float);
-    auto dkdv = attention_backward_dkdv_kernel<HEAD_DIM, Tiles::dkdv_q, Tiles::dkdv_min_blocks>;
+    size_t dkdv_smem = (size_t)(2 * ROWS + 4 * DKDV_Q_TILE) * LD * sizeof(bf16) + 4 * DKDV_Q_TILE * sizeof(float);
+    auto dkdv = attention_backward_dkdv_kernel<HEAD_DIM, 1>;
     attention_launch_setup(dkdv, dkdv_smem);
-    dkdv<<<dim3(ceil_div(T, ATTENTION_BLOCK_ROWS), NKV, B), ATTENTION_THREADS, dkdv_smem, stream>>>(
-        dqkv, qkv, dout, lse, delta, T, NH, NKV, scale);
+    dkdv<<<dim3(ceil_div(T, ROWS), NKV, B), ATTENTION_BACKWARD_THREADS, dkdv_smem, stream>>>(dqkv, qkv, dout, lse,
+                                                                                             delta, T, NH, NKV, scale);
     cudaCheckLaunch();
 
-    size_t dq_smem = (size_t)(2 * ATTENTION_BLOCK_ROWS + 4 * Tiles::dq_kv) * LD * sizeof(bf16);
-    auto dq = attention_backward_dq_kernel<HEAD_DIM, Tiles::dq_kv, Tiles::dq_min_blocks>;
+    size_t dq_smem = (size_t)(2 * ROWS + 4 * DQ_KV_TILE) * LD * sizeof(bf16);
+    auto dq = attention_backward_dq_kernel<HEAD_DIM, DQ_KV_TILE, 2>;
     attention_launch_setup(dq, dq_smem);
-    dq<<<dim3(ceil_div(T, ATTENTION_BLOCK_ROWS), NH, B), ATTENTION_THREADS, dq_smem, stream>>>(
-        dqkv, qkv, dout, lse, delta, T, NH, NKV, scale);
+    dq<<<dim3(ceil_div(T, ROWS), NH, B), ATTENTION_BACKWARD_THREADS, dq_smem, stream>>>(dqkv, qkv, dout, lse, delta, T,
+                                                                                        NH, NKV, scale);
+    cudaCheckLaunch();
+}
+
+// One pass (head_dim 128): the flags and the block counter are zeroed, the dK/dV/dQ-share kernel
+// runs with one block per (batch, kv head, 128 key rows), then the slots become dQ.
+template <int HEAD_DIM>
+static void attention_backward_one_pass_launch(bf16 *dqkv, char *scratch, const AttentionBackwardScratch &layout,
+                                               const bf16 *dout, const bf16 *qkv, const float *lse, int B, int T,
+                                               int NH, int NKV, cudaStream_t stream) {
+    const float scale = attention_softmax_scale(HEAD_DIM);
+    const float *delta = reinterpret_cast<const float *>(scratch + layout.delta);
+    int *dq_done = reinterpret_cast<int *>(scratch + layout.dq_done);
+    float *dq_slots = reinterpret_cast<float *>(scratch + layout.dq_slots);
+    cudaCheck(cudaMemsetAsync(dq_done, 0, layout.flag_count * sizeof(int), stream));
+
+    size_t smem = AttentionBackwardSmem<HEAD_DIM>::bytes;
+    auto kernel = attention_backward_one_pass_kernel<HEAD_DIM>;
+    attention_launch_setup(kernel, smem);
+    unsigned blocks = (unsigned)((size_t)ceil_div(T, ATTENTION_BACKWARD_BLOCK_ROWS) * NKV * B);
+    kernel<<<blocks, ATTENTION_BACKWARD_THREADS, smem, stream>>>(
+        dqkv, dq_slots, dq_done, dq_done + layout.flag_count - 1, qkv, dout, lse, delta, T, NH, NKV, scale);
+    cudaCheckLaunch();
+
+    size_t threads = (size_t)B * NH * ceil_div(T, ATTENTION_BACKWARD_Q_TILE) * ATTENTION_BACKWARD_Q_TILE * HEAD_DIM / 4;
+    attention_backward_dq_from_slots_kernel<HEAD_DIM>
+        <<<(unsigned)ceil_div_size(threads, 256), 256, 0, stream>>>(dqkv, dq_slots, B, T, NH, NKV, scale);
     cudaCheckLaunch();
 }
 
@@ -720,22 +1206,34 @@ static inline void attention_forward(bf16 *out, float *lse, const bf16 *qkv, int
                                      int head_dim, cudaStream_t stream) {
     const void *pointers[] = {out, lse, qkv};
     attention_check_args("attention_forward", pointers, 3, B, T, NH, NKV, head_dim);
-    if (head_dim == 64) attention_forward_launch<64>(out, lse, qkv, B, T, NH, NKV, stream);
-    else attention_forward_launch<128>(out, lse, qkv, B, T, NH, NKV, stream);
+    if (head_dim == 64)
+        attention_forward_launch<64>(out, lse, qkv, B, T, NH, NKV, stream);
+    else
+        attention_forward_launch<128>(out, lse, qkv, B, T, NH, NKV, stream);
 }
 
-// Bytes of device scratch attention_backward needs: D, one float per (batch, head, position).
-static inline size_t attention_backward_scratch_bytes(int B, int T, int NH) {
-    return (size_t)B * NH * T * sizeof(float);
+// Bytes of device scratch attention_backward needs: D, one float per (batch, head, position); for
+// head_dim 128 also a flag per (batch, head, 64-row query tile) and the FP32 dQ slots, B * NH * T *
+// head_dim floats with T rounded up to 64.
+static inline size_t attention_backward_scratch_bytes(int B, int T, int NH, int head_dim) {
+    return attention_backward_scratch_layout(B, T, NH, head_dim).total_bytes;
 }
 
 // Writes all of dqkv (packed like qkv) from dout and the forward's qkv, out and lse.
-// scratch: attention_backward_scratch_bytes(B, T, NH) bytes of device memory.
+// scratch: attention_backward_scratch_bytes(B, T, NH, head_dim) bytes of device memory.
 static inline void attention_backward(bf16 *dqkv, float *scratch, const bf16 *dout, const bf16 *qkv, const bf16 *out,
                                       const float *lse, int B, int T, int NH, int NKV, int head_dim,
                                       cudaStream_t stream) {
     const void *pointers[] = {dqkv, scratch, dout, qkv, out, lse};
     attention_check_args("attention_backward", pointers, 6, B, T, NH, NKV, head_dim);
-    if (head_dim == 64) attention_backward_launch<64>(dqkv, scratch, dout, qkv, out, lse, B, T, NH, NKV, stream);
-    else attention_backward_launch<128>(dqkv, scratch, dout, qkv, out, lse, B, T, NH, NKV, stream);
+    AttentionBackwardScratch layout = attention_backward_scratch_layout(B, T, NH, head_dim);
+    char *base = reinterpret_cast<char *>(scratch);
+    float *delta = reinterpret_cast<float *>(base + layout.delta);
+    if (attention_backward_one_pass(head_dim)) {
+        attention_backward_delta_launch<128>(delta, dout, out, B, T, NH, stream);
+        attention_backward_one_pass_launch<128>(dqkv, base, layout, dout, qkv, lse, B, T, NH, NKV, stream);
+    } else {
+        attention_backward_delta_launch<64>(delta, dout, out, B, T, NH, stream);
+        attention_backward_two_pass_launch<64>(dqkv, delta, dout, qkv, lse, B, T, NH, NKV, stream);
+    }
 }

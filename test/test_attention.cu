@@ -4,7 +4,8 @@
 // 128, NH/NKV 4/4, 8/2, 12/4, B 1 or 2. Outputs are poisoned with NaN (0xFF bytes) before every
 // run, with poisoned guards on both sides, so an element left unwritten or a write out of bounds
 // shows. The backward runs twice and must be bitwise equal. Prints forward and forward+backward
-// TFLOP/s at the four ANCHORS.md shapes (information, not a check).
+// TFLOP/s at the four ANCHORS.md shapes (information, not a check), and checks there that two
+// backward runs from poisoned outputs agree bitwise and leave no element unwritten.
 //
 // Tolerances. out: atol = rtol = 2e-2; P is rounded to BF16 before P V (relative 2^-9) and out
 // itself is BF16 (2^-9), against values of order 1. lse: atol 1e-3, rtol 1e-4; it is FP32 all the
@@ -156,7 +157,7 @@ static void test_shape(AttnShape s, Random *rng) {
     cudaCheck(cudaMalloc(&d_dout, n_q * sizeof(bf16)));
     cudaCheck(cudaMalloc(&d_out_in, n_q * sizeof(bf16)));
     cudaCheck(cudaMalloc(&d_lse_in, n_lse * sizeof(float)));
-    cudaCheck(cudaMalloc(&d_scratch, attention_backward_scratch_bytes(B, T, NH)));
+    cudaCheck(cudaMalloc(&d_scratch, attention_backward_scratch_bytes(B, T, NH, hd)));
     cudaCheck(cudaMemcpy(d_qkv, qkv_h, n_qkv * sizeof(bf16), cudaMemcpyHostToDevice));
     cudaCheck(cudaMemcpy(d_dout, dout_h, n_q * sizeof(bf16), cudaMemcpyHostToDevice));
     cudaCheck(cudaMemcpy(d_out_in, out_in_h, n_q * sizeof(bf16), cudaMemcpyHostToDevice));
@@ -186,7 +187,7 @@ static void test_shape(AttnShape s, Random *rng) {
     bf16 *dqkv_h[2];
     for (int run = 0; run < 2; run++) {
         guarded_poison(&dqkv_buf);
-        cudaCheck(cudaMemset(d_scratch, 0xFF, attention_backward_scratch_bytes(B, T, NH)));
+        cudaCheck(cudaMemset(d_scratch, 0xFF, attention_backward_scratch_bytes(B, T, NH, hd)));
         attention_backward((bf16 *)dqkv_buf.data, d_scratch, d_dout, d_qkv, d_out_in, d_lse_in, B, T, NH, NKV, hd,
                            0);
         cudaCheck(cudaDeviceSynchronize());
@@ -242,6 +243,17 @@ __global__ void fill_uniform_bf16_kernel(bf16 *x, size_t n, uint64_t seed) {
     }
 }
 
+// counts[0] += elements where a and b differ bitwise, counts[1] += elements of a that are NaN.
+__global__ void count_mismatches_kernel(unsigned long long *counts, const bf16 *a, const bf16 *b, size_t n) {
+    unsigned long long differ = 0, nan = 0;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        differ += __bfloat16_as_ushort(a[i]) != __bfloat16_as_ushort(b[i]);
+        nan += __hisnan(a[i]);
+    }
+    if (differ) atomicAdd(&counts[0], differ);
+    if (nan) atomicAdd(&counts[1], nan);
+}
+
 static int compare_floats(const void *a, const void *b) {
     float x = *(const float *)a, y = *(const float *)b;
     return (x > y) - (x < y);
@@ -282,7 +294,7 @@ static void benchmark(AttnShape s) {
     cudaCheck(cudaMalloc(&out, n_q * sizeof(bf16)));
     cudaCheck(cudaMalloc(&dout, n_q * sizeof(bf16)));
     cudaCheck(cudaMalloc(&lse, (size_t)s.B * s.NH * s.T * sizeof(float)));
-    cudaCheck(cudaMalloc(&scratch, attention_backward_scratch_bytes(s.B, s.T, s.NH)));
+    cudaCheck(cudaMalloc(&scratch, attention_backward_scratch_bytes(s.B, s.T, s.NH, s.head_dim)));
     fill_uniform_bf16_kernel<<<1024, 256, 0, stream>>>(qkv, n_qkv, 1);
     cudaCheckLaunch();
     fill_uniform_bf16_kernel<<<1024, 256, 0, stream>>>(dout, n_q, 2);
@@ -295,6 +307,28 @@ static void benchmark(AttnShape s) {
            "TFLOP/s\n",
            s.B, s.NH, s.NKV, s.T, s.head_dim, forward_ms, forward_flops / (forward_ms * 1e-3) / 1e12, both_ms,
            3.5 * forward_flops / (both_ms * 1e-3) / 1e12);
+
+    // At this size the backward runs many waves of blocks (for head_dim 128 the kv blocks then
+    // really take turns on the dQ slots): two runs from poisoned outputs must agree bitwise.
+    bf16 *dqkv_first;
+    unsigned long long *counts, counts_h[2];
+    cudaCheck(cudaMalloc(&dqkv_first, n_qkv * sizeof(bf16)));
+    cudaCheck(cudaMalloc(&counts, 2 * sizeof(unsigned long long)));
+    cudaCheck(cudaMemsetAsync(counts, 0, 2 * sizeof(unsigned long long), stream));
+    cudaCheck(cudaMemsetAsync(dqkv_first, 0xFF, n_qkv * sizeof(bf16), stream));
+    attention_backward(dqkv_first, scratch, dout, qkv, out, lse, s.B, s.T, s.NH, s.NKV, s.head_dim, stream);
+    cudaCheck(cudaMemsetAsync(dqkv, 0xFF, n_qkv * sizeof(bf16), stream));
+    attention_backward(dqkv, scratch, dout, qkv, out, lse, s.B, s.T, s.NH, s.NKV, s.head_dim, stream);
+    count_mismatches_kernel<<<1024, 256, 0, stream>>>(counts, dqkv, dqkv_first, n_qkv);
+    cudaCheckLaunch();
+    cudaCheck(cudaMemcpyAsync(counts_h, counts, sizeof counts_h, cudaMemcpyDeviceToHost, stream));
+    cudaCheck(cudaStreamSynchronize(stream));
+    check(counts_h[0] == 0 && counts_h[1] == 0,
+          "attention B=%d NH=%d NKV=%d T=%d hd=%d: backward bitwise deterministic (%llu elements differ), every "
+          "element written (%llu NaN)",
+          s.B, s.NH, s.NKV, s.T, s.head_dim, counts_h[0], counts_h[1]);
+    cudaCheck(cudaFree(dqkv_first));
+    cudaCheck(cudaFree(counts));
 
     cudaCheck(cudaFree(qkv));
     cudaCheck(cudaFree(dqkv));
