@@ -545,8 +545,8 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
         cudaCheck(cudaStreamSynchronize(t->gpu.stream));
         loss_sum += *t->host_scalar;
     }
-    grad_norm_squared(m->mean_loss, m->grads, m->layout.total_padded, (double *)m->kernel_scratch, t->gpu.stream);
-    cudaCheck(cudaMemcpyAsync(t->host_scalar, m->mean_loss, sizeof(float), cudaMemcpyDeviceToHost, t->gpu.stream));
+    grad_norm_squared(m->grad_norm_squared, m->grads, m->layout.total_padded, (double *)m->kernel_scratch, t->gpu.stream);
+    cudaCheck(cudaMemcpyAsync(t->host_scalar, m->grad_norm_squared, sizeof(float), cudaMemcpyDeviceToHost, t->gpu.stream));
     cudaCheck(cudaStreamSynchronize(t->gpu.stream));
     *grad_norm = sqrtf(*t->host_scalar);
     float scale = t->c->grad_clip > 0 ? grad_clip_factor(*grad_norm, t->c->grad_clip) : 1.0f;

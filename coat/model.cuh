@@ -35,7 +35,8 @@ typedef struct {
     char *working;
     WorkingLayout working_layout;
     bf16 *branch, *d_residual, *wide, *logits;
-    float *rope_cos, *rope_sin, *mean_loss;
+    float *rope_cos, *rope_sin;
+    float *mean_loss, *grad_norm_squared;  // device scalars
     void *kernel_scratch;
 } LlamaModel;
 
@@ -123,6 +124,7 @@ static inline void model_create(LlamaModel *model, const ModelShape *shape, int 
     model->logits = (bf16 *)(model->working + w->logits);
     model->kernel_scratch = model->working + w->kernel_scratch;
     model->mean_loss = (float *)(model->working + w->small);
+    model->grad_norm_squared = model->mean_loss + 1;
 
     size_t table_elems = (size_t)T * model_head_dim(shape) / 2;
     float *cos_host = (float *)malloc(table_elems * sizeof(float)), *sin_host = (float *)malloc(table_elems * sizeof(float));

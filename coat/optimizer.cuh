@@ -72,7 +72,7 @@ typedef struct {
 #define DRE_K_NUMERATOR 265.83535750584331f         // 16 * log2(448 * 448 / 2)
 #define DRE_EQUAL_RATIO (1.0f + 1e-6f)              // R up to this: all magnitudes equal, k = 1
 #define ADAMW_CHECKPOINT_MAGIC 0x4d41444154414f43ull  // "COATADAM" in a little-endian uint64
-#define ADAMW_CHECKPOINT_VERSION 1
+#define ADAMW_CHECKPOINT_VERSION 2
 #define ADAMW_COPY_CHUNK_BYTES ((size_t)64 << 20)   // staging buffer for save and load
 
 static inline const char *optimizer_state_kind_name(OptimizerStateKind kind) {
@@ -545,15 +545,21 @@ static inline void adamw_step(AdamW *opt, bf16 *params, const bf16 *grads_shard,
 }
 
 // ---- save and load ----------------------------------------------------------------------
-// File layout: AdamWCheckpointHeader (7 little-endian uint64), then the state allocation as it
-// is (payload_bytes): master, m, v, group scalars. The decay table is rebuilt from the config.
+// File layout: AdamWCheckpointHeader (7 little-endian uint64), then the state allocation after
+// the master weights, as it is (payload_bytes): m, v, group scalars. The master weights are not
+// in it: a checkpoint holds them once, in its own section (adamw_copy_master_to_host, then
+// adamw_set_master_from_host on load). The decay table is rebuilt from the config.
 
 typedef struct {
     uint64_t magic, version, state_kind, shard_begin, shard_end, step, payload_bytes;
 } AdamWCheckpointHeader;
 
+// The saved part of the state: everything after the FP32 master weights.
+static inline size_t adamw_saved_offset(const AdamW *opt) { return 4 * opt->n; }
+static inline size_t adamw_saved_bytes(const AdamW *opt) { return opt->state_bytes - adamw_saved_offset(opt); }
+
 // Bytes adamw_save writes.
-static inline size_t adamw_checkpoint_bytes(const AdamW *opt) { return sizeof(AdamWCheckpointHeader) + opt->state_bytes; }
+static inline size_t adamw_checkpoint_bytes(const AdamW *opt) { return sizeof(AdamWCheckpointHeader) + adamw_saved_bytes(opt); }
 
 static inline void adamw_checkpoint_header(const AdamW *opt, AdamWCheckpointHeader *h) {
     h->magic = ADAMW_CHECKPOINT_MAGIC;
@@ -562,7 +568,7 @@ static inline void adamw_checkpoint_header(const AdamW *opt, AdamWCheckpointHead
     h->shard_begin = opt->shard_begin;
     h->shard_end = opt->shard_end;
     h->step = (uint64_t)opt->step;
-    h->payload_bytes = opt->state_bytes;
+    h->payload_bytes = adamw_saved_bytes(opt);
 }
 
 // 0 when a saved header fits this optimizer; otherwise -1 with what is wrong in `error`.
@@ -588,9 +594,9 @@ static inline int adamw_checkpoint_header_check(const AdamW *opt, const AdamWChe
                  (unsigned long long)h->shard_begin, (unsigned long long)h->shard_end, opt->shard_begin, opt->shard_end);
         return -1;
     }
-    if (h->payload_bytes != opt->state_bytes) {
+    if (h->payload_bytes != adamw_saved_bytes(opt)) {
         snprintf(error, error_size, "optimizer state of %llu bytes in the file, %zu expected",
-                 (unsigned long long)h->payload_bytes, opt->state_bytes);
+                 (unsigned long long)h->payload_bytes, adamw_saved_bytes(opt));
         return -1;
     }
     if (h->step > (uint64_t)1 << 62) {
@@ -600,17 +606,19 @@ static inline int adamw_checkpoint_header_check(const AdamW *opt, const AdamWChe
     return 0;
 }
 
-// Writes the whole state (step, master, moments) to `file` (path names it in errors); waits
-// for the stream first.
+// Writes the step and the moments (with their group scalars) to `file` (path names it in
+// errors); waits for the stream first.
 static inline void adamw_save(const AdamW *opt, FILE *file, const char *path, cudaStream_t stream) {
     AdamWCheckpointHeader h;
     adamw_checkpoint_header(opt, &h);
     if (fwrite(&h, sizeof(h), 1, file) != 1) adamw_die(path, "cannot write the optimizer state header");
     unsigned char *staging = (unsigned char *)malloc(ADAMW_COPY_CHUNK_BYTES);
     if (!staging) adamw_die(path, "out of host memory for the optimizer staging buffer");
-    for (size_t done = 0; done < opt->state_bytes; done += ADAMW_COPY_CHUNK_BYTES) {
-        size_t bytes = opt->state_bytes - done < ADAMW_COPY_CHUNK_BYTES ? opt->state_bytes - done : ADAMW_COPY_CHUNK_BYTES;
-        cudaCheck(cudaMemcpyAsync(staging, (const unsigned char *)opt->state + done, bytes, cudaMemcpyDeviceToHost, stream));
+    const unsigned char *saved = (const unsigned char *)opt->state + adamw_saved_offset(opt);
+    size_t total = adamw_saved_bytes(opt);
+    for (size_t done = 0; done < total; done += ADAMW_COPY_CHUNK_BYTES) {
+        size_t bytes = total - done < ADAMW_COPY_CHUNK_BYTES ? total - done : ADAMW_COPY_CHUNK_BYTES;
+        cudaCheck(cudaMemcpyAsync(staging, saved + done, bytes, cudaMemcpyDeviceToHost, stream));
         cudaCheck(cudaStreamSynchronize(stream));
         if (fwrite(staging, 1, bytes, file) != bytes) adamw_die(path, "cannot write the optimizer state");
     }
@@ -618,7 +626,8 @@ static inline void adamw_save(const AdamW *opt, FILE *file, const char *path, cu
 }
 
 // Reads what adamw_save wrote into an optimizer created with the same kind and shard; names
-// any mismatch and exits. The BF16 parameters are not touched: see adamw_write_params.
+// any mismatch and exits. The master weights come separately (adamw_set_master_from_host), and
+// the BF16 parameters are not touched: see adamw_write_params.
 static inline void adamw_load(AdamW *opt, FILE *file, const char *path, cudaStream_t stream) {
     AdamWCheckpointHeader h;
     char error[256];
@@ -626,10 +635,12 @@ static inline void adamw_load(AdamW *opt, FILE *file, const char *path, cudaStre
     if (adamw_checkpoint_header_check(opt, &h, error, sizeof(error)) != 0) adamw_die(path, error);
     unsigned char *staging = (unsigned char *)malloc(ADAMW_COPY_CHUNK_BYTES);
     if (!staging) adamw_die(path, "out of host memory for the optimizer staging buffer");
-    for (size_t done = 0; done < opt->state_bytes; done += ADAMW_COPY_CHUNK_BYTES) {
-        size_t bytes = opt->state_bytes - done < ADAMW_COPY_CHUNK_BYTES ? opt->state_bytes - done : ADAMW_COPY_CHUNK_BYTES;
+    unsigned char *saved = (unsigned char *)opt->state + adamw_saved_offset(opt);
+    size_t total = adamw_saved_bytes(opt);
+    for (size_t done = 0; done < total; done += ADAMW_COPY_CHUNK_BYTES) {
+        size_t bytes = total - done < ADAMW_COPY_CHUNK_BYTES ? total - done : ADAMW_COPY_CHUNK_BYTES;
         if (fread(staging, 1, bytes, file) != bytes) adamw_die(path, "truncated optimizer state");
-        cudaCheck(cudaMemcpyAsync((unsigned char *)opt->state + done, staging, bytes, cudaMemcpyHostToDevice, stream));
+        cudaCheck(cudaMemcpyAsync(saved + done, staging, bytes, cudaMemcpyHostToDevice, stream));
         cudaCheck(cudaStreamSynchronize(stream));
     }
     free(staging);

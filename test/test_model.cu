@@ -212,9 +212,9 @@ static void test_against_pytorch(GpuContext *gpu, const char *path) {
     double worst = 0.0;
     for (int step = 0; step < steps; step++) {
         float step_loss = gpu_forward_backward(gpu, &model);
-        grad_norm_squared(model.mean_loss, model.grads, P, (double *)model.kernel_scratch, gpu->stream);
+        grad_norm_squared(model.grad_norm_squared, model.grads, P, (double *)model.kernel_scratch, gpu->stream);
         float norm2;
-        cudaCheck(cudaMemcpy(&norm2, model.mean_loss, 4, cudaMemcpyDeviceToHost));
+        cudaCheck(cudaMemcpy(&norm2, model.grad_norm_squared, 4, cudaMemcpyDeviceToHost));
         adamw_step(&opt, model.params, model.grads, lr, grad_clip_factor(sqrtf(norm2), clip), gpu->stream);
         double rel = fabs(step_loss - losses[step]) / losses[step];
         if (rel > worst) worst = rel;
