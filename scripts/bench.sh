@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Training throughput of train_llama beside the PyTorch reference (torch.compile, BF16 autocast,
-# fused AdamW), measured in the same call on the same GPU, on random tokens:
-# tokens/s, MFU and peak memory for llama-125m and llama-1b at the ANCHORS.md micro-batches.
+# Benchmarks beside PyTorch, measured in the same call on the same GPU:
+#  1. training throughput of train_llama against the PyTorch reference (torch.compile, BF16
+#     autocast, fused AdamW) on random tokens: tokens/s, MFU and peak memory for llama-125m and
+#     llama-1b at the ANCHORS.md micro-batches;
+#  2. our flash attention (build/test_attention's timings) against PyTorch SDPA's flash and cuDNN
+#     backends (scripts/bench_attention.py) at the ANCHORS.md shapes.
 # Usage: scripts/bench.sh [STEPS]      (writes build/bench/results.md; $OUT/bench.md too when set)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +63,26 @@ print(row(ours, f"{ours['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ok else 
 print(row(ref, "1.00x"))
 PY
     done
+    echo
+    echo "train_llama peak = its memory plan (all it allocates); PyTorch peak = torch.cuda.max_memory_allocated()."
+    echo
+    make -s build/test_attention
+    build/test_attention | grep '^attention B=' > "$dir/attention-ours.txt"
+    python3 scripts/bench_attention.py > "$dir/attention-sdpa.txt" 2>&1 || true
+    python3 - "$dir/attention-ours.txt" "$dir/attention-sdpa.txt" <<'PY'
+import re, sys
+pattern = r"B=(\d+) NH=(\d+) NKV=(\d+) T=(\d+) hd=(\d+): forward [0-9.]+ ms (\d+) TFLOP/s, forward\+backward [0-9.]+ ms (\d+)"
+ours = {m.groups()[:5]: m.groups()[5:] for m in re.finditer(pattern, open(sys.argv[1]).read())}
+sdpa = {}
+for line in open(sys.argv[2]):
+    m = re.match(r"sdpa (\w+) " + pattern, line)
+    if m:
+        sdpa[(m.group(1),) + m.groups()[1:6]] = m.groups()[6:]
+print("| B, heads, kv heads, T, head_dim | ours fwd / fwd+bwd TFLOP/s | SDPA flash | SDPA cuDNN |")
+print("|---|---|---|---|")
+for shape, (fwd, both) in ours.items():
+    cells = [" / ".join(sdpa.get((backend,) + shape, ("-", "-"))) for backend in ("flash", "cudnn")]
+    print(f"| {', '.join(shape)} | {fwd} / {both} | {cells[0]} | {cells[1]} |")
+PY
 } | tee "$dir/results.md"
-echo "train_llama peak = its memory plan (all it allocates); PyTorch peak = torch.cuda.max_memory_allocated()."
 if [ -n "${OUT:-}" ]; then cp "$dir/results.md" "$OUT/bench.md"; fi
