@@ -439,6 +439,7 @@ int main(void) {
     test_argument_checks();
     test_bf16_linear(&gpu, 100, 72, 136);
     test_bf16_linear(&gpu, 64, 128, 256);
+    test_fp8_linear(&gpu, 128, 128, 256);
     test_fp8_linear(&gpu, 112, 80, 144);
     report_gemm_speed(&gpu);
     gpu_context_destroy(&gpu);
