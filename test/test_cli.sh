@@ -43,5 +43,47 @@ out=$(./train_llama configs/models/llama2-7b.conf --dry_run=1 --micro_batch_size
 check "dry_run refuses a micro-batch that does not fit, naming the largest that does" \
     "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q 'the largest that fits is [0-9]'; echo $?)" "$out"
 
+# Bad inputs that dry_run opens: checkpoints, shards and tokenizers, each named in one line.
+python3 - "$tmp" <<'PY'
+import struct, sys
+sys.path.insert(0, "scripts")
+from llama_layout import CheckpointHeader, ParamLayout, model_shape_from_config, pack_checkpoint_header
+tmp = sys.argv[1]
+shape = model_shape_from_config("configs/models/tiny.conf")
+layout = ParamLayout(shape)
+def write_checkpoint(path, shape, total, cut=0):
+    data = pack_checkpoint_header(CheckpointHeader(shape, step=5, total_padded=total)) + bytes(4 * total)
+    open(path, "wb").write(data[:len(data) - cut])
+write_checkpoint(f"{tmp}/good.bin", shape, layout.total_padded)
+write_checkpoint(f"{tmp}/cut.bin", shape, layout.total_padded, cut=1000)
+other = model_shape_from_config("configs/models/tiny.conf")
+other.dim = 256
+write_checkpoint(f"{tmp}/other_dim.bin", other, ParamLayout(other).total_padded)
+open(f"{tmp}/magic.bin", "wb").write(b"NOTACKPT" + bytes(600))
+def write_shard(path, tokens, cut=0):
+    data = struct.pack("<256i", 20240520, 1, len(tokens), *([0] * 253)) + struct.pack(f"<{len(tokens)}H", *tokens)
+    open(path, "wb").write(data[:len(data) - cut])
+write_shard(f"{tmp}/ok_000000.bin", [i % 1000 for i in range(20000)])
+write_shard(f"{tmp}/big_000000.bin", [i % 1000 for i in range(20000)] + [1500])
+write_shard(f"{tmp}/cut_000000.bin", [i % 1000 for i in range(20000)], cut=10)
+open(f"{tmp}/tokenizer.json", "w").write('{"model": {"type": "Unigram", "vocab": []}}')
+PY
+tiny=(configs/models/tiny.conf --dry_run=1 --micro_batch_size=2 --seq_len=64 --warmup_steps=0 --out_dir="$tmp/none")
+expect_fail() {  # expect_fail NAME EXPECTED-TEXT ARGS...
+    local name=$1 text=$2; shift 2
+    out=$(./train_llama "${tiny[@]}" "$@" 2>&1); rc=$?
+    check "$name: refused with a message naming the file" \
+        "$([ $rc -ne 0 ] && printf '%s' "$out" | tail -1 | grep -qF -- "$text"; echo $?)" "$(printf '%s' "$out" | tail -1)"
+}
+out=$(./train_llama "${tiny[@]}" --init_from="$tmp/good.bin" --train_data="$tmp/ok_*.bin" 2>&1)
+check "dry_run accepts a good checkpoint and shard" "$(printf '%s' "$out" | grep -q 'checkpoint of step 5'; echo $?)" "$out"
+expect_fail "truncated checkpoint" "$tmp/cut.bin: size" --init_from="$tmp/cut.bin"
+expect_fail "not a checkpoint" "$tmp/magic.bin: not a train_llama checkpoint" --init_from="$tmp/magic.bin"
+expect_fail "checkpoint of another shape" "$tmp/other_dim.bin: dim differs" --init_from="$tmp/other_dim.bin"
+expect_fail "token beyond the vocabulary" "$tmp/big_000000.bin" --train_data="$tmp/big_*.bin"
+expect_fail "truncated shard" "$tmp/cut_000000.bin" --train_data="$tmp/cut_*.bin"
+expect_fail "no shard matches" "$tmp/nothing_*.bin" --train_data="$tmp/nothing_*.bin"
+expect_fail "unsupported tokenizer" "$tmp/tokenizer.json: unsupported" --tokenizer="$tmp/tokenizer.json"
+
 echo "test_cli: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]
