@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # Runs each test program given, echoes its output, adds up every closing
 # "<program>: N passed, N failed" line and prints the total as the last line.
-# A program that crashes or prints no closing line counts as one failure.
+# A program that crashes, prints no closing line or runs past TEST_TIMEOUT seconds (default 600)
+# counts as one failure.
 passed=0; failed=0
 for prog in "$@"; do
-    out=$("$prog" 2>&1); rc=$?
+    out=$(timeout "${TEST_TIMEOUT:-600}" "$prog" 2>&1); rc=$?
     printf '%s\n' "$out"
+    if [ "$rc" -eq 124 ]; then
+        echo "FAIL $prog ran past ${TEST_TIMEOUT:-600} seconds"
+        failed=$((failed + 1)); continue
+    fi
     line=$(printf '%s\n' "$out" | grep -E '^[A-Za-z0-9_./-]+: [0-9]+ passed, [0-9]+ failed$' | tail -n 1)
     if [ -z "$line" ]; then
         echo "FAIL $prog exited with status $rc before its closing line"
