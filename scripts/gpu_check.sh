@@ -17,7 +17,7 @@ if grep -q 'exited with status' "$out/test.log" && grep -q 'matmul_lt' "$out/tes
     grep -i 'cublasLt\]\[.*\(Error\|Warning\)' "$out/test_matmul_cublaslt.log" | head -5
 fi
 if [ "${1:-}" != "--no-bench" ]; then
-    OUT=$out scripts/bench.sh > "$out/bench.log" 2>&1
+    OUT=$out timeout 900 scripts/bench.sh > "$out/bench.log" 2>&1
     grep '^|' "$out/bench.log"
 fi
 echo "tests: $(tail -n 1 "$out/test.log")"
