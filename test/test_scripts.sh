@@ -7,10 +7,7 @@
 cd "$(dirname "$0")/.." || exit 1
 PYTHON=${PYTHON:-python3}
 export PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" PYTHONDONTWRITEBYTECODE=1
-passed=0; failed=0
-check() {  # check NAME CONDITION-EXIT-CODE [DETAIL]
-    if [ "$2" -eq 0 ]; then echo "PASS $1"; passed=$((passed + 1)); else echo "FAIL $1${3:+: $3}"; failed=$((failed + 1)); fi
-}
+source test/check.sh
 # Runs a Python check program (stdin) that prints PASS/FAIL lines itself; a crash is one failure.
 python_checks() {  # python_checks NAME [ARGS...]
     local name=$1; shift
@@ -362,5 +359,4 @@ else
     echo "SKIP plot_curves.py (matplotlib is not installed)"
 fi
 
-echo "test_scripts: $passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+check_summary test_scripts

@@ -5,10 +5,7 @@
 # spread validation split, identical output for 1, 2 and 4 threads, uint32 shards for a
 # vocabulary over 65536 ids, errors naming file:line, no temporary file left behind.
 cd "$(dirname "$0")/.." || exit 1
-passed=0; failed=0
-check() {  # check NAME CONDITION-EXIT-CODE [DETAIL]
-    if [ "$2" -eq 0 ]; then echo "PASS $1"; passed=$((passed + 1)); else echo "FAIL $1${3:+: $3}"; failed=$((failed + 1)); fi
-}
+source test/check.sh
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 
 # tokenizer.json: GPT-2's byte-to-character map, no merges; an optional extra special token at a
@@ -161,5 +158,4 @@ check "a failed run leaves no temporary shard" "$([ -z "$(ls "$tmp/bad" 2>/dev/n
 out=$(./tokenize shards -t "$tmp/tokenizer.json" "$tmp/in" 2>&1); rc=$?
 check "missing -o is an error" "$([ $rc -ne 0 ] && printf '%s' "$out" | grep -q 'give -o DIR'; echo $?)" "got: $out"
 
-echo "test_shards: $passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+check_summary test_shards
