@@ -559,10 +559,23 @@ static void log_validation(Trainer *t) {
     run_log_val(&t->log, t->state.step, val);
 }
 
+// mkdir -p: out_dir and any missing parents.
+static bool make_directories(const char *path) {
+    char partial[CONFIG_STRING_MAX];
+    snprintf(partial, sizeof(partial), "%s", path);
+    for (char *p = partial + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = '\0';
+        if (mkdir(partial, 0755) != 0 && errno != EEXIST) return false;
+        *p = '/';
+    }
+    return mkdir(partial, 0755) == 0 || errno == EEXIST;
+}
+
 static int train(ConfigParser *parser, int ranks) {
     const TrainConfig *c = &parser->values;
     char error[1024];
-    if (mkdir(c->out_dir, 0755) != 0 && errno != EEXIST) {
+    if (!make_directories(c->out_dir)) {
         fprintf(stderr, "error: %s: cannot create out_dir: %s\n", c->out_dir, strerror(errno));
         return EXIT_FAILURE;
     }

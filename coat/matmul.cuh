@@ -23,7 +23,9 @@
 // tensor-core kernels load whole 16-byte vectors; operands both BF16, or both FP8 and not
 // E5M2 x E5M2; output BF16 or FP32. FP8 also needs K and N multiples of 16. Scales are device
 // pointers to one FP32 dequantization factor each (real value = fp8 value * scale): the GPU
-// reads them, the host never waits. They exist only for FP8 operands (NULL means 1).
+// reads them, the host never waits. They exist only for FP8 operands (NULL means 1), and must
+// be 16-byte aligned: cuBLASLt 13.1 refuses every algorithm ("not supported") for a scale at
+// a 4-byte offset, so an array of scales keeps one per 16 bytes.
 //
 // The algorithm cuBLASLt's heuristic picks is cached per (device, shape, strides, types,
 // layouts, pointer alignments, accumulation mode) in a fixed table; the workspace is the
@@ -95,6 +97,8 @@ static inline const char *matmul_unsupported_reason(const MatmulOutput *out, con
         return "row strides must be multiples of 16 bytes (BF16: 8 elements, FP8: 16, FP32: 4)";
     if (!matmul_is_aligned16(a->data) || !matmul_is_aligned16(b->data) || !matmul_is_aligned16(out->data))
         return "pointers must be 16-byte aligned";
+    if ((a->scale != NULL && !matmul_is_aligned16(a->scale)) || (b->scale != NULL && !matmul_is_aligned16(b->scale)))
+        return "scale pointers must be 16-byte aligned";
     return NULL;
 }
 

@@ -248,9 +248,10 @@ static void test_fp8_linear(GpuContext *gpu, int N, int IC, int OC) {
     __nv_fp8_e4m3 *d_w_t = (__nv_fp8_e4m3 *)device_copy(qw.bytes_t, (size_t)OC * IC);
     __nv_fp8_e5m2 *d_dy = (__nv_fp8_e5m2 *)device_copy(qdy.bytes, (size_t)N * OC);
     __nv_fp8_e5m2 *d_dy_t = (__nv_fp8_e5m2 *)device_copy(qdy.bytes_t, (size_t)N * OC);
-    float scales[3] = {qx.scale, qw.scale, qdy.scale};
+    // One scale per 16 bytes, as matmul_lt requires.
+    float scales[12] = {qx.scale, 0, 0, 0, qw.scale, 0, 0, 0, qdy.scale, 0, 0, 0};
     float *d_scales = (float *)device_copy(scales, sizeof(scales));
-    const float *d_x_scale = d_scales, *d_w_scale = d_scales + 1, *d_dy_scale = d_scales + 2;
+    const float *d_x_scale = d_scales, *d_w_scale = d_scales + 4, *d_dy_scale = d_scales + 8;
     bf16 *d_y, *d_dx, *d_dw_bf16;
     float *d_dw;
     cudaCheck(cudaMalloc(&d_y, (size_t)N * OC * sizeof(bf16)));
@@ -338,6 +339,9 @@ static void test_argument_checks(void) {
     MatmulOperand scaled_bf16 = matmul_operand(p, DTYPE_BF16, MATMUL_K_MAJOR, 64, (const float *)p);
     check(matmul_unsupported_reason(&out, &scaled_bf16, &bf16_k, 32, 64, 64) != NULL,
           "scale on a bf16 operand rejected");
+    MatmulOperand misaligned_scale = matmul_operand(p, DTYPE_E4M3, MATMUL_K_MAJOR, 64, (const float *)p + 1);
+    check(matmul_unsupported_reason(&out, &misaligned_scale, &e4m3_k, 32, 64, 64) != NULL,
+          "fp8 scale at a 4-byte offset rejected");
     MatmulOutput fp8_out = matmul_output(p, DTYPE_E4M3, 64);
     check(matmul_unsupported_reason(&fp8_out, &e4m3_k, &e4m3_k, 32, 64, 64) != NULL, "fp8 output rejected");
 }

@@ -20,24 +20,25 @@ PY
 common=(configs/models/tiny.conf --train_data="$tmp/train_*.bin" --val_data="$tmp/val_*.bin" --micro_batch_size=4
         --seq_len=64 --max_steps=20 --warmup_steps=5 --learning_rate=3e-3 --val_every=5 --val_batches=4
         --checkpoint_every=10 --checkpoints_keep=5)
-./train_llama "${common[@]}" --out_dir="$tmp/straight" > "$tmp/straight.out" 2>&1
+# out_dir's parent does not exist yet: it is created like mkdir -p.
+./train_llama "${common[@]}" --out_dir="$tmp/runs/straight" > "$tmp/straight.out" 2>&1
 check "20 steps straight run" $? "$(tail -3 "$tmp/straight.out")"
 mkdir -p "$tmp/resumed"
-cp "$tmp/straight/ckpt_00000010.bin" "$tmp/straight/ckpt_00000010.done" "$tmp/resumed/" 2>/dev/null
+cp "$tmp/runs/straight/ckpt_00000010.bin" "$tmp/runs/straight/ckpt_00000010.done" "$tmp/resumed/" 2>/dev/null
 # The whole 20-step log: resuming must drop the records past step 10 itself.
-cp "$tmp/straight/log.jsonl" "$tmp/resumed/log.jsonl"
+cp "$tmp/runs/straight/log.jsonl" "$tmp/resumed/log.jsonl"
 ./train_llama "${common[@]}" --out_dir="$tmp/resumed" --resume=1 > "$tmp/resumed.out" 2>&1
 check "resume from the step-10 checkpoint runs" $? "$(tail -3 "$tmp/resumed.out")"
 losses() { grep -o '"step": [0-9]*, "\(train\|val\)_loss": [0-9.]*' "$1"; }
 check "10 + resume + 10 steps log the same losses as 20 straight, to the bit" \
-    "$(diff <(losses "$tmp/straight/log.jsonl") <(losses "$tmp/resumed/log.jsonl") > "$tmp/diff"; echo $?)" "$(head -4 "$tmp/diff")"
+    "$(diff <(losses "$tmp/runs/straight/log.jsonl") <(losses "$tmp/resumed/log.jsonl") > "$tmp/diff"; echo $?)" "$(head -4 "$tmp/diff")"
 check "the resumed run ends with the same checkpoint bytes" \
-    "$(cmp -s "$tmp/straight/ckpt_00000020.bin" "$tmp/resumed/ckpt_00000020.bin"; echo $?)"
-first=$(grep -o '"val_loss": [0-9.]*' "$tmp/straight/log.jsonl" | head -1 | cut -d' ' -f2)
-last=$(grep -o '"val_loss": [0-9.]*' "$tmp/straight/log.jsonl" | tail -1 | cut -d' ' -f2)
+    "$(cmp -s "$tmp/runs/straight/ckpt_00000020.bin" "$tmp/resumed/ckpt_00000020.bin"; echo $?)"
+first=$(grep -o '"val_loss": [0-9.]*' "$tmp/runs/straight/log.jsonl" | head -1 | cut -d' ' -f2)
+last=$(grep -o '"val_loss": [0-9.]*' "$tmp/runs/straight/log.jsonl" | tail -1 | cut -d' ' -f2)
 check "validation loss falls ($first -> $last)" "$(awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 0.5) }'; echo $?)"
 
-head -c 100000 "$tmp/straight/ckpt_00000020.bin" > "$tmp/cut.bin"
+head -c 100000 "$tmp/runs/straight/ckpt_00000020.bin" > "$tmp/cut.bin"
 out=$(./train_llama "${common[@]}" --out_dir="$tmp/cut" --init_from="$tmp/cut.bin" 2>&1); rc=$?
 check "a truncated checkpoint is refused, naming the file" \
     "$([ $rc -ne 0 ] && printf '%s' "$out" | grep -q "$tmp/cut.bin: size"; echo $?)" "$(printf '%s' "$out" | tail -1)"
