@@ -84,7 +84,7 @@ CPU_TESTS := $(patsubst test/%.c,$(BUILD)/%,$(wildcard test/test_*.c))
 GPU_TESTS := $(patsubst test/%.cu,$(BUILD)/%,$(wildcard test/test_*.cu))
 REFERENCE_DOUBLE := $(BUILD)/libreference_double.a
 REFERENCE_FLOAT := $(BUILD)/libreference_float.a
-TEST_HEADERS := $(wildcard test/*.h)
+TEST_HEADERS := $(wildcard test/*.h test/*.cuh)
 
 $(BUILD)/reference_double.o: test/reference_llama.c $(TEST_HEADERS) $(COAT_HEADERS)
 	@mkdir -p $(BUILD)

@@ -21,6 +21,7 @@
 #include "../coat/attention.cuh"
 #include "../coat/random.h"
 #include "check.h"
+#include "gpu_test_util.cuh"
 extern "C" {
 #include "reference_llama.h"
 }
@@ -33,29 +34,6 @@ typedef struct {
 } AttnShape;
 
 // ---- host helpers ------------------------------------------------------------------------------
-
-static void *host_alloc(size_t bytes) {
-    void *p = calloc(bytes ? bytes : 1, 1);
-    if (p == NULL) {
-        fprintf(stderr, "error: out of host memory (%zu bytes)\n", bytes);
-        exit(EXIT_FAILURE);
-    }
-    return p;
-}
-static float *host_floats(size_t n) { return (float *)host_alloc(n * sizeof(float)); }
-
-static float round_to_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
-
-// Normal with standard deviation `sigma`, rounded to BF16 so that the CPU sees what the GPU sees.
-static void fill_normal_bf16(float *x, size_t n, Random *rng, double sigma) {
-    for (size_t i = 0; i < n; i++) x[i] = round_to_bf16((float)(sigma * random_normal(rng)));
-}
-
-static bf16 *to_bf16(const float *x, size_t n) {
-    bf16 *out = (bf16 *)host_alloc(n * sizeof(bf16));
-    for (size_t i = 0; i < n; i++) out[i] = __float2bfloat16(x[i]);
-    return out;
-}
 
 static double rms(const float *x, size_t n) {
     double sum = 0.0;
@@ -81,9 +59,7 @@ static GuardedBuffer guarded_alloc(size_t n, size_t elem_size) {
     return buf;
 }
 
-static void guarded_poison(GuardedBuffer *buf) {
-    cudaCheck(cudaMemset(buf->base, 0xFF, (buf->n + 2 * GUARD_ELEMS) * buf->elem_size));
-}
+static void guarded_poison(GuardedBuffer *buf) { poison_nan(buf->base, (buf->n + 2 * GUARD_ELEMS) * buf->elem_size); }
 
 // Copies the data to host (n elements) and returns 1 when both guards still hold 0xFF bytes.
 static int guarded_fetch(const GuardedBuffer *buf, void *host_data) {
@@ -130,10 +106,10 @@ static void test_shape(AttnShape s, Random *rng) {
 
     // Inputs: q wider than k so that the softmax is peaked (score std 1.5), all BF16-exact.
     float *q = host_floats(n_q), *k = host_floats(n_kv), *v = host_floats(n_kv), *dout = host_floats(n_q);
-    fill_normal_bf16(q, n_q, rng, 1.5);
-    fill_normal_bf16(k, n_kv, rng, 1.0);
-    fill_normal_bf16(v, n_kv, rng, 1.0);
-    fill_normal_bf16(dout, n_q, rng, 1.0);
+    fill_normal_bf16_values(rng, q, n_q, 0.0, 1.5);
+    fill_normal_bf16_values(rng, k, n_kv, 0.0, 1.0);
+    fill_normal_bf16_values(rng, v, n_kv, 0.0, 1.0);
+    fill_normal_bf16_values(rng, dout, n_q, 0.0, 1.0);
     float *qkv = host_floats(n_qkv);
     for (size_t bt = 0; bt < (size_t)B * T; bt++) {
         memcpy(qkv + bt * width, q + bt * NH * hd, (size_t)NH * hd * sizeof(float));
@@ -150,17 +126,11 @@ static void test_shape(AttnShape s, Random *rng) {
     float *ref_dq = host_floats(n_q), *ref_dk = host_floats(n_kv), *ref_dv = host_floats(n_kv);
     ref_attention_backward(ref_dq, ref_dk, ref_dv, dout, q, k, v, out_in, ref_lse, B, T, NH, NKV, hd);
 
-    bf16 *qkv_h = to_bf16(qkv, n_qkv), *dout_h = to_bf16(dout, n_q), *out_in_h = to_bf16(out_in, n_q);
-    bf16 *d_qkv, *d_dout, *d_out_in;
+    bf16 *d_qkv = device_bf16_from(qkv, n_qkv), *d_dout = device_bf16_from(dout, n_q);
+    bf16 *d_out_in = device_bf16_from(out_in, n_q);
     float *d_lse_in, *d_scratch;
-    cudaCheck(cudaMalloc(&d_qkv, n_qkv * sizeof(bf16)));
-    cudaCheck(cudaMalloc(&d_dout, n_q * sizeof(bf16)));
-    cudaCheck(cudaMalloc(&d_out_in, n_q * sizeof(bf16)));
     cudaCheck(cudaMalloc(&d_lse_in, n_lse * sizeof(float)));
     cudaCheck(cudaMalloc(&d_scratch, attention_backward_scratch_bytes(B, T, NH, hd)));
-    cudaCheck(cudaMemcpy(d_qkv, qkv_h, n_qkv * sizeof(bf16), cudaMemcpyHostToDevice));
-    cudaCheck(cudaMemcpy(d_dout, dout_h, n_q * sizeof(bf16), cudaMemcpyHostToDevice));
-    cudaCheck(cudaMemcpy(d_out_in, out_in_h, n_q * sizeof(bf16), cudaMemcpyHostToDevice));
     cudaCheck(cudaMemcpy(d_lse_in, ref_lse, n_lse * sizeof(float), cudaMemcpyHostToDevice));
     GuardedBuffer out_buf = guarded_alloc(n_q, sizeof(bf16)), lse_buf = guarded_alloc(n_lse, sizeof(float));
     GuardedBuffer dqkv_buf = guarded_alloc(n_qkv, sizeof(bf16));
@@ -170,13 +140,13 @@ static void test_shape(AttnShape s, Random *rng) {
     guarded_poison(&lse_buf);
     attention_forward((bf16 *)out_buf.data, (float *)lse_buf.data, d_qkv, B, T, NH, NKV, hd, 0);
     cudaCheck(cudaDeviceSynchronize());
-    bf16 *out_h = (bf16 *)host_alloc(n_q * sizeof(bf16));
+    bf16 *out_h = host_bf16s(n_q);
     float *lse_h = host_floats(n_lse);
     int guards_intact = guarded_fetch(&out_buf, out_h);
     guards_intact &= guarded_fetch(&lse_buf, lse_h);
     size_t unwritten = count_nan_bf16(out_h, n_q) + count_nan_float(lse_h, n_lse);
     float *out_f = host_floats(n_q);
-    for (size_t i = 0; i < n_q; i++) out_f[i] = __bfloat162float(out_h[i]);
+    convert_bf16_to_floats(out_f, out_h, n_q);
     char what[160];
     snprintf(what, sizeof what, "%s: forward out", label);
     check_close(what, out_f, ref_out, n_q, 2e-2, 2e-2);
@@ -187,11 +157,11 @@ static void test_shape(AttnShape s, Random *rng) {
     bf16 *dqkv_h[2];
     for (int run = 0; run < 2; run++) {
         guarded_poison(&dqkv_buf);
-        cudaCheck(cudaMemset(d_scratch, 0xFF, attention_backward_scratch_bytes(B, T, NH, hd)));
+        poison_nan(d_scratch, attention_backward_scratch_bytes(B, T, NH, hd));
         attention_backward((bf16 *)dqkv_buf.data, d_scratch, d_dout, d_qkv, d_out_in, d_lse_in, B, T, NH, NKV, hd,
                            0);
         cudaCheck(cudaDeviceSynchronize());
-        dqkv_h[run] = (bf16 *)host_alloc(n_qkv * sizeof(bf16));
+        dqkv_h[run] = host_bf16s(n_qkv);
         guards_intact &= guarded_fetch(&dqkv_buf, dqkv_h[run]);
     }
     unwritten += count_nan_bf16(dqkv_h[0], n_qkv);
@@ -222,9 +192,6 @@ static void test_shape(AttnShape s, Random *rng) {
     float *host_buffers[] = {q, k, v, dout, qkv, ref_out, ref_lse, out_in, ref_dq, ref_dk, ref_dv, lse_h, out_f,
                              dq, dk, dv};
     for (size_t i = 0; i < sizeof host_buffers / sizeof host_buffers[0]; i++) free(host_buffers[i]);
-    free(qkv_h);
-    free(dout_h);
-    free(out_in_h);
     free(out_h);
     free(dqkv_h[0]);
     free(dqkv_h[1]);
@@ -254,11 +221,6 @@ __global__ void count_mismatches_kernel(unsigned long long *counts, const bf16 *
     if (nan) atomicAdd(&counts[1], nan);
 }
 
-static int compare_floats(const void *a, const void *b) {
-    float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
-}
-
 #define TIMED_RUNS 10
 
 // Median milliseconds of TIMED_RUNS runs of forward (with_backward = 0) or forward + backward.
@@ -279,8 +241,7 @@ static float time_attention(int with_backward, bf16 *out, float *lse, const bf16
     }
     cudaCheck(cudaEventDestroy(start));
     cudaCheck(cudaEventDestroy(stop));
-    qsort(ms, TIMED_RUNS, sizeof(float), compare_floats);
-    return ms[TIMED_RUNS / 2];
+    return median_in_place(ms, TIMED_RUNS);
 }
 
 static void benchmark(AttnShape s) {

@@ -10,48 +10,9 @@
 #include "../coat/classifier.cuh"
 #include "../coat/random.h"
 #include "check.h"
+#include "gpu_test_util.cuh"
 extern "C" {
 #include "reference_llama.h"
-}
-
-static void *host_alloc(size_t bytes) {
-    void *p = calloc(bytes, 1);
-    if (p == NULL) {
-        fprintf(stderr, "error: out of host memory (%zu bytes)\n", bytes);
-        exit(EXIT_FAILURE);
-    }
-    return p;
-}
-
-// Uniform in [-amplitude, amplitude), rounded to BF16 so that the CPU sees what the GPU sees.
-static float *random_bf16_values(Random *rng, size_t n, float amplitude) {
-    float *p = (float *)host_alloc(n * sizeof(float));
-    for (size_t i = 0; i < n; i++)
-        p[i] = __bfloat162float(__float2bfloat16((float)((2.0 * random_uniform(rng) - 1.0) * amplitude)));
-    return p;
-}
-
-static bf16 *device_bf16_from(const float *host, size_t n) {
-    bf16 *staging = (bf16 *)host_alloc(n * sizeof(bf16));
-    bf16 *device;
-    for (size_t i = 0; i < n; i++) staging[i] = __float2bfloat16(host[i]);
-    cudaCheck(cudaMalloc(&device, n * sizeof(bf16)));
-    cudaCheck(cudaMemcpy(device, staging, n * sizeof(bf16), cudaMemcpyHostToDevice));
-    free(staging);
-    return device;
-}
-
-static void copy_bf16_to_host(float *host, const bf16 *device, size_t n) {
-    bf16 *staging = (bf16 *)host_alloc(n * sizeof(bf16));
-    cudaCheck(cudaMemcpy(staging, device, n * sizeof(bf16), cudaMemcpyDeviceToHost));
-    for (size_t i = 0; i < n; i++) host[i] = __bfloat162float(staging[i]);
-    free(staging);
-}
-
-static float max_abs(const float *x, size_t n) {
-    float m = 0.0f;
-    for (size_t i = 0; i < n; i++) m = fmaxf(m, fabsf(x[i]));
-    return m;
 }
 
 // One device run's outputs, copied back as raw bytes for the bitwise comparison.
@@ -66,19 +27,19 @@ static void test_case(GpuContext *gpu, int N, int C, int V, int chunk_rows) {
     random_seed(&rng, 7 + (uint64_t)V);
     size_t xn = (size_t)N * C, wn = (size_t)V * C;
     // Logits of order 1 (std ~0.8 at C = 64): a peaked enough softmax, small BF16 rounding.
-    float *x = random_bf16_values(&rng, xn, 1.0f);
-    float *w = random_bf16_values(&rng, wn, 0.3f);
-    float *dw_before = random_bf16_values(&rng, wn, 0.01f);
+    float *x = random_uniform_bf16_values(&rng, xn, 1.0f);
+    float *w = random_uniform_bf16_values(&rng, wn, 0.3f);
+    float *dw_before = random_uniform_bf16_values(&rng, wn, 0.01f);
     int *targets = (int *)host_alloc((size_t)N * sizeof(int));
     for (int i = 0; i < N; i++) targets[i] = (int)random_below(&rng, (uint64_t)V);
     targets[0] = V - 1;  // the last column: the scalar tail when V % 8 != 0
     targets[N - 1] = 0;
 
-    float *logits_ref = (float *)host_alloc((size_t)N * V * sizeof(float));
-    float *dlogits_ref = (float *)host_alloc((size_t)N * V * sizeof(float));
-    float *losses_ref = (float *)host_alloc((size_t)N * sizeof(float));
-    float *dx_ref = (float *)host_alloc(xn * sizeof(float));
-    float *dw_ref = (float *)host_alloc(wn * sizeof(float));
+    float *logits_ref = host_floats((size_t)N * V);
+    float *dlogits_ref = host_floats((size_t)N * V);
+    float *losses_ref = host_floats((size_t)N);
+    float *dx_ref = host_floats(xn);
+    float *dw_ref = host_floats(wn);
     ref_matmul_forward(logits_ref, x, w, N, C, V);
     float mean_ref = ref_cross_entropy_forward(losses_ref, logits_ref, targets, N, V);
     ref_cross_entropy_backward(dlogits_ref, logits_ref, targets, N, V, 1.0f);  // (softmax - onehot) / N
@@ -99,16 +60,16 @@ static void test_case(GpuContext *gpu, int N, int C, int V, int chunk_rows) {
 
     ClassifierOutputs runs[2];
     for (int run = 0; run < 2; run++) {
-        cudaCheck(cudaMemset(d_losses, 0xFF, (size_t)N * sizeof(float)));  // NaN poison
-        cudaCheck(cudaMemset(d_dx, 0xFF, xn * sizeof(bf16)));
-        cudaCheck(cudaMemset(d_scratch, 0xFF, (size_t)chunk_rows * stride * sizeof(bf16)));
+        poison_nan(d_losses, (size_t)N * sizeof(float));
+        poison_nan(d_dx, xn * sizeof(bf16));
+        poison_nan(d_scratch, (size_t)chunk_rows * stride * sizeof(bf16));
         cudaCheck(cudaMemcpy(d_dw, d_dw_before, wn * sizeof(bf16), cudaMemcpyDeviceToDevice));
         classifier_forward_backward(gpu, d_losses, d_dx, d_dw, d_x, d_w, d_targets, N, C, V, 1.0f / N, d_scratch,
                                     chunk_rows);
         cudaCheck(cudaDeviceSynchronize());
-        runs[run].losses = (float *)host_alloc((size_t)N * sizeof(float));
-        runs[run].dx = (bf16 *)host_alloc(xn * sizeof(bf16));
-        runs[run].dweight = (bf16 *)host_alloc(wn * sizeof(bf16));
+        runs[run].losses = host_floats((size_t)N);
+        runs[run].dx = host_bf16s(xn);
+        runs[run].dweight = host_bf16s(wn);
         cudaCheck(cudaMemcpy(runs[run].losses, d_losses, (size_t)N * sizeof(float), cudaMemcpyDeviceToHost));
         cudaCheck(cudaMemcpy(runs[run].dx, d_dx, xn * sizeof(bf16), cudaMemcpyDeviceToHost));
         cudaCheck(cudaMemcpy(runs[run].dweight, d_dw, wn * sizeof(bf16), cudaMemcpyDeviceToHost));
@@ -120,8 +81,8 @@ static void test_case(GpuContext *gpu, int N, int C, int V, int chunk_rows) {
     snprintf(name, sizeof(name), "losses N=%d C=%d V=%d chunk_rows=%d", N, C, V, chunk_rows);
     check_close(name, runs[0].losses, losses_ref, (size_t)N, 1e-2, 2e-3);
 
-    float *got = (float *)host_alloc((xn > wn ? xn : wn) * sizeof(float));
-    float *expected = (float *)host_alloc(wn * sizeof(float));
+    float *got = host_floats(xn > wn ? xn : wn);
+    float *expected = host_floats(wn);
     copy_bf16_to_host(got, d_dx, xn);
     snprintf(name, sizeof(name), "dx N=%d C=%d V=%d chunk_rows=%d", N, C, V, chunk_rows);
     check_close(name, got, dx_ref, xn, 1e-2 * max_abs(dx_ref, xn), 2e-2);
@@ -143,7 +104,7 @@ static void test_case(GpuContext *gpu, int N, int C, int V, int chunk_rows) {
     check_close(name, &mean_got, &mean_ref, 1, 5e-3, 2e-3);
 
     // Forward only: the same losses, bit for bit, and nothing else written.
-    cudaCheck(cudaMemset(d_losses, 0xFF, (size_t)N * sizeof(float)));
+    poison_nan(d_losses, (size_t)N * sizeof(float));
     classifier_forward_backward(gpu, d_losses, NULL, NULL, d_x, d_w, d_targets, N, C, V, 1.0f / N, d_scratch,
                                 chunk_rows);
     cudaCheck(cudaMemcpy(got, d_losses, (size_t)N * sizeof(float), cudaMemcpyDeviceToHost));
@@ -175,20 +136,20 @@ static void test_case(GpuContext *gpu, int N, int C, int V, int chunk_rows) {
 static void test_selected_logits(GpuContext *gpu, int N, int C, int V, int first_row, int row_step, int num_rows) {
     Random rng;
     random_seed(&rng, 11);
-    float *x = random_bf16_values(&rng, (size_t)N * C, 1.0f);
-    float *w = random_bf16_values(&rng, (size_t)V * C, 0.3f);
-    float *logits_ref = (float *)host_alloc((size_t)N * V * sizeof(float));
+    float *x = random_uniform_bf16_values(&rng, (size_t)N * C, 1.0f);
+    float *w = random_uniform_bf16_values(&rng, (size_t)V * C, 0.3f);
+    float *logits_ref = host_floats((size_t)N * V);
     ref_matmul_forward(logits_ref, x, w, N, C, V);
     int stride = classifier_logits_stride(V);
     bf16 *d_x = device_bf16_from(x, (size_t)N * C), *d_w = device_bf16_from(w, (size_t)V * C);
     float *d_logits;
     cudaCheck(cudaMalloc(&d_logits, (size_t)num_rows * stride * sizeof(float)));
-    cudaCheck(cudaMemset(d_logits, 0xFF, (size_t)num_rows * stride * sizeof(float)));
+    poison_nan(d_logits, (size_t)num_rows * stride * sizeof(float));
     classifier_logits(gpu, d_logits, d_x, d_w, first_row, row_step, num_rows, C, V);
-    float *logits = (float *)host_alloc((size_t)num_rows * stride * sizeof(float));
+    float *logits = host_floats((size_t)num_rows * stride);
     cudaCheck(cudaMemcpy(logits, d_logits, (size_t)num_rows * stride * sizeof(float), cudaMemcpyDeviceToHost));
-    float *got = (float *)host_alloc((size_t)num_rows * V * sizeof(float));
-    float *expected = (float *)host_alloc((size_t)num_rows * V * sizeof(float));
+    float *got = host_floats((size_t)num_rows * V);
+    float *expected = host_floats((size_t)num_rows * V);
     for (int r = 0; r < num_rows; r++) {
         memcpy(got + (size_t)r * V, logits + (size_t)r * stride, (size_t)V * sizeof(float));
         const float *reference_row = logits_ref + (size_t)(first_row + r * row_step) * V;

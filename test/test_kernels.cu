@@ -11,6 +11,7 @@
 #include "../coat/rope.cuh"
 #include "../coat/swiglu.cuh"
 #include "check.h"
+#include "gpu_test_util.cuh"
 extern "C" {
 #include "reference_llama.h"
 }
@@ -28,35 +29,10 @@ extern "C" {
 
 // ---- host helpers ----------------------------------------------------------------------
 
-static void *host_alloc(size_t bytes) {
-    void *p = malloc(bytes ? bytes : 1);
-    if (!p) {
-        fprintf(stderr, "error: test_kernels: cannot allocate %zu bytes of host memory\n", bytes);
-        exit(EXIT_FAILURE);
-    }
-    return p;
-}
-static float *host_floats(size_t n) { return (float *)host_alloc(n * sizeof(float)); }
-static bf16 *host_bf16s(size_t n) { return (bf16 *)host_alloc(n * sizeof(bf16)); }
-
 static void *device_alloc(size_t bytes) {
     void *p = NULL;
     cudaCheck(cudaMalloc(&p, bytes ? bytes : 1));
     return p;
-}
-
-// Normal(0, scale) values rounded to BF16: `bits` for the GPU, `values` the same numbers as floats.
-static void random_bf16(Random *rng, bf16 *bits, float *values, size_t n, double mean, double scale) {
-    for (size_t i = 0; i < n; i++) {
-        bits[i] = __float2bfloat16((float)(mean + scale * random_normal(rng)));
-        values[i] = __bfloat162float(bits[i]);
-    }
-}
-
-static bf16 *upload_bf16(const bf16 *host, size_t n) {
-    bf16 *device = (bf16 *)device_alloc(n * sizeof(bf16));
-    cudaCheck(cudaMemcpy(device, host, n * sizeof(bf16), cudaMemcpyHostToDevice));
-    return device;
 }
 
 static void download_bf16(bf16 *host, const bf16 *device, size_t n) {
@@ -64,24 +40,10 @@ static void download_bf16(bf16 *host, const bf16 *device, size_t n) {
     cudaCheck(cudaMemcpy(host, device, n * sizeof(bf16), cudaMemcpyDeviceToHost));
 }
 
-static void bf16_to_float(float *out, const bf16 *in, size_t n) {
-    for (size_t i = 0; i < n; i++) out[i] = __bfloat162float(in[i]);
-}
-
-static void download_bf16_as_float(float *host, const bf16 *device, size_t n) {
-    bf16 *bits = host_bf16s(n);
-    download_bf16(bits, device, n);
-    bf16_to_float(host, bits, n);
-    free(bits);
-}
-
 static void download_floats(float *host, const float *device, size_t n) {
     cudaCheck(cudaDeviceSynchronize());
     cudaCheck(cudaMemcpy(host, device, n * sizeof(float), cudaMemcpyDeviceToHost));
 }
-
-// All bytes 0xFF: NaN as BF16 and as FP32.
-static void poison(void *device, size_t bytes) { cudaCheck(cudaMemset(device, 0xFF, bytes)); }
 
 // [rows, total_heads * head_dim] -> [rows, heads * head_dim], heads first_head.. of each row.
 static void gather_heads(float *out, const float *packed, size_t rows, int total_heads, int first_head, int heads,
@@ -105,18 +67,17 @@ static void test_embedding_forward(int N, int C, int V) {
     random_seed(&rng, 1000 + N);
     size_t table = (size_t)V * C, acts = (size_t)N * C;
     int *tokens = (int *)host_alloc(N * sizeof(int));
-    bf16 *wte_bits = host_bf16s(table);
     float *wte = host_floats(table), *expected = host_floats(acts), *got = host_floats(acts);
     random_tokens(&rng, tokens, N, V, 0, 0);
-    random_bf16(&rng, wte_bits, wte, table, 0.0, 1.0);
+    fill_normal_bf16_values(&rng, wte, table, 0.0, 1.0);
 
     int *d_tokens = (int *)device_alloc(N * sizeof(int));
     cudaCheck(cudaMemcpy(d_tokens, tokens, N * sizeof(int), cudaMemcpyHostToDevice));
-    bf16 *d_wte = upload_bf16(wte_bits, table);
+    bf16 *d_wte = device_bf16_from(wte, table);
     bf16 *d_out = (bf16 *)device_alloc(acts * sizeof(bf16));
-    poison(d_out, acts * sizeof(bf16));
+    poison_nan(d_out, acts * sizeof(bf16));
     embedding_forward(d_out, d_tokens, d_wte, N, C, 0);
-    download_bf16_as_float(got, d_out, acts);
+    copy_bf16_to_host(got, d_out, acts);
     ref_embedding_forward(expected, tokens, wte, N, C);
     char name[128];
     snprintf(name, sizeof name, "embedding_forward N=%d C=%d V=%d copies rows exactly", N, C, V);
@@ -125,7 +86,7 @@ static void test_embedding_forward(int N, int C, int V) {
     cudaCheck(cudaFree(d_tokens));
     cudaCheck(cudaFree(d_wte));
     cudaCheck(cudaFree(d_out));
-    free(tokens), free(wte_bits), free(wte), free(expected), free(got);
+    free(tokens), free(wte), free(expected), free(got);
 }
 
 static void test_embedding_backward(int N, int C, int V, int hot_percent) {
@@ -133,27 +94,27 @@ static void test_embedding_backward(int N, int C, int V, int hot_percent) {
     random_seed(&rng, 2000 + N + hot_percent);
     size_t table = (size_t)V * C, acts = (size_t)N * C;
     int *tokens = (int *)host_alloc(N * sizeof(int));
-    bf16 *dwte_bits = host_bf16s(table), *dout_bits = host_bf16s(acts);
-    bf16 *first_bits = host_bf16s(table), *second_bits = host_bf16s(table);
+    bf16 *dwte_bits = host_bf16s(table), *first_bits = host_bf16s(table), *second_bits = host_bf16s(table);
     float *dwte = host_floats(table), *dout = host_floats(acts), *got = host_floats(table);
     random_tokens(&rng, tokens, N, V, hot_percent, V / 2);
-    random_bf16(&rng, dwte_bits, dwte, table, 0.0, 1.0);
-    random_bf16(&rng, dout_bits, dout, acts, 0.0, 1.0);
+    fill_normal_bf16_values(&rng, dwte, table, 0.0, 1.0);
+    fill_normal_bf16_values(&rng, dout, acts, 0.0, 1.0);
+    convert_floats_to_bf16(dwte_bits, dwte, table);
 
     int *d_tokens = (int *)device_alloc(N * sizeof(int));
     cudaCheck(cudaMemcpy(d_tokens, tokens, N * sizeof(int), cudaMemcpyHostToDevice));
-    bf16 *d_dout = upload_bf16(dout_bits, acts);
+    bf16 *d_dout = device_bf16_from(dout, acts);
     bf16 *d_dwte = (bf16 *)device_alloc(table * sizeof(bf16));
     size_t scratch_bytes = embedding_backward_scratch_bytes(N, C, V);
     void *d_scratch = device_alloc(scratch_bytes);
     bf16 *runs[2] = {first_bits, second_bits};
     for (int run = 0; run < 2; run++) {
         cudaCheck(cudaMemcpy(d_dwte, dwte_bits, table * sizeof(bf16), cudaMemcpyHostToDevice));
-        poison(d_scratch, scratch_bytes);
+        poison_nan(d_scratch, scratch_bytes);
         embedding_backward(d_dwte, d_dout, d_tokens, N, C, V, d_scratch, 0);
         download_bf16(runs[run], d_dwte, table);
     }
-    bf16_to_float(got, first_bits, table);
+    convert_bf16_to_floats(got, first_bits, table);
     ref_embedding_backward(dwte, dout, tokens, N, C);  // dwte now holds the expected result
 
     char name[160];
@@ -176,7 +137,7 @@ static void test_embedding_backward(int N, int C, int V, int hot_percent) {
     cudaCheck(cudaFree(d_dout));
     cudaCheck(cudaFree(d_dwte));
     cudaCheck(cudaFree(d_scratch));
-    free(tokens), free(dwte_bits), free(dout_bits), free(first_bits), free(second_bits);
+    free(tokens), free(dwte_bits), free(first_bits), free(second_bits);
     free(dwte), free(dout), free(got), free(used);
 }
 
@@ -186,19 +147,18 @@ static void test_rmsnorm_forward(int N, int C) {
     Random rng;
     random_seed(&rng, 3000 + N);
     size_t acts = (size_t)N * C;
-    bf16 *in_bits = host_bf16s(acts), *weight_bits = host_bf16s(C);
     float *in = host_floats(acts), *weight = host_floats(C);
     float *expected = host_floats(acts), *got = host_floats(acts), *rstd = host_floats(N), *got_rstd = host_floats(N);
-    random_bf16(&rng, in_bits, in, acts, 0.3, 2.0);
-    random_bf16(&rng, weight_bits, weight, C, 1.0, 0.1);
+    fill_normal_bf16_values(&rng, in, acts, 0.3, 2.0);
+    fill_normal_bf16_values(&rng, weight, C, 1.0, 0.1);
 
-    bf16 *d_in = upload_bf16(in_bits, acts), *d_weight = upload_bf16(weight_bits, C);
+    bf16 *d_in = device_bf16_from(in, acts), *d_weight = device_bf16_from(weight, C);
     bf16 *d_out = (bf16 *)device_alloc(acts * sizeof(bf16));
     float *d_rstd = (float *)device_alloc(N * sizeof(float));
-    poison(d_out, acts * sizeof(bf16));
-    poison(d_rstd, N * sizeof(float));
+    poison_nan(d_out, acts * sizeof(bf16));
+    poison_nan(d_rstd, N * sizeof(float));
     rmsnorm_forward(d_out, d_rstd, d_in, d_weight, N, C, RMS_EPS, 0);
-    download_bf16_as_float(got, d_out, acts);
+    copy_bf16_to_host(got, d_out, acts);
     download_floats(got_rstd, d_rstd, N);
     ref_rmsnorm_forward(expected, rstd, in, weight, N, C, RMS_EPS);
 
@@ -212,7 +172,7 @@ static void test_rmsnorm_forward(int N, int C) {
     cudaCheck(cudaFree(d_weight));
     cudaCheck(cudaFree(d_out));
     cudaCheck(cudaFree(d_rstd));
-    free(in_bits), free(weight_bits), free(in), free(weight), free(expected), free(got), free(rstd), free(got_rstd);
+    free(in), free(weight), free(expected), free(got), free(rstd), free(got_rstd);
 }
 
 // in_place: residual_out is the residual_in buffer, as a trainer may call it.
@@ -220,27 +180,26 @@ static void test_residual_rmsnorm_forward(int N, int C, int in_place) {
     Random rng;
     random_seed(&rng, 4000 + N + in_place);
     size_t acts = (size_t)N * C;
-    bf16 *residual_bits = host_bf16s(acts), *branch_bits = host_bf16s(acts), *weight_bits = host_bf16s(C);
     float *residual = host_floats(acts), *branch = host_floats(acts), *weight = host_floats(C);
     float *sum = host_floats(acts), *expected = host_floats(acts), *rstd = host_floats(N);
     float *got_sum = host_floats(acts), *got = host_floats(acts), *got_rstd = host_floats(N);
-    random_bf16(&rng, residual_bits, residual, acts, 0.0, 3.0);
-    random_bf16(&rng, branch_bits, branch, acts, 0.0, 1.0);
-    random_bf16(&rng, weight_bits, weight, C, 1.0, 0.1);
+    fill_normal_bf16_values(&rng, residual, acts, 0.0, 3.0);
+    fill_normal_bf16_values(&rng, branch, acts, 0.0, 1.0);
+    fill_normal_bf16_values(&rng, weight, C, 1.0, 0.1);
     // The GPU adds in FP32 and rounds once to BF16: the same operations here give the same bits.
-    for (size_t i = 0; i < acts; i++) sum[i] = __bfloat162float(__float2bfloat16(residual[i] + branch[i]));
+    for (size_t i = 0; i < acts; i++) sum[i] = round_to_bf16(residual[i] + branch[i]);
 
-    bf16 *d_residual = upload_bf16(residual_bits, acts), *d_branch = upload_bf16(branch_bits, acts);
-    bf16 *d_weight = upload_bf16(weight_bits, C);
+    bf16 *d_residual = device_bf16_from(residual, acts), *d_branch = device_bf16_from(branch, acts);
+    bf16 *d_weight = device_bf16_from(weight, C);
     bf16 *d_residual_out = in_place ? d_residual : (bf16 *)device_alloc(acts * sizeof(bf16));
     bf16 *d_norm = (bf16 *)device_alloc(acts * sizeof(bf16));
     float *d_rstd = (float *)device_alloc(N * sizeof(float));
-    if (!in_place) poison(d_residual_out, acts * sizeof(bf16));
-    poison(d_norm, acts * sizeof(bf16));
-    poison(d_rstd, N * sizeof(float));
+    if (!in_place) poison_nan(d_residual_out, acts * sizeof(bf16));
+    poison_nan(d_norm, acts * sizeof(bf16));
+    poison_nan(d_rstd, N * sizeof(float));
     residual_rmsnorm_forward(d_residual_out, d_norm, d_rstd, d_residual, d_branch, d_weight, N, C, RMS_EPS, 0);
-    download_bf16_as_float(got_sum, d_residual_out, acts);
-    download_bf16_as_float(got, d_norm, acts);
+    copy_bf16_to_host(got_sum, d_residual_out, acts);
+    copy_bf16_to_host(got, d_norm, acts);
     download_floats(got_rstd, d_rstd, N);
     ref_rmsnorm_forward(expected, rstd, sum, weight, N, C, RMS_EPS);
 
@@ -259,7 +218,7 @@ static void test_residual_rmsnorm_forward(int N, int C, int in_place) {
     if (!in_place) cudaCheck(cudaFree(d_residual_out));
     cudaCheck(cudaFree(d_norm));
     cudaCheck(cudaFree(d_rstd));
-    free(residual_bits), free(branch_bits), free(weight_bits), free(residual), free(branch), free(weight);
+    free(residual), free(branch), free(weight);
     free(sum), free(expected), free(rstd), free(got_sum), free(got), free(got_rstd);
 }
 
@@ -267,36 +226,34 @@ static void test_rmsnorm_backward(int N, int C) {
     Random rng;
     random_seed(&rng, 5000 + N);
     size_t acts = (size_t)N * C;
-    bf16 *in_bits = host_bf16s(acts), *dout_bits = host_bf16s(acts), *din_bits = host_bf16s(acts);
-    bf16 *weight_bits = host_bf16s(C), *dweight_bits = host_bf16s(C);
     float *in = host_floats(acts), *dout = host_floats(acts), *din = host_floats(acts), *weight = host_floats(C);
     float *dweight = host_floats(C), *normed = host_floats(acts), *rstd = host_floats(N);
     float *got_din = host_floats(acts), *got_dweight = host_floats(C);
     bf16 *din_runs[2] = {host_bf16s(acts), host_bf16s(acts)}, *dweight_runs[2] = {host_bf16s(C), host_bf16s(C)};
-    random_bf16(&rng, in_bits, in, acts, 0.3, 2.0);
-    random_bf16(&rng, dout_bits, dout, acts, 0.0, 1.0);
-    random_bf16(&rng, din_bits, din, acts, 0.0, 1.0);
-    random_bf16(&rng, weight_bits, weight, C, 1.0, 0.1);
-    random_bf16(&rng, dweight_bits, dweight, C, 0.0, 1.0);
+    fill_normal_bf16_values(&rng, in, acts, 0.3, 2.0);
+    fill_normal_bf16_values(&rng, dout, acts, 0.0, 1.0);
+    fill_normal_bf16_values(&rng, din, acts, 0.0, 1.0);
+    fill_normal_bf16_values(&rng, weight, C, 1.0, 0.1);
+    fill_normal_bf16_values(&rng, dweight, C, 0.0, 1.0);
     ref_rmsnorm_forward(normed, rstd, in, weight, N, C, RMS_EPS);  // both sides use these rstd
 
-    bf16 *d_in = upload_bf16(in_bits, acts), *d_dout = upload_bf16(dout_bits, acts);
-    bf16 *d_weight = upload_bf16(weight_bits, C);
+    bf16 *d_in = device_bf16_from(in, acts), *d_dout = device_bf16_from(dout, acts);
+    bf16 *d_weight = device_bf16_from(weight, C);
     bf16 *d_din = (bf16 *)device_alloc(acts * sizeof(bf16)), *d_dweight = (bf16 *)device_alloc(C * sizeof(bf16));
     float *d_rstd = (float *)device_alloc(N * sizeof(float));
     cudaCheck(cudaMemcpy(d_rstd, rstd, N * sizeof(float), cudaMemcpyHostToDevice));
     size_t scratch_bytes = rmsnorm_backward_scratch_bytes(N, C);
     float *d_scratch = (float *)device_alloc(scratch_bytes);
     for (int run = 0; run < 2; run++) {
-        cudaCheck(cudaMemcpy(d_din, din_bits, acts * sizeof(bf16), cudaMemcpyHostToDevice));
-        cudaCheck(cudaMemcpy(d_dweight, dweight_bits, C * sizeof(bf16), cudaMemcpyHostToDevice));
-        poison(d_scratch, scratch_bytes);
+        copy_bf16_to_device(d_din, din, acts);
+        copy_bf16_to_device(d_dweight, dweight, C);
+        poison_nan(d_scratch, scratch_bytes);
         rmsnorm_backward(d_din, d_dweight, d_scratch, d_dout, d_in, d_weight, d_rstd, N, C, 0);
         download_bf16(din_runs[run], d_din, acts);
         download_bf16(dweight_runs[run], d_dweight, C);
     }
-    bf16_to_float(got_din, din_runs[0], acts);
-    bf16_to_float(got_dweight, dweight_runs[0], C);
+    convert_bf16_to_floats(got_din, din_runs[0], acts);
+    convert_bf16_to_floats(got_dweight, dweight_runs[0], C);
     ref_rmsnorm_backward(din, dweight, dout, in, weight, rstd, N, C);  // accumulates: din, dweight now expected
 
     char name[128];
@@ -315,7 +272,6 @@ static void test_rmsnorm_backward(int N, int C) {
     cudaCheck(cudaFree(d_dweight));
     cudaCheck(cudaFree(d_rstd));
     cudaCheck(cudaFree(d_scratch));
-    free(in_bits), free(dout_bits), free(din_bits), free(weight_bits), free(dweight_bits);
     free(in), free(dout), free(din), free(weight), free(dweight), free(normed), free(rstd);
     free(got_din), free(got_dweight);
     for (int run = 0; run < 2; run++) free(din_runs[run]), free(dweight_runs[run]);
@@ -368,7 +324,8 @@ static void test_rope(int B, int T, int n_heads, int n_kv_heads, int head_dim, i
     float *qkv = host_floats(packed), *got = host_floats(packed);
     float *q = host_floats(q_size), *q_ref = host_floats(q_size), *q_got = host_floats(q_size);
     float *k = host_floats(kv_size), *k_ref = host_floats(kv_size), *k_got = host_floats(kv_size);
-    random_bf16(&rng, qkv_bits, qkv, packed, 0.0, 1.0);
+    fill_normal_bf16_values(&rng, qkv, packed, 0.0, 1.0);
+    convert_floats_to_bf16(qkv_bits, qkv, packed);
 
     float *d_cos = (float *)device_alloc(half_table * sizeof(float));
     float *d_sin = (float *)device_alloc(half_table * sizeof(float));
@@ -382,7 +339,7 @@ static void test_rope(int B, int T, int n_heads, int n_kv_heads, int head_dim, i
         else rope_forward(d_qkv, d_cos, d_sin, B, T, n_heads, n_kv_heads, head_dim, 0);
         download_bf16(runs[run], d_qkv, packed);
     }
-    bf16_to_float(got, result_bits, packed);
+    convert_bf16_to_floats(got, result_bits, packed);
 
     gather_heads(q, qkv, rows, total_heads, 0, n_heads, head_dim);
     gather_heads(k, qkv, rows, total_heads, n_heads, n_kv_heads, head_dim);
@@ -431,30 +388,29 @@ static void test_swiglu(int N, int I) {
     Random rng;
     random_seed(&rng, 7000 + N);
     size_t n = (size_t)N * I;
-    bf16 *gate_up_bits = host_bf16s(2 * n), *dout_bits = host_bf16s(n);
     bf16 *dgate_up_runs[2] = {host_bf16s(2 * n), host_bf16s(2 * n)};
     float *gate_up = host_floats(2 * n), *dout = host_floats(n), *gate = host_floats(n), *up = host_floats(n);
     float *expected = host_floats(n), *got = host_floats(n), *dgate = host_floats(n), *dup = host_floats(n);
     float *expected_dgate_up = host_floats(2 * n), *got_dgate_up = host_floats(2 * n);
     // Gate values out to +-9 reach both flat ends of the sigmoid.
-    random_bf16(&rng, gate_up_bits, gate_up, 2 * n, 0.0, 3.0);
-    random_bf16(&rng, dout_bits, dout, n, 0.0, 1.0);
+    fill_normal_bf16_values(&rng, gate_up, 2 * n, 0.0, 3.0);
+    fill_normal_bf16_values(&rng, dout, n, 0.0, 1.0);
     for (int r = 0; r < N; r++) {
         memcpy(gate + (size_t)r * I, gate_up + (size_t)r * 2 * I, I * sizeof(float));
         memcpy(up + (size_t)r * I, gate_up + (size_t)r * 2 * I + I, I * sizeof(float));
     }
 
-    bf16 *d_gate_up = upload_bf16(gate_up_bits, 2 * n), *d_dout = upload_bf16(dout_bits, n);
+    bf16 *d_gate_up = device_bf16_from(gate_up, 2 * n), *d_dout = device_bf16_from(dout, n);
     bf16 *d_out = (bf16 *)device_alloc(n * sizeof(bf16)), *d_dgate_up = (bf16 *)device_alloc(2 * n * sizeof(bf16));
-    poison(d_out, n * sizeof(bf16));
+    poison_nan(d_out, n * sizeof(bf16));
     swiglu_forward(d_out, d_gate_up, N, I, 0);
-    download_bf16_as_float(got, d_out, n);
+    copy_bf16_to_host(got, d_out, n);
     for (int run = 0; run < 2; run++) {
-        poison(d_dgate_up, 2 * n * sizeof(bf16));
+        poison_nan(d_dgate_up, 2 * n * sizeof(bf16));
         swiglu_backward(d_dgate_up, d_dout, d_gate_up, N, I, 0);
         download_bf16(dgate_up_runs[run], d_dgate_up, 2 * n);
     }
-    bf16_to_float(got_dgate_up, dgate_up_runs[0], 2 * n);
+    convert_bf16_to_floats(got_dgate_up, dgate_up_runs[0], 2 * n);
 
     ref_swiglu_forward(expected, gate, up, n);
     memset(dgate, 0, n * sizeof(float));
@@ -477,7 +433,7 @@ static void test_swiglu(int N, int I) {
     cudaCheck(cudaFree(d_dout));
     cudaCheck(cudaFree(d_out));
     cudaCheck(cudaFree(d_dgate_up));
-    free(gate_up_bits), free(dout_bits), free(dgate_up_runs[0]), free(dgate_up_runs[1]);
+    free(dgate_up_runs[0]), free(dgate_up_runs[1]);
     free(gate_up), free(dout), free(gate), free(up), free(expected), free(got), free(dgate), free(dup);
     free(expected_dgate_up), free(got_dgate_up);
 }
@@ -537,11 +493,6 @@ static void bench_swiglu_backward(const Bench *b) {
     swiglu_backward(b->dgate_up, b->mlp_out, b->gate_up, b->N, b->I, 0);
 }
 
-static int compare_floats(const void *a, const void *b) {
-    float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
-}
-
 // Median time over BENCH_REPEATS launches after a warm-up; GB/s counts each byte the kernel
 // must read or write once.
 static void bench_kernel(const char *name, void (*launch)(const Bench *), const Bench *b, double bytes) {
@@ -557,8 +508,7 @@ static void bench_kernel(const char *name, void (*launch)(const Bench *), const 
         cudaCheck(cudaEventSynchronize(stop));
         cudaCheck(cudaEventElapsedTime(&ms[i], start, stop));
     }
-    qsort(ms, BENCH_REPEATS, sizeof(float), compare_floats);
-    float median_ms = ms[BENCH_REPEATS / 2];
+    float median_ms = median_in_place(ms, BENCH_REPEATS);
     printf("time %-26s %9.1f us %8.0f GB/s\n", name, median_ms * 1e3, bytes / (median_ms * 1e-3) / 1e9);
     cudaCheck(cudaEventDestroy(start));
     cudaCheck(cudaEventDestroy(stop));

@@ -12,69 +12,9 @@
 #include "../coat/matmul.cuh"
 #include "../coat/random.h"
 #include "check.h"
+#include "gpu_test_util.cuh"
 extern "C" {
 #include "reference_llama.h"
-}
-
-// ---- host helpers ------------------------------------------------------------------------------
-
-static float *host_floats(size_t n) {
-    float *p = (float *)calloc(n, sizeof(float));
-    if (p == NULL) {
-        fprintf(stderr, "error: out of host memory (%zu floats)\n", n);
-        exit(EXIT_FAILURE);
-    }
-    return p;
-}
-
-static float round_to_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
-
-// Uniform in [-amplitude, amplitude), rounded to BF16 so that the CPU sees what the GPU sees.
-static float *random_bf16_values(Random *rng, size_t n, float amplitude) {
-    float *p = host_floats(n);
-    for (size_t i = 0; i < n; i++) p[i] = round_to_bf16((float)((2.0 * random_uniform(rng) - 1.0) * amplitude));
-    return p;
-}
-
-static bf16 *device_bf16_from(const float *host, size_t n) {
-    bf16 *staging = (bf16 *)malloc(n * sizeof(bf16));
-    bf16 *device;
-    if (staging == NULL) {
-        fprintf(stderr, "error: out of host memory (%zu bf16)\n", n);
-        exit(EXIT_FAILURE);
-    }
-    for (size_t i = 0; i < n; i++) staging[i] = __float2bfloat16(host[i]);
-    cudaCheck(cudaMalloc(&device, n * sizeof(bf16)));
-    cudaCheck(cudaMemcpy(device, staging, n * sizeof(bf16), cudaMemcpyHostToDevice));
-    free(staging);
-    return device;
-}
-
-static void copy_bf16_to_host(float *host, const bf16 *device, size_t n) {
-    bf16 *staging = (bf16 *)malloc(n * sizeof(bf16));
-    if (staging == NULL) {
-        fprintf(stderr, "error: out of host memory (%zu bf16)\n", n);
-        exit(EXIT_FAILURE);
-    }
-    cudaCheck(cudaMemcpy(staging, device, n * sizeof(bf16), cudaMemcpyDeviceToHost));
-    for (size_t i = 0; i < n; i++) host[i] = __bfloat162float(staging[i]);
-    free(staging);
-}
-
-static void copy_bf16_to_device(bf16 *device, const float *host, size_t n) {
-    bf16 *staging = device_bf16_from(host, n);
-    cudaCheck(cudaMemcpy(device, staging, n * sizeof(bf16), cudaMemcpyDeviceToDevice));
-    cudaCheck(cudaFree(staging));
-}
-
-// NaN in every element (all bits set is a NaN in BF16 and FP32): a kernel that skips an
-// element, or reads its output with beta = 0, shows up as NaN.
-static void poison(void *device, size_t bytes) { cudaCheck(cudaMemset(device, 0xFF, bytes)); }
-
-static float max_abs(const float *x, size_t n) {
-    float m = 0.0f;
-    for (size_t i = 0; i < n; i++) m = fmaxf(m, fabsf(x[i]));
-    return m;
 }
 
 // ---- BF16 linear layer vs the CPU reference ----------------------------------------------------
@@ -82,12 +22,12 @@ static float max_abs(const float *x, size_t n) {
 static void test_bf16_linear(GpuContext *gpu, int N, int IC, int OC) {
     Random rng;
     random_seed(&rng, 1234);
-    float *x = random_bf16_values(&rng, (size_t)N * IC, 1.0f);
-    float *w = random_bf16_values(&rng, (size_t)OC * IC, 1.0f);
-    float *dy = random_bf16_values(&rng, (size_t)N * OC, 1.0f);
-    float *y_before = random_bf16_values(&rng, (size_t)N * OC, 2.0f);
-    float *dx_before = random_bf16_values(&rng, (size_t)N * IC, 2.0f);
-    float *dw_before = random_bf16_values(&rng, (size_t)OC * IC, 2.0f);
+    float *x = random_uniform_bf16_values(&rng, (size_t)N * IC, 1.0f);
+    float *w = random_uniform_bf16_values(&rng, (size_t)OC * IC, 1.0f);
+    float *dy = random_uniform_bf16_values(&rng, (size_t)N * OC, 1.0f);
+    float *y_before = random_uniform_bf16_values(&rng, (size_t)N * OC, 2.0f);
+    float *dx_before = random_uniform_bf16_values(&rng, (size_t)N * IC, 2.0f);
+    float *dw_before = random_uniform_bf16_values(&rng, (size_t)OC * IC, 2.0f);
     float *y_ref = host_floats((size_t)N * OC), *dx_ref = host_floats((size_t)N * IC);
     float *dw_ref = host_floats((size_t)OC * IC);
     ref_matmul_forward(y_ref, x, w, N, IC, OC);
@@ -110,7 +50,8 @@ static void test_bf16_linear(GpuContext *gpu, int N, int IC, int OC) {
     for (int accumulate = 0; accumulate <= 1; accumulate++) {
         const char *mode = accumulate ? "accumulate" : "overwrite";
         const double atol = accumulate ? 1.5e-2 : 1e-3;
-        if (accumulate) copy_bf16_to_device(d_y, y_before, (size_t)N * OC); else poison(d_y, (size_t)N * OC * 2);
+        if (accumulate) copy_bf16_to_device(d_y, y_before, (size_t)N * OC);
+        else poison_nan(d_y, (size_t)N * OC * 2);
         matmul_forward(gpu, d_y, d_x, d_w, N, IC, OC, accumulate);
         cudaCheck(cudaDeviceSynchronize());
         copy_bf16_to_host(got, d_y, (size_t)N * OC);
@@ -118,7 +59,8 @@ static void test_bf16_linear(GpuContext *gpu, int N, int IC, int OC) {
         snprintf(name, sizeof(name), "bf16 forward N=%d IC=%d OC=%d %s", N, IC, OC, mode);
         check_close(name, got, expected, (size_t)N * OC, atol, rtol);
 
-        if (accumulate) copy_bf16_to_device(d_dx, dx_before, (size_t)N * IC); else poison(d_dx, (size_t)N * IC * 2);
+        if (accumulate) copy_bf16_to_device(d_dx, dx_before, (size_t)N * IC);
+        else poison_nan(d_dx, (size_t)N * IC * 2);
         matmul_backward_input(gpu, d_dx, d_dy, d_w, N, IC, OC, accumulate);
         cudaCheck(cudaDeviceSynchronize());
         copy_bf16_to_host(got, d_dx, (size_t)N * IC);
@@ -126,7 +68,8 @@ static void test_bf16_linear(GpuContext *gpu, int N, int IC, int OC) {
         snprintf(name, sizeof(name), "bf16 dgrad N=%d IC=%d OC=%d %s", N, IC, OC, mode);
         check_close(name, got, expected, (size_t)N * IC, atol, rtol);
 
-        if (accumulate) copy_bf16_to_device(d_dw, dw_before, (size_t)OC * IC); else poison(d_dw, (size_t)OC * IC * 2);
+        if (accumulate) copy_bf16_to_device(d_dw, dw_before, (size_t)OC * IC);
+        else poison_nan(d_dw, (size_t)OC * IC * 2);
         matmul_backward_weight(gpu, d_dw, d_dy, d_x, N, IC, OC, accumulate);
         cudaCheck(cudaDeviceSynchronize());
         copy_bf16_to_host(got, d_dw, (size_t)OC * IC);
@@ -159,13 +102,9 @@ typedef struct {
 static Fp8Tensor quantize_fp8(const float *x, int rows, int cols, __nv_fp8_interpretation_t format) {
     size_t n = (size_t)rows * cols;
     Fp8Tensor t;
-    t.bytes = (uint8_t *)malloc(n);
-    t.bytes_t = (uint8_t *)malloc(n);
-    t.dequantized = (double *)malloc(n * sizeof(double));
-    if (t.bytes == NULL || t.bytes_t == NULL || t.dequantized == NULL) {
-        fprintf(stderr, "error: out of host memory (FP8 tensor of %zu)\n", n);
-        exit(EXIT_FAILURE);
-    }
+    t.bytes = (uint8_t *)host_alloc(n);
+    t.bytes_t = (uint8_t *)host_alloc(n);
+    t.dequantized = (double *)host_alloc(n * sizeof(double));
     t.scale = max_abs(x, n) / (format == __NV_E4M3 ? 448.0f : 57344.0f);
     for (int r = 0; r < rows; r++) {
         for (int c = 0; c < cols; c++) {
@@ -266,21 +205,21 @@ static void test_fp8_linear(GpuContext *gpu, int N, int IC, int OC) {
 
     for (int fast = 0; fast <= 1; fast++) {
         const char *mode = fast ? "fast accumulation" : "precise accumulation";
-        poison(d_y, (size_t)N * OC * 2);
+        poison_nan(d_y, (size_t)N * OC * 2);
         matmul_forward_fp8(gpu, d_y, d_x, d_x_scale, d_w, d_w_scale, N, IC, OC, false, fast);
         cudaCheck(cudaDeviceSynchronize());
         copy_bf16_to_host(got, d_y, (size_t)N * OC);
         snprintf(name, sizeof(name), "fp8 forward e4m3 x e4m3 -> bf16 [%d,%d] %s", N, OC, mode);
         check_fp8_result(name, got, y_ref, (size_t)N * OC, 0);
 
-        poison(d_dx, (size_t)N * IC * 2);
+        poison_nan(d_dx, (size_t)N * IC * 2);
         matmul_backward_input_fp8(gpu, d_dx, d_dy, d_dy_scale, d_w_t, d_w_scale, N, IC, OC, false, fast);
         cudaCheck(cudaDeviceSynchronize());
         copy_bf16_to_host(got, d_dx, (size_t)N * IC);
         snprintf(name, sizeof(name), "fp8 dgrad e5m2 x e4m3 -> bf16 [%d,%d] %s", N, IC, mode);
         check_fp8_result(name, got, dx_ref, (size_t)N * IC, 1);
 
-        poison(d_dw_bf16, (size_t)OC * IC * 2);
+        poison_nan(d_dw_bf16, (size_t)OC * IC * 2);
         matmul_backward_weight_fp8(gpu, d_dw_bf16, DTYPE_BF16, d_dy_t, d_dy_scale, d_x_t, d_x_scale, N, IC, OC, false,
                                    fast);
         cudaCheck(cudaDeviceSynchronize());
@@ -363,11 +302,6 @@ __global__ void convert_bf16_to_e4m3(__nv_fp8_e4m3 *out, const bf16 *in, size_t 
     if (i < n) out[i] = __nv_fp8_e4m3(__bfloat162float(in[i]) * inverse_scale);
 }
 
-static int compare_floats(const void *a, const void *b) {
-    float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
-}
-
 typedef enum { SPEED_BF16, SPEED_FP8_PRECISE, SPEED_FP8_FAST } SpeedMode;
 
 // Milliseconds per GEMM: the median over 5 batches of 10 back-to-back calls, after a warm-up
@@ -396,8 +330,7 @@ static float time_gemm(GpuContext *gpu, SpeedMode mode, bf16 *out, const bf16 *a
     }
     cudaCheck(cudaEventDestroy(start));
     cudaCheck(cudaEventDestroy(stop));
-    qsort(times, BATCHES, sizeof(float), compare_floats);
-    return times[BATCHES / 2];
+    return median_in_place(times, BATCHES);
 }
 
 static void report_gemm_speed(GpuContext *gpu) {

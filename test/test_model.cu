@@ -9,6 +9,7 @@
 #include "../coat/model.cuh"
 #include "../coat/optimizer.cuh"
 #include "check.h"
+#include "gpu_test_util.cuh"
 #include "reference_llama.h"
 
 #define GRAD_REL_TOL 0.05    // ||g_gpu - g_ref|| / ||g_ref|| per tensor: BF16 activations and grads
@@ -22,20 +23,6 @@ static double relative_error_norm(const float *got, const float *expected, size_
         ref += (double)expected[i] * expected[i];
     }
     return sqrt(diff) / (sqrt(ref) + 1e-30);
-}
-
-static void upload_bf16(bf16 *device, const float *host, size_t n) {
-    bf16 *tmp = (bf16 *)malloc(n * sizeof(bf16));
-    for (size_t i = 0; i < n; i++) tmp[i] = __float2bfloat16(host[i]);
-    cudaCheck(cudaMemcpy(device, tmp, n * sizeof(bf16), cudaMemcpyHostToDevice));
-    free(tmp);
-}
-
-static void download_float(float *host, const bf16 *device, size_t n) {
-    bf16 *tmp = (bf16 *)malloc(n * sizeof(bf16));
-    cudaCheck(cudaMemcpy(tmp, device, n * sizeof(bf16), cudaMemcpyDeviceToHost));
-    for (size_t i = 0; i < n; i++) host[i] = __bfloat162float(tmp[i]);
-    free(tmp);
 }
 
 static const char *tensor_name(ParamKind kind, int layer, char *buf, size_t size) {
@@ -82,10 +69,10 @@ static void test_against_cpu_reference(GpuContext *gpu) {
     ParamLayout layout;
     param_layout_init(&layout, &shape);
     size_t P = layout.total_padded;
-    float *weights = (float *)malloc(P * sizeof(float));
+    float *weights = host_floats(P);
     param_init_weights(&layout, weights, 42);
-    for (size_t i = 0; i < P; i++) weights[i] = __bfloat162float(__float2bfloat16(weights[i]));  // what the GPU sees
-    int *tokens = (int *)malloc(N * sizeof(int)), *targets = (int *)malloc(N * sizeof(int));
+    for (size_t i = 0; i < P; i++) weights[i] = round_to_bf16(weights[i]);  // what the GPU sees
+    int *tokens = (int *)host_alloc(N * sizeof(int)), *targets = (int *)host_alloc(N * sizeof(int));
     Random rng;
     random_seed(&rng, 5);
     for (int i = 0; i < N; i++) { tokens[i] = (int)random_below(&rng, 1000); targets[i] = (int)random_below(&rng, 1000); }
@@ -98,13 +85,13 @@ static void test_against_cpu_reference(GpuContext *gpu) {
 
     LlamaModel model;
     model_create(&model, &shape, B, T);
-    upload_bf16(model.params, weights, P);
+    copy_bf16_to_device(model.params, weights, P);
     cudaCheck(cudaMemcpy(model.tokens, tokens, N * sizeof(int), cudaMemcpyHostToDevice));
     cudaCheck(cudaMemcpy(model.targets, targets, N * sizeof(int), cudaMemcpyHostToDevice));
     float loss = gpu_forward_backward(gpu, &model);
     check(fabsf(loss - ref_loss) < LOSS_REL_TOL * ref_loss, "loss: expected %.6f got %.6f", ref_loss, loss);
-    float *grads = (float *)malloc(P * sizeof(float)), *grads_again = (float *)malloc(P * sizeof(float));
-    download_float(grads, model.grads, P);
+    float *grads = host_floats(P), *grads_again = host_floats(P);
+    copy_bf16_to_host(grads, model.grads, P);
     compare_grads("the CPU reference", &layout, grads, ref.grads, GRAD_REL_TOL);
     int padding_zero = 1;
     for (int l = 0; l < shape.n_layers; l++)
@@ -114,7 +101,7 @@ static void test_against_cpu_reference(GpuContext *gpu) {
         }
     check(padding_zero, "padding gradients stay zero");
     float loss_again = gpu_forward_backward(gpu, &model);
-    download_float(grads_again, model.grads, P);
+    copy_bf16_to_host(grads_again, model.grads, P);
     check(loss_again == loss && memcmp(grads, grads_again, P * sizeof(float)) == 0,
           "forward and backward are deterministic (bitwise equal on a second run)");
 
@@ -169,9 +156,9 @@ static void test_against_pytorch(GpuContext *gpu, const char *path) {
     ParamLayout layout;
     param_layout_init(&layout, &shape);
     size_t P = layout.total_padded;
-    float *weights = (float *)malloc(P * 4), *logits = (float *)malloc((size_t)N * V * 4), *grads = (float *)malloc(P * 4);
-    float *losses = (float *)malloc(steps * 4), loss;
-    int *tokens = (int *)malloc(N * 4), *targets = (int *)malloc(N * 4);
+    float *weights = host_floats(P), *logits = host_floats((size_t)N * V), *grads = host_floats(P);
+    float *losses = host_floats(steps), loss;
+    int *tokens = (int *)host_alloc(N * 4), *targets = (int *)host_alloc(N * 4);
     int ok = fread(weights, 4, P, f) == P && fread(tokens, 4, N, f) == (size_t)N && fread(targets, 4, N, f) == (size_t)N &&
              fread(logits, 4, (size_t)N * V, f) == (size_t)N * V && fread(&loss, 4, 1, f) == 1 &&
              fread(grads, 4, P, f) == P && fread(losses, 4, steps, f) == (size_t)steps;
@@ -181,13 +168,13 @@ static void test_against_pytorch(GpuContext *gpu, const char *path) {
 
     LlamaModel model;
     model_create(&model, &shape, B, T);
-    upload_bf16(model.params, weights, P);
+    copy_bf16_to_device(model.params, weights, P);
     cudaCheck(cudaMemcpy(model.tokens, tokens, N * sizeof(int), cudaMemcpyHostToDevice));
     cudaCheck(cudaMemcpy(model.targets, targets, N * sizeof(int), cudaMemcpyHostToDevice));
     float got_loss = gpu_forward_backward(gpu, &model);
     check(fabsf(got_loss - loss) < LOSS_REL_TOL * loss, "loss vs PyTorch: expected %.6f got %.6f", loss, got_loss);
     int stride = classifier_logits_stride(V);
-    float *device_logits, *got_logits = (float *)malloc((size_t)N * stride * 4);
+    float *device_logits, *got_logits = host_floats((size_t)N * stride);
     cudaCheck(cudaMalloc(&device_logits, (size_t)N * stride * 4));
     classifier_logits(gpu, device_logits, model.final_norm_out, model_param(&model, PARAM_LM_HEAD, 0), 0, 1, N, shape.dim, V);
     cudaCheck(cudaMemcpy(got_logits, device_logits, (size_t)N * stride * 4, cudaMemcpyDeviceToHost));
@@ -201,8 +188,8 @@ static void test_against_pytorch(GpuContext *gpu, const char *path) {
         }
     check(sqrt(diff / (ref + 1e-30)) < 0.02, "logits vs PyTorch: relative error %.4f, max abs diff %.4f",
           sqrt(diff / (ref + 1e-30)), max_abs);
-    float *got_grads = (float *)malloc(P * 4);
-    download_float(got_grads, model.grads, P);
+    float *got_grads = host_floats(P);
+    copy_bf16_to_host(got_grads, model.grads, P);
     compare_grads("PyTorch", &layout, got_grads, grads, GRAD_REL_TOL);
 
     AdamWConfig ac = {beta1, beta2, eps, wd, 0};

@@ -17,6 +17,7 @@
 #include "../coat/optimizer.cuh"
 #include "../coat/random.h"
 #include "check.h"
+#include "gpu_test_util.cuh"
 extern "C" {
 #include "reference_llama.h"
 }
@@ -45,15 +46,6 @@ extern "C" {
 #define FP8_DRE_RMS_FRACTION 0.05
 
 // ---- host helpers ----------------------------------------------------------------------
-
-static void *host_alloc(size_t bytes) {
-    void *p = calloc(bytes ? bytes : 1, 1);
-    if (!p) {
-        fprintf(stderr, "error: test_optimizer: cannot allocate %zu bytes of host memory\n", bytes);
-        exit(EXIT_FAILURE);
-    }
-    return p;
-}
 
 static uint16_t bf16_from_float(float x) {  // round to nearest even
     uint32_t u;
@@ -165,7 +157,7 @@ static void fixture_create(Fixture *fx, size_t extra) {
     ModelShape shape = test_shape();
     param_layout_init(&fx->layout, &shape);
     fx->total = fx->layout.total_padded + extra;
-    fx->init = (float *)host_alloc(fx->total * sizeof(float));
+    fx->init = host_floats(fx->total);
     param_init_weights(&fx->layout, fx->init, SEED);
     fx->grads_host = (uint16_t *)host_alloc(fx->total * sizeof(uint16_t));
     cudaCheck(cudaMalloc(&fx->params, fx->total * sizeof(bf16)));
@@ -476,8 +468,7 @@ static void test_fp32_states(Fixture *fx) {
     uint16_t *params = download_params(fx);
     size_t n = fx->total;
 
-    float *ref_p = (float *)host_alloc(n * 4), *ref_m = (float *)host_alloc(n * 4), *ref_v = (float *)host_alloc(n * 4);
-    float *grads = (float *)host_alloc(n * 4);
+    float *ref_p = host_floats(n), *ref_m = host_floats(n), *ref_v = host_floats(n), *grads = host_floats(n);
     memcpy(ref_p, fx->init, n * 4);
     double lr_sum = 0;
     for (int s = 0; s < EXACT_STEPS; s++) {
@@ -589,8 +580,7 @@ static void test_save_load(Fixture *fx, OptimizerStateKind kind) {
     FILE *file = tmpfile();
     if (!file) { fprintf(stderr, "error: tmpfile: cannot create a temporary file\n"); exit(EXIT_FAILURE); }
     adamw_save(&a, file, "tmpfile", fx->stream);
-    float *master_at_save = (float *)malloc(fx->total * sizeof(float));  // a checkpoint's own section
-    if (!master_at_save) { fprintf(stderr, "error: out of host memory\n"); exit(EXIT_FAILURE); }
+    float *master_at_save = host_floats(fx->total);  // a checkpoint's own section
     adamw_copy_master_to_host(&a, master_at_save, fx->stream);
     long written = ftell(file);
     check(written == (long)adamw_checkpoint_bytes(&a), "%s save: %ld bytes written, adamw_checkpoint_bytes says %zu", name,
@@ -642,7 +632,7 @@ static void test_master_transfers(Fixture *fx) {
     adamw_create(&opt, OPT_STATES_FP32, &config, &fx->layout, begin, end, fx->stream);
     fixture_reset_params(fx);
     adamw_set_master_from_params(&opt, fx->params, fx->stream);
-    float *host = (float *)host_alloc(n * sizeof(float));
+    float *host = host_floats(n);
     for (size_t i = 0; i < n; i++) host[i] = -7.0f;
     adamw_copy_master_to_host(&opt, host, fx->stream);
     size_t bad = 0;
@@ -942,11 +932,6 @@ __global__ void fill_bf16_hash(bf16 *out, size_t n, uint32_t seed, float scale) 
     out[i] = __float2bfloat16(((float)(h >> 8) * 5.9604645e-8f - 0.5f) * scale);
 }
 
-static int compare_floats(const void *a, const void *b) {
-    float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
-}
-
 static void bench_step(void) {
     ModelShape shape = test_shape();
     ParamLayout layout;
@@ -976,10 +961,10 @@ static void bench_step(void) {
             cudaCheck(cudaEventSynchronize(stop));
             cudaCheck(cudaEventElapsedTime(&ms[rep], start, stop));
         }
-        qsort(ms, 5, sizeof(float), compare_floats);
+        float median_ms = median_in_place(ms, 5);
         double bytes = 4.0 * n + 2.0 * adamw_payload_bytes(opt.kind, n);  // grads in, params out, state in and out
         printf("bench: adamw_step %-7s 1e9 params: %.2f ms, %.0f GB/s (median of 5)\n", optimizer_state_kind_name(opt.kind),
-               ms[2], bytes / (ms[2] * 1e-3) / 1e9);
+               median_ms, bytes / (median_ms * 1e-3) / 1e9);
         adamw_free(&opt);
     }
     double *scratch;
@@ -994,8 +979,9 @@ static void bench_step(void) {
         cudaCheck(cudaEventSynchronize(stop));
         cudaCheck(cudaEventElapsedTime(&ms[rep], start, stop));
     }
-    qsort(ms, 5, sizeof(float), compare_floats);
-    printf("bench: grad_norm_squared 1e9 values: %.2f ms, %.0f GB/s (median of 5)\n", ms[2], 2.0 * n / (ms[2] * 1e-3) / 1e9);
+    float median_ms = median_in_place(ms, 5);
+    printf("bench: grad_norm_squared 1e9 values: %.2f ms, %.0f GB/s (median of 5)\n", median_ms,
+           2.0 * n / (median_ms * 1e-3) / 1e9);
     cudaCheck(cudaFree(scratch));
     cudaCheck(cudaFree(out));
     cudaCheck(cudaEventDestroy(start));
