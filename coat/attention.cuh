@@ -135,6 +135,55 @@ __device__ __forceinline__ void accumulators_to_a_operand(uint32_t (&a)[4], cons
     a[3] = pack_bf16x2(right[2], right[3]);
 }
 
+// acc = A B^T for one warp: A is rows [a_row0, a_row0 + 16) of a row-major tile, B the first
+// 8 N_TILES rows of another, both K_DIM wide and ld apart (S = Q K^T, dP = dO V^T, or transposed).
+template <int K_DIM, int N_TILES>
+__device__ __forceinline__ void warp_matmul_a_bt(float (&acc)[N_TILES][4], const bf16 *a_tile, int a_row0,
+                                                 const bf16 *b_tile, int ld, int lane) {
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < K_DIM / 16; kk++) {
+        uint32_t a[4];
+        load_a_operand(a, a_tile, ld, a_row0, kk * 16, lane);
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; nt += 2) {
+            uint32_t b[4];
+            load_b_operands_nk(b, b_tile, ld, nt * 8, kk * 16, lane);
+            mma_16x8x16(acc[nt], a, b[0], b[1]);
+            mma_16x8x16(acc[nt + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// acc += X B for one warp: X (16 x 8 X_TILES) is held in FP32 accumulators, as P, dS and their
+// transposes are, and rounded to BF16 on the way; B is the first 8 X_TILES rows of a row-major tile
+// N_DIM wide, ld apart. With COPY_X, the BF16 X also goes to 16 shared rows x_copy_ld apart, x_copy
+// pointing at this thread's element (lane / 4, 2 (lane % 4)) of them.
+template <int N_DIM, int X_TILES, bool COPY_X = false>
+__device__ __forceinline__ void warp_matmul_add_x_b(float (&acc)[N_DIM / 8][4], const float (&x)[X_TILES][4],
+                                                    const bf16 *b_tile, int ld, int lane, bf16 *x_copy = nullptr,
+                                                    int x_copy_ld = 0) {
+#pragma unroll
+    for (int kx = 0; kx < X_TILES / 2; kx++) {
+        uint32_t xa[4];
+        accumulators_to_a_operand(xa, x[2 * kx], x[2 * kx + 1]);
+        if constexpr (COPY_X) {
+            *reinterpret_cast<uint32_t *>(x_copy + kx * 16) = xa[0];
+            *reinterpret_cast<uint32_t *>(x_copy + 8 * x_copy_ld + kx * 16) = xa[1];
+            *reinterpret_cast<uint32_t *>(x_copy + kx * 16 + 8) = xa[2];
+            *reinterpret_cast<uint32_t *>(x_copy + 8 * x_copy_ld + kx * 16 + 8) = xa[3];
+        }
+#pragma unroll
+        for (int nt = 0; nt < N_DIM / 8; nt += 2) {
+            uint32_t b[4];
+            load_b_operands_kn(b, b_tile, ld, kx * 16, nt * 8, lane);
+            mma_16x8x16(acc[nt], xa, b[0], b[1]);
+            mma_16x8x16(acc[nt + 1], xa, b[2], b[3]);
+        }
+    }
+}
+
 // Rows [row0, row0 + ROWS) of one head (head_dim elements each, row_stride apart in global memory)
 // into a padded shared tile, asynchronously, spread over the THREADS threads of the block; rows >= T
 // become zeros so that no stale value (possibly NaN) can reach an mma.
@@ -151,6 +200,16 @@ __device__ __forceinline__ void load_tile_async(bf16 *tile, const bf16 *head, si
         bool valid = row0 + r < T;
         cp_async_16(tile + r * LD + col, head + (size_t)(valid ? row0 + r : 0) * row_stride + col, valid);
     }
+}
+
+// Rows [row0, row0 + KV_TILE) of one kv head's keys and values into two padded shared tiles,
+// asynchronously, as one commit group.
+template <int KV_TILE, int HEAD_DIM, int THREADS>
+__device__ __forceinline__ void load_kv_tiles_async(bf16 *k_tile, bf16 *v_tile, const bf16 *k_head, const bf16 *v_head,
+                                                    size_t row_stride, int row0, int T) {
+    load_tile_async<KV_TILE, HEAD_DIM, THREADS>(k_tile, k_head, row_stride, row0, T);
+    load_tile_async<KV_TILE, HEAD_DIM, THREADS>(v_tile, v_head, row_stride, row0, T);
+    cp_async_commit();
 }
 
 // Writes 16 x HEAD_DIM accumulators of a warp as BF16 into 16 shared rows, row g scaled by
@@ -228,9 +287,7 @@ __global__ void __launch_bounds__(ATTENTION_FORWARD_THREADS, 2)
     const int num_kv_tiles = (min(q0 + Q_TILE, T) - 1) / KV_TILE + 1;  // up to the last valid row's diagonal
 
     load_tile_async<Q_TILE, HEAD_DIM, THREADS>(q_tile, q_head, qkv_row, q0, T);
-    load_tile_async<KV_TILE, HEAD_DIM, THREADS>(k_tiles, k_head, qkv_row, 0, T);
-    load_tile_async<KV_TILE, HEAD_DIM, THREADS>(v_tiles, v_head, qkv_row, 0, T);
-    cp_async_commit();
+    load_kv_tiles_async<KV_TILE, HEAD_DIM, THREADS>(k_tiles, v_tiles, k_head, v_head, qkv_row, 0, T);
 
     const int warp_row0 = q0 + warp * 32;        // this thread's rows: warp_row0 + 16 mt + g (+ 8)
     const int g = lane / 4, c = (lane % 4) * 2;  // ... and columns c, c + 1 of every 8-wide tile
@@ -261,11 +318,9 @@ __global__ void __launch_bounds__(ATTENTION_FORWARD_THREADS, 2)
         }
         if (j + 1 < num_kv_tiles) {
             int next = (j + 1) & 1;
-            load_tile_async<KV_TILE, HEAD_DIM, THREADS>(k_tiles + next * KV_TILE * LD, k_head, qkv_row,
-                                                        (j + 1) * KV_TILE, T);
-            load_tile_async<KV_TILE, HEAD_DIM, THREADS>(v_tiles + next * KV_TILE * LD, v_head, qkv_row,
-                                                        (j + 1) * KV_TILE, T);
-            cp_async_commit();
+            load_kv_tiles_async<KV_TILE, HEAD_DIM, THREADS>(k_tiles + next * KV_TILE * LD,
+                                                            v_tiles + next * KV_TILE * LD, k_head, v_head, qkv_row,
+                                                            (j + 1) * KV_TILE, T);
         }
         const int kv0 = j * KV_TILE;
         if (kv0 > warp_row0 + 31) continue;  // the whole tile lies right of this warp's diagonal
@@ -425,6 +480,59 @@ __device__ __forceinline__ void backward_load_step(bf16 *q_dst, bf16 *dout_dst, 
     *delta_value = valid ? delta_head[q] : 0.f;
 }
 
+// P^T for the 16 keys warp_kv0.. of a warp (rows 16 warp.. of k_tile) and the queries q0.. of the
+// step (columns): S^T = K Q^T, P^T = 2^(S^T scale log2 e - lse log2 e), 0 where the key comes after
+// the query. lse_log2: the step's lse per query, in log2 units. g = lane / 4 and c = 2 (lane % 4)
+// place this thread in each accumulator tile: keys g, g + 8, queries c, c + 1.
+template <int HEAD_DIM>
+__device__ __forceinline__ void backward_probabilities_transposed(float (&pt)[ATTENTION_BACKWARD_Q_TILE / 8][4],
+                                                                  const bf16 *k_tile, const bf16 *q_tile,
+                                                                  const float *lse_log2, float scale_log2, int warp,
+                                                                  int warp_kv0, int q0, int lane, int g, int c) {
+    constexpr int S_TILES = ATTENTION_BACKWARD_Q_TILE / 8;
+    warp_matmul_a_bt<HEAD_DIM>(pt, k_tile, warp * 16, q_tile, HEAD_DIM + ATTENTION_SMEM_PAD, lane);
+    const bool crosses_diagonal = warp_kv0 + 15 > q0;
+#pragma unroll
+    for (int nt = 0; nt < S_TILES; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int q_local = nt * 8 + c + (e & 1);
+            float p = exp2_approx(fmaf(pt[nt][e], scale_log2, -lse_log2[q_local]));
+            pt[nt][e] = crosses_diagonal && warp_kv0 + g + (e >> 1) * 8 > q0 + q_local ? 0.f : p;
+        }
+}
+
+// dS^T = P^T (dP^T - D) for the same keys and queries, with dP^T = V dO^T (rows 16 warp.. of
+// v_tile); delta: the step's D per query.
+template <int HEAD_DIM>
+__device__ __forceinline__ void backward_ds_transposed(float (&dst)[ATTENTION_BACKWARD_Q_TILE / 8][4],
+                                                       const float (&pt)[ATTENTION_BACKWARD_Q_TILE / 8][4],
+                                                       const bf16 *v_tile, const bf16 *dout_tile, const float *delta,
+                                                       int warp, int lane, int c) {
+    constexpr int S_TILES = ATTENTION_BACKWARD_Q_TILE / 8;
+    warp_matmul_a_bt<HEAD_DIM>(dst, v_tile, warp * 16, dout_tile, HEAD_DIM + ATTENTION_SMEM_PAD, lane);
+#pragma unroll
+    for (int nt = 0; nt < S_TILES; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dst[nt][e] = pt[nt][e] * (dst[nt][e] - delta[nt * 8 + c + (e & 1)]);
+}
+
+// Writes a warp's 16 rows of dK (times softmax_scale) and dV, key rows warp_kv0.. (rows >= T
+// skipped), staged as BF16 in k_rows and v_rows: its own rows of the K and V tiles, read by no one now.
+template <int HEAD_DIM>
+__device__ __forceinline__ void backward_store_dk_dv(bf16 *dk_head, bf16 *dv_head, size_t row_stride, int warp_kv0,
+                                                     int T, bf16 *k_rows, bf16 *v_rows,
+                                                     const float (&dk_acc)[HEAD_DIM / 8][4],
+                                                     const float (&dv_acc)[HEAD_DIM / 8][4], float softmax_scale,
+                                                     int lane) {
+    constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD;
+    stage_accumulator_rows<HEAD_DIM>(k_rows, LD, dk_acc, softmax_scale, softmax_scale, lane);
+    stage_accumulator_rows<HEAD_DIM>(v_rows, LD, dv_acc, 1.f, 1.f, lane);
+    __syncwarp();
+    store_warp_rows<16, HEAD_DIM>(dk_head, row_stride, warp_kv0, T, k_rows, LD, lane);
+    store_warp_rows<16, HEAD_DIM>(dv_head, row_stride, warp_kv0, T, v_rows, LD, lane);
+}
+
 // ---- backward, head_dim 64: dK/dV pass, then dQ pass ----------------------------------------------
 
 // Block: 128 key rows of kv head kv_head of batch b; warp w: rows 16w..16w+15. For every query
@@ -439,7 +547,7 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, MIN_BLOCKS)
                                    int T, int NH, int NKV, float softmax_scale) {
     constexpr int KV_TILE = ATTENTION_BACKWARD_BLOCK_ROWS, Q_TILE = ATTENTION_BACKWARD_Q_TILE;
     constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD;
-    constexpr int K_STEPS = HEAD_DIM / 16, S_TILES = Q_TILE / 8, D_TILES = HEAD_DIM / 8;
+    constexpr int S_TILES = Q_TILE / 8, D_TILES = HEAD_DIM / 8;
     static_assert(KV_TILE % Q_TILE == 0, "a key block must start on a query tile boundary");
     static_assert(Q_TILE <= ATTENTION_BACKWARD_THREADS, "one thread loads each row's lse and D");
     extern __shared__ __align__(16) unsigned char attention_smem[];
@@ -491,7 +599,7 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, MIN_BLOCKS)
         cp_async_wait_all();
         __syncthreads();  // this step's tiles visible to all; everyone is done with the stage refilled below
         const int stage = step & 1;
-        float next_lse_log2 = INFINITY, next_delta = 0.f;
+        float next_delta = 0.f, next_lse_log2 = INFINITY;
         if (step + 1 < steps) {
             int head = kv_head * group + (step + 1) / q_tiles_per_head;
             int q0 = (first_q_tile + (step + 1) % q_tiles_per_head) * Q_TILE;
@@ -508,73 +616,12 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, MIN_BLOCKS)
             const float *lse_cur = lse_tiles + stage * Q_TILE;
             const float *delta_cur = delta_tiles + stage * Q_TILE;
 
-            float pt[S_TILES][4];  // S^T, then P^T: key rows x query columns
-#pragma unroll
-            for (int nt = 0; nt < S_TILES; nt++) pt[nt][0] = pt[nt][1] = pt[nt][2] = pt[nt][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < K_STEPS; kk++) {
-                uint32_t ka[4];
-                load_a_operand(ka, k_tile, LD, warp * 16, kk * 16, lane);
-#pragma unroll
-                for (int nt = 0; nt < S_TILES; nt += 2) {
-                    uint32_t qb[4];
-                    load_b_operands_nk(qb, q_cur, LD, nt * 8, kk * 16, lane);
-                    mma_16x8x16(pt[nt], ka, qb[0], qb[1]);
-                    mma_16x8x16(pt[nt + 1], ka, qb[2], qb[3]);
-                }
-            }
-            const bool crosses_diagonal = warp_kv0 + 15 > q0;
-#pragma unroll
-            for (int nt = 0; nt < S_TILES; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    int q_local = nt * 8 + c + (e & 1);
-                    float p = exp2_approx(fmaf(pt[nt][e], scale_log2, -lse_cur[q_local]));
-                    pt[nt][e] = crosses_diagonal && warp_kv0 + g + (e >> 1) * 8 > q0 + q_local ? 0.f : p;
-                }
-#pragma unroll
-            for (int kq = 0; kq < Q_TILE / 16; kq++) {  // dV += P^T dO
-                uint32_t pa[4];
-                accumulators_to_a_operand(pa, pt[2 * kq], pt[2 * kq + 1]);
-#pragma unroll
-                for (int dt = 0; dt < D_TILES; dt += 2) {
-                    uint32_t db[4];
-                    load_b_operands_kn(db, dout_cur, LD, kq * 16, dt * 8, lane);
-                    mma_16x8x16(dv_acc[dt], pa, db[0], db[1]);
-                    mma_16x8x16(dv_acc[dt + 1], pa, db[2], db[3]);
-                }
-            }
-            float dst[S_TILES][4];  // dP^T, then dS^T
-#pragma unroll
-            for (int nt = 0; nt < S_TILES; nt++) dst[nt][0] = dst[nt][1] = dst[nt][2] = dst[nt][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < K_STEPS; kk++) {
-                uint32_t va[4];
-                load_a_operand(va, v_tile, LD, warp * 16, kk * 16, lane);
-#pragma unroll
-                for (int nt = 0; nt < S_TILES; nt += 2) {
-                    uint32_t db[4];
-                    load_b_operands_nk(db, dout_cur, LD, nt * 8, kk * 16, lane);
-                    mma_16x8x16(dst[nt], va, db[0], db[1]);
-                    mma_16x8x16(dst[nt + 1], va, db[2], db[3]);
-                }
-            }
-#pragma unroll
-            for (int nt = 0; nt < S_TILES; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) dst[nt][e] = pt[nt][e] * (dst[nt][e] - delta_cur[nt * 8 + c + (e & 1)]);
-#pragma unroll
-            for (int kq = 0; kq < Q_TILE / 16; kq++) {  // dK += dS^T Q (scaled at the end)
-                uint32_t dsa[4];
-                accumulators_to_a_operand(dsa, dst[2 * kq], dst[2 * kq + 1]);
-#pragma unroll
-                for (int dt = 0; dt < D_TILES; dt += 2) {
-                    uint32_t qb[4];
-                    load_b_operands_kn(qb, q_cur, LD, kq * 16, dt * 8, lane);
-                    mma_16x8x16(dk_acc[dt], dsa, qb[0], qb[1]);
-                    mma_16x8x16(dk_acc[dt + 1], dsa, qb[2], qb[3]);
-                }
-            }
+            float pt[S_TILES][4], dst[S_TILES][4];  // P^T and dS^T: key rows x query columns
+            backward_probabilities_transposed<HEAD_DIM>(pt, k_tile, q_cur, lse_cur, scale_log2, warp, warp_kv0, q0,
+                                                        lane, g, c);
+            warp_matmul_add_x_b<HEAD_DIM>(dv_acc, pt, dout_cur, LD, lane);  // dV += P^T dO
+            backward_ds_transposed<HEAD_DIM>(dst, pt, v_tile, dout_cur, delta_cur, warp, lane, c);
+            warp_matmul_add_x_b<HEAD_DIM>(dk_acc, dst, q_cur, LD, lane);  // dK += dS^T Q (scaled at the end)
         }
         if (step + 1 < steps && (int)threadIdx.x < Q_TILE) {
             lse_tiles[(stage ^ 1) * Q_TILE + threadIdx.x] = next_lse_log2;
@@ -583,14 +630,9 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, MIN_BLOCKS)
     }
 
     // The warp's own K and V rows are free now, and no other warp ever reads them.
-    bf16 *k_rows = k_tile + warp * 16 * LD, *v_rows = v_tile + warp * 16 * LD;
-    stage_accumulator_rows<HEAD_DIM>(k_rows, LD, dk_acc, softmax_scale, softmax_scale, lane);
-    stage_accumulator_rows<HEAD_DIM>(v_rows, LD, dv_acc, 1.f, 1.f, lane);
-    __syncwarp();
-    store_warp_rows<16, HEAD_DIM>(dqkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, qkv_row, warp_kv0, T, k_rows, LD,
-                                  lane);
-    store_warp_rows<16, HEAD_DIM>(dqkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM, qkv_row, warp_kv0, T, v_rows,
-                                  LD, lane);
+    backward_store_dk_dv<HEAD_DIM>(
+        dqkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, dqkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM, qkv_row,
+        warp_kv0, T, k_tile + warp * 16 * LD, v_tile + warp * 16 * LD, dk_acc, dv_acc, softmax_scale, lane);
 }
 
 // Block: 128 query rows of head h of batch b (Q and dO resident), walking the K/V tiles up to the
@@ -602,7 +644,7 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, MIN_BLOCKS)
                                  int T, int NH, int NKV, float softmax_scale) {
     constexpr int Q_TILE = ATTENTION_BACKWARD_BLOCK_ROWS;
     constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD;
-    constexpr int K_STEPS = HEAD_DIM / 16, S_TILES = KV_TILE / 8, D_TILES = HEAD_DIM / 8;
+    constexpr int S_TILES = KV_TILE / 8, D_TILES = HEAD_DIM / 8;
     extern __shared__ __align__(16) unsigned char attention_smem[];
     bf16 *q_tile = reinterpret_cast<bf16 *>(attention_smem);
     bf16 *dout_tile = q_tile + Q_TILE * LD;
@@ -624,9 +666,7 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, MIN_BLOCKS)
                                                                   T);
     load_tile_async<Q_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(
         dout_tile, dout + (size_t)b * T * dout_row + (size_t)h * HEAD_DIM, dout_row, q0, T);
-    load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(k_tiles, k_head, qkv_row, 0, T);
-    load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(v_tiles, v_head, qkv_row, 0, T);
-    cp_async_commit();
+    load_kv_tiles_async<KV_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(k_tiles, v_tiles, k_head, v_head, qkv_row, 0, T);
 
     const int warp_row0 = q0 + warp * 16;
     const int g = lane / 4, c = (lane % 4) * 2;
@@ -648,11 +688,9 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, MIN_BLOCKS)
         __syncthreads();  // tile j visible to all; everyone is done with the stage refilled below
         if (j + 1 < num_kv_tiles) {
             int next = (j + 1) & 1;
-            load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(k_tiles + next * KV_TILE * LD, k_head,
-                                                                           qkv_row, (j + 1) * KV_TILE, T);
-            load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(v_tiles + next * KV_TILE * LD, v_head,
-                                                                           qkv_row, (j + 1) * KV_TILE, T);
-            cp_async_commit();
+            load_kv_tiles_async<KV_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(k_tiles + next * KV_TILE * LD,
+                                                                               v_tiles + next * KV_TILE * LD, k_head,
+                                                                               v_head, qkv_row, (j + 1) * KV_TILE, T);
         }
         const int kv0 = j * KV_TILE;
         if (kv0 > warp_row0 + 15) continue;  // the whole tile lies right of this warp's diagonal
@@ -660,20 +698,7 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, MIN_BLOCKS)
         const bf16 *v_cur = v_tiles + (j & 1) * KV_TILE * LD;
 
         float p[S_TILES][4];  // S, then P
-#pragma unroll
-        for (int nt = 0; nt < S_TILES; nt++) p[nt][0] = p[nt][1] = p[nt][2] = p[nt][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < K_STEPS; kk++) {
-            uint32_t qa[4];
-            load_a_operand(qa, q_tile, LD, warp * 16, kk * 16, lane);
-#pragma unroll
-            for (int nt = 0; nt < S_TILES; nt += 2) {
-                uint32_t kb[4];
-                load_b_operands_nk(kb, k_cur, LD, nt * 8, kk * 16, lane);
-                mma_16x8x16(p[nt], qa, kb[0], kb[1]);
-                mma_16x8x16(p[nt + 1], qa, kb[2], kb[3]);
-            }
-        }
+        warp_matmul_a_bt<HEAD_DIM>(p, q_tile, warp * 16, k_cur, LD, lane);
         const bool crosses_diagonal = kv0 + KV_TILE - 1 > warp_row0;
 #pragma unroll
         for (int nt = 0; nt < S_TILES; nt++)
@@ -683,36 +708,12 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, MIN_BLOCKS)
                 p[nt][e] = crosses_diagonal && kv0 + nt * 8 + c + (e & 1) > warp_row0 + g + (e >> 1) * 8 ? 0.f : prob;
             }
         float ds[S_TILES][4];  // dP, then dS
-#pragma unroll
-        for (int nt = 0; nt < S_TILES; nt++) ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < K_STEPS; kk++) {
-            uint32_t da[4];
-            load_a_operand(da, dout_tile, LD, warp * 16, kk * 16, lane);
-#pragma unroll
-            for (int nt = 0; nt < S_TILES; nt += 2) {
-                uint32_t vb[4];
-                load_b_operands_nk(vb, v_cur, LD, nt * 8, kk * 16, lane);
-                mma_16x8x16(ds[nt], da, vb[0], vb[1]);
-                mma_16x8x16(ds[nt + 1], da, vb[2], vb[3]);
-            }
-        }
+        warp_matmul_a_bt<HEAD_DIM>(ds, dout_tile, warp * 16, v_cur, LD, lane);
 #pragma unroll
         for (int nt = 0; nt < S_TILES; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) ds[nt][e] = p[nt][e] * (ds[nt][e] - row_delta[e >> 1]);
-#pragma unroll
-        for (int kk = 0; kk < KV_TILE / 16; kk++) {  // dQ += dS K (scaled at the end)
-            uint32_t dsa[4];
-            accumulators_to_a_operand(dsa, ds[2 * kk], ds[2 * kk + 1]);
-#pragma unroll
-            for (int dt = 0; dt < D_TILES; dt += 2) {
-                uint32_t kb[4];
-                load_b_operands_kn(kb, k_cur, LD, kk * 16, dt * 8, lane);
-                mma_16x8x16(dq_acc[dt], dsa, kb[0], kb[1]);
-                mma_16x8x16(dq_acc[dt + 1], dsa, kb[2], kb[3]);
-            }
-        }
+        warp_matmul_add_x_b<HEAD_DIM>(dq_acc, ds, k_cur, LD, lane);  // dQ += dS K (scaled at the end)
     }
 
     // The warp's own Q rows are free now, and no other warp ever reads them.
@@ -822,7 +823,7 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, 1)
     typedef AttentionBackwardSmem<HEAD_DIM> Smem;
     constexpr int KV_TILE = ATTENTION_BACKWARD_BLOCK_ROWS, Q_TILE = ATTENTION_BACKWARD_Q_TILE;
     constexpr int LD = Smem::LD, DS_LD = Smem::DS_LD;
-    constexpr int K_STEPS = HEAD_DIM / 16, S_TILES = Q_TILE / 8, D_TILES = HEAD_DIM / 8;
+    constexpr int S_TILES = Q_TILE / 8, D_TILES = HEAD_DIM / 8;
     // dQ share: warp w computes query rows 32 (w % 2).. + 31 and columns (w / 2) DQ_COLS.. of the tile.
     constexpr int DQ_COLS = HEAD_DIM / 4, DQ_N_TILES = DQ_COLS / 8;
     constexpr uint32_t DQ_SLOT_BYTES = Q_TILE * HEAD_DIM * sizeof(float);
@@ -892,7 +893,7 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, 1)
                           // and the previous step's dQ share is staged
         if (threadIdx.x == 0 && step > 0) dq_share_issue(slot, dq_staged, DQ_SLOT_BYTES, done, turn);
         const int stage = step & 1;
-        float next_lse_log2 = INFINITY, next_delta = 0.f;
+        float next_delta = 0.f, next_lse_log2 = INFINITY;
         if (step + 1 < steps) {
             int head = kv_head * group + (step + 1) / q_tiles_per_head;
             int q0 = (first_q_tile + (step + 1) % q_tiles_per_head) * Q_TILE;
@@ -913,78 +914,14 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, 1)
             const float *lse_cur = lse_tiles + stage * Q_TILE;
             const float *delta_cur = delta_tiles + stage * Q_TILE;
 
-            float pt[S_TILES][4];  // S^T, then P^T: key rows x query columns
-#pragma unroll
-            for (int nt = 0; nt < S_TILES; nt++) pt[nt][0] = pt[nt][1] = pt[nt][2] = pt[nt][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < K_STEPS; kk++) {
-                uint32_t ka[4];
-                load_a_operand(ka, k_tile, LD, warp * 16, kk * 16, lane);
-#pragma unroll
-                for (int nt = 0; nt < S_TILES; nt += 2) {
-                    uint32_t qb[4];
-                    load_b_operands_nk(qb, q_cur, LD, nt * 8, kk * 16, lane);
-                    mma_16x8x16(pt[nt], ka, qb[0], qb[1]);
-                    mma_16x8x16(pt[nt + 1], ka, qb[2], qb[3]);
-                }
-            }
-            const bool crosses_diagonal = warp_kv0 + 15 > q0;
-#pragma unroll
-            for (int nt = 0; nt < S_TILES; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    int q_local = nt * 8 + c + (e & 1);
-                    float p = exp2_approx(fmaf(pt[nt][e], scale_log2, -lse_cur[q_local]));
-                    pt[nt][e] = crosses_diagonal && warp_kv0 + g + (e >> 1) * 8 > q0 + q_local ? 0.f : p;
-                }
-#pragma unroll
-            for (int kq = 0; kq < Q_TILE / 16; kq++) {  // dV += P^T dO
-                uint32_t pa[4];
-                accumulators_to_a_operand(pa, pt[2 * kq], pt[2 * kq + 1]);
-#pragma unroll
-                for (int dt = 0; dt < D_TILES; dt += 2) {
-                    uint32_t db[4];
-                    load_b_operands_kn(db, dout_cur, LD, kq * 16, dt * 8, lane);
-                    mma_16x8x16(dv_acc[dt], pa, db[0], db[1]);
-                    mma_16x8x16(dv_acc[dt + 1], pa, db[2], db[3]);
-                }
-            }
-            float dst[S_TILES][4];  // dP^T, then dS^T
-#pragma unroll
-            for (int nt = 0; nt < S_TILES; nt++) dst[nt][0] = dst[nt][1] = dst[nt][2] = dst[nt][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < K_STEPS; kk++) {
-                uint32_t va[4];
-                load_a_operand(va, v_tile, LD, warp * 16, kk * 16, lane);
-#pragma unroll
-                for (int nt = 0; nt < S_TILES; nt += 2) {
-                    uint32_t db[4];
-                    load_b_operands_nk(db, dout_cur, LD, nt * 8, kk * 16, lane);
-                    mma_16x8x16(dst[nt], va, db[0], db[1]);
-                    mma_16x8x16(dst[nt + 1], va, db[2], db[3]);
-                }
-            }
-#pragma unroll
-            for (int nt = 0; nt < S_TILES; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) dst[nt][e] = pt[nt][e] * (dst[nt][e] - delta_cur[nt * 8 + c + (e & 1)]);
-            bf16 *ds_rows = ds_tile + (warp * 16 + g) * DS_LD + c;
-#pragma unroll
-            for (int kq = 0; kq < Q_TILE / 16; kq++) {  // dK += dS^T Q (scaled at the end); dS^T to shared
-                uint32_t dsa[4];
-                accumulators_to_a_operand(dsa, dst[2 * kq], dst[2 * kq + 1]);
-                *reinterpret_cast<uint32_t *>(ds_rows + kq * 16) = dsa[0];
-                *reinterpret_cast<uint32_t *>(ds_rows + 8 * DS_LD + kq * 16) = dsa[1];
-                *reinterpret_cast<uint32_t *>(ds_rows + kq * 16 + 8) = dsa[2];
-                *reinterpret_cast<uint32_t *>(ds_rows + 8 * DS_LD + kq * 16 + 8) = dsa[3];
-#pragma unroll
-                for (int dt = 0; dt < D_TILES; dt += 2) {
-                    uint32_t qb[4];
-                    load_b_operands_kn(qb, q_cur, LD, kq * 16, dt * 8, lane);
-                    mma_16x8x16(dk_acc[dt], dsa, qb[0], qb[1]);
-                    mma_16x8x16(dk_acc[dt + 1], dsa, qb[2], qb[3]);
-                }
-            }
+            float pt[S_TILES][4], dst[S_TILES][4];  // P^T and dS^T: key rows x query columns
+            backward_probabilities_transposed<HEAD_DIM>(pt, k_tile, q_cur, lse_cur, scale_log2, warp, warp_kv0, q0,
+                                                        lane, g, c);
+            warp_matmul_add_x_b<HEAD_DIM>(dv_acc, pt, dout_cur, LD, lane);  // dV += P^T dO
+            backward_ds_transposed<HEAD_DIM>(dst, pt, v_tile, dout_cur, delta_cur, warp, lane, c);
+            // dK += dS^T Q (scaled at the end), and dS^T to shared memory for the dQ share
+            warp_matmul_add_x_b<HEAD_DIM, S_TILES, true>(dk_acc, dst, q_cur, LD, lane,
+                                                         ds_tile + (warp * 16 + g) * DS_LD + c, DS_LD);
         }
         if (threadIdx.x == 0 && step > 0) dq_share_release(done, turn);
         __syncthreads();  // dS^T complete; the copy engine is done with the staging buffer
@@ -1035,14 +972,9 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, 1)
     }
 
     // K and V rows are free now; each warp stages its own 16 rows of dK and dV there.
-    bf16 *k_rows = k_tile + warp * 16 * LD, *v_rows = v_tile + warp * 16 * LD;
-    stage_accumulator_rows<HEAD_DIM>(k_rows, LD, dk_acc, softmax_scale, softmax_scale, lane);
-    stage_accumulator_rows<HEAD_DIM>(v_rows, LD, dv_acc, 1.f, 1.f, lane);
-    __syncwarp();
-    store_warp_rows<16, HEAD_DIM>(dqkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, qkv_row, warp_kv0, T, k_rows, LD,
-                                  lane);
-    store_warp_rows<16, HEAD_DIM>(dqkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM, qkv_row, warp_kv0, T, v_rows,
-                                  LD, lane);
+    backward_store_dk_dv<HEAD_DIM>(
+        dqkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, dqkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM, qkv_row,
+        warp_kv0, T, k_tile + warp * 16 * LD, v_tile + warp * 16 * LD, dk_acc, dv_acc, softmax_scale, lane);
 }
 
 // dQ = scale * (sum of the shares in each slot), as BF16 into dqkv. One thread per float4 of a slot:
