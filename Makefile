@@ -104,7 +104,7 @@ $(BUILD)/test_%: test/test_%.cu $(REFERENCE_FLOAT) $(TEST_HEADERS) $(COAT_HEADER
 
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 CPU_SCRIPT_TESTS := test/test_cli.sh test/test_shards.sh test/test_scripts.sh test/test_corpus.sh
-GPU_SCRIPT_TESTS := test/test_resume.sh test/test_hf.sh
+GPU_SCRIPT_TESTS := test/test_train.sh test/test_hf.sh
 
 # The PyTorch reference's debug state that test_model compares against (needs python3 with
 # torch; without it test_model reports the comparison as failed).

@@ -81,6 +81,7 @@ typedef struct {
     TrainerState state;
     Random sample_rng;
     RunLog log;
+    OpTimer *timer;  // profile = 1 only
 } Trainer;
 
 static void fail(const char *message) {
@@ -494,6 +495,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, int ranks) {
     cudaCheck(cudaMallocHost(&t->host_targets, N * sizeof(int)));
     cudaCheck(cudaMallocHost(&t->host_scalar, sizeof(float)));
     random_seed(&t->sample_rng, c->seed ^ 0x5A4D504C45ull);
+    if (c->profile) t->timer = op_timer_create();
     t->flops_per_token = 6.0 * (double)param_count_non_embedding(&t->model.layout) +
                          6.0 * c->model.n_layers * (double)c->model.dim * c->seq_len;
 
@@ -524,32 +526,44 @@ static void trainer_free(Trainer *t) {
     if (t->have_val) dataloader_close(&t->val_loader);
     if (t->tokenizer) tokenizer_free(t->tokenizer);
     adamw_free(&t->opt);
+    op_timer_destroy(t->timer);
     model_free(&t->model);
     gpu_context_destroy(&t->gpu);
 }
 
 // One optimizer step: grad_accum micro-batches, the global norm, clipping, AdamW. Returns the
 // mean training loss and leaves the gradient norm in *grad_norm.
+// When profiling, every op of the step is timed (validation and sampling are not: the model's
+// timer is set only here).
 static float train_step(Trainer *t, float lr, float *grad_norm) {
     LlamaModel *m = &t->model;
+    cudaStream_t s = t->gpu.stream;
     int N = m->B * m->T;
     double loss_sum = 0.0;
-    cudaCheck(cudaMemsetAsync(m->grads, 0, 2 * m->layout.total_padded, t->gpu.stream));
+    m->timer = t->timer;
+    op_timer_mark(m->timer, NULL, s);
+    cudaCheck(cudaMemsetAsync(m->grads, 0, 2 * m->layout.total_padded, s));
+    op_timer_mark(m->timer, "zero gradients", s);
     for (int micro = 0; micro < t->grad_accum; micro++) {
         load_batch(t, &t->train_loader);
+        op_timer_mark(m->timer, "batch upload (after the host's wait)", s);
         model_forward(&t->gpu, m, 1, 1.0f / ((float)N * t->grad_accum));
         model_backward(&t->gpu, m);
         classifier_mean_loss(&t->gpu, m->mean_loss, m->losses, N);
-        cudaCheck(cudaMemcpyAsync(t->host_scalar, m->mean_loss, sizeof(float), cudaMemcpyDeviceToHost, t->gpu.stream));
-        cudaCheck(cudaStreamSynchronize(t->gpu.stream));
+        op_timer_mark(m->timer, "mean loss", s);
+        cudaCheck(cudaMemcpyAsync(t->host_scalar, m->mean_loss, sizeof(float), cudaMemcpyDeviceToHost, s));
+        cudaCheck(cudaStreamSynchronize(s));
         loss_sum += *t->host_scalar;
     }
-    grad_norm_squared(m->grad_norm_squared, m->grads, m->layout.total_padded, (double *)m->kernel_scratch, t->gpu.stream);
-    cudaCheck(cudaMemcpyAsync(t->host_scalar, m->grad_norm_squared, sizeof(float), cudaMemcpyDeviceToHost, t->gpu.stream));
-    cudaCheck(cudaStreamSynchronize(t->gpu.stream));
+    grad_norm_squared(m->grad_norm_squared, m->grads, m->layout.total_padded, (double *)m->kernel_scratch, s);
+    op_timer_mark(m->timer, "gradient norm", s);
+    cudaCheck(cudaMemcpyAsync(t->host_scalar, m->grad_norm_squared, sizeof(float), cudaMemcpyDeviceToHost, s));
+    cudaCheck(cudaStreamSynchronize(s));
     *grad_norm = sqrtf(*t->host_scalar);
     float scale = t->c->grad_clip > 0 ? grad_clip_factor(*grad_norm, t->c->grad_clip) : 1.0f;
-    adamw_step(&t->opt, m->params, m->grads, lr, scale, t->gpu.stream);
+    adamw_step(&t->opt, m->params, m->grads, lr, scale, s);
+    op_timer_mark(m->timer, "adamw (after the host's wait)", s);
+    m->timer = NULL;
     return (float)(loss_sum / t->grad_accum);
 }
 
@@ -600,6 +614,7 @@ static int train(ConfigParser *parser, int ranks) {
     // Validation, samples and checkpoints come after the step they follow, so a run resumed from
     // a checkpoint repeats none of them.
     if (t->state.step == 0 && t->have_val && c->val_every > 0) log_validation(t);
+    long long first_step = t->state.step + 1;
     while (t->state.step < c->max_steps) {
         float lr = learning_rate_at(c, (int)t->state.step), grad_norm = 0.0f;
         cudaCheck(cudaEventRecord(start, t->gpu.stream));
@@ -609,6 +624,8 @@ static int train(ConfigParser *parser, int ranks) {
         float ms = 0.0f;
         cudaCheck(cudaEventElapsedTime(&ms, start, stop));
         long long step = ++t->state.step;
+        op_timer_end_step(t->timer);
+        if (step == first_step) op_timer_clear(t->timer);  // it chooses the GEMM algorithms
         t->state.tokens_seen += tokens_per_step;
         double tokens_per_s = tokens_per_step / (ms / 1000.0);
         double mfu = tokens_per_s / ranks * t->flops_per_token / 989e12;
@@ -625,6 +642,7 @@ static int train(ConfigParser *parser, int ranks) {
         if (last || (c->checkpoint_every > 0 && step % c->checkpoint_every == 0)) save_checkpoint(t);
     }
     run_log_close(&t->log);
+    if (t->timer) op_timer_print(stdout, t->timer);
     cudaCheck(cudaEventDestroy(start));
     cudaCheck(cudaEventDestroy(stop));
     trainer_free(t);

@@ -68,6 +68,7 @@ typedef struct {
     float gpu_memory_gib;
     unsigned long long seed;
     int dry_run;
+    int profile;
 } TrainConfig;
 
 typedef enum { KEY_INT, KEY_INT64, KEY_FLOAT, KEY_STRING, KEY_CHOICE } ConfigKeyType;
@@ -154,6 +155,8 @@ static const ConfigKey config_keys[] = {
      "GPU memory to plan against (0: ask the GPU; dry_run without a GPU skips the fit check)"},
     {"seed", KEY_INT64, CFG(seed), "1337", 0, 9.2e18, NULL, "initialisation and data order"},
     {"dry_run", KEY_INT, CFG(dry_run), "0", 0, 1, NULL, "validate config, data and plan memory, then exit; needs no GPU"},
+    {"profile", KEY_INT, CFG(profile), "0", 0, 1, NULL,
+     "time every op of the training steps on the GPU and print the table at the end (the first step is left out)"},
 };
 #undef CFG
 #undef CFG_MODEL

@@ -16,6 +16,7 @@
 #include "embedding.cuh"
 #include "matmul.cuh"
 #include "memory_plan.h"
+#include "op_timer.cuh"
 #include "params.h"
 #include "rmsnorm.cuh"
 #include "rope.cuh"
@@ -38,6 +39,7 @@ typedef struct {
     float *rope_cos, *rope_sin;
     float *mean_loss, *grad_norm_squared;  // device scalars
     void *kernel_scratch;
+    OpTimer *timer;  // per-op GPU times when profiling; NULL otherwise
 } LlamaModel;
 
 static inline bf16 *model_param(const LlamaModel *model, ParamKind kind, int layer) {
@@ -156,21 +158,31 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
     cudaStream_t s = gpu->stream;
 
     embedding_forward(model_saved(model, 0, ACT_RESIDUAL_IN), model->tokens, model_param(model, PARAM_EMBEDDING, 0), N, H, s);
+    op_timer_mark(model->timer, "embedding forward", s);
     rmsnorm_forward(model_saved(model, 0, ACT_ATTN_NORM_OUT), model_saved_f32(model, 0, ACT_ATTN_RSTD),
                     model_saved(model, 0, ACT_RESIDUAL_IN), model_param(model, PARAM_ATTN_NORM, 0), N, H, m->norm_eps, s);
+    op_timer_mark(model->timer, "rmsnorm forward", s);
     for (int l = 0; l < L; l++) {
         bf16 *qkv = model_saved(model, l, ACT_QKV), *attn_out = model_saved(model, l, ACT_ATTN_OUT);
         matmul_forward(gpu, qkv, model_saved(model, l, ACT_ATTN_NORM_OUT), model_param(model, PARAM_WQ, l), N, H, QKV, false);
+        op_timer_mark(model->timer, "matmul qkv forward", s);
         rope_forward(qkv, model->rope_cos, model->rope_sin, B, T, m->n_heads, m->n_kv_heads, hd, s);
+        op_timer_mark(model->timer, "rope forward", s);
         attention_forward(attn_out, model_saved_f32(model, l, ACT_ATTN_LSE), qkv, B, T, m->n_heads, m->n_kv_heads, hd, s);
+        op_timer_mark(model->timer, "attention forward", s);
         matmul_forward(gpu, model->branch, attn_out, model_param(model, PARAM_WO, l), N, A, H, false);
+        op_timer_mark(model->timer, "matmul attention output forward", s);
         residual_rmsnorm_forward(model_saved(model, l, ACT_RESIDUAL_MID), model_saved(model, l, ACT_MLP_NORM_OUT),
                                  model_saved_f32(model, l, ACT_MLP_RSTD), model_saved(model, l, ACT_RESIDUAL_IN),
                                  model->branch, model_param(model, PARAM_MLP_NORM, l), N, H, m->norm_eps, s);
+        op_timer_mark(model->timer, "residual + rmsnorm forward", s);
         bf16 *gate_up = model_saved(model, l, ACT_GATE_UP), *swiglu_out = model_saved(model, l, ACT_SWIGLU_OUT);
         matmul_forward(gpu, gate_up, model_saved(model, l, ACT_MLP_NORM_OUT), model_param(model, PARAM_W_GATE, l), N, H, 2 * I, false);
+        op_timer_mark(model->timer, "matmul gate_up forward", s);
         swiglu_forward(swiglu_out, gate_up, N, I, s);
+        op_timer_mark(model->timer, "swiglu forward", s);
         matmul_forward(gpu, model->branch, swiglu_out, model_param(model, PARAM_W_DOWN, l), N, I, H, false);
+        op_timer_mark(model->timer, "matmul down forward", s);
         // The next block's attention norm (or the final norm) is fused with this residual add.
         int last = l == L - 1;
         residual_rmsnorm_forward(last ? model->final_residual : model_saved(model, l + 1, ACT_RESIDUAL_IN),
@@ -179,11 +191,13 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
                                  model_saved(model, l, ACT_RESIDUAL_MID), model->branch,
                                  last ? model_param(model, PARAM_FINAL_NORM, 0) : model_param(model, PARAM_ATTN_NORM, l + 1),
                                  N, H, m->norm_eps, s);
+        op_timer_mark(model->timer, "residual + rmsnorm forward", s);
     }
     classifier_forward_backward(gpu, model->losses, backward ? model->branch : NULL,
                                 backward ? model_grad(model, PARAM_LM_HEAD, 0) : NULL, model->final_norm_out,
                                 model_param(model, PARAM_LM_HEAD, 0), model->targets, N, H, m->vocab_size, dloss,
                                 model->logits, (int)model->working_layout.logits_chunk_rows);
+    op_timer_mark(model->timer, "classifier (lm_head + cross-entropy)", s);
 }
 
 // Backward pass after model_forward(backward = 1): adds every parameter's gradient into
@@ -198,29 +212,45 @@ static inline void model_backward(GpuContext *gpu, LlamaModel *model) {
     bf16 *d_residual = model->d_residual;
 
     cudaCheck(cudaMemsetAsync(d_residual, 0, (size_t)N * H * sizeof(bf16), s));
+    op_timer_mark(model->timer, "zero d_residual", s);
     rmsnorm_backward(d_residual, model_grad(model, PARAM_FINAL_NORM, 0), scratch, d_norm, model->final_residual,
                      model_param(model, PARAM_FINAL_NORM, 0), model->final_rstd, N, H, s);
+    op_timer_mark(model->timer, "rmsnorm backward", s);
     for (int l = L - 1; l >= 0; l--) {
         // MLP block: x_out = x_mid + Wdown swiglu(Wgate_up rmsnorm(x_mid))
         bf16 *d_swiglu = model->wide, *d_gate_up = model->wide + (size_t)N * I;
         matmul_backward_weight(gpu, model_grad(model, PARAM_W_DOWN, l), d_residual, model_saved(model, l, ACT_SWIGLU_OUT), N, I, H, true);
+        op_timer_mark(model->timer, "matmul down wgrad", s);
         matmul_backward_input(gpu, d_swiglu, d_residual, model_param(model, PARAM_W_DOWN, l), N, I, H, false);
+        op_timer_mark(model->timer, "matmul down dgrad", s);
         swiglu_backward(d_gate_up, d_swiglu, model_saved(model, l, ACT_GATE_UP), N, I, s);
+        op_timer_mark(model->timer, "swiglu backward", s);
         matmul_backward_weight(gpu, model_grad(model, PARAM_W_GATE, l), d_gate_up, model_saved(model, l, ACT_MLP_NORM_OUT), N, H, 2 * I, true);
+        op_timer_mark(model->timer, "matmul gate_up wgrad", s);
         matmul_backward_input(gpu, d_norm, d_gate_up, model_param(model, PARAM_W_GATE, l), N, H, 2 * I, false);
+        op_timer_mark(model->timer, "matmul gate_up dgrad", s);
         rmsnorm_backward(d_residual, model_grad(model, PARAM_MLP_NORM, l), scratch, d_norm, model_saved(model, l, ACT_RESIDUAL_MID),
                          model_param(model, PARAM_MLP_NORM, l), model_saved_f32(model, l, ACT_MLP_RSTD), N, H, s);
+        op_timer_mark(model->timer, "rmsnorm backward", s);
         // Attention block: x_mid = x_in + Wo attention(rope(Wqkv rmsnorm(x_in)))
         bf16 *d_attn_out = model->wide, *d_qkv = model->wide + (size_t)N * A;
         matmul_backward_weight(gpu, model_grad(model, PARAM_WO, l), d_residual, model_saved(model, l, ACT_ATTN_OUT), N, A, H, true);
+        op_timer_mark(model->timer, "matmul attention output wgrad", s);
         matmul_backward_input(gpu, d_attn_out, d_residual, model_param(model, PARAM_WO, l), N, A, H, false);
+        op_timer_mark(model->timer, "matmul attention output dgrad", s);
         attention_backward(d_qkv, scratch, d_attn_out, model_saved(model, l, ACT_QKV), model_saved(model, l, ACT_ATTN_OUT),
                            model_saved_f32(model, l, ACT_ATTN_LSE), B, T, m->n_heads, m->n_kv_heads, hd, s);
+        op_timer_mark(model->timer, "attention backward", s);
         rope_backward(d_qkv, model->rope_cos, model->rope_sin, B, T, m->n_heads, m->n_kv_heads, hd, s);
+        op_timer_mark(model->timer, "rope backward", s);
         matmul_backward_weight(gpu, model_grad(model, PARAM_WQ, l), d_qkv, model_saved(model, l, ACT_ATTN_NORM_OUT), N, H, QKV, true);
+        op_timer_mark(model->timer, "matmul qkv wgrad", s);
         matmul_backward_input(gpu, d_norm, d_qkv, model_param(model, PARAM_WQ, l), N, H, QKV, false);
+        op_timer_mark(model->timer, "matmul qkv dgrad", s);
         rmsnorm_backward(d_residual, model_grad(model, PARAM_ATTN_NORM, l), scratch, d_norm, model_saved(model, l, ACT_RESIDUAL_IN),
                          model_param(model, PARAM_ATTN_NORM, l), model_saved_f32(model, l, ACT_ATTN_RSTD), N, H, s);
+        op_timer_mark(model->timer, "rmsnorm backward", s);
     }
     embedding_backward(model_grad(model, PARAM_EMBEDDING, 0), d_residual, model->tokens, N, H, V, scratch, s);
+    op_timer_mark(model->timer, "embedding backward", s);
 }

@@ -5,9 +5,14 @@
 #     llama-1b at the ANCHORS.md micro-batches;
 #  2. our flash attention (build/test_attention's timings) against PyTorch SDPA's flash and cuDNN
 #     backends (scripts/bench_attention.py) at the ANCHORS.md shapes.
-# Usage: scripts/bench.sh [STEPS]      (writes build/bench/results.md; $OUT/bench.md too when set)
+#  3. with --profile, where the time of a llama-1b step goes: train_llama's per-op GPU times
+#     (profile = 1) and PyTorch's kernels by total time (torch.profiler), one after the other.
+# Usage: scripts/bench.sh [--profile] [STEPS]   (writes build/bench/results.md, and profile.txt with
+#        --profile; into $OUT too when set)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+profile=0
+if [ "${1:-}" = "--profile" ]; then profile=1; shift; fi
 steps=${1:-30}
 dir=build/bench
 mkdir -p "$dir"
@@ -86,3 +91,17 @@ for shape, (fwd, both) in ours.items():
 PY
 } | tee "$dir/results.md"
 if [ -n "${OUT:-}" ]; then cp "$dir/results.md" "$OUT/bench.md"; fi
+
+if [ "$profile" = 1 ]; then
+    {
+        echo "== train_llama llama-1b 16x2048 =="
+        ./train_llama configs/models/llama-1b.conf --train_data="$dir/train_*.bin" --micro_batch_size=16 --seq_len=2048 \
+            --max_steps=8 --warmup_steps=1 --val_every=0 --out_dir="$dir/profile-run" --profile=1 2>&1 |
+            sed -n '/^profile:/,$p'
+        echo "== PyTorch (torch.compile) llama-1b 16x2048 =="
+        python3 scripts/train_llama.py --bench --compile --config configs/models/llama-1b.conf --batch 16 --seq 2048 \
+            --steps 3 --profile 2>&1 | sed -n '/^profile of/,$p'
+    } > "$dir/profile.txt" 2>&1
+    cat "$dir/profile.txt"
+    if [ -n "${OUT:-}" ]; then cp "$dir/profile.txt" "$OUT/profile.txt"; fi
+fi

@@ -4,9 +4,10 @@
   --debug-state OUT.bin --config CONF [--batch B --seq T --steps N --seed S --lr LR]
       FP32 model, one random batch: writes the initial weights, the batch, logits, loss and every
       gradient, then the loss before each of N AdamW steps on that batch (format below)
-  --bench --config CONF --batch B [--seq T] [--compile] [--steps N --warmup W]
+  --bench --config CONF --batch B [--seq T] [--compile] [--steps N --warmup W] [--profile]
       training throughput as a user runs it (BF16 autocast, FP32 master weights, fused AdamW,
-      SDPA flash attention): one JSON line
+      SDPA flash attention): one JSON line; --profile adds, on stderr, the GPU kernels of two more
+      steps by total time (torch.profiler)
   --logits CKPT --tokens "1 2 3" [--out FILE]
       our checkpoint in this model, FP32: logits statistics as JSON; FILE gets the logits in the
       format check_hf_export.py reads
@@ -252,6 +253,18 @@ def debug_state(args, shape: ModelShape) -> int:
     return 0
 
 
+def profile_steps(train_step, steps: int) -> None:
+    """Prints the GPU kernels of `steps` training steps, the most time first, to stderr."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(steps):
+            train_step()
+        torch.cuda.synchronize()
+    print(f"profile of {steps} steps:", file=sys.stderr)
+    print(profiler.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70),
+          file=sys.stderr)
+
+
 def bench(args, shape: ModelShape) -> int:
     """Median step time over --steps timed steps after --warmup; tokens/s, MFU and peak memory."""
     config_name = os.path.splitext(os.path.basename(args.config))[0]
@@ -289,6 +302,8 @@ def bench(args, shape: ModelShape) -> int:
             end.record()
             end.synchronize()
             step_ms.append(start.elapsed_time(end))
+        if args.profile:
+            profile_steps(train_step, steps=2)
     except RuntimeError as e:  # torch.cuda.OutOfMemoryError, or one that torch.compile wrapped in its own error
         if not isinstance(e, torch.cuda.OutOfMemoryError) and "out of memory" not in str(e):
             raise
@@ -361,6 +376,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (bench)")
+    parser.add_argument("--profile", action="store_true", help="--bench: also print the GPU kernels of two steps")
     parser.add_argument("--tokens", help='token ids for --logits, e.g. "1 2 3"')
     parser.add_argument("--out", help="--logits: write [n_tokens, vocab] logits here")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

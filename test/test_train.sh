@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Bit-exact resume on the GPU: 20 steps straight, against 10 steps + resume + 10 steps from the
-# step-10 checkpoint, on random-token shards; every logged loss must match to the last digit.
-# Also: the run's validation loss falls, and a corrupt checkpoint is refused with its name.
+# The trainer end to end on the GPU, on random-token shards. Bit-exact resume: 20 steps straight,
+# against 10 steps + resume + 10 steps from the step-10 checkpoint; every logged loss must match
+# to the last digit. Also: the run's validation loss falls, a corrupt checkpoint is refused with
+# its name, a micro-batch that does not fit is refused, and profile = 1 prints per-op times that
+# add up to the measured step time.
 cd "$(dirname "$0")/.." || exit 1
 source test/check.sh
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -46,4 +48,17 @@ out=$(./train_llama "${common[@]}" --out_dir="$tmp/big" --micro_batch_size=10000
 check "a micro-batch that does not fit is refused, naming the largest that does" \
     "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q 'the largest that fits is'; echo $?)" "$(printf '%s' "$out" | tail -1)"
 
-check_summary test_resume
+# profile = 1: the ops' times per step add up to the logged step time (the same events bound
+# both), and each layer's attention runs once forward and once backward per micro-batch.
+./train_llama "${common[@]}" --out_dir="$tmp/profile" --profile=1 > "$tmp/profile.out" 2>&1
+check "profile = 1 runs" $? "$(tail -3 "$tmp/profile.out")"
+total=$(awk '$1 == "total" { print $2 }' "$tmp/profile.out")
+mean=$(grep -o '| [0-9.]* ms |' "$tmp/profile.out" | tail -n +2 | awk '{ sum += $2; n++ } END { if (n) print sum / n }')
+check "profile: the ops add up to the mean step time ($total ms against $mean ms)" \
+    "$(awk -v a="$total" -v b="$mean" 'BEGIN { exit !(a > 0 && b > 0 && a / b > 0.95 && a / b < 1.05) }'; echo $?)" \
+    "$(grep -A3 '^profile:' "$tmp/profile.out")"
+check "profile: attention forward and backward run once per layer and micro-batch" \
+    "$(awk '/^  attention (forward|backward) / { if ($3 != 2.0) bad = 1; n++ } END { exit !(n == 2 && !bad) }' "$tmp/profile.out"; echo $?)" \
+    "$(grep '^  attention' "$tmp/profile.out")"
+
+check_summary test_train
