@@ -577,8 +577,8 @@ static void log_validation(Trainer *t) {
 static bool make_directories(const char *path) {
     char partial[CONFIG_STRING_MAX];
     snprintf(partial, sizeof(partial), "%s", path);
-    for (char *p = partial + 1; *p; p++) {
-        if (*p != '/') continue;
+    for (char *p = partial; *p; p++) {
+        if (*p != '/' || p == partial) continue;  // a leading '/' is the root
         *p = '\0';
         if (mkdir(partial, 0755) != 0 && errno != EEXIST) return false;
         *p = '/';
