@@ -65,7 +65,10 @@ __device__ __forceinline__ float warp_max(float x) {
     return x;
 }
 
-// The process-wide handles: one stream for compute, the cuBLASLt handle and its workspace.
+struct MatmulAlgoCache;  // coat/matmul.cuh: the cuBLASLt algorithm chosen for each product
+
+// The process-wide handles: one stream for compute, the cuBLASLt handle, its workspace and the
+// algorithms it chose.
 typedef struct {
     int device;
     int sm_count;
@@ -74,6 +77,7 @@ typedef struct {
     cublasLtHandle_t cublaslt;
     void *cublaslt_workspace;
     size_t cublaslt_workspace_bytes;
+    struct MatmulAlgoCache *matmul_algos;  // allocated by the first product
 } GpuContext;
 
 static inline void gpu_context_create(GpuContext *gpu, int device) {
@@ -89,9 +93,11 @@ static inline void gpu_context_create(GpuContext *gpu, int device) {
     cublasCheck(cublasLtCreate(&gpu->cublaslt));
     gpu->cublaslt_workspace_bytes = 32u << 20;  // Hopper cuBLASLt kernels want up to 32 MiB
     cudaCheck(cudaMalloc(&gpu->cublaslt_workspace, gpu->cublaslt_workspace_bytes));
+    gpu->matmul_algos = NULL;
 }
 
 static inline void gpu_context_destroy(GpuContext *gpu) {
+    free(gpu->matmul_algos);
     cudaCheck(cudaFree(gpu->cublaslt_workspace));
     cublasCheck(cublasLtDestroy(gpu->cublaslt));
     cudaCheck(cudaStreamDestroy(gpu->stream));

@@ -27,9 +27,9 @@
 // be 16-byte aligned: cuBLASLt 13.1 refuses every algorithm ("not supported") for a scale at
 // a 4-byte offset, so an array of scales keeps one per 16 bytes.
 //
-// The algorithm cuBLASLt's heuristic picks is cached per (device, shape, strides, types,
-// layouts, pointer alignments, accumulation mode) in a fixed table; the workspace is the
-// GpuContext's.
+// The algorithm cuBLASLt's heuristic picks is cached per (shape, strides, types, layouts,
+// pointer alignments, accumulation mode) in a fixed table of the GpuContext, beside the handle
+// and the workspace.
 #pragma once
 #include <cuda_fp8.h>
 #include <stdint.h>
@@ -123,7 +123,7 @@ static inline uint32_t matmul_pointer_alignment(const void *pointer) {
 
 // Everything the heuristic's choice depends on; all ints so that memcmp compares it exactly.
 typedef struct {
-    int device, M, N, K;
+    int M, N, K;
     int a_type, b_type, out_type;
     int a_layout, b_layout;
     int a_stride, b_stride, out_stride;
@@ -134,21 +134,28 @@ typedef struct {
 #define MATMUL_HEURISTIC_CANDIDATES 8  // algorithms tried, in the heuristic's order, on a product's first use
 #define MATMUL_ALGO_CACHE_ENTRIES 256
 
-typedef struct {
+// When full, further shapes are looked up on every call (slower on the host, same result).
+struct MatmulAlgoCache {
     int count;
     MatmulAlgoKey keys[MATMUL_ALGO_CACHE_ENTRIES];
     cublasLtMatmulAlgo_t algos[MATMUL_ALGO_CACHE_ENTRIES];
-} MatmulAlgoCache;
+};
 
-// One per process, like the cuBLASLt handle it belongs to. When full, further shapes are
-// looked up on every call (slower on the host, same result).
-static MatmulAlgoCache matmul_algo_cache;
+static inline MatmulAlgoCache *matmul_algo_cache(GpuContext *gpu) {
+    if (gpu->matmul_algos == NULL) {
+        gpu->matmul_algos = (MatmulAlgoCache *)calloc(1, sizeof(MatmulAlgoCache));
+        if (gpu->matmul_algos == NULL) {
+            fprintf(stderr, "error: out of host memory (cuBLASLt algorithm cache)\n");
+            exit(EXIT_FAILURE);
+        }
+    }
+    return gpu->matmul_algos;
+}
 
-static inline MatmulAlgoKey matmul_algo_key(const GpuContext *gpu, const MatmulOutput *out, const MatmulOperand *a,
-                                            const MatmulOperand *b, int M, int N, int K, bool fast_accumulation) {
+static inline MatmulAlgoKey matmul_algo_key(const MatmulOutput *out, const MatmulOperand *a, const MatmulOperand *b,
+                                            int M, int N, int K, bool fast_accumulation) {
     MatmulAlgoKey key;
     memset(&key, 0, sizeof(key));
-    key.device = gpu->device;
     key.M = M;
     key.N = N;
     key.K = K;
@@ -216,8 +223,8 @@ static inline void matmul_lt(GpuContext *gpu, MatmulOutput out, MatmulOperand a,
         cublasCheck(cublasLtMatrixLayoutCreate(&layout_b, matmul_cuda_type(a.type), M, K, a.row_stride));
     cublasCheck(cublasLtMatrixLayoutCreate(&layout_d, matmul_cuda_type(out.type), N, M, out.row_stride));
 
-    MatmulAlgoKey key = matmul_algo_key(gpu, &out, &a, &b, M, N, K, fast_accumulation);
-    MatmulAlgoCache *cache = &matmul_algo_cache;
+    MatmulAlgoKey key = matmul_algo_key(&out, &a, &b, M, N, K, fast_accumulation);
+    MatmulAlgoCache *cache = matmul_algo_cache(gpu);
     int slot = -1;
     for (int i = 0; i < cache->count && slot < 0; i++)
         if (memcmp(&cache->keys[i], &key, sizeof(key)) == 0) slot = i;
