@@ -102,6 +102,11 @@ $(BUILD)/test_%: test/test_%.c $(TOKENIZER_LIB) $(REFERENCE_DOUBLE) $(TEST_HEADE
 $(BUILD)/test_%: test/test_%.cu $(REFERENCE_FLOAT) $(TEST_HEADERS) $(COAT_HEADERS)
 	$(NVCC) $(NVCCFLAGS) $< $(REFERENCE_FLOAT) -o $@ $(NVCC_LIBS)
 
+# Not a test: checks and times the attention kernels' tile variants in one GPU run.
+$(BUILD)/bench_attention_variants: test/bench_attention_variants.cu $(TEST_HEADERS) $(COAT_HEADERS)
+	@mkdir -p $(BUILD)
+	$(NVCC) $(NVCCFLAGS) $< -o $@ $(NVCC_LIBS)
+
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 CPU_SCRIPT_TESTS := test/test_cli.sh test/test_shards.sh test/test_scripts.sh test/test_corpus.sh
 GPU_SCRIPT_TESTS := test/test_train.sh test/test_hf.sh

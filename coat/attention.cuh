@@ -11,13 +11,15 @@
 // Query head h reads kv head h / (NH / NKV) where it lies: K and V are never copied per query head.
 // head_dim is 64 or 128; any T >= 1: tile rows past T are zero-filled in shared memory and masked.
 //
+// Tile shapes are template parameters (the *Config structs); the program uses AttentionDefaults,
+// described here, and test/bench_attention_variants.cu checks and times the other variants.
 // Forward: a block of 4 warps owns 128 query rows of one head, 32 per warp (two m16 tiles, so that
 // every K or V fragment read from shared memory feeds two mma), and walks the K/V tiles up to the
 // diagonal with an online softmax in base 2.
 // Backward: a dK/dV block owns 128 key rows of one kv head, 16 per warp with dK and dV in its
 // registers, and walks the query tiles of every query head of its group in a fixed order, S^T and
 // dP^T computed transposed so that P^T and dS^T feed dV and dK straight from registers. No
-// atomics, and bitwise deterministic. dQ depends on head_dim:
+// atomics, and bitwise deterministic. dQ comes in one of two designs, chosen per head_dim:
 //   64, two passes: a second kernel owns 128 query rows and computes S and dP again for dQ. Its
 //     steps are short, and there the one-pass handshake below costs more than the recomputation.
 //   128, one pass: the dK/dV block also writes dS^T to shared memory and computes its share of
@@ -34,15 +36,12 @@
 // 8 different 4-bank groups (row strides of 144 or 272 bytes), with no swizzle to reason about.
 #define ATTENTION_SMEM_PAD 8
 
-#define ATTENTION_FORWARD_WARPS 4
-#define ATTENTION_FORWARD_THREADS (ATTENTION_FORWARD_WARPS * 32)
-#define ATTENTION_FORWARD_Q_TILE (ATTENTION_FORWARD_WARPS * 32)  // query rows per block: 32 per warp
-
-#define ATTENTION_BACKWARD_WARPS 8
-#define ATTENTION_BACKWARD_THREADS (ATTENTION_BACKWARD_WARPS * 32)
-// Rows one backward block owns, 16 per warp: key rows (dK/dV, one pass) or query rows (dQ pass).
-#define ATTENTION_BACKWARD_BLOCK_ROWS (ATTENTION_BACKWARD_WARPS * 16)
-#define ATTENTION_BACKWARD_Q_TILE 64  // query rows per step of a dK/dV block
+// The one-pass backward's shape is fixed: 8 warps own 128 key rows, 16 each, and walk query tiles
+// of 64 rows; its dQ share, and so the layout of the dQ slots, splits 64 x head_dim over 2 x 4 warps.
+#define ATTENTION_ONE_PASS_WARPS 8
+#define ATTENTION_ONE_PASS_THREADS (ATTENTION_ONE_PASS_WARPS * 32)
+#define ATTENTION_ONE_PASS_KV_TILE (ATTENTION_ONE_PASS_WARPS * 16)
+#define ATTENTION_ONE_PASS_Q_TILE 64
 
 static constexpr float ATTENTION_LOG2E = 1.4426950408889634f;
 static constexpr float ATTENTION_LN2 = 0.6931471805599453f;
@@ -241,32 +240,26 @@ __device__ __forceinline__ void store_warp_rows(bf16 *head, size_t row_stride, i
 
 // ---- forward ------------------------------------------------------------------------------------
 
-// Forward tiles per head dimension, the largest without register spills (ptxas, 255 registers at
-// two blocks per SM): K/V tiles of 64 keys with the Q fragments kept in registers for 64; for 128,
-// where O alone takes 128 registers, tiles of 32 keys and Q read from shared memory.
-template <int HEAD_DIM>
-struct AttentionForwardTiles;
-template <>
-struct AttentionForwardTiles<64> {
-    static constexpr int kv = 64;
-    static constexpr bool q_in_registers = true;
-};
-template <>
-struct AttentionForwardTiles<128> {
-    static constexpr int kv = 32;
-    static constexpr bool q_in_registers = false;
+// A forward variant. WARPS warps per block, each owning M_TILES m16 tiles of query rows (so that
+// every K or V fragment read from shared memory feeds M_TILES mma); K/V tiles of KV_TILE keys; the
+// Q fragments kept in registers, or read from shared memory again for every K/V tile; MIN_BLOCKS
+// per SM for __launch_bounds__, which caps registers per thread at 64K / (32 WARPS MIN_BLOCKS).
+template <int WARPS, int M_TILES, int KV_TILE, bool Q_IN_REGISTERS, int MIN_BLOCKS>
+struct AttentionForwardConfig {
+    static constexpr int warps = WARPS, m_tiles = M_TILES, kv_tile = KV_TILE, min_blocks = MIN_BLOCKS;
+    static constexpr bool q_in_registers = Q_IN_REGISTERS;
+    static constexpr int threads = WARPS * 32, q_tile = WARPS * M_TILES * 16;  // q_tile: query rows per block
 };
 
-// Block: 128 query rows of head h of batch b; warp w: rows 32w..32w+31 of them, as two m16 tiles.
-// Each K/V tile is prefetched (cp.async, two stages) while the previous one is used. Online
-// softmax in base 2: m = running max of S log2(e), l = running sum of 2^(S log2(e) - m), O
+// Block: WARPS * M_TILES * 16 query rows of head h of batch b; warp w: M_TILES * 16 consecutive rows
+// of them. Each K/V tile is prefetched (cp.async, two stages) while the previous one is used.
+// Online softmax in base 2: m = running max of S log2(e), l = running sum of 2^(S log2(e) - m), O
 // rescaled when m grows.
-template <int HEAD_DIM>
-__global__ void __launch_bounds__(ATTENTION_FORWARD_THREADS, 2)
+template <int HEAD_DIM, int WARPS, int M_TILES, int KV_TILE, bool Q_IN_REGISTERS, int MIN_BLOCKS>
+__global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
     attention_forward_kernel(bf16 *out, float *lse, const bf16 *qkv, int T, int NH, int NKV, float softmax_scale) {
-    constexpr int THREADS = ATTENTION_FORWARD_THREADS;
-    constexpr int Q_TILE = ATTENTION_FORWARD_Q_TILE, KV_TILE = AttentionForwardTiles<HEAD_DIM>::kv;
-    constexpr bool Q_IN_REGISTERS = AttentionForwardTiles<HEAD_DIM>::q_in_registers;
+    constexpr int THREADS = WARPS * 32, WARP_ROWS = M_TILES * 16, Q_TILE = WARPS * WARP_ROWS;
+    static_assert(KV_TILE % 16 == 0 && HEAD_DIM % 16 == 0, "S and P are built from 16-wide pairs of n8 tiles");
     constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD;
     constexpr int K_STEPS = HEAD_DIM / 16, S_TILES = KV_TILE / 8, O_TILES = HEAD_DIM / 8;
     extern __shared__ __align__(16) unsigned char attention_smem[];
@@ -289,20 +282,26 @@ __global__ void __launch_bounds__(ATTENTION_FORWARD_THREADS, 2)
     load_tile_async<Q_TILE, HEAD_DIM, THREADS>(q_tile, q_head, qkv_row, q0, T);
     load_kv_tiles_async<KV_TILE, HEAD_DIM, THREADS>(k_tiles, v_tiles, k_head, v_head, qkv_row, 0, T);
 
-    const int warp_row0 = q0 + warp * 32;        // this thread's rows: warp_row0 + 16 mt + g (+ 8)
-    const int g = lane / 4, c = (lane % 4) * 2;  // ... and columns c, c + 1 of every 8-wide tile
+    const int warp_row0 = q0 + warp * WARP_ROWS;  // this thread's rows: warp_row0 + 16 mt + g (+ 8)
+    const int g = lane / 4, c = (lane % 4) * 2;   // ... and columns c, c + 1 of every 8-wide tile
     const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
-    uint32_t q_frag[2][Q_IN_REGISTERS ? K_STEPS : 1][4];
-    float o_acc[2][O_TILES][4];
+    uint32_t q_frag[M_TILES][Q_IN_REGISTERS ? K_STEPS : 1][4];
+    float o_acc[M_TILES][O_TILES][4];
 #pragma unroll
-    for (int mt = 0; mt < 2; mt++)
+    for (int mt = 0; mt < M_TILES; mt++)
 #pragma unroll
         for (int dt = 0; dt < O_TILES; dt++)
             o_acc[mt][dt][0] = o_acc[mt][dt][1] = o_acc[mt][dt][2] = o_acc[mt][dt][3] = 0.f;
     // Tile 0 holds key 0, which every row sees, so the running max is finite after it and
     // 2^(m_old - m_new) never meets -inf - -inf. [mt][r]: row 16 mt + g + 8 r of the warp.
-    float row_max[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}};
-    float row_sum[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+    float row_max[M_TILES][2], row_sum[M_TILES][2];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; mt++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            row_max[mt][r] = -INFINITY;
+            row_sum[mt][r] = 0.f;
+        }
 
     for (int j = 0; j < num_kv_tiles; j++) {
         cp_async_wait_all();
@@ -310,10 +309,10 @@ __global__ void __launch_bounds__(ATTENTION_FORWARD_THREADS, 2)
         if constexpr (Q_IN_REGISTERS) {
             if (j == 0) {
 #pragma unroll
-                for (int mt = 0; mt < 2; mt++)
+                for (int mt = 0; mt < M_TILES; mt++)
 #pragma unroll
                     for (int kk = 0; kk < K_STEPS; kk++)
-                        load_a_operand(q_frag[mt][kk], q_tile, LD, warp * 32 + mt * 16, kk * 16, lane);
+                        load_a_operand(q_frag[mt][kk], q_tile, LD, warp * WARP_ROWS + mt * 16, kk * 16, lane);
             }
         }
         if (j + 1 < num_kv_tiles) {
@@ -323,25 +322,25 @@ __global__ void __launch_bounds__(ATTENTION_FORWARD_THREADS, 2)
                                                             (j + 1) * KV_TILE, T);
         }
         const int kv0 = j * KV_TILE;
-        if (kv0 > warp_row0 + 31) continue;  // the whole tile lies right of this warp's diagonal
+        if (kv0 > warp_row0 + WARP_ROWS - 1) continue;  // the whole tile lies right of this warp's diagonal
         const bf16 *k_cur = k_tiles + (j & 1) * KV_TILE * LD;
         const bf16 *v_cur = v_tiles + (j & 1) * KV_TILE * LD;
 
-        float s[2][S_TILES][4];
+        float s[M_TILES][S_TILES][4];
 #pragma unroll
-        for (int mt = 0; mt < 2; mt++)
+        for (int mt = 0; mt < M_TILES; mt++)
 #pragma unroll
             for (int nt = 0; nt < S_TILES; nt++) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < K_STEPS; kk++) {
-            uint32_t qa[2][4];
+            uint32_t qa[M_TILES][4];
 #pragma unroll
-            for (int mt = 0; mt < 2; mt++) {
+            for (int mt = 0; mt < M_TILES; mt++) {
                 if constexpr (Q_IN_REGISTERS) {
 #pragma unroll
                     for (int i = 0; i < 4; i++) qa[mt][i] = q_frag[mt][kk][i];
                 } else {
-                    load_a_operand(qa[mt], q_tile, LD, warp * 32 + mt * 16, kk * 16, lane);
+                    load_a_operand(qa[mt], q_tile, LD, warp * WARP_ROWS + mt * 16, kk * 16, lane);
                 }
             }
 #pragma unroll
@@ -349,7 +348,7 @@ __global__ void __launch_bounds__(ATTENTION_FORWARD_THREADS, 2)
                 uint32_t kb[4];
                 load_b_operands_nk(kb, k_cur, LD, nt * 8, kk * 16, lane);
 #pragma unroll
-                for (int mt = 0; mt < 2; mt++) {
+                for (int mt = 0; mt < M_TILES; mt++) {
                     mma_16x8x16(s[mt][nt], qa[mt], kb[0], kb[1]);
                     mma_16x8x16(s[mt][nt + 1], qa[mt], kb[2], kb[3]);
                 }
@@ -357,7 +356,7 @@ __global__ void __launch_bounds__(ATTENTION_FORWARD_THREADS, 2)
         }
         if (kv0 + KV_TILE - 1 > warp_row0) {  // the tile crosses this warp's diagonal
 #pragma unroll
-            for (int mt = 0; mt < 2; mt++)
+            for (int mt = 0; mt < M_TILES; mt++)
 #pragma unroll
                 for (int nt = 0; nt < S_TILES; nt++)
 #pragma unroll
@@ -366,7 +365,7 @@ __global__ void __launch_bounds__(ATTENTION_FORWARD_THREADS, 2)
                             s[mt][nt][e] = -INFINITY;
         }
 #pragma unroll
-        for (int mt = 0; mt < 2; mt++)
+        for (int mt = 0; mt < M_TILES; mt++)
 #pragma unroll
             for (int r = 0; r < 2; r++) {  // r = 0: row g, r = 1: row g + 8
                 float tile_max = -INFINITY;
@@ -393,9 +392,9 @@ __global__ void __launch_bounds__(ATTENTION_FORWARD_THREADS, 2)
                         row_sum[mt][r] += p;
                     }
             }
-        uint32_t p_frag[2][KV_TILE / 16][4];  // P as BF16 A operands: half the registers of S
+        uint32_t p_frag[M_TILES][KV_TILE / 16][4];  // P as BF16 A operands: half the registers of S
 #pragma unroll
-        for (int mt = 0; mt < 2; mt++)
+        for (int mt = 0; mt < M_TILES; mt++)
 #pragma unroll
             for (int kk = 0; kk < KV_TILE / 16; kk++)
                 accumulators_to_a_operand(p_frag[mt][kk], s[mt][2 * kk], s[mt][2 * kk + 1]);
@@ -406,7 +405,7 @@ __global__ void __launch_bounds__(ATTENTION_FORWARD_THREADS, 2)
                 uint32_t vb[4];
                 load_b_operands_kn(vb, v_cur, LD, kk * 16, dt * 8, lane);
 #pragma unroll
-                for (int mt = 0; mt < 2; mt++) {
+                for (int mt = 0; mt < M_TILES; mt++) {
                     mma_16x8x16(o_acc[mt][dt], p_frag[mt][kk], vb[0], vb[1]);
                     mma_16x8x16(o_acc[mt][dt + 1], p_frag[mt][kk], vb[2], vb[3]);
                 }
@@ -416,7 +415,7 @@ __global__ void __launch_bounds__(ATTENTION_FORWARD_THREADS, 2)
 
     // The warp's own Q rows are free now (only this warp ever read them) and take its output.
 #pragma unroll
-    for (int mt = 0; mt < 2; mt++) {
+    for (int mt = 0; mt < M_TILES; mt++) {
         float inv_sum[2];
 #pragma unroll
         for (int r = 0; r < 2; r++) {
@@ -429,12 +428,12 @@ __global__ void __launch_bounds__(ATTENTION_FORWARD_THREADS, 2)
             if (lane % 4 == 0 && row < T)
                 lse[((size_t)b * NH + h) * T + row] = (row_max[mt][r] + log2f(sum)) * ATTENTION_LN2;
         }
-        stage_accumulator_rows<HEAD_DIM>(q_tile + (warp * 32 + mt * 16) * LD, LD, o_acc[mt], inv_sum[0], inv_sum[1],
-                                         lane);
+        stage_accumulator_rows<HEAD_DIM>(q_tile + (warp * WARP_ROWS + mt * 16) * LD, LD, o_acc[mt], inv_sum[0],
+                                         inv_sum[1], lane);
     }
     __syncwarp();
-    store_warp_rows<32, HEAD_DIM>(out + ((size_t)b * T * NH + h) * HEAD_DIM, (size_t)NH * HEAD_DIM, warp_row0, T,
-                                  q_tile + warp * 32 * LD, LD, lane);
+    store_warp_rows<WARP_ROWS, HEAD_DIM>(out + ((size_t)b * T * NH + h) * HEAD_DIM, (size_t)NH * HEAD_DIM, warp_row0, T,
+                                         q_tile + warp * WARP_ROWS * LD, LD, lane);
 }
 
 // ---- backward -----------------------------------------------------------------------------------
@@ -462,17 +461,17 @@ __global__ void attention_backward_delta_kernel(float *delta, const bf16 *dout, 
     }
 }
 
-// Issues the loads of one step (a query tile of one query head) into a stage, and returns this
-// thread's row statistics for row q0 + threadIdx.x, stored by the caller: lse in log2 units and D.
-// Rows past T get lse = +inf, so that their P is exactly 0, and D = 0.
-template <int HEAD_DIM>
+// Issues the loads of one step (a query tile of Q_TILE rows of one query head) into a stage, spread
+// over the THREADS threads of the block, and returns this thread's row statistics for row
+// q0 + threadIdx.x, stored by the caller: lse in log2 units and D. Rows past T get lse = +inf, so
+// that their P is exactly 0, and D = 0.
+template <int HEAD_DIM, int Q_TILE, int THREADS>
 __device__ __forceinline__ void backward_load_step(bf16 *q_dst, bf16 *dout_dst, float *lse_log2, float *delta_value,
                                                    const bf16 *q_head, size_t qkv_row, const bf16 *dout_head,
                                                    size_t dout_row, const float *lse_head, const float *delta_head,
                                                    int q0, int T) {
-    constexpr int Q_TILE = ATTENTION_BACKWARD_Q_TILE;
-    load_tile_async<Q_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(q_dst, q_head, qkv_row, q0, T);
-    load_tile_async<Q_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(dout_dst, dout_head, dout_row, q0, T);
+    load_tile_async<Q_TILE, HEAD_DIM, THREADS>(q_dst, q_head, qkv_row, q0, T);
+    load_tile_async<Q_TILE, HEAD_DIM, THREADS>(dout_dst, dout_head, dout_row, q0, T);
     cp_async_commit();
     int q = q0 + (int)threadIdx.x;
     bool valid = (int)threadIdx.x < Q_TILE && q < T;
@@ -484,12 +483,12 @@ __device__ __forceinline__ void backward_load_step(bf16 *q_dst, bf16 *dout_dst, 
 // step (columns): S^T = K Q^T, P^T = 2^(S^T scale log2 e - lse log2 e), 0 where the key comes after
 // the query. lse_log2: the step's lse per query, in log2 units. g = lane / 4 and c = 2 (lane % 4)
 // place this thread in each accumulator tile: keys g, g + 8, queries c, c + 1.
-template <int HEAD_DIM>
-__device__ __forceinline__ void backward_probabilities_transposed(float (&pt)[ATTENTION_BACKWARD_Q_TILE / 8][4],
-                                                                  const bf16 *k_tile, const bf16 *q_tile,
-                                                                  const float *lse_log2, float scale_log2, int warp,
-                                                                  int warp_kv0, int q0, int lane, int g, int c) {
-    constexpr int S_TILES = ATTENTION_BACKWARD_Q_TILE / 8;
+template <int HEAD_DIM, int Q_TILE>
+__device__ __forceinline__ void backward_probabilities_transposed(float (&pt)[Q_TILE / 8][4], const bf16 *k_tile,
+                                                                  const bf16 *q_tile, const float *lse_log2,
+                                                                  float scale_log2, int warp, int warp_kv0, int q0,
+                                                                  int lane, int g, int c) {
+    constexpr int S_TILES = Q_TILE / 8;
     warp_matmul_a_bt<HEAD_DIM>(pt, k_tile, warp * 16, q_tile, HEAD_DIM + ATTENTION_SMEM_PAD, lane);
     const bool crosses_diagonal = warp_kv0 + 15 > q0;
 #pragma unroll
@@ -504,12 +503,11 @@ __device__ __forceinline__ void backward_probabilities_transposed(float (&pt)[AT
 
 // dS^T = P^T (dP^T - D) for the same keys and queries, with dP^T = V dO^T (rows 16 warp.. of
 // v_tile); delta: the step's D per query.
-template <int HEAD_DIM>
-__device__ __forceinline__ void backward_ds_transposed(float (&dst)[ATTENTION_BACKWARD_Q_TILE / 8][4],
-                                                       const float (&pt)[ATTENTION_BACKWARD_Q_TILE / 8][4],
+template <int HEAD_DIM, int Q_TILE>
+__device__ __forceinline__ void backward_ds_transposed(float (&dst)[Q_TILE / 8][4], const float (&pt)[Q_TILE / 8][4],
                                                        const bf16 *v_tile, const bf16 *dout_tile, const float *delta,
                                                        int warp, int lane, int c) {
-    constexpr int S_TILES = ATTENTION_BACKWARD_Q_TILE / 8;
+    constexpr int S_TILES = Q_TILE / 8;
     warp_matmul_a_bt<HEAD_DIM>(dst, v_tile, warp * 16, dout_tile, HEAD_DIM + ATTENTION_SMEM_PAD, lane);
 #pragma unroll
     for (int nt = 0; nt < S_TILES; nt++)
@@ -533,23 +531,32 @@ __device__ __forceinline__ void backward_store_dk_dv(bf16 *dk_head, bf16 *dv_hea
     store_warp_rows<16, HEAD_DIM>(dv_head, row_stride, warp_kv0, T, v_rows, LD, lane);
 }
 
-// ---- backward, head_dim 64: dK/dV pass, then dQ pass ----------------------------------------------
+// ---- backward in two passes (the default at head_dim 64): dK/dV pass, then dQ pass --------------
 
-// Block: 128 key rows of kv head kv_head of batch b; warp w: rows 16w..16w+15. For every query
-// head of the group and every query tile from the diagonal on (Q, dO, lse, D double-buffered):
+// A dK/dV pass variant: WARPS warps own 16 WARPS key rows, walking query tiles of Q_TILE rows;
+// MIN_BLOCKS per SM for __launch_bounds__.
+template <int WARPS, int Q_TILE, int MIN_BLOCKS>
+struct AttentionDkDvConfig {
+    static constexpr int warps = WARPS, q_tile = Q_TILE, min_blocks = MIN_BLOCKS;
+};
+
+// Block: 16 WARPS key rows of kv head kv_head of batch b; warp w: rows 16w..16w+15. For every query
+// head of the group and every query tile of Q_TILE rows from the diagonal on (Q, dO, lse, D
+// double-buffered):
 //   S^T = K Q^T, P^T = 2^(S^T scale log2 e - lse log2 e), dV += P^T dO,
 //   dP^T = V dO^T, dS^T = P^T (dP^T - D), dK += dS^T Q.
 // Computing the transposes keeps key rows in the accumulators' rows, so P^T and dS^T feed the
 // dV and dK products straight from registers.
-template <int HEAD_DIM, int MIN_BLOCKS>
-__global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, MIN_BLOCKS)
+template <int HEAD_DIM, int WARPS, int Q_TILE, int MIN_BLOCKS>
+__global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
     attention_backward_dkdv_kernel(bf16 *dqkv, const bf16 *qkv, const bf16 *dout, const float *lse, const float *delta,
                                    int T, int NH, int NKV, float softmax_scale) {
-    constexpr int KV_TILE = ATTENTION_BACKWARD_BLOCK_ROWS, Q_TILE = ATTENTION_BACKWARD_Q_TILE;
+    constexpr int THREADS = WARPS * 32, KV_TILE = WARPS * 16;
     constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD;
     constexpr int S_TILES = Q_TILE / 8, D_TILES = HEAD_DIM / 8;
     static_assert(KV_TILE % Q_TILE == 0, "a key block must start on a query tile boundary");
-    static_assert(Q_TILE <= ATTENTION_BACKWARD_THREADS, "one thread loads each row's lse and D");
+    static_assert(Q_TILE % 16 == 0 && Q_TILE <= THREADS,
+                  "16-wide pairs of n8 tiles; one thread loads each row's lse and D");
     extern __shared__ __align__(16) unsigned char attention_smem[];
     bf16 *k_tile = reinterpret_cast<bf16 *>(attention_smem);
     bf16 *v_tile = k_tile + KV_TILE * LD;
@@ -570,16 +577,16 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, MIN_BLOCKS)
     const int q_tiles_per_head = ceil_div(T, Q_TILE) - first_q_tile;
     const int steps = group * q_tiles_per_head;  // step i: head kv_head * group + i / q_tiles_per_head
 
-    load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(
-        k_tile, qkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, qkv_row, kv0, T);
-    load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(
-        v_tile, qkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM, qkv_row, kv0, T);
+    load_tile_async<KV_TILE, HEAD_DIM, THREADS>(k_tile, qkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, qkv_row, kv0, T);
+    load_tile_async<KV_TILE, HEAD_DIM, THREADS>(v_tile, qkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM, qkv_row,
+                                                kv0, T);
     {
         int head = kv_head * group, q0 = first_q_tile * Q_TILE;
         float lse_log2, delta_value;
-        backward_load_step<HEAD_DIM>(q_tiles, dout_tiles, &lse_log2, &delta_value, qkv_batch + (size_t)head * HEAD_DIM,
-                                     qkv_row, dout_batch + (size_t)head * HEAD_DIM, dout_row,
-                                     lse_batch + (size_t)head * T, delta_batch + (size_t)head * T, q0, T);
+        backward_load_step<HEAD_DIM, Q_TILE, THREADS>(
+            q_tiles, dout_tiles, &lse_log2, &delta_value, qkv_batch + (size_t)head * HEAD_DIM, qkv_row,
+            dout_batch + (size_t)head * HEAD_DIM, dout_row, lse_batch + (size_t)head * T,
+            delta_batch + (size_t)head * T, q0, T);
         if ((int)threadIdx.x < Q_TILE) {
             lse_tiles[threadIdx.x] = lse_log2;
             delta_tiles[threadIdx.x] = delta_value;
@@ -603,10 +610,10 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, MIN_BLOCKS)
         if (step + 1 < steps) {
             int head = kv_head * group + (step + 1) / q_tiles_per_head;
             int q0 = (first_q_tile + (step + 1) % q_tiles_per_head) * Q_TILE;
-            backward_load_step<HEAD_DIM>(q_tiles + (stage ^ 1) * Q_TILE * LD, dout_tiles + (stage ^ 1) * Q_TILE * LD,
-                                         &next_lse_log2, &next_delta, qkv_batch + (size_t)head * HEAD_DIM, qkv_row,
-                                         dout_batch + (size_t)head * HEAD_DIM, dout_row, lse_batch + (size_t)head * T,
-                                         delta_batch + (size_t)head * T, q0, T);
+            backward_load_step<HEAD_DIM, Q_TILE, THREADS>(
+                q_tiles + (stage ^ 1) * Q_TILE * LD, dout_tiles + (stage ^ 1) * Q_TILE * LD, &next_lse_log2,
+                &next_delta, qkv_batch + (size_t)head * HEAD_DIM, qkv_row, dout_batch + (size_t)head * HEAD_DIM,
+                dout_row, lse_batch + (size_t)head * T, delta_batch + (size_t)head * T, q0, T);
         }
         const int q0 = (first_q_tile + step % q_tiles_per_head) * Q_TILE;
         // Skip when all of the warp's keys lie past T or after the tile's last query.
@@ -617,10 +624,10 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, MIN_BLOCKS)
             const float *delta_cur = delta_tiles + stage * Q_TILE;
 
             float pt[S_TILES][4], dst[S_TILES][4];  // P^T and dS^T: key rows x query columns
-            backward_probabilities_transposed<HEAD_DIM>(pt, k_tile, q_cur, lse_cur, scale_log2, warp, warp_kv0, q0,
-                                                        lane, g, c);
+            backward_probabilities_transposed<HEAD_DIM, Q_TILE>(pt, k_tile, q_cur, lse_cur, scale_log2, warp, warp_kv0,
+                                                                q0, lane, g, c);
             warp_matmul_add_x_b<HEAD_DIM>(dv_acc, pt, dout_cur, LD, lane);  // dV += P^T dO
-            backward_ds_transposed<HEAD_DIM>(dst, pt, v_tile, dout_cur, delta_cur, warp, lane, c);
+            backward_ds_transposed<HEAD_DIM, Q_TILE>(dst, pt, v_tile, dout_cur, delta_cur, warp, lane, c);
             warp_matmul_add_x_b<HEAD_DIM>(dk_acc, dst, q_cur, LD, lane);  // dK += dS^T Q (scaled at the end)
         }
         if (step + 1 < steps && (int)threadIdx.x < Q_TILE) {
@@ -635,14 +642,22 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, MIN_BLOCKS)
         warp_kv0, T, k_tile + warp * 16 * LD, v_tile + warp * 16 * LD, dk_acc, dv_acc, softmax_scale, lane);
 }
 
-// Block: 128 query rows of head h of batch b (Q and dO resident), walking the K/V tiles up to the
-// diagonal like the forward pass: S = Q K^T, P = 2^(S scale log2 e - lse log2 e), dP = dO V^T,
+// A dQ pass variant: WARPS warps own 16 WARPS query rows, walking K/V tiles of KV_TILE keys;
+// MIN_BLOCKS per SM for __launch_bounds__.
+template <int WARPS, int KV_TILE, int MIN_BLOCKS>
+struct AttentionDqConfig {
+    static constexpr int warps = WARPS, kv_tile = KV_TILE, min_blocks = MIN_BLOCKS;
+};
+
+// Block: 16 WARPS query rows of head h of batch b (Q and dO resident), walking the K/V tiles up to
+// the diagonal like the forward pass: S = Q K^T, P = 2^(S scale log2 e - lse log2 e), dP = dO V^T,
 // dS = P (dP - D), dQ += dS K.
-template <int HEAD_DIM, int KV_TILE, int MIN_BLOCKS>
-__global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, MIN_BLOCKS)
+template <int HEAD_DIM, int WARPS, int KV_TILE, int MIN_BLOCKS>
+__global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
     attention_backward_dq_kernel(bf16 *dqkv, const bf16 *qkv, const bf16 *dout, const float *lse, const float *delta,
                                  int T, int NH, int NKV, float softmax_scale) {
-    constexpr int Q_TILE = ATTENTION_BACKWARD_BLOCK_ROWS;
+    constexpr int THREADS = WARPS * 32, Q_TILE = WARPS * 16;
+    static_assert(KV_TILE % 16 == 0, "S and P are built from 16-wide pairs of n8 tiles");
     constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD;
     constexpr int S_TILES = KV_TILE / 8, D_TILES = HEAD_DIM / 8;
     extern __shared__ __align__(16) unsigned char attention_smem[];
@@ -662,11 +677,10 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, MIN_BLOCKS)
     const int q0 = q_block * Q_TILE;
     const int num_kv_tiles = (min(q0 + Q_TILE, T) - 1) / KV_TILE + 1;
 
-    load_tile_async<Q_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(q_tile, qkv_batch + (size_t)h * HEAD_DIM, qkv_row, q0,
-                                                                  T);
-    load_tile_async<Q_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(
-        dout_tile, dout + (size_t)b * T * dout_row + (size_t)h * HEAD_DIM, dout_row, q0, T);
-    load_kv_tiles_async<KV_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(k_tiles, v_tiles, k_head, v_head, qkv_row, 0, T);
+    load_tile_async<Q_TILE, HEAD_DIM, THREADS>(q_tile, qkv_batch + (size_t)h * HEAD_DIM, qkv_row, q0, T);
+    load_tile_async<Q_TILE, HEAD_DIM, THREADS>(dout_tile, dout + (size_t)b * T * dout_row + (size_t)h * HEAD_DIM,
+                                               dout_row, q0, T);
+    load_kv_tiles_async<KV_TILE, HEAD_DIM, THREADS>(k_tiles, v_tiles, k_head, v_head, qkv_row, 0, T);
 
     const int warp_row0 = q0 + warp * 16;
     const int g = lane / 4, c = (lane % 4) * 2;
@@ -688,9 +702,9 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, MIN_BLOCKS)
         __syncthreads();  // tile j visible to all; everyone is done with the stage refilled below
         if (j + 1 < num_kv_tiles) {
             int next = (j + 1) & 1;
-            load_kv_tiles_async<KV_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(k_tiles + next * KV_TILE * LD,
-                                                                               v_tiles + next * KV_TILE * LD, k_head,
-                                                                               v_head, qkv_row, (j + 1) * KV_TILE, T);
+            load_kv_tiles_async<KV_TILE, HEAD_DIM, THREADS>(k_tiles + next * KV_TILE * LD,
+                                                            v_tiles + next * KV_TILE * LD, k_head, v_head, qkv_row,
+                                                            (j + 1) * KV_TILE, T);
         }
         const int kv0 = j * KV_TILE;
         if (kv0 > warp_row0 + 15) continue;  // the whole tile lies right of this warp's diagonal
@@ -724,7 +738,7 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, MIN_BLOCKS)
                                   LD, lane);
 }
 
-// ---- backward, head_dim 128: one pass -----------------------------------------------------------
+// ---- backward in one pass (the default at head_dim 128) -----------------------------------------
 
 // Flags between blocks (GPU scope) and the copy engine's bulk copies from shared to global memory.
 __device__ __forceinline__ int load_acquire_gpu(const int *p) {
@@ -782,17 +796,17 @@ __device__ __forceinline__ void dq_share_release(int *done, int turn) {
 template <int HEAD_DIM>
 struct AttentionBackwardSmem {
     static constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD;                      // K, V, Q, dO rows
-    static constexpr int DS_LD = ATTENTION_BACKWARD_Q_TILE + ATTENTION_SMEM_PAD;  // dS^T rows
-    static constexpr size_t kv_bytes = (size_t)ATTENTION_BACKWARD_BLOCK_ROWS * LD * sizeof(bf16);
-    static constexpr size_t q_bytes = (size_t)ATTENTION_BACKWARD_Q_TILE * LD * sizeof(bf16);
+    static constexpr int DS_LD = ATTENTION_ONE_PASS_Q_TILE + ATTENTION_SMEM_PAD;  // dS^T rows
+    static constexpr size_t kv_bytes = (size_t)ATTENTION_ONE_PASS_KV_TILE * LD * sizeof(bf16);
+    static constexpr size_t q_bytes = (size_t)ATTENTION_ONE_PASS_Q_TILE * LD * sizeof(bf16);
     static constexpr size_t k_tile = 0, v_tile = k_tile + kv_bytes;
     static constexpr size_t q_tiles = v_tile + kv_bytes;         // two stages
     static constexpr size_t dout_tiles = q_tiles + 2 * q_bytes;  // two stages
     static constexpr size_t ds_tile = dout_tiles + 2 * q_bytes;
-    static constexpr size_t dq_staged = ds_tile + (size_t)ATTENTION_BACKWARD_BLOCK_ROWS * DS_LD * sizeof(bf16);
-    static constexpr size_t lse_tiles = dq_staged + (size_t)ATTENTION_BACKWARD_Q_TILE * HEAD_DIM * sizeof(float);
-    static constexpr size_t delta_tiles = lse_tiles + 2 * ATTENTION_BACKWARD_Q_TILE * sizeof(float);
-    static constexpr size_t ticket = delta_tiles + 2 * ATTENTION_BACKWARD_Q_TILE * sizeof(float);
+    static constexpr size_t dq_staged = ds_tile + (size_t)ATTENTION_ONE_PASS_KV_TILE * DS_LD * sizeof(bf16);
+    static constexpr size_t lse_tiles = dq_staged + (size_t)ATTENTION_ONE_PASS_Q_TILE * HEAD_DIM * sizeof(float);
+    static constexpr size_t delta_tiles = lse_tiles + 2 * ATTENTION_ONE_PASS_Q_TILE * sizeof(float);
+    static constexpr size_t ticket = delta_tiles + 2 * ATTENTION_ONE_PASS_Q_TILE * sizeof(float);
     static constexpr size_t bytes = ticket + 16;
 };
 
@@ -801,7 +815,7 @@ struct AttentionBackwardSmem {
 // plain copies.
 template <int HEAD_DIM>
 __host__ __device__ __forceinline__ size_t attention_dq_slot(int b, int h, int tile, int NH, int num_q_tiles) {
-    return (((size_t)b * NH + h) * num_q_tiles + tile) * ATTENTION_BACKWARD_Q_TILE * HEAD_DIM;
+    return (((size_t)b * NH + h) * num_q_tiles + tile) * ATTENTION_ONE_PASS_Q_TILE * HEAD_DIM;
 }
 
 // Block: 128 key rows kv0.. of kv head kv_head of batch b; warp w: rows 16w..16w+15 (dK, dV in its
@@ -815,19 +829,20 @@ __host__ __device__ __forceinline__ size_t attention_dq_slot(int b, int h, int t
 // Blocks take their kv block from a counter, one head group after another and inside a group from
 // the last kv block down: a block only ever waits on blocks that started before it, and those
 // are ahead by two query tiles per head (the diagonal moves by a kv block), so it rarely waits.
-template <int HEAD_DIM>
-__global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, 1)
+template <int HEAD_DIM, int MIN_BLOCKS>
+__global__ void __launch_bounds__(ATTENTION_ONE_PASS_THREADS, MIN_BLOCKS)
     attention_backward_one_pass_kernel(bf16 *dqkv, float *dq_slots, int *dq_done, int *block_counter, const bf16 *qkv,
                                        const bf16 *dout, const float *lse, const float *delta, int T, int NH, int NKV,
                                        float softmax_scale) {
     typedef AttentionBackwardSmem<HEAD_DIM> Smem;
-    constexpr int KV_TILE = ATTENTION_BACKWARD_BLOCK_ROWS, Q_TILE = ATTENTION_BACKWARD_Q_TILE;
+    constexpr int KV_TILE = ATTENTION_ONE_PASS_KV_TILE, Q_TILE = ATTENTION_ONE_PASS_Q_TILE;
     constexpr int LD = Smem::LD, DS_LD = Smem::DS_LD;
     constexpr int S_TILES = Q_TILE / 8, D_TILES = HEAD_DIM / 8;
     // dQ share: warp w computes query rows 32 (w % 2).. + 31 and columns (w / 2) DQ_COLS.. of the tile.
     constexpr int DQ_COLS = HEAD_DIM / 4, DQ_N_TILES = DQ_COLS / 8;
     constexpr uint32_t DQ_SLOT_BYTES = Q_TILE * HEAD_DIM * sizeof(float);
-    static_assert(ATTENTION_BACKWARD_WARPS == 8 && Q_TILE == 64, "the dQ share splits 64 x HEAD_DIM over 2 x 4 warps");
+    static_assert(ATTENTION_ONE_PASS_WARPS == 8 && Q_TILE == 64, "the dQ share splits 64 x HEAD_DIM over 2 x 4 warps");
+    static_assert(DQ_N_TILES % 2 == 0, "a warp's dQ columns are 16-wide pairs of n8 tiles");
     static_assert(KV_TILE % Q_TILE == 0, "a key block must start on a query tile boundary");
     extern __shared__ __align__(16) unsigned char attention_smem[];
     bf16 *k_tile = reinterpret_cast<bf16 *>(attention_smem + Smem::k_tile);
@@ -858,16 +873,17 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, 1)
     const int q_tiles_per_head = num_q_tiles - first_q_tile;
     const int steps = group * q_tiles_per_head;  // step i: head kv_head * group + i / q_tiles_per_head
 
-    load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(
+    load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_ONE_PASS_THREADS>(
         k_tile, qkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, qkv_row, kv0, T);
-    load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_BACKWARD_THREADS>(
+    load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_ONE_PASS_THREADS>(
         v_tile, qkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM, qkv_row, kv0, T);
     {
         int head = kv_head * group, q0 = first_q_tile * Q_TILE;
         float lse_log2, delta_value;
-        backward_load_step<HEAD_DIM>(q_tiles, dout_tiles, &lse_log2, &delta_value, qkv_batch + (size_t)head * HEAD_DIM,
-                                     qkv_row, dout_batch + (size_t)head * HEAD_DIM, dout_row,
-                                     lse_batch + (size_t)head * T, delta_batch + (size_t)head * T, q0, T);
+        backward_load_step<HEAD_DIM, Q_TILE, ATTENTION_ONE_PASS_THREADS>(
+            q_tiles, dout_tiles, &lse_log2, &delta_value, qkv_batch + (size_t)head * HEAD_DIM, qkv_row,
+            dout_batch + (size_t)head * HEAD_DIM, dout_row, lse_batch + (size_t)head * T,
+            delta_batch + (size_t)head * T, q0, T);
         if ((int)threadIdx.x < Q_TILE) {
             lse_tiles[threadIdx.x] = lse_log2;
             delta_tiles[threadIdx.x] = delta_value;
@@ -897,10 +913,10 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, 1)
         if (step + 1 < steps) {
             int head = kv_head * group + (step + 1) / q_tiles_per_head;
             int q0 = (first_q_tile + (step + 1) % q_tiles_per_head) * Q_TILE;
-            backward_load_step<HEAD_DIM>(q_tiles + (stage ^ 1) * Q_TILE * LD, dout_tiles + (stage ^ 1) * Q_TILE * LD,
-                                         &next_lse_log2, &next_delta, qkv_batch + (size_t)head * HEAD_DIM, qkv_row,
-                                         dout_batch + (size_t)head * HEAD_DIM, dout_row, lse_batch + (size_t)head * T,
-                                         delta_batch + (size_t)head * T, q0, T);
+            backward_load_step<HEAD_DIM, Q_TILE, ATTENTION_ONE_PASS_THREADS>(
+                q_tiles + (stage ^ 1) * Q_TILE * LD, dout_tiles + (stage ^ 1) * Q_TILE * LD, &next_lse_log2,
+                &next_delta, qkv_batch + (size_t)head * HEAD_DIM, qkv_row, dout_batch + (size_t)head * HEAD_DIM,
+                dout_row, lse_batch + (size_t)head * T, delta_batch + (size_t)head * T, q0, T);
         }
         const int head = kv_head * group + step / q_tiles_per_head;
         const int q_tile_index = first_q_tile + step % q_tiles_per_head;
@@ -908,17 +924,17 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, 1)
         const bf16 *q_cur = q_tiles + stage * Q_TILE * LD;
         // Warps whose keys all lie past T or after the tile's last query have nothing to add; they
         // are the last ones, so the active warps' keys are rows 0 .. 16 active_warps - 1.
-        const int active_warps = min(min(ATTENTION_BACKWARD_WARPS, ceil_div(T - kv0, 16)), (q0 + Q_TILE - kv0) / 16);
+        const int active_warps = min(min(ATTENTION_ONE_PASS_WARPS, ceil_div(T - kv0, 16)), (q0 + Q_TILE - kv0) / 16);
         if (warp < active_warps) {
             const bf16 *dout_cur = dout_tiles + stage * Q_TILE * LD;
             const float *lse_cur = lse_tiles + stage * Q_TILE;
             const float *delta_cur = delta_tiles + stage * Q_TILE;
 
             float pt[S_TILES][4], dst[S_TILES][4];  // P^T and dS^T: key rows x query columns
-            backward_probabilities_transposed<HEAD_DIM>(pt, k_tile, q_cur, lse_cur, scale_log2, warp, warp_kv0, q0,
-                                                        lane, g, c);
+            backward_probabilities_transposed<HEAD_DIM, Q_TILE>(pt, k_tile, q_cur, lse_cur, scale_log2, warp, warp_kv0,
+                                                                q0, lane, g, c);
             warp_matmul_add_x_b<HEAD_DIM>(dv_acc, pt, dout_cur, LD, lane);  // dV += P^T dO
-            backward_ds_transposed<HEAD_DIM>(dst, pt, v_tile, dout_cur, delta_cur, warp, lane, c);
+            backward_ds_transposed<HEAD_DIM, Q_TILE>(dst, pt, v_tile, dout_cur, delta_cur, warp, lane, c);
             // dK += dS^T Q (scaled at the end), and dS^T to shared memory for the dQ share
             warp_matmul_add_x_b<HEAD_DIM, S_TILES, true>(dk_acc, dst, q_cur, LD, lane,
                                                          ds_tile + (warp * 16 + g) * DS_LD + c, DS_LD);
@@ -982,7 +998,7 @@ __global__ void __launch_bounds__(ATTENTION_BACKWARD_THREADS, 1)
 template <int HEAD_DIM>
 __global__ void attention_backward_dq_from_slots_kernel(bf16 *dqkv, const float *dq_slots, int B, int T, int NH,
                                                         int NKV, float softmax_scale) {
-    constexpr int Q_TILE = ATTENTION_BACKWARD_Q_TILE, DQ_COLS = HEAD_DIM / 4, DQ_N_TILES = DQ_COLS / 8;
+    constexpr int Q_TILE = ATTENTION_ONE_PASS_Q_TILE, DQ_COLS = HEAD_DIM / 4, DQ_N_TILES = DQ_COLS / 8;
     constexpr int DQ_FRAGS = 2 * DQ_N_TILES, SLOT_VECS = Q_TILE * HEAD_DIM / 4;
     const int num_q_tiles = ceil_div(T, Q_TILE);
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -1032,21 +1048,58 @@ static void attention_launch_setup(Kernel kernel, size_t smem_bytes) {
     cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes));
 }
 
+// The backward variants: two passes (a dK/dV pass, then a dQ pass), or one pass of fixed shape.
+template <class DkDv, class Dq>
+struct AttentionTwoPassConfig {
+    static constexpr bool one_pass = false;
+    typedef DkDv dkdv;
+    typedef Dq dq;
+};
+template <int MIN_BLOCKS>
+struct AttentionOnePassConfig {
+    static constexpr bool one_pass = true;
+    static constexpr int min_blocks = MIN_BLOCKS;
+};
+
+// The tile shapes the program uses. Forward: the largest K/V tiles without register spills
+// (ptxas, 255 registers at two blocks per SM): 64 keys with the Q fragments in registers for
+// head_dim 64; for 128, where O alone takes 128 registers, 32 keys and Q read from shared memory.
+// Backward: two passes at 64, one pass at 128 (see the top of the file).
+// test/bench_attention_variants.cu checks and times the alternatives.
 template <int HEAD_DIM>
+struct AttentionDefaults;
+template <>
+struct AttentionDefaults<64> {
+    typedef AttentionForwardConfig<4, 2, 64, true, 2> forward;
+    typedef AttentionTwoPassConfig<AttentionDkDvConfig<8, 64, 1>, AttentionDqConfig<8, 32, 2>> backward;
+};
+template <>
+struct AttentionDefaults<128> {
+    typedef AttentionForwardConfig<4, 2, 32, false, 2> forward;
+    typedef AttentionOnePassConfig<1> backward;
+};
+
+// Dynamic shared memory one block may opt in to on sm_90.
+#define ATTENTION_MAX_SMEM_BYTES (227 * 1024)
+
+template <int HEAD_DIM, class Config = typename AttentionDefaults<HEAD_DIM>::forward>
 static void attention_forward_launch(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH, int NKV,
                                      cudaStream_t stream) {
     constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD;
-    size_t smem = (size_t)(ATTENTION_FORWARD_Q_TILE + 4 * AttentionForwardTiles<HEAD_DIM>::kv) * LD * sizeof(bf16);
-    auto kernel = attention_forward_kernel<HEAD_DIM>;
+    constexpr size_t smem = (size_t)(Config::q_tile + 4 * Config::kv_tile) * LD * sizeof(bf16);
+    static_assert(smem <= ATTENTION_MAX_SMEM_BYTES, "forward tiles exceed shared memory");
+    auto kernel = attention_forward_kernel<HEAD_DIM, Config::warps, Config::m_tiles, Config::kv_tile,
+                                           Config::q_in_registers, Config::min_blocks>;
     attention_launch_setup(kernel, smem);
-    dim3 grid(ceil_div(T, ATTENTION_FORWARD_Q_TILE), NH, B);
-    kernel<<<grid, ATTENTION_FORWARD_THREADS, smem, stream>>>(out, lse, qkv, T, NH, NKV,
-                                                              attention_softmax_scale(HEAD_DIM));
+    dim3 grid(ceil_div(T, Config::q_tile), NH, B);
+    kernel<<<grid, Config::threads, smem, stream>>>(out, lse, qkv, T, NH, NKV, attention_softmax_scale(HEAD_DIM));
     cudaCheckLaunch();
 }
 
-// The one-pass backward (measured faster on H200 for head_dim 128 only; see the top of the file).
-static inline bool attention_backward_one_pass(int head_dim) { return head_dim == 128; }
+// Whether the program's backward runs in one pass (measured faster on H200 for head_dim 128 only).
+static inline bool attention_backward_one_pass(int head_dim) {
+    return head_dim == 128 ? AttentionDefaults<128>::backward::one_pass : AttentionDefaults<64>::backward::one_pass;
+}
 
 // Byte offsets of the pieces of the backward scratch, each 256-byte aligned: D [B, NH, T]; for the
 // one-pass backward also the dQ slots' flags [B, NH, query tiles] followed by the counter that
@@ -1058,19 +1111,20 @@ typedef struct {
 
 static inline size_t attention_align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
-static inline AttentionBackwardScratch attention_backward_scratch_layout(int B, int T, int NH, int head_dim) {
+static inline AttentionBackwardScratch attention_backward_scratch_layout(int B, int T, int NH, int head_dim,
+                                                                         bool one_pass) {
     AttentionBackwardScratch s;
-    size_t slots = (size_t)B * NH * ceil_div(T, ATTENTION_BACKWARD_Q_TILE);
+    size_t slots = (size_t)B * NH * ceil_div(T, ATTENTION_ONE_PASS_Q_TILE);
     s.delta = 0;
     s.dq_done = s.delta + attention_align256((size_t)B * NH * T * sizeof(float));
-    if (!attention_backward_one_pass(head_dim)) {
+    if (!one_pass) {
         s.flag_count = 0;
         s.dq_slots = s.total_bytes = s.dq_done;
         return s;
     }
     s.flag_count = slots + 1;
     s.dq_slots = s.dq_done + attention_align256(s.flag_count * sizeof(int));
-    s.total_bytes = s.dq_slots + slots * ATTENTION_BACKWARD_Q_TILE * head_dim * sizeof(float);
+    s.total_bytes = s.dq_slots + slots * ATTENTION_ONE_PASS_Q_TILE * head_dim * sizeof(float);
     return s;
 }
 
@@ -1083,33 +1137,34 @@ static void attention_backward_delta_launch(float *delta, const bf16 *dout, cons
     cudaCheckLaunch();
 }
 
-// Two passes (head_dim 64): dK and dV per 128 key rows, then dQ per 128 query rows; tile sizes
-// chosen so that the accumulators fit in registers without spills.
-template <int HEAD_DIM>
+// Two passes: dK and dV per 16 DkDv::warps key rows, then dQ per 16 Dq::warps query rows.
+template <int HEAD_DIM, class DkDv, class Dq>
 static void attention_backward_two_pass_launch(bf16 *dqkv, const float *delta, const bf16 *dout, const bf16 *qkv,
                                                const float *lse, int B, int T, int NH, int NKV, cudaStream_t stream) {
-    constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD, ROWS = ATTENTION_BACKWARD_BLOCK_ROWS;
-    constexpr int DKDV_Q_TILE = ATTENTION_BACKWARD_Q_TILE, DQ_KV_TILE = 32;
+    constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD, DKDV_ROWS = DkDv::warps * 16, DQ_ROWS = Dq::warps * 16;
     const float scale = attention_softmax_scale(HEAD_DIM);
 
-    size_t dkdv_smem = (size_t)(2 * ROWS + 4 * DKDV_Q_TILE) * LD * sizeof(bf16) + 4 * DKDV_Q_TILE * sizeof(float);
-    auto dkdv = attention_backward_dkdv_kernel<HEAD_DIM, 1>;
+    constexpr size_t dkdv_smem =
+        (size_t)(2 * DKDV_ROWS + 4 * DkDv::q_tile) * LD * sizeof(bf16) + 4 * DkDv::q_tile * sizeof(float);
+    static_assert(dkdv_smem <= ATTENTION_MAX_SMEM_BYTES, "dK/dV tiles exceed shared memory");
+    auto dkdv = attention_backward_dkdv_kernel<HEAD_DIM, DkDv::warps, DkDv::q_tile, DkDv::min_blocks>;
     attention_launch_setup(dkdv, dkdv_smem);
-    dkdv<<<dim3(ceil_div(T, ROWS), NKV, B), ATTENTION_BACKWARD_THREADS, dkdv_smem, stream>>>(dqkv, qkv, dout, lse,
-                                                                                             delta, T, NH, NKV, scale);
+    dkdv<<<dim3(ceil_div(T, DKDV_ROWS), NKV, B), DkDv::warps * 32, dkdv_smem, stream>>>(dqkv, qkv, dout, lse, delta, T,
+                                                                                        NH, NKV, scale);
     cudaCheckLaunch();
 
-    size_t dq_smem = (size_t)(2 * ROWS + 4 * DQ_KV_TILE) * LD * sizeof(bf16);
-    auto dq = attention_backward_dq_kernel<HEAD_DIM, DQ_KV_TILE, 2>;
+    constexpr size_t dq_smem = (size_t)(2 * DQ_ROWS + 4 * Dq::kv_tile) * LD * sizeof(bf16);
+    static_assert(dq_smem <= ATTENTION_MAX_SMEM_BYTES, "dQ tiles exceed shared memory");
+    auto dq = attention_backward_dq_kernel<HEAD_DIM, Dq::warps, Dq::kv_tile, Dq::min_blocks>;
     attention_launch_setup(dq, dq_smem);
-    dq<<<dim3(ceil_div(T, ROWS), NH, B), ATTENTION_BACKWARD_THREADS, dq_smem, stream>>>(dqkv, qkv, dout, lse, delta, T,
-                                                                                        NH, NKV, scale);
+    dq<<<dim3(ceil_div(T, DQ_ROWS), NH, B), Dq::warps * 32, dq_smem, stream>>>(dqkv, qkv, dout, lse, delta, T, NH, NKV,
+                                                                               scale);
     cudaCheckLaunch();
 }
 
-// One pass (head_dim 128): the flags and the block counter are zeroed, the dK/dV/dQ-share kernel
-// runs with one block per (batch, kv head, 128 key rows), then the slots become dQ.
-template <int HEAD_DIM>
+// One pass: the flags and the block counter are zeroed, the dK/dV/dQ-share kernel runs with one
+// block per (batch, kv head, 128 key rows), then the slots become dQ.
+template <int HEAD_DIM, int MIN_BLOCKS>
 static void attention_backward_one_pass_launch(bf16 *dqkv, char *scratch, const AttentionBackwardScratch &layout,
                                                const bf16 *dout, const bf16 *qkv, const float *lse, int B, int T,
                                                int NH, int NKV, cudaStream_t stream) {
@@ -1119,18 +1174,36 @@ static void attention_backward_one_pass_launch(bf16 *dqkv, char *scratch, const 
     float *dq_slots = reinterpret_cast<float *>(scratch + layout.dq_slots);
     cudaCheck(cudaMemsetAsync(dq_done, 0, layout.flag_count * sizeof(int), stream));
 
-    size_t smem = AttentionBackwardSmem<HEAD_DIM>::bytes;
-    auto kernel = attention_backward_one_pass_kernel<HEAD_DIM>;
+    constexpr size_t smem = AttentionBackwardSmem<HEAD_DIM>::bytes;
+    static_assert(smem <= ATTENTION_MAX_SMEM_BYTES, "one-pass tiles exceed shared memory");
+    auto kernel = attention_backward_one_pass_kernel<HEAD_DIM, MIN_BLOCKS>;
     attention_launch_setup(kernel, smem);
-    unsigned blocks = (unsigned)((size_t)ceil_div(T, ATTENTION_BACKWARD_BLOCK_ROWS) * NKV * B);
-    kernel<<<blocks, ATTENTION_BACKWARD_THREADS, smem, stream>>>(
+    unsigned blocks = (unsigned)((size_t)ceil_div(T, ATTENTION_ONE_PASS_KV_TILE) * NKV * B);
+    kernel<<<blocks, ATTENTION_ONE_PASS_THREADS, smem, stream>>>(
         dqkv, dq_slots, dq_done, dq_done + layout.flag_count - 1, qkv, dout, lse, delta, T, NH, NKV, scale);
     cudaCheckLaunch();
 
-    size_t threads = (size_t)B * NH * ceil_div(T, ATTENTION_BACKWARD_Q_TILE) * ATTENTION_BACKWARD_Q_TILE * HEAD_DIM / 4;
+    size_t threads = (size_t)B * NH * ceil_div(T, ATTENTION_ONE_PASS_Q_TILE) * ATTENTION_ONE_PASS_Q_TILE * HEAD_DIM / 4;
     attention_backward_dq_from_slots_kernel<HEAD_DIM>
         <<<(unsigned)ceil_div_size(threads, 256), 256, 0, stream>>>(dqkv, dq_slots, B, T, NH, NKV, scale);
     cudaCheckLaunch();
+}
+
+// D, then the passes of the backward variant Config (AttentionTwoPassConfig or AttentionOnePassConfig);
+// scratch holds attention_backward_scratch_layout(B, T, NH, HEAD_DIM, Config::one_pass).total_bytes.
+template <int HEAD_DIM, class Config = typename AttentionDefaults<HEAD_DIM>::backward>
+static void attention_backward_launch(bf16 *dqkv, float *scratch, const bf16 *dout, const bf16 *qkv, const bf16 *out,
+                                      const float *lse, int B, int T, int NH, int NKV, cudaStream_t stream) {
+    AttentionBackwardScratch layout = attention_backward_scratch_layout(B, T, NH, HEAD_DIM, Config::one_pass);
+    char *base = reinterpret_cast<char *>(scratch);
+    float *delta = reinterpret_cast<float *>(base + layout.delta);
+    attention_backward_delta_launch<HEAD_DIM>(delta, dout, out, B, T, NH, stream);
+    if constexpr (Config::one_pass)
+        attention_backward_one_pass_launch<HEAD_DIM, Config::min_blocks>(dqkv, base, layout, dout, qkv, lse, B, T, NH,
+                                                                         NKV, stream);
+    else
+        attention_backward_two_pass_launch<HEAD_DIM, typename Config::dkdv, typename Config::dq>(
+            dqkv, delta, dout, qkv, lse, B, T, NH, NKV, stream);
 }
 
 // out [B, T, NH, head_dim] and lse [B, NH, T] from the packed qkv [B, T, (NH + 2 NKV) head_dim].
@@ -1145,10 +1218,10 @@ static inline void attention_forward(bf16 *out, float *lse, const bf16 *qkv, int
 }
 
 // Bytes of device scratch attention_backward needs: D, one float per (batch, head, position); for
-// head_dim 128 also a flag per (batch, head, 64-row query tile) and the FP32 dQ slots, B * NH * T *
-// head_dim floats with T rounded up to 64.
+// the one-pass backward (head_dim 128) also a flag per (batch, head, 64-row query tile) and the
+// FP32 dQ slots, B * NH * T * head_dim floats with T rounded up to 64.
 static inline size_t attention_backward_scratch_bytes(int B, int T, int NH, int head_dim) {
-    return attention_backward_scratch_layout(B, T, NH, head_dim).total_bytes;
+    return attention_backward_scratch_layout(B, T, NH, head_dim, attention_backward_one_pass(head_dim)).total_bytes;
 }
 
 // Writes all of dqkv (packed like qkv) from dout and the forward's qkv, out and lse.
@@ -1158,14 +1231,8 @@ static inline void attention_backward(bf16 *dqkv, float *scratch, const bf16 *do
                                       cudaStream_t stream) {
     const void *pointers[] = {dqkv, scratch, dout, qkv, out, lse};
     attention_check_args("attention_backward", pointers, 6, B, T, NH, NKV, head_dim);
-    AttentionBackwardScratch layout = attention_backward_scratch_layout(B, T, NH, head_dim);
-    char *base = reinterpret_cast<char *>(scratch);
-    float *delta = reinterpret_cast<float *>(base + layout.delta);
-    if (attention_backward_one_pass(head_dim)) {
-        attention_backward_delta_launch<128>(delta, dout, out, B, T, NH, stream);
-        attention_backward_one_pass_launch<128>(dqkv, base, layout, dout, qkv, lse, B, T, NH, NKV, stream);
-    } else {
-        attention_backward_delta_launch<64>(delta, dout, out, B, T, NH, stream);
-        attention_backward_two_pass_launch<64>(dqkv, delta, dout, qkv, lse, B, T, NH, NKV, stream);
-    }
+    if (head_dim == 128)
+        attention_backward_launch<128>(dqkv, scratch, dout, qkv, out, lse, B, T, NH, NKV, stream);
+    else
+        attention_backward_launch<64>(dqkv, scratch, dout, qkv, out, lse, B, T, NH, NKV, stream);
 }
