@@ -29,19 +29,11 @@ seconds() { # best wall time of 3 runs of: ./tokenize encode -t $1 < $2
     echo "$best"
 }
 
-bytes=$(stat -c %s "$text")
-echo "text: $text, $bytes bytes, $(nproc) cores"
-printf '%-8s %-10s %10s\n' tokenizer engine MB/s
-for spec in "$@"; do
-    name=${spec%%=*}
-    path=${spec#*=}
-    load=$(seconds "$path" /dev/null)
-    total=$(seconds "$path" "$text")
-    python3 -c "print('%-8s %-10s %10.2f' % ('$name', 'ours', $bytes / 1e6 / ($total - $load)))"
-    RAYON_NUM_THREADS=1 python3 - "$text" "$name" "$path" <<'EOF'
+python_engines() { # python_engines TEXT NAME TOKENIZER.json ENGINES: MB/s of each engine named
+    python3 - "$@" <<'EOF'
 import json, sys, time
 from tokenizers import Tokenizer
-text_path, name, path = sys.argv[1:]
+text_path, name, path, engines = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(",")
 lines = open(text_path, "rb").read().decode("utf-8", errors="replace").splitlines(keepends=True)
 mb = sum(len(l.encode("utf-8")) for l in lines) / 1e6
 tok = Tokenizer.from_file(path)
@@ -50,25 +42,16 @@ def best(f):
     for _ in range(3):
         start = time.perf_counter(); f(); times.append(time.perf_counter() - start)
     return min(times)
-print("%-8s %-10s %10.2f" % (name, "HF 1", mb / best(lambda: [tok.encode(l, add_special_tokens=False) for l in lines])))
-EOF
-    python3 - "$text" "$name" "$path" <<'EOF'
-import base64, json, sys, time
-from tokenizers import Tokenizer
-text_path, name, path = sys.argv[1:]
-lines = open(text_path, "rb").read().decode("utf-8", errors="replace").splitlines(keepends=True)
-mb = sum(len(l.encode("utf-8")) for l in lines) / 1e6
-tok = Tokenizer.from_file(path)
-def best(f):
-    times = []
-    for _ in range(3):
-        start = time.perf_counter(); f(); times.append(time.perf_counter() - start)
-    return min(times)
-print("%-8s %-10s %10.2f" % (name, "HF batch", mb / best(lambda: tok.encode_batch(lines, add_special_tokens=False))))
+def report(engine, f):
+    print("%-8s %-10s %10.2f" % (name, engine, mb / best(f)))
+if "HF 1" in engines:
+    report("HF 1", lambda: [tok.encode(l, add_special_tokens=False) for l in lines])
+if "HF batch" in engines:
+    report("HF batch", lambda: tok.encode_batch(lines, add_special_tokens=False))
 config = json.load(open(path, encoding="utf-8"))
 pre = config.get("pre_tokenizer") or {}
 split = [p for p in pre.get("pretokenizers", []) if p.get("type") == "Split"]
-if split:
+if "tiktoken" in engines and split:
     import tiktoken
     # Invert the GPT-2 byte-to-character map to get each token's bytes.
     printable = [b for b in range(256) if 33 <= b <= 126 or 161 <= b <= 172 or b >= 174]
@@ -81,8 +64,21 @@ if split:
     ranks = {bytes(byte_of[c] for c in token): rank for token, rank in config["model"]["vocab"].items()}
     special = {t["content"]: t["id"] for t in config["added_tokens"]}
     enc = tiktoken.Encoding(name=name, pat_str=split[0]["pattern"]["Regex"], mergeable_ranks=ranks, special_tokens=special)
-    print("%-8s %-10s %10.2f" % (name, "tiktoken", mb / best(lambda: [enc.encode_ordinary(l) for l in lines])))
+    report("tiktoken", lambda: [enc.encode_ordinary(l) for l in lines])
 EOF
+}
+
+bytes=$(stat -c %s "$text")
+echo "text: $text, $bytes bytes, $(nproc) cores"
+printf '%-8s %-10s %10s\n' tokenizer engine MB/s
+for spec in "$@"; do
+    name=${spec%%=*}
+    path=${spec#*=}
+    load=$(seconds "$path" /dev/null)
+    total=$(seconds "$path" "$text")
+    python3 -c "print('%-8s %-10s %10.2f' % ('$name', 'ours', $bytes / 1e6 / ($total - $load)))"
+    RAYON_NUM_THREADS=1 python_engines "$text" "$name" "$path" "HF 1"
+    python_engines "$text" "$name" "$path" "HF batch,tiktoken"
     # ./tokenize shards: the text cut into 64 documents, 1 thread and all cores.
     docs=$(mktemp -d)
     split -n l/64 -d -a 2 "$text" "$docs/doc_"
