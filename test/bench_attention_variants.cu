@@ -151,17 +151,6 @@ static const Variant variants_hd128[] = {
 
 // ---- device helpers -----------------------------------------------------------------------------
 
-// Uniform values in [-1, 1) from a hash of the index: fast to make at benchmark sizes.
-__global__ void fill_uniform_bf16_kernel(bf16 *x, size_t n, uint64_t seed) {
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        uint64_t z = (i + seed) * 0x9E3779B97F4A7C15ull;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        z ^= z >> 31;
-        x[i] = __float2bfloat16((float)(z >> 40) * 0x1.0p-23f - 1.f);
-    }
-}
-
 // Per part of a tensor (dq, dk, dv of a dqkv row; one part for out and lse): max |got - expected|
 // and max |expected| as float bits (non-negative floats order like their bits), and the elements
 // where either is NaN.

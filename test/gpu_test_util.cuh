@@ -1,8 +1,9 @@
-// Host helpers shared by the GPU tests (test/test_*.cu): zeroed host buffers that exit when memory
-// runs out; BF16 rounding and the BF16 <-> float conversions between device tensors and host float
-// arrays; random inputs rounded to BF16, so that the CPU reference sees exactly what the GPU sees;
-// NaN poison for device outputs; max |x|; the median of timings. Host arrays are float (or bf16
-// bits) [n]; device tensors are bf16 [n], in the layout the kernel under test takes.
+// Helpers shared by the GPU tests and benchmarks (test/*.cu): zeroed host buffers that exit when
+// memory runs out; BF16 rounding and the BF16 <-> float conversions between device tensors and host
+// float arrays; random inputs rounded to BF16, so that the CPU reference sees exactly what the GPU
+// sees; NaN poison for device outputs; max |x|; the median of timings; random BF16 benchmark inputs
+// made on the GPU. Host arrays are float (or bf16 bits) [n]; device tensors are bf16 [n], in the
+// layout the kernel under test takes.
 #pragma once
 #include <math.h>
 #include <stdio.h>
@@ -86,4 +87,16 @@ static inline int compare_floats_ascending(const void *a, const void *b) {
 static inline float median_in_place(float *values, int n) {
     qsort(values, (size_t)n, sizeof(float), compare_floats_ascending);
     return values[n / 2];
+}
+
+// Uniform values in [-1, 1) from a hash of the index, on the GPU: benchmark inputs of gigabytes
+// without a host copy (any grid: the threads stride over x).
+__global__ void fill_uniform_bf16_kernel(bf16 *x, size_t n, uint64_t seed) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t z = (i + seed) * 0x9E3779B97F4A7C15ull;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        x[i] = __float2bfloat16((float)(z >> 40) * 0x1.0p-23f - 1.f);
+    }
 }

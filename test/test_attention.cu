@@ -199,17 +199,6 @@ static void test_shape(AttnShape s, Random *rng) {
 
 // ---- timing at the ANCHORS.md shapes -----------------------------------------------------------
 
-// Uniform values in [-1, 1) from a hash of the index: fast to make at benchmark sizes.
-__global__ void fill_uniform_bf16_kernel(bf16 *x, size_t n, uint64_t seed) {
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        uint64_t z = (i + seed) * 0x9E3779B97F4A7C15ull;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        z ^= z >> 31;
-        x[i] = __float2bfloat16((float)(z >> 40) * 0x1.0p-23f - 1.f);
-    }
-}
-
 // counts[0] += elements where a and b differ bitwise, counts[1] += elements of a that are NaN.
 __global__ void count_mismatches_kernel(unsigned long long *counts, const bf16 *a, const bf16 *b, size_t n) {
     unsigned long long differ = 0, nan = 0;
