@@ -51,6 +51,8 @@ static inline int op_timer_slot(OpTimer *timer, const char *op) {
         exit(EXIT_FAILURE);
     }
     timer->op_names[timer->ops] = op;
+    timer->op_ms[timer->ops] = 0.0;
+    timer->op_calls[timer->ops] = 0;
     return timer->ops++;
 }
 
