@@ -5,7 +5,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include "coat/checkpoint.h"
 #include "coat/config.h"
 #include "coat/log.h"
@@ -573,24 +572,11 @@ static void log_validation(Trainer *t) {
     run_log_val(&t->log, t->state.step, val);
 }
 
-// mkdir -p: out_dir and any missing parents.
-static bool make_directories(const char *path) {
-    char partial[CONFIG_STRING_MAX];
-    snprintf(partial, sizeof(partial), "%s", path);
-    for (char *p = partial; *p; p++) {
-        if (*p != '/' || p == partial) continue;  // a leading '/' is the root
-        *p = '\0';
-        if (mkdir(partial, 0755) != 0 && errno != EEXIST) return false;
-        *p = '/';
-    }
-    return mkdir(partial, 0755) == 0 || errno == EEXIST;
-}
-
 static int train(ConfigParser *parser, int ranks) {
     const TrainConfig *c = &parser->values;
     char error[1024];
-    if (!make_directories(c->out_dir)) {
-        fprintf(stderr, "error: %s: cannot create out_dir: %s\n", c->out_dir, strerror(errno));
+    if (shard_make_directories(c->out_dir, error, sizeof(error)) != 0) {
+        fprintf(stderr, "%s\n", error);
         return EXIT_FAILURE;
     }
     print_model_summary(c);

@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -80,6 +81,29 @@ static inline char *shard_copy_string(const char *text) {
     char *copy = (char *)malloc(size);
     if (copy) memcpy(copy, text, size);
     return copy;
+}
+
+// mkdir -p: the directory that will hold shards (or a run's files) and any missing parents.
+static inline int shard_make_directories(const char *path, char *error, size_t error_size) {
+    char *partial = shard_copy_string(path);
+    if (!partial) return shard_fail(error, error_size, path, "out of memory");
+    int status = 0;
+    for (char *p = partial + (partial[0] != '\0');; p++) {
+        if (*p != '/' && *p != '\0') continue;
+        char saved = *p;
+        *p = '\0';
+        if (mkdir(partial, 0777) != 0 && errno != EEXIST) {
+            status = shard_fail(error, error_size, partial, "cannot create the directory: %s", strerror(errno));
+            break;
+        }
+        *p = saved;
+        if (saved == '\0') break;
+    }
+    free(partial);
+    struct stat info;
+    if (status == 0 && (stat(path, &info) != 0 || !S_ISDIR(info.st_mode)))
+        status = shard_fail(error, error_size, path, "not a directory");
+    return status;
 }
 
 static inline void shard_store_int32_le(unsigned char *bytes, uint32_t value) {

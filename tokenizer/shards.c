@@ -833,29 +833,6 @@ static void stop_workers(ShardsRun *run) {
     free(run->workers);
 }
 
-// mkdir -p
-static int make_directories(const char *path, char *error) {
-    char *partial = shard_copy_string(path);
-    if (!partial) return fail(error, "error: out of memory");
-    int status = 0;
-    for (char *p = partial + 1;; p++) {
-        if (*p != '/' && *p != '\0') continue;
-        char saved = *p;
-        *p = '\0';
-        if (mkdir(partial, 0777) != 0 && errno != EEXIST) {
-            status = fail(error, "error: %s: cannot create the directory: %s", partial, strerror(errno));
-            break;
-        }
-        *p = saved;
-        if (saved == '\0') break;
-    }
-    free(partial);
-    struct stat info;
-    if (status == 0 && (stat(path, &info) != 0 || !S_ISDIR(info.st_mode)))
-        status = fail(error, "error: %s: not a directory", path);
-    return status;
-}
-
 static void print_summary(const ShardsRun *run) {
     double elapsed = seconds_now() - run->start_seconds;
     double megabytes = (double)run->input_bytes_total / 1e6;
@@ -908,7 +885,7 @@ static int run_shards(const ShardsOptions *options, char *error) {
     run.start_seconds = seconds_now();
     if (status == 0 && !run.chunks) status = fail(error, "error: out of memory");
     if (status == 0 && options->val_docs >= 0) status = count_documents(options, &files, &run.total_documents, error);
-    if (status == 0) status = make_directories(options->output_dir, error);
+    if (status == 0) status = shard_make_directories(options->output_dir, error, SHARDS_ERROR_SIZE);
     pthread_mutex_init(&run.lock, NULL);
     pthread_cond_init(&run.work_ready, NULL);
     pthread_cond_init(&run.work_done, NULL);
