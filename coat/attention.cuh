@@ -58,7 +58,13 @@ __device__ __forceinline__ void cp_async_16(void *smem, const void *gmem, bool v
                  : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+// Waits until at most PENDING of this thread's committed cp.async groups are still in flight (groups
+// complete in commit order): with a pipeline of STAGES tiles, the current one has landed once the
+// STAGES - 2 issued after it are all that may remain.
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait_pending() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
 
 // Four 8x8 BF16 matrices from shared memory: lane l gives the address of row l % 8 of matrix l / 8
 // and receives, in r[i], elements (l / 4, 2 (l % 4) + {0, 1}) of matrix i (transposed: the
@@ -243,19 +249,21 @@ __device__ __forceinline__ void store_warp_rows(bf16 *head, size_t row_stride, i
 // A forward variant. WARPS warps per block, each owning M_TILES m16 tiles of query rows (so that
 // every K or V fragment read from shared memory feeds M_TILES mma); K/V tiles of KV_TILE keys; the
 // Q fragments kept in registers, or read from shared memory again for every K/V tile; MIN_BLOCKS
-// per SM for __launch_bounds__, which caps registers per thread at 64K / (32 WARPS MIN_BLOCKS).
-template <int WARPS, int M_TILES, int KV_TILE, bool Q_IN_REGISTERS, int MIN_BLOCKS>
+// per SM for __launch_bounds__, which caps registers per thread at 64K / (32 WARPS MIN_BLOCKS);
+// STAGES K/V tiles in shared memory, the loads of STAGES - 1 of them in flight while one is used.
+template <int WARPS, int M_TILES, int KV_TILE, bool Q_IN_REGISTERS, int MIN_BLOCKS, int STAGES = 2>
 struct AttentionForwardConfig {
     static constexpr int warps = WARPS, m_tiles = M_TILES, kv_tile = KV_TILE, min_blocks = MIN_BLOCKS;
+    static constexpr int stages = STAGES;
     static constexpr bool q_in_registers = Q_IN_REGISTERS;
     static constexpr int threads = WARPS * 32, q_tile = WARPS * M_TILES * 16;  // q_tile: query rows per block
 };
 
 // Block: WARPS * M_TILES * 16 query rows of head h of batch b; warp w: M_TILES * 16 consecutive rows
-// of them. Each K/V tile is prefetched (cp.async, two stages) while the previous one is used.
+// of them. K/V tiles are prefetched (cp.async, STAGES stages) STAGES - 1 tiles ahead.
 // Online softmax in base 2: m = running max of S log2(e), l = running sum of 2^(S log2(e) - m), O
 // rescaled when m grows.
-template <int HEAD_DIM, int WARPS, int M_TILES, int KV_TILE, bool Q_IN_REGISTERS, int MIN_BLOCKS>
+template <int HEAD_DIM, int WARPS, int M_TILES, int KV_TILE, bool Q_IN_REGISTERS, int MIN_BLOCKS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
     attention_forward_kernel(bf16 *out, float *lse, const bf16 *qkv, int T, int NH, int NKV, float softmax_scale) {
     constexpr int THREADS = WARPS * 32, WARP_ROWS = M_TILES * 16, Q_TILE = WARPS * WARP_ROWS;
@@ -264,8 +272,8 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
     constexpr int K_STEPS = HEAD_DIM / 16, S_TILES = KV_TILE / 8, O_TILES = HEAD_DIM / 8;
     extern __shared__ __align__(16) unsigned char attention_smem[];
     bf16 *q_tile = reinterpret_cast<bf16 *>(attention_smem);
-    bf16 *k_tiles = q_tile + Q_TILE * LD;        // two stages
-    bf16 *v_tiles = k_tiles + 2 * KV_TILE * LD;  // two stages
+    bf16 *k_tiles = q_tile + Q_TILE * LD;             // STAGES stages
+    bf16 *v_tiles = k_tiles + STAGES * KV_TILE * LD;  // STAGES stages
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int q_block = gridDim.x - 1 - blockIdx.x;  // longest causal rows first: fewer idle SMs at the end
@@ -279,8 +287,18 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
     const int q0 = q_block * Q_TILE;
     const int num_kv_tiles = (min(q0 + Q_TILE, T) - 1) / KV_TILE + 1;  // up to the last valid row's diagonal
 
-    load_tile_async<Q_TILE, HEAD_DIM, THREADS>(q_tile, q_head, qkv_row, q0, T);
-    load_kv_tiles_async<KV_TILE, HEAD_DIM, THREADS>(k_tiles, v_tiles, k_head, v_head, qkv_row, 0, T);
+    // One commit group per tile (empty past the last), so that group counts name tiles.
+    auto load_kv_tile = [&](int tile) {
+        if (tile < num_kv_tiles)
+            load_kv_tiles_async<KV_TILE, HEAD_DIM, THREADS>(k_tiles + tile % STAGES * KV_TILE * LD,
+                                                            v_tiles + tile % STAGES * KV_TILE * LD, k_head, v_head,
+                                                            qkv_row, tile * KV_TILE, T);
+        else
+            cp_async_commit();
+    };
+    load_tile_async<Q_TILE, HEAD_DIM, THREADS>(q_tile, q_head, qkv_row, q0, T);  // in tile 0's group
+#pragma unroll
+    for (int tile = 0; tile < STAGES - 1; tile++) load_kv_tile(tile);
 
     const int warp_row0 = q0 + warp * WARP_ROWS;  // this thread's rows: warp_row0 + 16 mt + g (+ 8)
     const int g = lane / 4, c = (lane % 4) * 2;   // ... and columns c, c + 1 of every 8-wide tile
@@ -304,8 +322,8 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
         }
 
     for (int j = 0; j < num_kv_tiles; j++) {
-        cp_async_wait_all();
-        __syncthreads();  // tile j visible to all; everyone is done with the stage refilled below
+        cp_async_wait_pending<STAGES - 2>();
+        __syncthreads();  // tile j visible to all; everyone is done with tile j - 1, whose stage is refilled below
         if constexpr (Q_IN_REGISTERS) {
             if (j == 0) {
 #pragma unroll
@@ -315,16 +333,11 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
                         load_a_operand(q_frag[mt][kk], q_tile, LD, warp * WARP_ROWS + mt * 16, kk * 16, lane);
             }
         }
-        if (j + 1 < num_kv_tiles) {
-            int next = (j + 1) & 1;
-            load_kv_tiles_async<KV_TILE, HEAD_DIM, THREADS>(k_tiles + next * KV_TILE * LD,
-                                                            v_tiles + next * KV_TILE * LD, k_head, v_head, qkv_row,
-                                                            (j + 1) * KV_TILE, T);
-        }
+        load_kv_tile(j + STAGES - 1);
         const int kv0 = j * KV_TILE;
         if (kv0 > warp_row0 + WARP_ROWS - 1) continue;  // the whole tile lies right of this warp's diagonal
-        const bf16 *k_cur = k_tiles + (j & 1) * KV_TILE * LD;
-        const bf16 *v_cur = v_tiles + (j & 1) * KV_TILE * LD;
+        const bf16 *k_cur = k_tiles + j % STAGES * KV_TILE * LD;
+        const bf16 *v_cur = v_tiles + j % STAGES * KV_TILE * LD;
 
         float s[M_TILES][S_TILES][4];
 #pragma unroll
@@ -534,20 +547,20 @@ __device__ __forceinline__ void backward_store_dk_dv(bf16 *dk_head, bf16 *dv_hea
 // ---- backward in two passes (the default at head_dim 64): dK/dV pass, then dQ pass --------------
 
 // A dK/dV pass variant: WARPS warps own 16 WARPS key rows, walking query tiles of Q_TILE rows;
-// MIN_BLOCKS per SM for __launch_bounds__.
-template <int WARPS, int Q_TILE, int MIN_BLOCKS>
+// MIN_BLOCKS per SM for __launch_bounds__; STAGES query tiles (Q, dO, lse, D) in shared memory.
+template <int WARPS, int Q_TILE, int MIN_BLOCKS, int STAGES = 2>
 struct AttentionDkDvConfig {
-    static constexpr int warps = WARPS, q_tile = Q_TILE, min_blocks = MIN_BLOCKS;
+    static constexpr int warps = WARPS, q_tile = Q_TILE, min_blocks = MIN_BLOCKS, stages = STAGES;
 };
 
 // Block: 16 WARPS key rows of kv head kv_head of batch b; warp w: rows 16w..16w+15. For every query
-// head of the group and every query tile of Q_TILE rows from the diagonal on (Q, dO, lse, D
-// double-buffered):
+// head of the group and every query tile of Q_TILE rows from the diagonal on (Q, dO, lse, D in
+// STAGES stages, loaded STAGES - 1 steps ahead):
 //   S^T = K Q^T, P^T = 2^(S^T scale log2 e - lse log2 e), dV += P^T dO,
 //   dP^T = V dO^T, dS^T = P^T (dP^T - D), dK += dS^T Q.
 // Computing the transposes keeps key rows in the accumulators' rows, so P^T and dS^T feed the
 // dV and dK products straight from registers.
-template <int HEAD_DIM, int WARPS, int Q_TILE, int MIN_BLOCKS>
+template <int HEAD_DIM, int WARPS, int Q_TILE, int MIN_BLOCKS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
     attention_backward_dkdv_kernel(bf16 *dqkv, const bf16 *qkv, const bf16 *dout, const float *lse, const float *delta,
                                    int T, int NH, int NKV, float softmax_scale) {
@@ -560,10 +573,10 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
     extern __shared__ __align__(16) unsigned char attention_smem[];
     bf16 *k_tile = reinterpret_cast<bf16 *>(attention_smem);
     bf16 *v_tile = k_tile + KV_TILE * LD;
-    bf16 *q_tiles = v_tile + KV_TILE * LD;                                       // two stages
-    bf16 *dout_tiles = q_tiles + 2 * Q_TILE * LD;                                // two stages
-    float *lse_tiles = reinterpret_cast<float *>(dout_tiles + 2 * Q_TILE * LD);  // two stages, log2 units
-    float *delta_tiles = lse_tiles + 2 * Q_TILE;                                 // two stages
+    bf16 *q_tiles = v_tile + KV_TILE * LD;                                            // STAGES stages
+    bf16 *dout_tiles = q_tiles + STAGES * Q_TILE * LD;                                // STAGES stages
+    float *lse_tiles = reinterpret_cast<float *>(dout_tiles + STAGES * Q_TILE * LD);  // log2 units
+    float *delta_tiles = lse_tiles + STAGES * Q_TILE;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int kv0 = blockIdx.x * KV_TILE, kv_head = blockIdx.y, b = blockIdx.z;
@@ -577,20 +590,35 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
     const int q_tiles_per_head = ceil_div(T, Q_TILE) - first_q_tile;
     const int steps = group * q_tiles_per_head;  // step i: head kv_head * group + i / q_tiles_per_head
 
+    // Issues the loads of step t into its stage (one commit group, empty past the last step) and
+    // returns the step's lse and D of row threadIdx.x, stored once the stage's previous step is done.
+    auto load_step = [&](int t, float *lse_log2, float *delta_value) {
+        *lse_log2 = INFINITY;
+        *delta_value = 0.f;
+        if (t >= steps) {
+            cp_async_commit();
+            return;
+        }
+        int head = kv_head * group + t / q_tiles_per_head, q0 = (first_q_tile + t % q_tiles_per_head) * Q_TILE;
+        backward_load_step<HEAD_DIM, Q_TILE, THREADS>(
+            q_tiles + t % STAGES * Q_TILE * LD, dout_tiles + t % STAGES * Q_TILE * LD, lse_log2, delta_value,
+            qkv_batch + (size_t)head * HEAD_DIM, qkv_row, dout_batch + (size_t)head * HEAD_DIM, dout_row,
+            lse_batch + (size_t)head * T, delta_batch + (size_t)head * T, q0, T);
+    };
+    auto store_step_stats = [&](int t, float lse_log2, float delta_value) {
+        if ((int)threadIdx.x < Q_TILE) {
+            lse_tiles[t % STAGES * Q_TILE + threadIdx.x] = lse_log2;
+            delta_tiles[t % STAGES * Q_TILE + threadIdx.x] = delta_value;
+        }
+    };
     load_tile_async<KV_TILE, HEAD_DIM, THREADS>(k_tile, qkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, qkv_row, kv0, T);
     load_tile_async<KV_TILE, HEAD_DIM, THREADS>(v_tile, qkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM, qkv_row,
-                                                kv0, T);
-    {
-        int head = kv_head * group, q0 = first_q_tile * Q_TILE;
+                                                kv0, T);  // K and V in step 0's group
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; t++) {
         float lse_log2, delta_value;
-        backward_load_step<HEAD_DIM, Q_TILE, THREADS>(
-            q_tiles, dout_tiles, &lse_log2, &delta_value, qkv_batch + (size_t)head * HEAD_DIM, qkv_row,
-            dout_batch + (size_t)head * HEAD_DIM, dout_row, lse_batch + (size_t)head * T,
-            delta_batch + (size_t)head * T, q0, T);
-        if ((int)threadIdx.x < Q_TILE) {
-            lse_tiles[threadIdx.x] = lse_log2;
-            delta_tiles[threadIdx.x] = delta_value;
-        }
+        load_step(t, &lse_log2, &delta_value);
+        store_step_stats(t, lse_log2, delta_value);
     }
 
     const int warp_kv0 = kv0 + warp * 16;        // this thread's keys: warp_kv0 + g and + g + 8
@@ -603,18 +631,12 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
         for (int e = 0; e < 4; e++) dk_acc[dt][e] = dv_acc[dt][e] = 0.f;
 
     for (int step = 0; step < steps; step++) {
-        cp_async_wait_all();
-        __syncthreads();  // this step's tiles visible to all; everyone is done with the stage refilled below
-        const int stage = step & 1;
-        float next_delta = 0.f, next_lse_log2 = INFINITY;
-        if (step + 1 < steps) {
-            int head = kv_head * group + (step + 1) / q_tiles_per_head;
-            int q0 = (first_q_tile + (step + 1) % q_tiles_per_head) * Q_TILE;
-            backward_load_step<HEAD_DIM, Q_TILE, THREADS>(
-                q_tiles + (stage ^ 1) * Q_TILE * LD, dout_tiles + (stage ^ 1) * Q_TILE * LD, &next_lse_log2,
-                &next_delta, qkv_batch + (size_t)head * HEAD_DIM, qkv_row, dout_batch + (size_t)head * HEAD_DIM,
-                dout_row, lse_batch + (size_t)head * T, delta_batch + (size_t)head * T, q0, T);
-        }
+        cp_async_wait_pending<STAGES - 2>();
+        __syncthreads();  // this step's tiles visible to all; everyone is done with the previous step,
+                          // whose stage is refilled below
+        const int stage = step % STAGES;
+        float next_lse_log2, next_delta;
+        load_step(step + STAGES - 1, &next_lse_log2, &next_delta);
         const int q0 = (first_q_tile + step % q_tiles_per_head) * Q_TILE;
         // Skip when all of the warp's keys lie past T or after the tile's last query.
         if (warp_kv0 < T && warp_kv0 <= q0 + Q_TILE - 1) {
@@ -630,10 +652,7 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
             backward_ds_transposed<HEAD_DIM, Q_TILE>(dst, pt, v_tile, dout_cur, delta_cur, warp, lane, c);
             warp_matmul_add_x_b<HEAD_DIM>(dk_acc, dst, q_cur, LD, lane);  // dK += dS^T Q (scaled at the end)
         }
-        if (step + 1 < steps && (int)threadIdx.x < Q_TILE) {
-            lse_tiles[(stage ^ 1) * Q_TILE + threadIdx.x] = next_lse_log2;
-            delta_tiles[(stage ^ 1) * Q_TILE + threadIdx.x] = next_delta;
-        }
+        store_step_stats(step + STAGES - 1, next_lse_log2, next_delta);
     }
 
     // The warp's own K and V rows are free now, and no other warp ever reads them.
@@ -643,16 +662,16 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 }
 
 // A dQ pass variant: WARPS warps own 16 WARPS query rows, walking K/V tiles of KV_TILE keys;
-// MIN_BLOCKS per SM for __launch_bounds__.
-template <int WARPS, int KV_TILE, int MIN_BLOCKS>
+// MIN_BLOCKS per SM for __launch_bounds__; STAGES K/V tiles in shared memory.
+template <int WARPS, int KV_TILE, int MIN_BLOCKS, int STAGES = 2>
 struct AttentionDqConfig {
-    static constexpr int warps = WARPS, kv_tile = KV_TILE, min_blocks = MIN_BLOCKS;
+    static constexpr int warps = WARPS, kv_tile = KV_TILE, min_blocks = MIN_BLOCKS, stages = STAGES;
 };
 
 // Block: 16 WARPS query rows of head h of batch b (Q and dO resident), walking the K/V tiles up to
 // the diagonal like the forward pass: S = Q K^T, P = 2^(S scale log2 e - lse log2 e), dP = dO V^T,
 // dS = P (dP - D), dQ += dS K.
-template <int HEAD_DIM, int WARPS, int KV_TILE, int MIN_BLOCKS>
+template <int HEAD_DIM, int WARPS, int KV_TILE, int MIN_BLOCKS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
     attention_backward_dq_kernel(bf16 *dqkv, const bf16 *qkv, const bf16 *dout, const float *lse, const float *delta,
                                  int T, int NH, int NKV, float softmax_scale) {
@@ -663,8 +682,8 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
     extern __shared__ __align__(16) unsigned char attention_smem[];
     bf16 *q_tile = reinterpret_cast<bf16 *>(attention_smem);
     bf16 *dout_tile = q_tile + Q_TILE * LD;
-    bf16 *k_tiles = dout_tile + Q_TILE * LD;     // two stages
-    bf16 *v_tiles = k_tiles + 2 * KV_TILE * LD;  // two stages
+    bf16 *k_tiles = dout_tile + Q_TILE * LD;          // STAGES stages
+    bf16 *v_tiles = k_tiles + STAGES * KV_TILE * LD;  // STAGES stages
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int q_block = gridDim.x - 1 - blockIdx.x;  // longest causal rows first
@@ -677,10 +696,19 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
     const int q0 = q_block * Q_TILE;
     const int num_kv_tiles = (min(q0 + Q_TILE, T) - 1) / KV_TILE + 1;
 
+    auto load_kv_tile = [&](int tile) {  // one commit group per tile, empty past the last
+        if (tile < num_kv_tiles)
+            load_kv_tiles_async<KV_TILE, HEAD_DIM, THREADS>(k_tiles + tile % STAGES * KV_TILE * LD,
+                                                            v_tiles + tile % STAGES * KV_TILE * LD, k_head, v_head,
+                                                            qkv_row, tile * KV_TILE, T);
+        else
+            cp_async_commit();
+    };
     load_tile_async<Q_TILE, HEAD_DIM, THREADS>(q_tile, qkv_batch + (size_t)h * HEAD_DIM, qkv_row, q0, T);
     load_tile_async<Q_TILE, HEAD_DIM, THREADS>(dout_tile, dout + (size_t)b * T * dout_row + (size_t)h * HEAD_DIM,
-                                               dout_row, q0, T);
-    load_kv_tiles_async<KV_TILE, HEAD_DIM, THREADS>(k_tiles, v_tiles, k_head, v_head, qkv_row, 0, T);
+                                               dout_row, q0, T);  // Q and dO in tile 0's group
+#pragma unroll
+    for (int tile = 0; tile < STAGES - 1; tile++) load_kv_tile(tile);
 
     const int warp_row0 = q0 + warp * 16;
     const int g = lane / 4, c = (lane % 4) * 2;
@@ -698,18 +726,13 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
     for (int dt = 0; dt < D_TILES; dt++) dq_acc[dt][0] = dq_acc[dt][1] = dq_acc[dt][2] = dq_acc[dt][3] = 0.f;
 
     for (int j = 0; j < num_kv_tiles; j++) {
-        cp_async_wait_all();
-        __syncthreads();  // tile j visible to all; everyone is done with the stage refilled below
-        if (j + 1 < num_kv_tiles) {
-            int next = (j + 1) & 1;
-            load_kv_tiles_async<KV_TILE, HEAD_DIM, THREADS>(k_tiles + next * KV_TILE * LD,
-                                                            v_tiles + next * KV_TILE * LD, k_head, v_head, qkv_row,
-                                                            (j + 1) * KV_TILE, T);
-        }
+        cp_async_wait_pending<STAGES - 2>();
+        __syncthreads();  // tile j visible to all; everyone is done with tile j - 1, whose stage is refilled below
+        load_kv_tile(j + STAGES - 1);
         const int kv0 = j * KV_TILE;
         if (kv0 > warp_row0 + 15) continue;  // the whole tile lies right of this warp's diagonal
-        const bf16 *k_cur = k_tiles + (j & 1) * KV_TILE * LD;
-        const bf16 *v_cur = v_tiles + (j & 1) * KV_TILE * LD;
+        const bf16 *k_cur = k_tiles + j % STAGES * KV_TILE * LD;
+        const bf16 *v_cur = v_tiles + j % STAGES * KV_TILE * LD;
 
         float p[S_TILES][4];  // S, then P
         warp_matmul_a_bt<HEAD_DIM>(p, q_tile, warp * 16, k_cur, LD, lane);
@@ -793,20 +816,20 @@ __device__ __forceinline__ void dq_share_release(int *done, int turn) {
 }
 
 // Shared memory of the one-pass backward kernel, in bytes from the start (each offset a multiple of 16).
-template <int HEAD_DIM>
+template <int HEAD_DIM, int STAGES>
 struct AttentionBackwardSmem {
     static constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD;                      // K, V, Q, dO rows
     static constexpr int DS_LD = ATTENTION_ONE_PASS_Q_TILE + ATTENTION_SMEM_PAD;  // dS^T rows
     static constexpr size_t kv_bytes = (size_t)ATTENTION_ONE_PASS_KV_TILE * LD * sizeof(bf16);
     static constexpr size_t q_bytes = (size_t)ATTENTION_ONE_PASS_Q_TILE * LD * sizeof(bf16);
     static constexpr size_t k_tile = 0, v_tile = k_tile + kv_bytes;
-    static constexpr size_t q_tiles = v_tile + kv_bytes;         // two stages
-    static constexpr size_t dout_tiles = q_tiles + 2 * q_bytes;  // two stages
-    static constexpr size_t ds_tile = dout_tiles + 2 * q_bytes;
+    static constexpr size_t q_tiles = v_tile + kv_bytes;              // STAGES stages
+    static constexpr size_t dout_tiles = q_tiles + STAGES * q_bytes;  // STAGES stages
+    static constexpr size_t ds_tile = dout_tiles + STAGES * q_bytes;
     static constexpr size_t dq_staged = ds_tile + (size_t)ATTENTION_ONE_PASS_KV_TILE * DS_LD * sizeof(bf16);
     static constexpr size_t lse_tiles = dq_staged + (size_t)ATTENTION_ONE_PASS_Q_TILE * HEAD_DIM * sizeof(float);
-    static constexpr size_t delta_tiles = lse_tiles + 2 * ATTENTION_ONE_PASS_Q_TILE * sizeof(float);
-    static constexpr size_t ticket = delta_tiles + 2 * ATTENTION_ONE_PASS_Q_TILE * sizeof(float);
+    static constexpr size_t delta_tiles = lse_tiles + STAGES * ATTENTION_ONE_PASS_Q_TILE * sizeof(float);
+    static constexpr size_t ticket = delta_tiles + STAGES * ATTENTION_ONE_PASS_Q_TILE * sizeof(float);
     static constexpr size_t bytes = ticket + 16;
 };
 
@@ -820,7 +843,7 @@ __host__ __device__ __forceinline__ size_t attention_dq_slot(int b, int h, int t
 
 // Block: 128 key rows kv0.. of kv head kv_head of batch b; warp w: rows 16w..16w+15 (dK, dV in its
 // registers). For every query head of the group (outer) and every query tile from the diagonal on
-// (inner; Q, dO, lse, D double-buffered):
+// (inner; Q, dO, lse, D in STAGES stages, loaded STAGES - 1 steps ahead):
 //   S^T = K Q^T, P^T = 2^(S^T scale log2 e - lse log2 e), dV += P^T dO,
 //   dP^T = V dO^T, dS^T = P^T (dP^T - D), dK += dS^T Q,
 //   dS^T to shared memory, then this block's share of the tile's dQ: dS K over its 128 keys.
@@ -829,12 +852,12 @@ __host__ __device__ __forceinline__ size_t attention_dq_slot(int b, int h, int t
 // Blocks take their kv block from a counter, one head group after another and inside a group from
 // the last kv block down: a block only ever waits on blocks that started before it, and those
 // are ahead by two query tiles per head (the diagonal moves by a kv block), so it rarely waits.
-template <int HEAD_DIM, int MIN_BLOCKS>
+template <int HEAD_DIM, int MIN_BLOCKS, int STAGES>
 __global__ void __launch_bounds__(ATTENTION_ONE_PASS_THREADS, MIN_BLOCKS)
     attention_backward_one_pass_kernel(bf16 *dqkv, float *dq_slots, int *dq_done, int *block_counter, const bf16 *qkv,
                                        const bf16 *dout, const float *lse, const float *delta, int T, int NH, int NKV,
                                        float softmax_scale) {
-    typedef AttentionBackwardSmem<HEAD_DIM> Smem;
+    typedef AttentionBackwardSmem<HEAD_DIM, STAGES> Smem;
     constexpr int KV_TILE = ATTENTION_ONE_PASS_KV_TILE, Q_TILE = ATTENTION_ONE_PASS_Q_TILE;
     constexpr int LD = Smem::LD, DS_LD = Smem::DS_LD;
     constexpr int S_TILES = Q_TILE / 8, D_TILES = HEAD_DIM / 8;
@@ -873,21 +896,36 @@ __global__ void __launch_bounds__(ATTENTION_ONE_PASS_THREADS, MIN_BLOCKS)
     const int q_tiles_per_head = num_q_tiles - first_q_tile;
     const int steps = group * q_tiles_per_head;  // step i: head kv_head * group + i / q_tiles_per_head
 
+    // As in attention_backward_dkdv_kernel: step t's loads into its stage (one commit group, empty
+    // past the last step); its lse and D of row threadIdx.x, stored once the stage is free.
+    auto load_step = [&](int t, float *lse_log2, float *delta_value) {
+        *lse_log2 = INFINITY;
+        *delta_value = 0.f;
+        if (t >= steps) {
+            cp_async_commit();
+            return;
+        }
+        int head = kv_head * group + t / q_tiles_per_head, q0 = (first_q_tile + t % q_tiles_per_head) * Q_TILE;
+        backward_load_step<HEAD_DIM, Q_TILE, ATTENTION_ONE_PASS_THREADS>(
+            q_tiles + t % STAGES * Q_TILE * LD, dout_tiles + t % STAGES * Q_TILE * LD, lse_log2, delta_value,
+            qkv_batch + (size_t)head * HEAD_DIM, qkv_row, dout_batch + (size_t)head * HEAD_DIM, dout_row,
+            lse_batch + (size_t)head * T, delta_batch + (size_t)head * T, q0, T);
+    };
+    auto store_step_stats = [&](int t, float lse_log2, float delta_value) {
+        if ((int)threadIdx.x < Q_TILE) {
+            lse_tiles[t % STAGES * Q_TILE + threadIdx.x] = lse_log2;
+            delta_tiles[t % STAGES * Q_TILE + threadIdx.x] = delta_value;
+        }
+    };
     load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_ONE_PASS_THREADS>(
         k_tile, qkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, qkv_row, kv0, T);
     load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_ONE_PASS_THREADS>(
-        v_tile, qkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM, qkv_row, kv0, T);
-    {
-        int head = kv_head * group, q0 = first_q_tile * Q_TILE;
+        v_tile, qkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM, qkv_row, kv0, T);  // in step 0's group
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; t++) {
         float lse_log2, delta_value;
-        backward_load_step<HEAD_DIM, Q_TILE, ATTENTION_ONE_PASS_THREADS>(
-            q_tiles, dout_tiles, &lse_log2, &delta_value, qkv_batch + (size_t)head * HEAD_DIM, qkv_row,
-            dout_batch + (size_t)head * HEAD_DIM, dout_row, lse_batch + (size_t)head * T,
-            delta_batch + (size_t)head * T, q0, T);
-        if ((int)threadIdx.x < Q_TILE) {
-            lse_tiles[threadIdx.x] = lse_log2;
-            delta_tiles[threadIdx.x] = delta_value;
-        }
+        load_step(t, &lse_log2, &delta_value);
+        store_step_stats(t, lse_log2, delta_value);
     }
 
     const int warp_kv0 = kv0 + warp * 16;        // this thread's keys: warp_kv0 + g and + g + 8
@@ -904,20 +942,13 @@ __global__ void __launch_bounds__(ATTENTION_ONE_PASS_THREADS, MIN_BLOCKS)
     int turn = 0;
 
     for (int step = 0; step < steps; step++) {
-        cp_async_wait_all();
-        __syncthreads();  // this step's tiles visible to all; everyone is done with the stage refilled below,
-                          // and the previous step's dQ share is staged
+        cp_async_wait_pending<STAGES - 2>();
+        __syncthreads();  // this step's tiles visible to all; everyone is done with the previous step, whose
+                          // stage is refilled below, and its dQ share is staged
         if (threadIdx.x == 0 && step > 0) dq_share_issue(slot, dq_staged, DQ_SLOT_BYTES, done, turn);
-        const int stage = step & 1;
-        float next_delta = 0.f, next_lse_log2 = INFINITY;
-        if (step + 1 < steps) {
-            int head = kv_head * group + (step + 1) / q_tiles_per_head;
-            int q0 = (first_q_tile + (step + 1) % q_tiles_per_head) * Q_TILE;
-            backward_load_step<HEAD_DIM, Q_TILE, ATTENTION_ONE_PASS_THREADS>(
-                q_tiles + (stage ^ 1) * Q_TILE * LD, dout_tiles + (stage ^ 1) * Q_TILE * LD, &next_lse_log2,
-                &next_delta, qkv_batch + (size_t)head * HEAD_DIM, qkv_row, dout_batch + (size_t)head * HEAD_DIM,
-                dout_row, lse_batch + (size_t)head * T, delta_batch + (size_t)head * T, q0, T);
-        }
+        const int stage = step % STAGES;
+        float next_lse_log2, next_delta;
+        load_step(step + STAGES - 1, &next_lse_log2, &next_delta);
         const int head = kv_head * group + step / q_tiles_per_head;
         const int q_tile_index = first_q_tile + step % q_tiles_per_head;
         const int q0 = q_tile_index * Q_TILE;
@@ -975,11 +1006,7 @@ __global__ void __launch_bounds__(ATTENTION_ONE_PASS_THREADS, MIN_BLOCKS)
         slot = dq_slots + attention_dq_slot<HEAD_DIM>(b, head, q_tile_index, NH, num_q_tiles);
         done = dq_done + ((size_t)b * NH + head) * num_q_tiles + q_tile_index;
         turn = q_tile_index * Q_TILE / KV_TILE - kv_block;  // the kv blocks above this one that see the tile
-
-        if (step + 1 < steps && (int)threadIdx.x < Q_TILE) {
-            lse_tiles[(stage ^ 1) * Q_TILE + threadIdx.x] = next_lse_log2;
-            delta_tiles[(stage ^ 1) * Q_TILE + threadIdx.x] = next_delta;
-        }
+        store_step_stats(step + STAGES - 1, next_lse_log2, next_delta);
     }
     __syncthreads();  // the last share is staged; every warp is done reading K (dQ share)
     if (threadIdx.x == 0) {
@@ -1055,28 +1082,29 @@ struct AttentionTwoPassConfig {
     typedef DkDv dkdv;
     typedef Dq dq;
 };
-template <int MIN_BLOCKS>
+template <int MIN_BLOCKS, int STAGES = 2>
 struct AttentionOnePassConfig {
     static constexpr bool one_pass = true;
-    static constexpr int min_blocks = MIN_BLOCKS;
+    static constexpr int min_blocks = MIN_BLOCKS, stages = STAGES;
 };
 
 // The tile shapes the program uses. Forward: the largest K/V tiles without register spills
 // (ptxas, 255 registers at two blocks per SM): 64 keys with the Q fragments in registers for
 // head_dim 64; for 128, where O alone takes 128 registers, 32 keys and Q read from shared memory.
-// Backward: two passes at 64, one pass at 128 (see the top of the file).
-// test/bench_attention_variants.cu checks and times the alternatives.
+// Backward: two passes at 64, the dK/dV pass with query tiles of 128 (5% faster than 64 at the
+// llama shapes); one pass at 128, with three stages (1-3% faster than two). Deeper pipelines gain
+// nothing elsewhere. test/bench_attention_variants.cu checks and times the alternatives.
 template <int HEAD_DIM>
 struct AttentionDefaults;
 template <>
 struct AttentionDefaults<64> {
     typedef AttentionForwardConfig<4, 2, 64, true, 2> forward;
-    typedef AttentionTwoPassConfig<AttentionDkDvConfig<8, 64, 1>, AttentionDqConfig<8, 32, 2>> backward;
+    typedef AttentionTwoPassConfig<AttentionDkDvConfig<8, 128, 1>, AttentionDqConfig<8, 32, 2>> backward;
 };
 template <>
 struct AttentionDefaults<128> {
     typedef AttentionForwardConfig<4, 2, 32, false, 2> forward;
-    typedef AttentionOnePassConfig<1> backward;
+    typedef AttentionOnePassConfig<1, 3> backward;
 };
 
 // Dynamic shared memory one block may opt in to on sm_90.
@@ -1086,10 +1114,10 @@ template <int HEAD_DIM, class Config = typename AttentionDefaults<HEAD_DIM>::for
 static void attention_forward_launch(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH, int NKV,
                                      cudaStream_t stream) {
     constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD;
-    constexpr size_t smem = (size_t)(Config::q_tile + 4 * Config::kv_tile) * LD * sizeof(bf16);
+    constexpr size_t smem = (size_t)(Config::q_tile + 2 * Config::stages * Config::kv_tile) * LD * sizeof(bf16);
     static_assert(smem <= ATTENTION_MAX_SMEM_BYTES, "forward tiles exceed shared memory");
     auto kernel = attention_forward_kernel<HEAD_DIM, Config::warps, Config::m_tiles, Config::kv_tile,
-                                           Config::q_in_registers, Config::min_blocks>;
+                                           Config::q_in_registers, Config::min_blocks, Config::stages>;
     attention_launch_setup(kernel, smem);
     dim3 grid(ceil_div(T, Config::q_tile), NH, B);
     kernel<<<grid, Config::threads, smem, stream>>>(out, lse, qkv, T, NH, NKV, attention_softmax_scale(HEAD_DIM));
@@ -1144,18 +1172,18 @@ static void attention_backward_two_pass_launch(bf16 *dqkv, const float *delta, c
     constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD, DKDV_ROWS = DkDv::warps * 16, DQ_ROWS = Dq::warps * 16;
     const float scale = attention_softmax_scale(HEAD_DIM);
 
-    constexpr size_t dkdv_smem =
-        (size_t)(2 * DKDV_ROWS + 4 * DkDv::q_tile) * LD * sizeof(bf16) + 4 * DkDv::q_tile * sizeof(float);
+    constexpr size_t dkdv_smem = (size_t)(2 * DKDV_ROWS + 2 * DkDv::stages * DkDv::q_tile) * LD * sizeof(bf16) +
+                                 2 * DkDv::stages * DkDv::q_tile * sizeof(float);
     static_assert(dkdv_smem <= ATTENTION_MAX_SMEM_BYTES, "dK/dV tiles exceed shared memory");
-    auto dkdv = attention_backward_dkdv_kernel<HEAD_DIM, DkDv::warps, DkDv::q_tile, DkDv::min_blocks>;
+    auto dkdv = attention_backward_dkdv_kernel<HEAD_DIM, DkDv::warps, DkDv::q_tile, DkDv::min_blocks, DkDv::stages>;
     attention_launch_setup(dkdv, dkdv_smem);
     dkdv<<<dim3(ceil_div(T, DKDV_ROWS), NKV, B), DkDv::warps * 32, dkdv_smem, stream>>>(dqkv, qkv, dout, lse, delta, T,
                                                                                         NH, NKV, scale);
     cudaCheckLaunch();
 
-    constexpr size_t dq_smem = (size_t)(2 * DQ_ROWS + 4 * Dq::kv_tile) * LD * sizeof(bf16);
+    constexpr size_t dq_smem = (size_t)(2 * DQ_ROWS + 2 * Dq::stages * Dq::kv_tile) * LD * sizeof(bf16);
     static_assert(dq_smem <= ATTENTION_MAX_SMEM_BYTES, "dQ tiles exceed shared memory");
-    auto dq = attention_backward_dq_kernel<HEAD_DIM, Dq::warps, Dq::kv_tile, Dq::min_blocks>;
+    auto dq = attention_backward_dq_kernel<HEAD_DIM, Dq::warps, Dq::kv_tile, Dq::min_blocks, Dq::stages>;
     attention_launch_setup(dq, dq_smem);
     dq<<<dim3(ceil_div(T, DQ_ROWS), NH, B), Dq::warps * 32, dq_smem, stream>>>(dqkv, qkv, dout, lse, delta, T, NH, NKV,
                                                                                scale);
@@ -1164,7 +1192,7 @@ static void attention_backward_two_pass_launch(bf16 *dqkv, const float *delta, c
 
 // One pass: the flags and the block counter are zeroed, the dK/dV/dQ-share kernel runs with one
 // block per (batch, kv head, 128 key rows), then the slots become dQ.
-template <int HEAD_DIM, int MIN_BLOCKS>
+template <int HEAD_DIM, int MIN_BLOCKS, int STAGES>
 static void attention_backward_one_pass_launch(bf16 *dqkv, char *scratch, const AttentionBackwardScratch &layout,
                                                const bf16 *dout, const bf16 *qkv, const float *lse, int B, int T,
                                                int NH, int NKV, cudaStream_t stream) {
@@ -1174,9 +1202,9 @@ static void attention_backward_one_pass_launch(bf16 *dqkv, char *scratch, const 
     float *dq_slots = reinterpret_cast<float *>(scratch + layout.dq_slots);
     cudaCheck(cudaMemsetAsync(dq_done, 0, layout.flag_count * sizeof(int), stream));
 
-    constexpr size_t smem = AttentionBackwardSmem<HEAD_DIM>::bytes;
+    constexpr size_t smem = AttentionBackwardSmem<HEAD_DIM, STAGES>::bytes;
     static_assert(smem <= ATTENTION_MAX_SMEM_BYTES, "one-pass tiles exceed shared memory");
-    auto kernel = attention_backward_one_pass_kernel<HEAD_DIM, MIN_BLOCKS>;
+    auto kernel = attention_backward_one_pass_kernel<HEAD_DIM, MIN_BLOCKS, STAGES>;
     attention_launch_setup(kernel, smem);
     unsigned blocks = (unsigned)((size_t)ceil_div(T, ATTENTION_ONE_PASS_KV_TILE) * NKV * B);
     kernel<<<blocks, ATTENTION_ONE_PASS_THREADS, smem, stream>>>(
@@ -1199,8 +1227,8 @@ static void attention_backward_launch(bf16 *dqkv, float *scratch, const bf16 *do
     float *delta = reinterpret_cast<float *>(base + layout.delta);
     attention_backward_delta_launch<HEAD_DIM>(delta, dout, out, B, T, NH, stream);
     if constexpr (Config::one_pass)
-        attention_backward_one_pass_launch<HEAD_DIM, Config::min_blocks>(dqkv, base, layout, dout, qkv, lse, B, T, NH,
-                                                                         NKV, stream);
+        attention_backward_one_pass_launch<HEAD_DIM, Config::min_blocks, Config::stages>(dqkv, base, layout, dout, qkv,
+                                                                                          lse, B, T, NH, NKV, stream);
     else
         attention_backward_two_pass_launch<HEAD_DIM, typename Config::dkdv, typename Config::dq>(
             dqkv, delta, dout, qkv, lse, B, T, NH, NKV, stream);

@@ -33,17 +33,17 @@
 
 // Short names for the table. Fwd: warps, m16 tiles per warp, K/V tile, Q in registers, min blocks
 // per SM. DkDv: warps (16 key rows each), query tile, min blocks. Dq: warps (16 query rows each),
-// K/V tile, min blocks. OnePass: min blocks.
-template <int W, int M, int KV, bool Q_REG, int MB>
-using Fwd = AttentionForwardConfig<W, M, KV, Q_REG, MB>;
-template <int W, int Q, int MB>
-using DkDv = AttentionDkDvConfig<W, Q, MB>;
-template <int W, int KV, int MB>
-using Dq = AttentionDqConfig<W, KV, MB>;
+// K/V tile, min blocks. OnePass: min blocks. Each last: pipeline stages ("st" in the names when not 2).
+template <int W, int M, int KV, bool Q_REG, int MB, int ST = 2>
+using Fwd = AttentionForwardConfig<W, M, KV, Q_REG, MB, ST>;
+template <int W, int Q, int MB, int ST = 2>
+using DkDv = AttentionDkDvConfig<W, Q, MB, ST>;
+template <int W, int KV, int MB, int ST = 2>
+using Dq = AttentionDqConfig<W, KV, MB, ST>;
 template <class DKDV, class DQ>
 using TwoPass = AttentionTwoPassConfig<DKDV, DQ>;
-template <int MB>
-using OnePass = AttentionOnePassConfig<MB>;
+template <int MB, int ST = 2>
+using OnePass = AttentionOnePassConfig<MB, ST>;
 
 typedef void (*ForwardLaunch)(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH, int NKV,
                               cudaStream_t stream);
@@ -56,19 +56,26 @@ typedef struct {
     BackwardLaunch backward;
 } Variant;
 
+// " stN" for N pipeline stages other than 2, else "".
+static const char *stages_suffix(int stages) {
+    static const char *names[] = {"", "", "", " st3", " st4", " st5"};
+    return stages >= 0 && stages <= 5 ? names[stages] : " st?";
+}
+
 template <class C>
 static void describe_forward(char *text, size_t size) {
-    snprintf(text, size, "fwd w%d m%d kv%d q-%s mb%d", C::warps, C::m_tiles, C::kv_tile,
-             C::q_in_registers ? "reg" : "smem", C::min_blocks);
+    snprintf(text, size, "fwd w%d m%d kv%d q-%s mb%d%s", C::warps, C::m_tiles, C::kv_tile,
+             C::q_in_registers ? "reg" : "smem", C::min_blocks, stages_suffix(C::stages));
 }
 
 template <class C>
 static void describe_backward(char *text, size_t size) {
     if constexpr (C::one_pass)
-        snprintf(text, size, "bwd 1-pass mb%d", C::min_blocks);
+        snprintf(text, size, "bwd 1-pass mb%d%s", C::min_blocks, stages_suffix(C::stages));
     else
-        snprintf(text, size, "bwd 2-pass dkdv w%d q%d mb%d, dq w%d kv%d mb%d", C::dkdv::warps, C::dkdv::q_tile,
-                 C::dkdv::min_blocks, C::dq::warps, C::dq::kv_tile, C::dq::min_blocks);
+        snprintf(text, size, "bwd 2-pass dkdv w%d q%d mb%d%s, dq w%d kv%d mb%d%s", C::dkdv::warps, C::dkdv::q_tile,
+                 C::dkdv::min_blocks, stages_suffix(C::dkdv::stages), C::dq::warps, C::dq::kv_tile,
+                 C::dq::min_blocks, stages_suffix(C::dq::stages));
 }
 
 template <int HEAD_DIM, class Forward, class Backward>
@@ -101,23 +108,28 @@ static const Variant variants_hd64[] = {
     variant<64, Fwd<8, 2, 64, true, 1>, Bwd64>(),   // 238 [1x8]
     // backward: dK/dV pass
     variant<64, Fwd64, TwoPass<DkDv<8, 32, 1>, Dq<8, 32, 2>>>(),   // 194 [1x8]
-    variant<64, Fwd64, TwoPass<DkDv<8, 128, 1>, Dq<8, 32, 2>>>(),  // 255 [1x8]
+    variant<64, Fwd64, TwoPass<DkDv<8, 64, 1>, Dq<8, 32, 2>>>(),   // 231 [1x8]
     variant<64, Fwd64, TwoPass<DkDv<4, 64, 2>, Dq<8, 32, 2>>>(),   // 234 [2x4]
     variant<64, Fwd64, TwoPass<DkDv<4, 64, 3>, Dq<8, 32, 2>>>(),   // 168 [3x4]
     variant<64, Fwd64, TwoPass<DkDv<4, 32, 3>, Dq<8, 32, 2>>>(),   // 161 [3x4]
     // backward: dQ pass
-    variant<64, Fwd64, TwoPass<DkDv<8, 64, 1>, Dq<8, 64, 1>>>(),  // 186 [1x8]
-    variant<64, Fwd64, TwoPass<DkDv<8, 64, 1>, Dq<4, 32, 4>>>(),  // 128 [4x4]
-    variant<64, Fwd64, TwoPass<DkDv<8, 64, 1>, Dq<4, 64, 3>>>(),  // 168 [3x4]
-    variant<64, Fwd64, TwoPass<DkDv<8, 64, 1>, Dq<4, 16, 4>>>(),  // 114 [4x4]
+    variant<64, Fwd64, TwoPass<DkDv<8, 128, 1>, Dq<8, 64, 1>>>(),  // 186 [1x8]
+    variant<64, Fwd64, TwoPass<DkDv<8, 128, 1>, Dq<4, 32, 4>>>(),  // 128 [4x4]
+    variant<64, Fwd64, TwoPass<DkDv<8, 128, 1>, Dq<4, 64, 3>>>(),  // 168 [3x4]
+    variant<64, Fwd64, TwoPass<DkDv<8, 128, 1>, Dq<4, 16, 4>>>(),  // 114 [4x4]
     // backward: one pass
     variant<64, Fwd64, OnePass<1>>(),  // 243 [1x8]
+    // pipeline stages
+    variant<64, Fwd<4, 2, 64, true, 2, 3>, Bwd64>(),
+    variant<64, Fwd<4, 2, 64, true, 2, 4>, Bwd64>(),
+    variant<64, Fwd64, TwoPass<DkDv<8, 128, 1, 3>, Dq<8, 32, 2>>>(),
+    variant<64, Fwd64, TwoPass<DkDv<8, 128, 1>, Dq<8, 32, 2, 4>>>(),
 };
 
 typedef AttentionDefaults<128>::forward Fwd128;
 typedef AttentionDefaults<128>::backward Bwd128;
 static const Variant variants_hd128[] = {
-    variant<128, Fwd128, Bwd128>(),  // fwd 255 [2x4]; one pass 255 and 20 bytes of spills (kept: the default)
+    variant<128, Fwd128, Bwd128>(),  // fwd 255 [2x4]; one pass 255 and 16 bytes of spills (kept: the default)
     // forward
     variant<128, Fwd<4, 2, 16, false, 2>, Bwd128>(),   // 215 [2x4]
     variant<128, Fwd<4, 1, 32, false, 3>, Bwd128>(),   // 161 [3x4]
@@ -138,6 +150,11 @@ static const Variant variants_hd128[] = {
     variant<128, Fwd128, TwoPass<DkDv<8, 64, 1>, Dq<8, 16, 2>>>(),  // dq 128 [2x8]
     variant<128, Fwd128, TwoPass<DkDv<8, 64, 1>, Dq<4, 32, 2>>>(),  // dq 198 [2x4]
     variant<128, Fwd128, TwoPass<DkDv<8, 64, 1>, Dq<4, 16, 4>>>(),  // dq 128 [4x4]
+    // pipeline stages
+    variant<128, Fwd<4, 2, 32, false, 2, 3>, Bwd128>(),
+    variant<128, Fwd<4, 2, 32, false, 2, 4>, Bwd128>(),
+    variant<128, Fwd128, OnePass<1, 2>>(),
+    variant<128, Fwd128, TwoPass<DkDv<8, 64, 1, 3>, Dq<8, 32, 1, 4>>>(),
 };
 
 // Left out for register spills (ptxas -v, bytes stored / loaded): forward hd64 w4 m2 kv128 q-reg

@@ -52,7 +52,7 @@ check "a micro-batch that does not fit is refused, naming the largest that does"
 # both), and each layer's attention runs once forward and once backward per micro-batch.
 ./train_llama "${common[@]}" --out_dir="$tmp/profile" --profile=1 > "$tmp/profile.out" 2>&1
 check "profile = 1 runs" $? "$(tail -3 "$tmp/profile.out")"
-total=$(awk '$1 == "total" { print $2 }' "$tmp/profile.out")
+total=$(awk '/^profile:/ { section = 1 } section && $1 == "total" { print $2 }' "$tmp/profile.out")
 mean=$(grep -o '"ms": [0-9.]*' "$tmp/profile/log.jsonl" | tail -n +2 | awk '{ sum += $2; n++ } END { if (n) print sum / n }')
 check "profile: the ops add up to the mean step time ($total ms against $mean ms)" \
     "$(awk -v a="$total" -v b="$mean" 'BEGIN { exit !(a > 0 && b > 0 && a / b > 0.95 && a / b < 1.05) }'; echo $?)" \
