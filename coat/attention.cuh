@@ -19,13 +19,16 @@
 // Backward: a dK/dV block owns 128 key rows of one kv head, 16 per warp with dK and dV in its
 // registers, and walks the query tiles of every query head of its group in a fixed order, S^T and
 // dP^T computed transposed so that P^T and dS^T feed dV and dK straight from registers. No
-// atomics, and bitwise deterministic. dQ comes in one of two designs, chosen per head_dim:
-//   64, two passes: a second kernel owns 128 query rows and computes S and dP again for dQ. Its
-//     steps are short, and there the one-pass handshake below costs more than the recomputation.
-//   128, one pass: the dK/dV block also writes dS^T to shared memory and computes its share of
+// atomics, and bitwise deterministic. dQ comes in one of two designs:
+//   two passes (the program's at head_dim 64): a second kernel owns 128 query rows and computes S and
+//     dP again for dQ. Its steps are short, and there the one-pass handshake below costs more than
+//     the recomputation.
+//   one pass: the dK/dV block also writes dS^T to shared memory and computes its share of
 //     dQ = dS K over its 128 keys. Shares go, in FP32, to a slot per (head, 64-row query tile) in
 //     scratch through the copy engine (cp.reduce.async.bulk), the kv blocks taking turns in a fixed
 //     order counted by a flag per slot; a last small kernel scales the slots into dQ as BF16.
+// At head_dim 128 the program's backward is the two-pass design on Hopper warpgroup MMA instead
+// (attention_wgmma.cuh): its B operands are read from shared memory once per 4 warps, not per warp.
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -761,7 +764,7 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
                                   LD, lane);
 }
 
-// ---- backward in one pass (the default at head_dim 128) -----------------------------------------
+// ---- backward in one pass ------------------------------------------------------------------------
 
 // Flags between blocks (GPU scope) and the copy engine's bulk copies from shared to global memory.
 __device__ __forceinline__ int load_acquire_gpu(const int *p) {
@@ -772,8 +775,9 @@ __device__ __forceinline__ int load_acquire_gpu(const int *p) {
 __device__ __forceinline__ void store_release_gpu(int *p, int v) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p)), "r"(v) : "memory");
 }
-// Orders this thread's ordinary shared-memory writes before later copy-engine reads of them.
-__device__ __forceinline__ void fence_shared_for_copy_engine() {
+// Orders this thread's ordinary shared-memory writes (and completed cp.async) before later reads of
+// them through the async proxy: the copy engine's bulk copies, and wgmma (attention_wgmma.cuh).
+__device__ __forceinline__ void fence_proxy_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 // Orders global-memory accesses of the copy engine and of ordinary loads and stores of this thread.
@@ -1002,7 +1006,7 @@ __global__ void __launch_bounds__(ATTENTION_ONE_PASS_THREADS, MIN_BLOCKS)
             for (int nt = 0; nt < DQ_N_TILES; nt++)
                 staged[((warp * 2 + mt) * DQ_N_TILES + nt) * 32 + lane] =
                     make_float4(dq[mt][nt][0], dq[mt][nt][1], dq[mt][nt][2], dq[mt][nt][3]);
-        fence_shared_for_copy_engine();
+        fence_proxy_async_shared();
         slot = dq_slots + attention_dq_slot<HEAD_DIM>(b, head, q_tile_index, NH, num_q_tiles);
         done = dq_done + ((size_t)b * NH + head) * num_q_tiles + q_tile_index;
         turn = q_tile_index * Q_TILE / KV_TILE - kv_block;  // the kv blocks above this one that see the tile
@@ -1075,16 +1079,28 @@ static void attention_launch_setup(Kernel kernel, size_t smem_bytes) {
     cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes));
 }
 
-// The backward variants: two passes (a dK/dV pass, then a dQ pass), or one pass of fixed shape.
+// Dynamic shared memory one block may opt in to on sm_90.
+#define ATTENTION_MAX_SMEM_BYTES (227 * 1024)
+
+#include "attention_wgmma.cuh"
+
+// The backward variants: two passes (a dK/dV pass, then a dQ pass) on mma.sync or on wgmma, or one
+// pass of fixed shape on mma.sync.
 template <class DkDv, class Dq>
 struct AttentionTwoPassConfig {
-    static constexpr bool one_pass = false;
+    static constexpr bool one_pass = false, wgmma = false;
+    typedef DkDv dkdv;
+    typedef Dq dq;
+};
+template <class DkDv, class Dq>
+struct AttentionWgmmaTwoPassConfig {
+    static constexpr bool one_pass = false, wgmma = true;
     typedef DkDv dkdv;
     typedef Dq dq;
 };
 template <int MIN_BLOCKS, int STAGES = 2>
 struct AttentionOnePassConfig {
-    static constexpr bool one_pass = true;
+    static constexpr bool one_pass = true, wgmma = false;
     static constexpr int min_blocks = MIN_BLOCKS, stages = STAGES;
 };
 
@@ -1092,8 +1108,9 @@ struct AttentionOnePassConfig {
 // (ptxas, 255 registers at two blocks per SM): 64 keys with the Q fragments in registers for
 // head_dim 64; for 128, where O alone takes 128 registers, 32 keys and Q read from shared memory.
 // Backward: two passes at 64, the dK/dV pass with query tiles of 128 (5% faster than 64 at the
-// llama shapes); one pass at 128, with three stages (1-3% faster than two). Deeper pipelines gain
-// nothing elsewhere. test/bench_attention_variants.cu checks and times the alternatives.
+// llama shapes); at 128 the wgmma two passes (query tiles of 64 for dK/dV, K/V tiles of 128 for dQ:
+// 7-12% faster than the best mma.sync variant, the one pass with three stages). Deeper pipelines
+// gain nothing elsewhere. test/bench_attention_variants.cu checks and times the alternatives.
 template <int HEAD_DIM>
 struct AttentionDefaults;
 template <>
@@ -1104,11 +1121,8 @@ struct AttentionDefaults<64> {
 template <>
 struct AttentionDefaults<128> {
     typedef AttentionForwardConfig<4, 2, 32, false, 2> forward;
-    typedef AttentionOnePassConfig<1, 3> backward;
+    typedef AttentionWgmmaTwoPassConfig<AttentionWgmmaDkDvConfig<64, 1>, AttentionWgmmaDqConfig<128, 1>> backward;
 };
-
-// Dynamic shared memory one block may opt in to on sm_90.
-#define ATTENTION_MAX_SMEM_BYTES (227 * 1024)
 
 template <int HEAD_DIM, class Config = typename AttentionDefaults<HEAD_DIM>::forward>
 static void attention_forward_launch(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH, int NKV,
@@ -1229,6 +1243,9 @@ static void attention_backward_launch(bf16 *dqkv, float *scratch, const bf16 *do
     if constexpr (Config::one_pass)
         attention_backward_one_pass_launch<HEAD_DIM, Config::min_blocks, Config::stages>(dqkv, base, layout, dout, qkv,
                                                                                           lse, B, T, NH, NKV, stream);
+    else if constexpr (Config::wgmma)
+        attention_backward_wgmma_launch<HEAD_DIM, typename Config::dkdv, typename Config::dq>(
+            dqkv, delta, dout, qkv, lse, B, T, NH, NKV, stream);
     else
         attention_backward_two_pass_launch<HEAD_DIM, typename Config::dkdv, typename Config::dq>(
             dqkv, delta, dout, qkv, lse, B, T, NH, NKV, stream);

@@ -44,6 +44,8 @@ template <class DKDV, class DQ>
 using TwoPass = AttentionTwoPassConfig<DKDV, DQ>;
 template <int MB, int ST = 2>
 using OnePass = AttentionOnePassConfig<MB, ST>;
+template <int Q, int KV>  // wgmma two passes: dK/dV query tile, dQ K/V tile, one block per SM each
+using WgmmaTwoPass = AttentionWgmmaTwoPassConfig<AttentionWgmmaDkDvConfig<Q, 1>, AttentionWgmmaDqConfig<KV, 1>>;
 
 typedef void (*ForwardLaunch)(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH, int NKV,
                               cudaStream_t stream);
@@ -72,6 +74,8 @@ template <class C>
 static void describe_backward(char *text, size_t size) {
     if constexpr (C::one_pass)
         snprintf(text, size, "bwd 1-pass mb%d%s", C::min_blocks, stages_suffix(C::stages));
+    else if constexpr (C::wgmma)
+        snprintf(text, size, "bwd wgmma dkdv q%d, dq kv%d", C::dkdv::q_tile, C::dq::kv_tile);
     else
         snprintf(text, size, "bwd 2-pass dkdv w%d q%d mb%d%s, dq w%d kv%d mb%d%s", C::dkdv::warps, C::dkdv::q_tile,
                  C::dkdv::min_blocks, stages_suffix(C::dkdv::stages), C::dq::warps, C::dq::kv_tile,
@@ -129,7 +133,7 @@ static const Variant variants_hd64[] = {
 typedef AttentionDefaults<128>::forward Fwd128;
 typedef AttentionDefaults<128>::backward Bwd128;
 static const Variant variants_hd128[] = {
-    variant<128, Fwd128, Bwd128>(),  // fwd 255 [2x4]; one pass 255 and 16 bytes of spills (kept: the default)
+    variant<128, Fwd128, Bwd128>(),  // fwd 255 [2x4]; wgmma dkdv 242 [1x8], dq 255 [1x8]
     // forward
     variant<128, Fwd<4, 2, 16, false, 2>, Bwd128>(),   // 215 [2x4]
     variant<128, Fwd<4, 1, 32, false, 3>, Bwd128>(),   // 161 [3x4]
@@ -140,6 +144,10 @@ static const Variant variants_hd128[] = {
     variant<128, Fwd<8, 1, 64, false, 1>, Bwd128>(),   // 188 [1x8]
     variant<128, Fwd<8, 1, 128, false, 1>, Bwd128>(),  // 244 [1x8]
     variant<128, Fwd<8, 2, 32, false, 1>, Bwd128>(),   // 240 [1x8]
+    // backward: wgmma two passes
+    variant<128, Fwd128, WgmmaTwoPass<64, 64>>(),  // dq 187 [1x8]
+    // backward: one pass
+    variant<128, Fwd128, OnePass<1, 3>>(),  // 255 and 16 bytes of spills
     // backward: two passes
     variant<128, Fwd128, TwoPass<DkDv<8, 64, 1>, Dq<8, 32, 1>>>(),  // dkdv 255 [1x8], dq 192 [1x8]
     variant<128, Fwd128, TwoPass<DkDv<8, 32, 1>, Dq<8, 32, 1>>>(),  // dkdv 244 [1x8]
@@ -154,7 +162,6 @@ static const Variant variants_hd128[] = {
     variant<128, Fwd<4, 2, 32, false, 2, 3>, Bwd128>(),
     variant<128, Fwd<4, 2, 32, false, 2, 4>, Bwd128>(),
     variant<128, Fwd128, OnePass<1, 2>>(),
-    variant<128, Fwd128, TwoPass<DkDv<8, 64, 1, 3>, Dq<8, 32, 1, 4>>>(),
 };
 
 // Left out for register spills (ptxas -v, bytes stored / loaded): forward hd64 w4 m2 kv128 q-reg
