@@ -71,7 +71,7 @@ PY
     echo
     echo "train_llama peak = its memory plan (all it allocates); PyTorch peak = torch.cuda.max_memory_allocated()."
     echo
-    make -s build/test_attention
+    make -s build/test_attention > /dev/null
     build/test_attention | grep '^attention B=' > "$dir/attention-ours.txt"
     python3 scripts/bench_attention.py > "$dir/attention-sdpa.txt" 2>&1 || true
     python3 - "$dir/attention-ours.txt" "$dir/attention-sdpa.txt" <<'PY'
