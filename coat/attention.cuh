@@ -495,6 +495,42 @@ __device__ __forceinline__ void backward_load_step(bf16 *q_dst, bf16 *dout_dst, 
     *delta_value = valid ? delta_head[q] : 0.f;
 }
 
+// The query-tile steps of a kv block of the backward (attention_backward_dkdv_kernel and the one-pass
+// kernel): step t is query tile first_q_tile + t % q_tiles_per_head of query head
+// kv_head * group + t / q_tiles_per_head, its Q, dO, lse and D in stage t % STAGES.
+template <int HEAD_DIM, int Q_TILE, int THREADS, int STAGES>
+struct BackwardSteps {
+    static constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD;
+    bf16 *q_tiles, *dout_tiles;
+    float *lse_tiles, *delta_tiles;  // lse in log2 units
+    const bf16 *qkv_batch, *dout_batch;
+    const float *lse_batch, *delta_batch;
+    size_t qkv_row, dout_row;
+    int T, kv_head, group, first_q_tile, q_tiles_per_head, steps;
+
+    // Issues the loads of step t into its stage (one commit group, empty past the last step) and
+    // returns the step's lse and D of row threadIdx.x, stored once the stage's previous step is done.
+    __device__ __forceinline__ void load(int t, float *lse_log2, float *delta_value) const {
+        *lse_log2 = INFINITY;
+        *delta_value = 0.f;
+        if (t >= steps) {
+            cp_async_commit();
+            return;
+        }
+        int head = kv_head * group + t / q_tiles_per_head, q0 = (first_q_tile + t % q_tiles_per_head) * Q_TILE;
+        backward_load_step<HEAD_DIM, Q_TILE, THREADS>(
+            q_tiles + t % STAGES * Q_TILE * LD, dout_tiles + t % STAGES * Q_TILE * LD, lse_log2, delta_value,
+            qkv_batch + (size_t)head * HEAD_DIM, qkv_row, dout_batch + (size_t)head * HEAD_DIM, dout_row,
+            lse_batch + (size_t)head * T, delta_batch + (size_t)head * T, q0, T);
+    }
+    __device__ __forceinline__ void store_stats(int t, float lse_log2, float delta_value) const {
+        if ((int)threadIdx.x < Q_TILE) {
+            lse_tiles[t % STAGES * Q_TILE + threadIdx.x] = lse_log2;
+            delta_tiles[t % STAGES * Q_TILE + threadIdx.x] = delta_value;
+        }
+    }
+};
+
 // P^T for the 16 keys warp_kv0.. of a warp (rows 16 warp.. of k_tile) and the queries q0.. of the
 // step (columns): S^T = K Q^T, P^T = 2^(S^T scale log2 e - lse log2 e), 0 where the key comes after
 // the query. lse_log2: the step's lse per query, in log2 units. g = lane / 4 and c = 2 (lane % 4)
@@ -593,35 +629,17 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
     const int q_tiles_per_head = ceil_div(T, Q_TILE) - first_q_tile;
     const int steps = group * q_tiles_per_head;  // step i: head kv_head * group + i / q_tiles_per_head
 
-    // Issues the loads of step t into its stage (one commit group, empty past the last step) and
-    // returns the step's lse and D of row threadIdx.x, stored once the stage's previous step is done.
-    auto load_step = [&](int t, float *lse_log2, float *delta_value) {
-        *lse_log2 = INFINITY;
-        *delta_value = 0.f;
-        if (t >= steps) {
-            cp_async_commit();
-            return;
-        }
-        int head = kv_head * group + t / q_tiles_per_head, q0 = (first_q_tile + t % q_tiles_per_head) * Q_TILE;
-        backward_load_step<HEAD_DIM, Q_TILE, THREADS>(
-            q_tiles + t % STAGES * Q_TILE * LD, dout_tiles + t % STAGES * Q_TILE * LD, lse_log2, delta_value,
-            qkv_batch + (size_t)head * HEAD_DIM, qkv_row, dout_batch + (size_t)head * HEAD_DIM, dout_row,
-            lse_batch + (size_t)head * T, delta_batch + (size_t)head * T, q0, T);
-    };
-    auto store_step_stats = [&](int t, float lse_log2, float delta_value) {
-        if ((int)threadIdx.x < Q_TILE) {
-            lse_tiles[t % STAGES * Q_TILE + threadIdx.x] = lse_log2;
-            delta_tiles[t % STAGES * Q_TILE + threadIdx.x] = delta_value;
-        }
-    };
+    const BackwardSteps<HEAD_DIM, Q_TILE, THREADS, STAGES> query_steps = {
+        q_tiles, dout_tiles, lse_tiles, delta_tiles, qkv_batch, dout_batch, lse_batch, delta_batch,
+        qkv_row, dout_row, T, kv_head, group, first_q_tile, q_tiles_per_head, steps};
     load_tile_async<KV_TILE, HEAD_DIM, THREADS>(k_tile, qkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, qkv_row, kv0, T);
     load_tile_async<KV_TILE, HEAD_DIM, THREADS>(v_tile, qkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM, qkv_row,
                                                 kv0, T);  // K and V in step 0's group
 #pragma unroll
     for (int t = 0; t < STAGES - 1; t++) {
         float lse_log2, delta_value;
-        load_step(t, &lse_log2, &delta_value);
-        store_step_stats(t, lse_log2, delta_value);
+        query_steps.load(t, &lse_log2, &delta_value);
+        query_steps.store_stats(t, lse_log2, delta_value);
     }
 
     const int warp_kv0 = kv0 + warp * 16;        // this thread's keys: warp_kv0 + g and + g + 8
@@ -639,7 +657,7 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
                           // whose stage is refilled below
         const int stage = step % STAGES;
         float next_lse_log2, next_delta;
-        load_step(step + STAGES - 1, &next_lse_log2, &next_delta);
+        query_steps.load(step + STAGES - 1, &next_lse_log2, &next_delta);
         const int q0 = (first_q_tile + step % q_tiles_per_head) * Q_TILE;
         // Skip when all of the warp's keys lie past T or after the tile's last query.
         if (warp_kv0 < T && warp_kv0 <= q0 + Q_TILE - 1) {
@@ -655,7 +673,7 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
             backward_ds_transposed<HEAD_DIM, Q_TILE>(dst, pt, v_tile, dout_cur, delta_cur, warp, lane, c);
             warp_matmul_add_x_b<HEAD_DIM>(dk_acc, dst, q_cur, LD, lane);  // dK += dS^T Q (scaled at the end)
         }
-        store_step_stats(step + STAGES - 1, next_lse_log2, next_delta);
+        query_steps.store_stats(step + STAGES - 1, next_lse_log2, next_delta);
     }
 
     // The warp's own K and V rows are free now, and no other warp ever reads them.
@@ -900,27 +918,9 @@ __global__ void __launch_bounds__(ATTENTION_ONE_PASS_THREADS, MIN_BLOCKS)
     const int q_tiles_per_head = num_q_tiles - first_q_tile;
     const int steps = group * q_tiles_per_head;  // step i: head kv_head * group + i / q_tiles_per_head
 
-    // As in attention_backward_dkdv_kernel: step t's loads into its stage (one commit group, empty
-    // past the last step); its lse and D of row threadIdx.x, stored once the stage is free.
-    auto load_step = [&](int t, float *lse_log2, float *delta_value) {
-        *lse_log2 = INFINITY;
-        *delta_value = 0.f;
-        if (t >= steps) {
-            cp_async_commit();
-            return;
-        }
-        int head = kv_head * group + t / q_tiles_per_head, q0 = (first_q_tile + t % q_tiles_per_head) * Q_TILE;
-        backward_load_step<HEAD_DIM, Q_TILE, ATTENTION_ONE_PASS_THREADS>(
-            q_tiles + t % STAGES * Q_TILE * LD, dout_tiles + t % STAGES * Q_TILE * LD, lse_log2, delta_value,
-            qkv_batch + (size_t)head * HEAD_DIM, qkv_row, dout_batch + (size_t)head * HEAD_DIM, dout_row,
-            lse_batch + (size_t)head * T, delta_batch + (size_t)head * T, q0, T);
-    };
-    auto store_step_stats = [&](int t, float lse_log2, float delta_value) {
-        if ((int)threadIdx.x < Q_TILE) {
-            lse_tiles[t % STAGES * Q_TILE + threadIdx.x] = lse_log2;
-            delta_tiles[t % STAGES * Q_TILE + threadIdx.x] = delta_value;
-        }
-    };
+    const BackwardSteps<HEAD_DIM, Q_TILE, ATTENTION_ONE_PASS_THREADS, STAGES> query_steps = {
+        q_tiles, dout_tiles, lse_tiles, delta_tiles, qkv_batch, dout_batch, lse_batch, delta_batch,
+        qkv_row, dout_row, T, kv_head, group, first_q_tile, q_tiles_per_head, steps};
     load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_ONE_PASS_THREADS>(
         k_tile, qkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, qkv_row, kv0, T);
     load_tile_async<KV_TILE, HEAD_DIM, ATTENTION_ONE_PASS_THREADS>(
@@ -928,8 +928,8 @@ __global__ void __launch_bounds__(ATTENTION_ONE_PASS_THREADS, MIN_BLOCKS)
 #pragma unroll
     for (int t = 0; t < STAGES - 1; t++) {
         float lse_log2, delta_value;
-        load_step(t, &lse_log2, &delta_value);
-        store_step_stats(t, lse_log2, delta_value);
+        query_steps.load(t, &lse_log2, &delta_value);
+        query_steps.store_stats(t, lse_log2, delta_value);
     }
 
     const int warp_kv0 = kv0 + warp * 16;        // this thread's keys: warp_kv0 + g and + g + 8
@@ -952,7 +952,7 @@ __global__ void __launch_bounds__(ATTENTION_ONE_PASS_THREADS, MIN_BLOCKS)
         if (threadIdx.x == 0 && step > 0) dq_share_issue(slot, dq_staged, DQ_SLOT_BYTES, done, turn);
         const int stage = step % STAGES;
         float next_lse_log2, next_delta;
-        load_step(step + STAGES - 1, &next_lse_log2, &next_delta);
+        query_steps.load(step + STAGES - 1, &next_lse_log2, &next_delta);
         const int head = kv_head * group + step / q_tiles_per_head;
         const int q_tile_index = first_q_tile + step % q_tiles_per_head;
         const int q0 = q_tile_index * Q_TILE;
@@ -1010,7 +1010,7 @@ __global__ void __launch_bounds__(ATTENTION_ONE_PASS_THREADS, MIN_BLOCKS)
         slot = dq_slots + attention_dq_slot<HEAD_DIM>(b, head, q_tile_index, NH, num_q_tiles);
         done = dq_done + ((size_t)b * NH + head) * num_q_tiles + q_tile_index;
         turn = q_tile_index * Q_TILE / KV_TILE - kv_block;  // the kv blocks above this one that see the tile
-        store_step_stats(step + STAGES - 1, next_lse_log2, next_delta);
+        query_steps.store_stats(step + STAGES - 1, next_lse_log2, next_delta);
     }
     __syncthreads();  // the last share is staged; every warp is done reading K (dQ share)
     if (threadIdx.x == 0) {
