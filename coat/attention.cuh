@@ -1109,7 +1109,7 @@ struct AttentionOnePassConfig {
 // head_dim 64; for 128, where O alone takes 128 registers, 32 keys and Q read from shared memory.
 // Backward: two passes at 64, the dK/dV pass with query tiles of 128 (5% faster than 64 at the
 // llama shapes); at 128 the wgmma two passes (query tiles of 64 for dK/dV, K/V tiles of 128 for dQ:
-// 7-12% faster than the best mma.sync variant, the one pass with three stages). Deeper pipelines
+// 4-10% faster than the best mma.sync variant, the one pass with three stages). Deeper pipelines
 // gain nothing elsewhere. test/bench_attention_variants.cu checks and times the alternatives.
 template <int HEAD_DIM>
 struct AttentionDefaults;

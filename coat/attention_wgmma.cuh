@@ -1,5 +1,5 @@
 // Causal flash attention backward on Hopper warpgroup MMA (wgmma, sm_90a): the program's backward
-// at head_dim 128, where it is 7-12% faster than the mma.sync kernels of attention.cuh (H200, the
+// at head_dim 128, where it is 4-10% faster than the mma.sync kernels of attention.cuh (H200, the
 // ANCHORS.md shapes). Same math, layouts and results as attention_backward() there:
 //
 //   D = rowsum(dO * O), P = 2^(S scale log2 e - lse log2 e) (keys s <= query t), dP = dO V^T,
