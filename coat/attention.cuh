@@ -256,6 +256,7 @@ __device__ __forceinline__ void store_warp_rows(bf16 *head, size_t row_stride, i
 // STAGES K/V tiles in shared memory, the loads of STAGES - 1 of them in flight while one is used.
 template <int WARPS, int M_TILES, int KV_TILE, bool Q_IN_REGISTERS, int MIN_BLOCKS, int STAGES = 2>
 struct AttentionForwardConfig {
+    static constexpr bool tma = false;  // the mma.sync kernel below; AttentionTmaForwardConfig: attention_wgmma.cuh
     static constexpr int warps = WARPS, m_tiles = M_TILES, kv_tile = KV_TILE, min_blocks = MIN_BLOCKS;
     static constexpr int stages = STAGES;
     static constexpr bool q_in_registers = Q_IN_REGISTERS;
@@ -1127,15 +1128,19 @@ struct AttentionDefaults<128> {
 template <int HEAD_DIM, class Config = typename AttentionDefaults<HEAD_DIM>::forward>
 static void attention_forward_launch(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH, int NKV,
                                      cudaStream_t stream) {
-    constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD;
-    constexpr size_t smem = (size_t)(Config::q_tile + 2 * Config::stages * Config::kv_tile) * LD * sizeof(bf16);
-    static_assert(smem <= ATTENTION_MAX_SMEM_BYTES, "forward tiles exceed shared memory");
-    auto kernel = attention_forward_kernel<HEAD_DIM, Config::warps, Config::m_tiles, Config::kv_tile,
-                                           Config::q_in_registers, Config::min_blocks, Config::stages>;
-    attention_launch_setup(kernel, smem);
-    dim3 grid(ceil_div(T, Config::q_tile), NH, B);
-    kernel<<<grid, Config::threads, smem, stream>>>(out, lse, qkv, T, NH, NKV, attention_softmax_scale(HEAD_DIM));
-    cudaCheckLaunch();
+    if constexpr (Config::tma) {
+        attention_forward_tma_launch<HEAD_DIM, Config>(out, lse, qkv, B, T, NH, NKV, stream);
+    } else {
+        constexpr int LD = HEAD_DIM + ATTENTION_SMEM_PAD;
+        constexpr size_t smem = (size_t)(Config::q_tile + 2 * Config::stages * Config::kv_tile) * LD * sizeof(bf16);
+        static_assert(smem <= ATTENTION_MAX_SMEM_BYTES, "forward tiles exceed shared memory");
+        auto kernel = attention_forward_kernel<HEAD_DIM, Config::warps, Config::m_tiles, Config::kv_tile,
+                                               Config::q_in_registers, Config::min_blocks, Config::stages>;
+        attention_launch_setup(kernel, smem);
+        dim3 grid(ceil_div(T, Config::q_tile), NH, B);
+        kernel<<<grid, Config::threads, smem, stream>>>(out, lse, qkv, T, NH, NKV, attention_softmax_scale(HEAD_DIM));
+        cudaCheckLaunch();
+    }
 }
 
 // Whether the program's backward runs in one pass (measured faster on H200 for head_dim 128 only).

@@ -32,6 +32,7 @@
 // The same bytes serve as a K-major operand (K = head_dim: Q, K, V, dO in S, dP) and as an MN-major
 // one (K = sequence positions: Q, dO, K in dK, dV, dQ); only the descriptor's strides swap roles.
 #pragma once
+#include <cuda.h>
 #include <stdint.h>
 
 #define WGMMA_WARPGROUP_THREADS 128
@@ -607,4 +608,315 @@ static void attention_backward_wgmma_launch(bf16 *dqkv, const float *delta, cons
                                             const float *lse, int B, int T, int NH, int NKV, cudaStream_t stream) {
     attention_backward_dkdv_wgmma_launch<HEAD_DIM, DkDv>(dqkv, delta, dout, qkv, lse, B, T, NH, NKV, stream);
     attention_backward_dq_wgmma_launch<HEAD_DIM, Dq>(dqkv, delta, dout, qkv, lse, B, T, NH, NKV, stream);
+}
+
+// ---- forward on TMA loads and 128B-swizzled tiles ---------------------------------------------------
+//
+// A producer warp loads Q and the K/V tiles with the tensor memory accelerator (TMA: 128B-swizzled
+// boxes of 64 x 64, rows past T read as zeros) into STAGES stages guarded by mbarriers (full: the
+// tile landed; empty: every consumer is done with it), and CONSUMERS warpgroups of 64 query rows each
+// compute S = Q K^T and O += P V with wgmma straight from the swizzled tiles, with no block-wide
+// barrier in the loop. The K/V loads then neither take the consumers' issue slots nor keep them in
+// lockstep, and each K/V tile serves 64 CONSUMERS query rows.
+// A swizzled tile of `rows` x head_dim is head_dim / 64 boxes, box b (columns 64 b..) at byte
+// b * rows * 128; in a box, row r at r * 128 with its 16-byte chunks XOR-permuted by r % 8 (the
+// pattern repeats every 1024 bytes of address, so tiles start 1024-byte aligned).
+
+__device__ __forceinline__ void mbarrier_init(uint64_t *bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(bar)), "r"(count) : "memory");
+}
+// Makes the initialised mbarriers visible to the async proxy (TMA) and the other threads.
+__device__ __forceinline__ void mbarrier_fence_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint64_t *bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(uint64_t *bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(shared_address(bar)) : "memory");
+}
+// Returns once the barrier's phase of parity `parity` has completed.
+__device__ __forceinline__ void mbarrier_wait(uint64_t *bar, uint32_t parity) {
+    uint32_t done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(shared_address(bar)), "r"(parity)
+            : "memory");
+    }
+}
+// The 64 x 64 box at (column c0, row c1, batch c2) of a rank-3 tensor map into shared memory; it
+// completes on bar with its bytes.
+__device__ __forceinline__ void tma_load_box(void *dst, const CUtensorMap *map, int c0, int c1, int c2,
+                                             uint64_t *bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];\n" ::"r"(shared_address(dst)),
+        "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(shared_address(bar))
+        : "memory");
+}
+
+// Descriptor of a 128B-swizzled operand (layout type 1): stride between 8-row groups 1024 bytes; LBO
+// the stride between 64-column boxes of an MN-major operand (unused by K-major ones). A k-step of 16
+// columns of a K-major operand is +32 bytes inside a box; of 16 rows of an MN-major one, +2048 bytes.
+__device__ __forceinline__ uint64_t wgmma_sw128_descriptor(const char *start, uint32_t lbo_bytes) {
+    return (uint64_t)((shared_address(start) >> 4) & 0x3FFF) | (uint64_t)((lbo_bytes >> 4) & 0x3FFF) << 16 |
+           (uint64_t)(1024 >> 4) << 32 | (uint64_t)1 << 62;
+}
+
+// Issues s (64 x KV) = Q K^T as one commit group: the warpgroup's 64 rows from row q_row0 of a
+// swizzled Q tile of q_rows rows, and a swizzled K tile of KV rows, both K-major.
+template <int HEAD_DIM, int KV>
+__device__ __forceinline__ void wgmma_issue_scores_sw128(float (&s)[KV / 2], const char *q_tile, int q_rows,
+                                                         int q_row0, const char *k_tile) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
+        const int box = kk / 4, within = (kk % 4) * 32;
+        wgmma_m64k16_smem_a<KV>(s, wgmma_sw128_descriptor(q_tile + (box * q_rows + q_row0) * 128 + within, 16),
+                                wgmma_sw128_descriptor(k_tile + box * KV * 128 + within, 16), kk > 0);
+    }
+    wgmma_commit_group();
+}
+
+// Issues o (64 x HEAD_DIM) += P V as one commit group: p the A fragments, v a swizzled V tile of KV
+// rows read MN-major.
+template <int HEAD_DIM, int KV>
+__device__ __forceinline__ void wgmma_issue_pv_sw128(float (&o)[HEAD_DIM / 2], uint32_t (&p)[KV / 16][4],
+                                                     const char *v_tile) {
+    wgmma_pin_registers(o);
+    wgmma_pin_registers(p);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < KV / 16; kk++)
+        wgmma_m64k16_register_a_mn_b<HEAD_DIM>(o, p[kk], wgmma_sw128_descriptor(v_tile + kk * 2048, KV * 128));
+    wgmma_commit_group();
+}
+
+// A forward variant: K/V tiles of KV keys, CONSUMERS warpgroups of 64 query rows, STAGES K/V stages.
+template <int KV, int CONSUMERS, int STAGES>
+struct AttentionTmaForwardConfig {
+    static constexpr bool tma = true;
+    static constexpr int kv_tile = KV, consumers = CONSUMERS, stages = STAGES;
+    static constexpr int q_tile = CONSUMERS * WGMMA_WARPGROUP_ROWS;
+    static constexpr int threads = (CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS;  // the producer's warpgroup too
+};
+
+// Shared memory of the TMA forward, in bytes from a 1024-byte aligned start: Q, K stages, V stages,
+// then the mbarriers q_full, full[STAGES], empty[STAGES]. bytes includes 1024 of slack for the
+// alignment, done by hand (dynamic shared memory is only 16-byte aligned).
+template <int HEAD_DIM, int KV, int CONSUMERS, int STAGES>
+struct AttentionTmaForwardSmem {
+    static constexpr int q_rows = CONSUMERS * WGMMA_WARPGROUP_ROWS;
+    static constexpr size_t q_bytes = (size_t)q_rows * HEAD_DIM * 2, kv_bytes = (size_t)KV * HEAD_DIM * 2;
+    static constexpr size_t q = 0, k = q_bytes, v = k + STAGES * kv_bytes, bars = v + STAGES * kv_bytes;
+    static constexpr size_t bytes = bars + (1 + 2 * STAGES) * sizeof(uint64_t) + 1024;
+};
+
+// Block: query rows q0 = q_tile * (last block first).., head h, batch b. Warpgroup 0 is the producer
+// (its thread 0 issues every load); warpgroup 1 + w is consumer w: rows q0 + 64 w.., warp i of it
+// rows + 16 i, thread rows g and g + 8. A consumer walks every K/V tile of the block, computing on
+// those left of its diagonal, and releases each stage once its products from it completed. Online
+// softmax in base 2, as attention_forward_kernel.
+template <int HEAD_DIM, int KV, int CONSUMERS, int STAGES>
+__global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
+    attention_forward_tma_kernel(const __grid_constant__ CUtensorMap qkv_map, bf16 *out, float *lse, int T, int NH,
+                                 int NKV, float softmax_scale) {
+    typedef AttentionTmaForwardSmem<HEAD_DIM, KV, CONSUMERS, STAGES> Smem;
+    constexpr int Q_ROWS = Smem::q_rows, S_REGS = KV / 2, O_REGS = HEAD_DIM / 2;
+    static_assert(HEAD_DIM % 64 == 0 && KV % 64 == 0 && (KV == 64 || KV == 128), "whole 64 x 64 boxes; wgmma n64/n128");
+    extern __shared__ __align__(1024) unsigned char attention_tma_smem[];
+    char *smem = reinterpret_cast<char *>(attention_tma_smem) +
+                 ((1024u - (shared_address(attention_tma_smem) & 1023u)) & 1023u);
+    char *q_tile = smem + Smem::q;
+    uint64_t *q_full = reinterpret_cast<uint64_t *>(smem + Smem::bars);
+    uint64_t *full = q_full + 1, *empty = full + STAGES;
+
+    const int warpgroup = threadIdx.x / WGMMA_WARPGROUP_THREADS;
+    const int q_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;  // longest rows first
+    const int kv_head = h / (NH / NKV);
+    const int q0 = q_block * Q_ROWS;
+    const int num_kv_tiles = (min(q0 + Q_ROWS, T) - 1) / KV + 1;  // up to the last valid row's diagonal
+
+    if (threadIdx.x == 0) {
+        mbarrier_init(q_full, 1);
+        for (int s = 0; s < STAGES; s++) {
+            mbarrier_init(&full[s], 1);
+            mbarrier_init(&empty[s], CONSUMERS);
+        }
+        mbarrier_fence_init();
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        if (threadIdx.x == 0) {
+            mbarrier_arrive_expect_bytes(q_full, (uint32_t)Smem::q_bytes);
+            for (int box = 0; box < HEAD_DIM / 64; box++)
+                for (int r = 0; r < Q_ROWS; r += 64)
+                    tma_load_box(q_tile + (box * Q_ROWS + r) * 128, &qkv_map, h * HEAD_DIM + 64 * box, q0 + r, b,
+                                 q_full);
+            for (int j = 0; j < num_kv_tiles; j++) {
+                const int stage = j % STAGES;
+                // Tile j - STAGES, the stage's last, released by every consumer (its phase j / STAGES - 1).
+                if (j >= STAGES) mbarrier_wait(&empty[stage], (j / STAGES + 1) & 1);
+                char *k_tile = smem + Smem::k + stage * Smem::kv_bytes;
+                char *v_tile = smem + Smem::v + stage * Smem::kv_bytes;
+                mbarrier_arrive_expect_bytes(&full[stage], (uint32_t)(2 * Smem::kv_bytes));
+                for (int box = 0; box < HEAD_DIM / 64; box++)
+                    for (int r = 0; r < KV; r += 64) {
+                        tma_load_box(k_tile + (box * KV + r) * 128, &qkv_map, (NH + kv_head) * HEAD_DIM + 64 * box,
+                                     j * KV + r, b, &full[stage]);
+                        tma_load_box(v_tile + (box * KV + r) * 128, &qkv_map,
+                                     (NH + NKV + kv_head) * HEAD_DIM + 64 * box, j * KV + r, b, &full[stage]);
+                    }
+            }
+        }
+        return;
+    }
+
+    const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+    const int group_row0 = q0 + consumer * WGMMA_WARPGROUP_ROWS;
+    // This warpgroup's tiles: up to the diagonal of its last valid row (none when all lie past T).
+    const int group_tiles = group_row0 >= T ? 0 : (min(group_row0 + WGMMA_WARPGROUP_ROWS, T) - 1) / KV + 1;
+    const int g = lane / 4, c = (lane % 4) * 2;
+    const int row_lo = group_row0 + warp * 16 + g;  // this thread's rows: row_lo and row_lo + 8
+    const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
+    float o_acc[O_REGS];
+#pragma unroll
+    for (int i = 0; i < O_REGS; i++) o_acc[i] = 0.f;
+    // Tile 0 holds key 0, which every row sees, so the running max is finite after it.
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    mbarrier_wait(q_full, 0);
+
+    for (int j = 0; j < num_kv_tiles; j++) {
+        const int stage = j % STAGES;
+        // Also where this warpgroup skips the tile: its release must not run ahead of the tile's load
+        // (an early arrival would count towards the stage's previous phase).
+        mbarrier_wait(&full[stage], (j / STAGES) & 1);
+        if (j < group_tiles) {  // warpgroup-uniform
+            float s[S_REGS];
+            wgmma_issue_scores_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, consumer * WGMMA_WARPGROUP_ROWS,
+                                                   smem + Smem::k + stage * Smem::kv_bytes);
+            wgmma_wait_pending<0>();
+            wgmma_pin_registers(s);
+            const int kv0 = j * KV;
+            if (kv0 + KV - 1 > group_row0) {  // the tile crosses this warpgroup's diagonal
+#pragma unroll
+                for (int i = 0; i < S_REGS; i++)
+                    if (kv0 + (i / 4) * 8 + c + (i & 1) > row_lo + ((i >> 1) & 1) * 8) s[i] = -INFINITY;
+            }
+#pragma unroll
+            for (int r = 0; r < 2; r++) {  // r = 0: row row_lo, r = 1: row row_lo + 8
+                float tile_max = -INFINITY;
+#pragma unroll
+                for (int n8 = 0; n8 < KV / 8; n8++)
+                    tile_max = fmaxf(tile_max, fmaxf(s[4 * n8 + 2 * r], s[4 * n8 + 2 * r + 1]));
+                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));  // the 4 threads of a row
+                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+                const float new_max = fmaxf(row_max[r], tile_max * scale_log2);
+                const float correction = exp2_approx(row_max[r] - new_max);
+                row_max[r] = new_max;
+                row_sum[r] *= correction;  // a per-thread partial sum: the 4 partials are added at the end
+#pragma unroll
+                for (int n8 = 0; n8 < HEAD_DIM / 8; n8++) {
+                    o_acc[4 * n8 + 2 * r] *= correction;
+                    o_acc[4 * n8 + 2 * r + 1] *= correction;
+                }
+#pragma unroll
+                for (int n8 = 0; n8 < KV / 8; n8++)
+#pragma unroll
+                    for (int e = 2 * r; e < 2 * r + 2; e++) {
+                        const float p = exp2_approx(fmaf(s[4 * n8 + e], scale_log2, -new_max));
+                        s[4 * n8 + e] = p;
+                        row_sum[r] += p;
+                    }
+            }
+            uint32_t p_frag[KV / 16][4];  // P as BF16 A fragments
+            wgmma_scores_to_a_operand<KV>(p_frag, s);
+            wgmma_issue_pv_sw128<HEAD_DIM, KV>(o_acc, p_frag, smem + Smem::v + stage * Smem::kv_bytes);
+            wgmma_wait_pending<0>();
+            wgmma_pin_registers(o_acc);
+            wgmma_pin_registers(p_frag);
+        }
+        if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
+    }
+
+    float inv_sum[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float sum = row_sum[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        inv_sum[r] = 1.f / sum;
+        const int row = row_lo + 8 * r;
+        // lse = ln(2^m l) = (m + log2 l) ln 2
+        if (lane % 4 == 0 && row < T) lse[((size_t)b * NH + h) * T + row] = (row_max[r] + log2f(sum)) * ATTENTION_LN2;
+    }
+    bf16 *out_head = out + ((size_t)b * T * NH + h) * HEAD_DIM;
+#pragma unroll
+    for (int n8 = 0; n8 < HEAD_DIM / 8; n8++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int row = row_lo + 8 * r;
+            if (row < T)
+                *reinterpret_cast<__nv_bfloat162 *>(out_head + (size_t)row * NH * HEAD_DIM + 8 * n8 + c) =
+                    __floats2bfloat162_rn(o_acc[4 * n8 + 2 * r] * inv_sum[r], o_acc[4 * n8 + 2 * r + 1] * inv_sum[r]);
+        }
+}
+
+typedef CUresult (*TensorMapEncodeTiled)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                         const cuuint64_t *, const cuuint32_t *, const cuuint32_t *,
+                                         CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
+                                         CUtensorMapFloatOOBfill);
+
+// The driver's cuTensorMapEncodeTiled, found once through the runtime (no link against libcuda).
+static TensorMapEncodeTiled tensor_map_encode_function(void) {
+    static TensorMapEncodeTiled encode = NULL;
+    if (encode == NULL) {
+        void *function = NULL;
+        cudaDriverEntryPointQueryResult found;
+        cudaCheck(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault,
+                                                   &found));
+        if (found != cudaDriverEntryPointSuccess || function == NULL) {
+            fprintf(stderr, "error: the CUDA driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12 and sm_90)\n");
+            exit(EXIT_FAILURE);
+        }
+        encode = (TensorMapEncodeTiled)function;
+    }
+    return encode;
+}
+
+// qkv [B, T, (NH + 2 NKV) head_dim] as a rank-3 BF16 tensor (column, row, batch) read in 128B-swizzled
+// boxes of 64 x 64 x 1; rows past T read as zeros.
+static CUtensorMap attention_qkv_tensor_map(const bf16 *qkv, int B, int T, int NH, int NKV, int head_dim) {
+    CUtensorMap map;
+    const cuuint64_t width = (cuuint64_t)(NH + 2 * NKV) * head_dim;
+    const cuuint64_t dims[3] = {width, (cuuint64_t)T, (cuuint64_t)B};
+    const cuuint64_t strides[2] = {width * sizeof(bf16), width * sizeof(bf16) * (cuuint64_t)T};
+    const cuuint32_t box[3] = {64, 64, 1}, element_strides[3] = {1, 1, 1};
+    CUresult result = tensor_map_encode_function()(
+        &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16 *>(qkv), dims, strides, box, element_strides,
+        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (result != CUDA_SUCCESS) {
+        fprintf(stderr, "error: cuTensorMapEncodeTiled refused the qkv tensor (code %d)\n", (int)result);
+        exit(EXIT_FAILURE);
+    }
+    return map;
+}
+
+template <int HEAD_DIM, class Config>
+static void attention_forward_tma_launch(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH, int NKV,
+                                         cudaStream_t stream) {
+    typedef AttentionTmaForwardSmem<HEAD_DIM, Config::kv_tile, Config::consumers, Config::stages> Smem;
+    static_assert(Smem::bytes <= ATTENTION_MAX_SMEM_BYTES, "TMA forward tiles exceed shared memory");
+    const CUtensorMap map = attention_qkv_tensor_map(qkv, B, T, NH, NKV, HEAD_DIM);
+    auto kernel = attention_forward_tma_kernel<HEAD_DIM, Config::kv_tile, Config::consumers, Config::stages>;
+    attention_launch_setup(kernel, Smem::bytes);
+    dim3 grid(ceil_div(T, Config::q_tile), NH, B);
+    kernel<<<grid, Config::threads, Smem::bytes, stream>>>(map, out, lse, T, NH, NKV,
+                                                           attention_softmax_scale(HEAD_DIM));
+    cudaCheckLaunch();
 }

@@ -44,6 +44,8 @@ template <class DKDV, class DQ>
 using TwoPass = AttentionTwoPassConfig<DKDV, DQ>;
 template <int MB, int ST = 2>
 using OnePass = AttentionOnePassConfig<MB, ST>;
+template <int KV, int CONSUMERS, int ST>  // TMA forward: K/V tile, consumer warpgroups, stages
+using TmaFwd = AttentionTmaForwardConfig<KV, CONSUMERS, ST>;
 template <int Q, int KV>  // wgmma two passes: dK/dV query tile, dQ K/V tile, one block per SM each
 using WgmmaTwoPass = AttentionWgmmaTwoPassConfig<AttentionWgmmaDkDvConfig<Q, 1>, AttentionWgmmaDqConfig<KV, 1>>;
 
@@ -66,8 +68,11 @@ static const char *stages_suffix(int stages) {
 
 template <class C>
 static void describe_forward(char *text, size_t size) {
-    snprintf(text, size, "fwd w%d m%d kv%d q-%s mb%d%s", C::warps, C::m_tiles, C::kv_tile,
-             C::q_in_registers ? "reg" : "smem", C::min_blocks, stages_suffix(C::stages));
+    if constexpr (C::tma)
+        snprintf(text, size, "fwd tma kv%d c%d st%d", C::kv_tile, C::consumers, C::stages);
+    else
+        snprintf(text, size, "fwd w%d m%d kv%d q-%s mb%d%s", C::warps, C::m_tiles, C::kv_tile,
+                 C::q_in_registers ? "reg" : "smem", C::min_blocks, stages_suffix(C::stages));
 }
 
 template <class C>
@@ -123,6 +128,9 @@ static const Variant variants_hd64[] = {
     variant<64, Fwd64, TwoPass<DkDv<8, 128, 1>, Dq<4, 16, 4>>>(),  // 114 [4x4]
     // backward: one pass
     variant<64, Fwd64, OnePass<1>>(),  // 243 [1x8]
+    // TMA forward (108 registers)
+    variant<64, TmaFwd<64, 3, 4>, Bwd64>(),
+    variant<64, TmaFwd<64, 2, 4>, Bwd64>(),
     // pipeline stages
     variant<64, Fwd<4, 2, 64, true, 2, 3>, Bwd64>(),
     variant<64, Fwd<4, 2, 64, true, 2, 4>, Bwd64>(),
@@ -158,6 +166,9 @@ static const Variant variants_hd128[] = {
     variant<128, Fwd128, TwoPass<DkDv<8, 64, 1>, Dq<8, 16, 2>>>(),  // dq 128 [2x8]
     variant<128, Fwd128, TwoPass<DkDv<8, 64, 1>, Dq<4, 32, 2>>>(),  // dq 198 [2x4]
     variant<128, Fwd128, TwoPass<DkDv<8, 64, 1>, Dq<4, 16, 4>>>(),  // dq 128 [4x4]
+    // TMA forward (147 registers)
+    variant<128, TmaFwd<64, 2, 4>, Bwd128>(),
+    variant<128, TmaFwd<64, 2, 3>, Bwd128>(),
     // pipeline stages
     variant<128, Fwd<4, 2, 32, false, 2, 3>, Bwd128>(),
     variant<128, Fwd<4, 2, 32, false, 2, 4>, Bwd128>(),
