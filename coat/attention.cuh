@@ -1085,23 +1085,23 @@ static void attention_launch_setup(Kernel kernel, size_t smem_bytes) {
 
 #include "attention_wgmma.cuh"
 
-// The backward variants: two passes (a dK/dV pass, then a dQ pass) on mma.sync or on wgmma, or one
-// pass of fixed shape on mma.sync.
+// The backward variants: two passes (a dK/dV pass, then a dQ pass) on mma.sync, on wgmma or on TMA
+// and wgmma (AttentionTmaTwoPassConfig, attention_wgmma.cuh), or one pass of fixed shape on mma.sync.
 template <class DkDv, class Dq>
 struct AttentionTwoPassConfig {
-    static constexpr bool one_pass = false, wgmma = false;
+    static constexpr bool one_pass = false, wgmma = false, tma = false;
     typedef DkDv dkdv;
     typedef Dq dq;
 };
 template <class DkDv, class Dq>
 struct AttentionWgmmaTwoPassConfig {
-    static constexpr bool one_pass = false, wgmma = true;
+    static constexpr bool one_pass = false, wgmma = true, tma = false;
     typedef DkDv dkdv;
     typedef Dq dq;
 };
 template <int MIN_BLOCKS, int STAGES = 2>
 struct AttentionOnePassConfig {
-    static constexpr bool one_pass = true, wgmma = false;
+    static constexpr bool one_pass = true, wgmma = false, tma = false;
     static constexpr int min_blocks = MIN_BLOCKS, stages = STAGES;
 };
 
@@ -1251,6 +1251,8 @@ static void attention_backward_launch(bf16 *dqkv, float *scratch, const bf16 *do
     else if constexpr (Config::wgmma)
         attention_backward_wgmma_launch<HEAD_DIM, typename Config::dkdv, typename Config::dq>(
             dqkv, delta, dout, qkv, lse, B, T, NH, NKV, stream);
+    else if constexpr (Config::tma)
+        attention_backward_tma_launch<HEAD_DIM, Config>(dqkv, delta, dout, qkv, lse, B, T, NH, NKV, stream);
     else
         attention_backward_two_pass_launch<HEAD_DIM, typename Config::dkdv, typename Config::dq>(
             dqkv, delta, dout, qkv, lse, B, T, NH, NKV, stream);

@@ -920,3 +920,396 @@ static void attention_forward_tma_launch(bf16 *out, float *lse, const bf16 *qkv,
                                                            attention_softmax_scale(HEAD_DIM));
     cudaCheckLaunch();
 }
+
+// ---- backward on TMA loads and 128B-swizzled tiles ----------------------------------------------------
+//
+// The two passes of the backward above with the forward's loading scheme: a producer warpgroup (one
+// thread issues TMA; its first warp also stages lse and D) fills STAGES stages guarded by mbarriers,
+// and 2 consumer warpgroups compute from the swizzled tiles. The producer hands its registers to the
+// consumers (setmaxnreg), which hold dK and dV (or dQ) beside the step's S^T and dP^T: at head_dim
+// 128 they need 240 (the producer keeps 24 and spills 8 bytes); at 64, 232 leave the producer 40.
+// 128 x producer + 256 x consumer registers stay within the SM's 64K.
+template <int HEAD_DIM>
+__device__ __forceinline__ void warpgroup_registers_release() {
+    if constexpr (HEAD_DIM == 128)
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+    else
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+}
+template <int HEAD_DIM>
+__device__ __forceinline__ void warpgroup_registers_claim() {
+    if constexpr (HEAD_DIM == 128)
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+    else
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+}
+
+// Issues acc (64 x N) = A B^T as one commit group, A and B K-major swizzled: A the 64 rows from row
+// a_row0 of a tile of a_rows rows, B a whole tile of N rows.
+template <int HEAD_DIM, int N>
+__device__ __forceinline__ void wgmma_issue_a_bt_sw128(float (&acc)[N / 2], const char *a_tile, int a_rows, int a_row0,
+                                                       const char *b_tile) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
+        const int box = kk / 4, within = (kk % 4) * 32;
+        wgmma_m64k16_smem_a<N>(acc, wgmma_sw128_descriptor(a_tile + (box * a_rows + a_row0) * 128 + within, 16),
+                               wgmma_sw128_descriptor(b_tile + box * N * 128 + within, 16), kk > 0);
+    }
+    wgmma_commit_group();
+}
+
+// Issues acc (64 x N) += X B as one commit group: x the A fragments of X (64 x K), B a swizzled tile of
+// K rows and N columns read MN-major (acc and x untouched until a wait covers the group).
+template <int N, int K>
+__device__ __forceinline__ void wgmma_issue_add_x_b_sw128(float (&acc)[N / 2], uint32_t (&x)[K / 16][4],
+                                                          const char *b_tile) {
+    wgmma_pin_registers(acc);
+    wgmma_pin_registers(x);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < K / 16; kk++)
+        wgmma_m64k16_register_a_mn_b<N>(acc, x[kk], wgmma_sw128_descriptor(b_tile + kk * 2048, K * 128));
+    wgmma_commit_group();
+}
+
+// Writes a warpgroup thread's accumulator rows (row_lo and row_lo + 8, 64 x N per warpgroup) times
+// scale as BF16 pairs into rows of one head (row_stride apart), skipping rows >= T.
+template <int N>
+__device__ __forceinline__ void wgmma_store_rows_direct(bf16 *head, size_t row_stride, int row_lo, int T,
+                                                        const float (&acc)[N / 2], float scale, int lane) {
+    const int c = (lane % 4) * 2;
+#pragma unroll
+    for (int n8 = 0; n8 < N / 8; n8++)
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+            if (row_lo + 8 * r < T)
+                *reinterpret_cast<__nv_bfloat162 *>(head + (size_t)(row_lo + 8 * r) * row_stride + 8 * n8 + c) =
+                    __floats2bfloat162_rn(acc[4 * n8 + 2 * r] * scale, acc[4 * n8 + 2 * r + 1] * scale);
+}
+
+// A backward variant on TMA: dK/dV pass with query tiles of 64 and DKDV_STAGES stages; dQ pass with
+// K/V tiles of DQ_KV keys and DQ_STAGES stages.
+template <int DKDV_STAGES, int DQ_KV, int DQ_STAGES>
+struct AttentionTmaTwoPassConfig {
+    static constexpr bool one_pass = false, wgmma = false, tma = true;
+    static constexpr int dkdv_stages = DKDV_STAGES, dq_kv_tile = DQ_KV, dq_stages = DQ_STAGES;
+};
+
+#define ATTENTION_TMA_BACKWARD_Q_TILE 64
+#define ATTENTION_TMA_BACKWARD_THREADS (3 * WGMMA_WARPGROUP_THREADS)  // producer + 2 consumers
+
+// Shared memory of the TMA dK/dV pass from a 1024-byte aligned start: K and V (128 rows each), then
+// per stage Q and dO (64 rows each), then lse (log2 units) and D per stage, then the mbarriers
+// kv_full, full[STAGES], empty[STAGES].
+template <int HEAD_DIM, int STAGES>
+struct AttentionTmaDkDvSmem {
+    static constexpr int Q_TILE = ATTENTION_TMA_BACKWARD_Q_TILE;
+    static constexpr size_t kv_bytes = (size_t)WGMMA_BLOCK_ROWS * HEAD_DIM * 2, q_bytes = (size_t)Q_TILE * HEAD_DIM * 2;
+    static constexpr size_t k = 0, v = kv_bytes, q = 2 * kv_bytes, dout = q + STAGES * q_bytes;
+    static constexpr size_t lse = dout + STAGES * q_bytes, delta = lse + STAGES * Q_TILE * sizeof(float);
+    static constexpr size_t bars = delta + STAGES * Q_TILE * sizeof(float);
+    static constexpr size_t bytes = bars + (1 + 2 * STAGES) * sizeof(uint64_t) + 1024;
+};
+
+// Block: key rows kv0 = 128 blockIdx.x.. of kv head blockIdx.y of batch blockIdx.z; consumer w: keys
+// kv0 + 64 w... Steps as attention_backward_dkdv_wgmma_kernel (every query head of the group, its
+// query tiles from the diagonal on), each step's Q, dO, lse and D in stage step % STAGES.
+template <int HEAD_DIM, int STAGES>
+__global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
+    attention_backward_dkdv_tma_kernel(const __grid_constant__ CUtensorMap qkv_map,
+                                       const __grid_constant__ CUtensorMap dout_map, bf16 *dqkv, const float *lse,
+                                       const float *delta, int T, int NH, int NKV, float softmax_scale) {
+    typedef AttentionTmaDkDvSmem<HEAD_DIM, STAGES> Smem;
+    constexpr int Q_TILE = Smem::Q_TILE, KV_ROWS = WGMMA_BLOCK_ROWS, GROUP_ROWS = WGMMA_WARPGROUP_ROWS;
+    extern __shared__ __align__(1024) unsigned char attention_tma_smem[];
+    char *smem = reinterpret_cast<char *>(attention_tma_smem) +
+                 ((1024u - (shared_address(attention_tma_smem) & 1023u)) & 1023u);
+    float *lse_tiles = reinterpret_cast<float *>(smem + Smem::lse);  // log2 units
+    float *delta_tiles = reinterpret_cast<float *>(smem + Smem::delta);
+    uint64_t *kv_full = reinterpret_cast<uint64_t *>(smem + Smem::bars);
+    uint64_t *full = kv_full + 1, *empty = full + STAGES;
+
+    const int warpgroup = threadIdx.x / WGMMA_WARPGROUP_THREADS;
+    const int kv0 = blockIdx.x * KV_ROWS, kv_head = blockIdx.y, b = blockIdx.z;
+    const int group = NH / NKV;
+    const int first_q_tile = kv0 / Q_TILE;  // earlier queries see none of these keys
+    const int q_tiles_per_head = ceil_div(T, Q_TILE) - first_q_tile;
+    const int steps = group * q_tiles_per_head;  // step i: head kv_head * group + i / q_tiles_per_head
+
+    if (threadIdx.x == 0) {
+        mbarrier_init(kv_full, 1);
+        for (int s = 0; s < STAGES; s++) {
+            mbarrier_init(&full[s], 1);
+            mbarrier_init(&empty[s], 2);
+        }
+        mbarrier_fence_init();
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        warpgroup_registers_release<HEAD_DIM>();
+        if (threadIdx.x >= 32) return;
+        const int lane = threadIdx.x;
+        if (lane == 0) {
+            mbarrier_arrive_expect_bytes(kv_full, (uint32_t)(2 * Smem::kv_bytes));
+            for (int box = 0; box < HEAD_DIM / 64; box++)
+                for (int r = 0; r < KV_ROWS; r += 64) {
+                    tma_load_box(smem + Smem::k + (box * KV_ROWS + r) * 128, &qkv_map,
+                                 (NH + kv_head) * HEAD_DIM + 64 * box, kv0 + r, b, kv_full);
+                    tma_load_box(smem + Smem::v + (box * KV_ROWS + r) * 128, &qkv_map,
+                                 (NH + NKV + kv_head) * HEAD_DIM + 64 * box, kv0 + r, b, kv_full);
+                }
+        }
+        for (int step = 0; step < steps; step++) {
+            const int stage = step % STAGES;
+            if (step >= STAGES) mbarrier_wait(&empty[stage], (step / STAGES + 1) & 1);
+            const int head = kv_head * group + step / q_tiles_per_head;
+            const int q0 = (first_q_tile + step % q_tiles_per_head) * Q_TILE;
+            const size_t stats = ((size_t)b * NH + head) * T;
+            for (int i = lane; i < Q_TILE; i += 32) {  // rows past T: P = 0 exactly (lse = +inf), D = 0
+                const int q = q0 + i;
+                lse_tiles[stage * Q_TILE + i] = q < T ? lse[stats + q] * ATTENTION_LOG2E : INFINITY;
+                delta_tiles[stage * Q_TILE + i] = q < T ? delta[stats + q] : 0.f;
+            }
+            __syncwarp();
+            if (lane == 0) {  // its arrival releases the warp's lse and D stores with the tiles
+                mbarrier_arrive_expect_bytes(&full[stage], (uint32_t)(2 * Smem::q_bytes));
+                for (int box = 0; box < HEAD_DIM / 64; box++) {
+                    tma_load_box(smem + Smem::q + stage * Smem::q_bytes + box * Q_TILE * 128, &qkv_map,
+                                 head * HEAD_DIM + 64 * box, q0, b, &full[stage]);
+                    tma_load_box(smem + Smem::dout + stage * Smem::q_bytes + box * Q_TILE * 128, &dout_map,
+                                 head * HEAD_DIM + 64 * box, q0, b, &full[stage]);
+                }
+            }
+        }
+        return;
+    }
+    warpgroup_registers_claim<HEAD_DIM>();
+
+    const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+    const int key_first = kv0 + consumer * GROUP_ROWS;  // this warpgroup's first key
+    const int g = lane / 4, c = (lane % 4) * 2;
+    const int key_lo = key_first + warp * 16 + g;  // this thread's keys: key_lo and key_lo + 8
+    const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
+    float dk_acc[HEAD_DIM / 2], dv_acc[HEAD_DIM / 2];
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 2; i++) dk_acc[i] = dv_acc[i] = 0.f;
+    mbarrier_wait(kv_full, 0);
+
+    for (int step = 0; step < steps; step++) {
+        const int stage = step % STAGES;
+        mbarrier_wait(&full[stage], (step / STAGES) & 1);
+        const int q0 = (first_q_tile + step % q_tiles_per_head) * Q_TILE;
+        if (key_first < T && key_first <= q0 + Q_TILE - 1) {  // warpgroup-uniform
+            const char *q_stage = smem + Smem::q + stage * Smem::q_bytes;
+            const char *dout_stage = smem + Smem::dout + stage * Smem::q_bytes;
+            const float *lse_log2 = lse_tiles + stage * Q_TILE, *delta_stage = delta_tiles + stage * Q_TILE;
+            float pt[Q_TILE / 2], dst[Q_TILE / 2];  // S^T then P^T; dP^T then dS^T: keys x queries
+            wgmma_issue_a_bt_sw128<HEAD_DIM, Q_TILE>(pt, smem + Smem::k, KV_ROWS, consumer * GROUP_ROWS, q_stage);
+            wgmma_issue_a_bt_sw128<HEAD_DIM, Q_TILE>(dst, smem + Smem::v, KV_ROWS, consumer * GROUP_ROWS,
+                                                     dout_stage);
+            wgmma_wait_pending<1>();  // S^T complete
+            wgmma_pin_registers(pt);
+            // Element i: key key_lo + 8 ((i / 2) % 2), query q0 + 8 (i / 4) + c + i % 2.
+            const bool crosses_diagonal = key_first + GROUP_ROWS - 1 > q0;
+#pragma unroll
+            for (int n8 = 0; n8 < Q_TILE / 8; n8++) {
+                const float2 lse_pair = *reinterpret_cast<const float2 *>(lse_log2 + 8 * n8 + c);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float p = exp2_approx(fmaf(pt[4 * n8 + e], scale_log2, -((e & 1) ? lse_pair.y : lse_pair.x)));
+                    pt[4 * n8 + e] = crosses_diagonal && key_lo + (e >> 1) * 8 > q0 + 8 * n8 + c + (e & 1) ? 0.f : p;
+                }
+            }
+            uint32_t pt_frag[Q_TILE / 16][4];
+            wgmma_scores_to_a_operand<Q_TILE>(pt_frag, pt);
+            wgmma_issue_add_x_b_sw128<HEAD_DIM, Q_TILE>(dv_acc, pt_frag, dout_stage);  // dV += P^T dO
+            wgmma_wait_pending<1>();                                                  // dP^T complete
+            wgmma_pin_registers(dst);
+#pragma unroll
+            for (int n8 = 0; n8 < Q_TILE / 8; n8++) {
+                const float2 delta_pair = *reinterpret_cast<const float2 *>(delta_stage + 8 * n8 + c);
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    dst[4 * n8 + e] = pt[4 * n8 + e] * (dst[4 * n8 + e] - ((e & 1) ? delta_pair.y : delta_pair.x));
+            }
+            uint32_t dst_frag[Q_TILE / 16][4];
+            wgmma_scores_to_a_operand<Q_TILE>(dst_frag, dst);
+            wgmma_issue_add_x_b_sw128<HEAD_DIM, Q_TILE>(dk_acc, dst_frag, q_stage);  // dK += dS^T Q
+            wgmma_wait_pending<0>();
+            wgmma_pin_registers(pt_frag);
+            wgmma_pin_registers(dst_frag);
+            wgmma_pin_registers(dk_acc);
+            wgmma_pin_registers(dv_acc);
+        }
+        if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
+    }
+
+    const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM;
+    bf16 *dqkv_batch = dqkv + (size_t)b * T * qkv_row;
+    wgmma_store_rows_direct<HEAD_DIM>(dqkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, qkv_row, key_lo, T, dk_acc,
+                                      softmax_scale, lane);
+    wgmma_store_rows_direct<HEAD_DIM>(dqkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM, qkv_row, key_lo, T, dv_acc,
+                                      1.f, lane);
+}
+
+// Shared memory of the TMA dQ pass from a 1024-byte aligned start: Q and dO (128 rows each), K and V
+// stages, then the mbarriers qd_full, full[STAGES], empty[STAGES].
+template <int HEAD_DIM, int KV, int STAGES>
+struct AttentionTmaDqSmem {
+    static constexpr size_t rows_bytes = (size_t)WGMMA_BLOCK_ROWS * HEAD_DIM * 2, kv_bytes = (size_t)KV * HEAD_DIM * 2;
+    static constexpr size_t q = 0, dout = rows_bytes, k = 2 * rows_bytes, v = k + STAGES * kv_bytes;
+    static constexpr size_t bars = v + STAGES * kv_bytes;
+    static constexpr size_t bytes = bars + (1 + 2 * STAGES) * sizeof(uint64_t) + 1024;
+};
+
+// Block: query rows q0 = 128 (last block first).. of head h of batch b; consumer w: rows q0 + 64 w..
+// It walks the K/V tiles up to the diagonal like the forward: S = Q K^T, dP = dO V^T, P, dS,
+// dQ += dS K.
+template <int HEAD_DIM, int KV, int STAGES>
+__global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
+    attention_backward_dq_tma_kernel(const __grid_constant__ CUtensorMap qkv_map,
+                                     const __grid_constant__ CUtensorMap dout_map, bf16 *dqkv, const float *lse,
+                                     const float *delta, int T, int NH, int NKV, float softmax_scale) {
+    typedef AttentionTmaDqSmem<HEAD_DIM, KV, STAGES> Smem;
+    constexpr int Q_ROWS = WGMMA_BLOCK_ROWS, GROUP_ROWS = WGMMA_WARPGROUP_ROWS;
+    extern __shared__ __align__(1024) unsigned char attention_tma_smem[];
+    char *smem = reinterpret_cast<char *>(attention_tma_smem) +
+                 ((1024u - (shared_address(attention_tma_smem) & 1023u)) & 1023u);
+    uint64_t *qd_full = reinterpret_cast<uint64_t *>(smem + Smem::bars);
+    uint64_t *full = qd_full + 1, *empty = full + STAGES;
+
+    const int warpgroup = threadIdx.x / WGMMA_WARPGROUP_THREADS;
+    const int q_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;  // longest rows first
+    const int kv_head = h / (NH / NKV);
+    const int q0 = q_block * Q_ROWS;
+    const int num_kv_tiles = (min(q0 + Q_ROWS, T) - 1) / KV + 1;  // up to the last valid row's diagonal
+
+    if (threadIdx.x == 0) {
+        mbarrier_init(qd_full, 1);
+        for (int s = 0; s < STAGES; s++) {
+            mbarrier_init(&full[s], 1);
+            mbarrier_init(&empty[s], 2);
+        }
+        mbarrier_fence_init();
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        warpgroup_registers_release<HEAD_DIM>();
+        if (threadIdx.x == 0) {
+            mbarrier_arrive_expect_bytes(qd_full, (uint32_t)(2 * Smem::rows_bytes));
+            for (int box = 0; box < HEAD_DIM / 64; box++)
+                for (int r = 0; r < Q_ROWS; r += 64) {
+                    tma_load_box(smem + Smem::q + (box * Q_ROWS + r) * 128, &qkv_map, h * HEAD_DIM + 64 * box, q0 + r,
+                                 b, qd_full);
+                    tma_load_box(smem + Smem::dout + (box * Q_ROWS + r) * 128, &dout_map, h * HEAD_DIM + 64 * box,
+                                 q0 + r, b, qd_full);
+                }
+            for (int j = 0; j < num_kv_tiles; j++) {
+                const int stage = j % STAGES;
+                if (j >= STAGES) mbarrier_wait(&empty[stage], (j / STAGES + 1) & 1);
+                char *k_tile = smem + Smem::k + stage * Smem::kv_bytes;
+                char *v_tile = smem + Smem::v + stage * Smem::kv_bytes;
+                mbarrier_arrive_expect_bytes(&full[stage], (uint32_t)(2 * Smem::kv_bytes));
+                for (int box = 0; box < HEAD_DIM / 64; box++)
+                    for (int r = 0; r < KV; r += 64) {
+                        tma_load_box(k_tile + (box * KV + r) * 128, &qkv_map, (NH + kv_head) * HEAD_DIM + 64 * box,
+                                     j * KV + r, b, &full[stage]);
+                        tma_load_box(v_tile + (box * KV + r) * 128, &qkv_map,
+                                     (NH + NKV + kv_head) * HEAD_DIM + 64 * box, j * KV + r, b, &full[stage]);
+                    }
+            }
+        }
+        return;
+    }
+    warpgroup_registers_claim<HEAD_DIM>();
+
+    const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+    const int group_row0 = q0 + consumer * GROUP_ROWS;
+    const int group_tiles = group_row0 >= T ? 0 : (min(group_row0 + GROUP_ROWS, T) - 1) / KV + 1;
+    const int g = lane / 4, c = (lane % 4) * 2;
+    const int row_lo = group_row0 + warp * 16 + g;  // this thread's rows: row_lo and row_lo + 8
+    const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
+    float row_lse_log2[2], row_delta[2];  // rows past T: P = 0
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = row_lo + 8 * r;
+        const size_t index = ((size_t)b * NH + h) * T + row;
+        row_lse_log2[r] = row < T ? lse[index] * ATTENTION_LOG2E : INFINITY;
+        row_delta[r] = row < T ? delta[index] : 0.f;
+    }
+    float dq_acc[HEAD_DIM / 2];
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 2; i++) dq_acc[i] = 0.f;
+    mbarrier_wait(qd_full, 0);
+
+    for (int j = 0; j < num_kv_tiles; j++) {
+        const int stage = j % STAGES;
+        mbarrier_wait(&full[stage], (j / STAGES) & 1);  // also where skipped: see the forward
+        if (j < group_tiles) {  // warpgroup-uniform
+            const char *k_stage = smem + Smem::k + stage * Smem::kv_bytes;
+            const char *v_stage = smem + Smem::v + stage * Smem::kv_bytes;
+            const int kv0 = j * KV;
+            float p[KV / 2], ds[KV / 2];  // S then P; dP then dS: queries x keys
+            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(p, smem + Smem::q, Q_ROWS, consumer * GROUP_ROWS, k_stage);
+            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(ds, smem + Smem::dout, Q_ROWS, consumer * GROUP_ROWS, v_stage);
+            wgmma_wait_pending<1>();  // S complete
+            wgmma_pin_registers(p);
+            // Element i: row row_lo + 8 ((i / 2) % 2), key kv0 + 8 (i / 4) + c + i % 2.
+            const bool crosses_diagonal = kv0 + KV - 1 > group_row0;
+#pragma unroll
+            for (int i = 0; i < KV / 2; i++) {
+                const int r = (i >> 1) & 1;
+                const float prob = exp2_approx(fmaf(p[i], scale_log2, -row_lse_log2[r]));
+                p[i] = crosses_diagonal && kv0 + 8 * (i / 4) + c + (i & 1) > row_lo + 8 * r ? 0.f : prob;
+            }
+            wgmma_wait_pending<0>();  // dP complete
+            wgmma_pin_registers(ds);
+#pragma unroll
+            for (int i = 0; i < KV / 2; i++) ds[i] = p[i] * (ds[i] - row_delta[(i >> 1) & 1]);
+            uint32_t ds_frag[KV / 16][4];
+            wgmma_scores_to_a_operand<KV>(ds_frag, ds);
+            wgmma_issue_add_x_b_sw128<HEAD_DIM, KV>(dq_acc, ds_frag, k_stage);  // dQ += dS K
+            wgmma_wait_pending<0>();
+            wgmma_pin_registers(ds_frag);
+            wgmma_pin_registers(dq_acc);
+        }
+        if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
+    }
+
+    const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM;
+    wgmma_store_rows_direct<HEAD_DIM>(dqkv + (size_t)b * T * qkv_row + (size_t)h * HEAD_DIM, qkv_row, row_lo, T,
+                                      dq_acc, softmax_scale, lane);
+}
+
+// dout [B, T, NH * head_dim] as a rank-3 tensor map like qkv's.
+static CUtensorMap attention_dout_tensor_map(const bf16 *dout, int B, int T, int NH, int head_dim) {
+    return attention_qkv_tensor_map(dout, B, T, NH, 0, head_dim);
+}
+
+// The TMA dK/dV pass, then the TMA dQ pass (D already in delta).
+template <int HEAD_DIM, class Config>
+static void attention_backward_tma_launch(bf16 *dqkv, const float *delta, const bf16 *dout, const bf16 *qkv,
+                                          const float *lse, int B, int T, int NH, int NKV, cudaStream_t stream) {
+    typedef AttentionTmaDkDvSmem<HEAD_DIM, Config::dkdv_stages> DkDvSmem;
+    typedef AttentionTmaDqSmem<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages> DqSmem;
+    static_assert(DkDvSmem::bytes <= ATTENTION_MAX_SMEM_BYTES && DqSmem::bytes <= ATTENTION_MAX_SMEM_BYTES,
+                  "TMA backward tiles exceed shared memory");
+    const CUtensorMap qkv_map = attention_qkv_tensor_map(qkv, B, T, NH, NKV, HEAD_DIM);
+    const CUtensorMap dout_map = attention_dout_tensor_map(dout, B, T, NH, HEAD_DIM);
+    const float scale = attention_softmax_scale(HEAD_DIM);
+
+    auto dkdv = attention_backward_dkdv_tma_kernel<HEAD_DIM, Config::dkdv_stages>;
+    attention_launch_setup(dkdv, DkDvSmem::bytes);
+    dkdv<<<dim3(ceil_div(T, WGMMA_BLOCK_ROWS), NKV, B), ATTENTION_TMA_BACKWARD_THREADS, DkDvSmem::bytes, stream>>>(
+        qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale);
+    cudaCheckLaunch();
+
+    auto dq = attention_backward_dq_tma_kernel<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages>;
+    attention_launch_setup(dq, DqSmem::bytes);
+    dq<<<dim3(ceil_div(T, WGMMA_BLOCK_ROWS), NH, B), ATTENTION_TMA_BACKWARD_THREADS, DqSmem::bytes, stream>>>(
+        qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale);
+    cudaCheckLaunch();
+}

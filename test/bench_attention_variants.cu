@@ -46,6 +46,8 @@ template <int MB, int ST = 2>
 using OnePass = AttentionOnePassConfig<MB, ST>;
 template <int KV, int CONSUMERS, int ST>  // TMA forward: K/V tile, consumer warpgroups, stages
 using TmaFwd = AttentionTmaForwardConfig<KV, CONSUMERS, ST>;
+template <int DKDV_ST, int DQ_KV, int DQ_ST>  // TMA two passes: dK/dV stages, dQ K/V tile and stages
+using TmaTwoPass = AttentionTmaTwoPassConfig<DKDV_ST, DQ_KV, DQ_ST>;
 template <int Q, int KV>  // wgmma two passes: dK/dV query tile, dQ K/V tile, one block per SM each
 using WgmmaTwoPass = AttentionWgmmaTwoPassConfig<AttentionWgmmaDkDvConfig<Q, 1>, AttentionWgmmaDqConfig<KV, 1>>;
 
@@ -81,6 +83,8 @@ static void describe_backward(char *text, size_t size) {
         snprintf(text, size, "bwd 1-pass mb%d%s", C::min_blocks, stages_suffix(C::stages));
     else if constexpr (C::wgmma)
         snprintf(text, size, "bwd wgmma dkdv q%d, dq kv%d", C::dkdv::q_tile, C::dq::kv_tile);
+    else if constexpr (C::tma)
+        snprintf(text, size, "bwd tma dkdv st%d, dq kv%d st%d", C::dkdv_stages, C::dq_kv_tile, C::dq_stages);
     else
         snprintf(text, size, "bwd 2-pass dkdv w%d q%d mb%d%s, dq w%d kv%d mb%d%s", C::dkdv::warps, C::dkdv::q_tile,
                  C::dkdv::min_blocks, stages_suffix(C::dkdv::stages), C::dq::warps, C::dq::kv_tile,
@@ -128,9 +132,11 @@ static const Variant variants_hd64[] = {
     variant<64, Fwd64, TwoPass<DkDv<8, 128, 1>, Dq<4, 16, 4>>>(),  // 114 [4x4]
     // backward: one pass
     variant<64, Fwd64, OnePass<1>>(),  // 243 [1x8]
-    // TMA forward (108 registers)
+    // TMA forward (108 registers) and backward
     variant<64, TmaFwd<64, 3, 4>, Bwd64>(),
     variant<64, TmaFwd<64, 2, 4>, Bwd64>(),
+    variant<64, Fwd64, TmaTwoPass<3, 64, 4>>(),
+    variant<64, Fwd64, TmaTwoPass<4, 128, 3>>(),
     // pipeline stages
     variant<64, Fwd<4, 2, 64, true, 2, 3>, Bwd64>(),
     variant<64, Fwd<4, 2, 64, true, 2, 4>, Bwd64>(),
@@ -166,9 +172,11 @@ static const Variant variants_hd128[] = {
     variant<128, Fwd128, TwoPass<DkDv<8, 64, 1>, Dq<8, 16, 2>>>(),  // dq 128 [2x8]
     variant<128, Fwd128, TwoPass<DkDv<8, 64, 1>, Dq<4, 32, 2>>>(),  // dq 198 [2x4]
     variant<128, Fwd128, TwoPass<DkDv<8, 64, 1>, Dq<4, 16, 4>>>(),  // dq 128 [4x4]
-    // TMA forward (147 registers)
+    // TMA forward (147 registers) and backward
     variant<128, TmaFwd<64, 2, 4>, Bwd128>(),
     variant<128, TmaFwd<64, 2, 3>, Bwd128>(),
+    variant<128, Fwd128, TmaTwoPass<3, 64, 4>>(),
+    variant<128, Fwd128, TmaTwoPass<4, 64, 3>>(),
     // pipeline stages
     variant<128, Fwd<4, 2, 32, false, 2, 3>, Bwd128>(),
     variant<128, Fwd<4, 2, 32, false, 2, 4>, Bwd128>(),
