@@ -13,7 +13,8 @@
 // small odd one per head_dim, T = 100 (checked only). At the end, per timed shape, the fastest
 // passing forward, backward (forward + backward time less forward time) and forward + backward.
 //
-// Run: make build/bench_attention_variants && build/bench_attention_variants
+// Run: make build/bench_attention_variants && build/bench_attention_variants [FILTER]
+// (FILTER, e.g. "tma": only the default and the variants whose names contain it)
 // Registers per thread (ptxas -v, sm_90a): see the comments in the tables; variants that spill are
 // left out and listed below the tables.
 #include <math.h>
@@ -384,9 +385,10 @@ static void shape_label(char *text, size_t size, BenchShape s) {
     snprintf(text, size, "hd%d B%d NH%d NKV%d T%d", s.head_dim, s.B, s.NH, s.NKV, s.T);
 }
 
-// Checks (and times, for timed shapes) every variant at one shape; results[i] for variants[i].
+// Checks (and times, for timed shapes) every variant at one shape, or with a filter only row 0 and
+// the variants whose names contain it; results[i] for variants[i] (not passed when left out).
 static void bench_shape(BenchShape s, const Variant *variants, int n_variants, VariantResult *results,
-                        cudaStream_t stream) {
+                        const char *filter, cudaStream_t stream) {
     BenchBuffers buf;
     buf.stream = stream;
     alloc_buffers(&buf, s);
@@ -403,6 +405,11 @@ static void bench_shape(BenchShape s, const Variant *variants, int n_variants, V
     for (int i = 0; i < n_variants; i++) {
         const Variant *v = &variants[i];
         VariantResult *r = &results[i];
+        if (i > 0 && filter != NULL && strstr(v->forward_name, filter) == NULL &&
+            strstr(v->backward_name, filter) == NULL) {
+            r->passed = 0;
+            continue;
+        }
         check_variant(v, &buf, s, r);
         r->forward_ms = r->both_ms = NAN;
         char timing[96] = "timing: none (checked only)";
@@ -447,7 +454,12 @@ static void print_fastest(const char *what, const Variant *variants, const Varia
            variants[best].backward_name, duration(&results[best]), default_ms, default_ms / duration(&results[best]));
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    if (argc > 2) {
+        fprintf(stderr, "usage: %s [FILTER]   (FILTER: run only the variants whose names contain it)\n", argv[0]);
+        return EXIT_FAILURE;
+    }
+    const char *filter = argc == 2 ? argv[1] : NULL;
     const BenchShape shapes[] = {{2, 100, 12, 4, 64, 0},  {64, 1024, 12, 4, 64, 1},  {16, 2048, 32, 8, 64, 1},
                                  {2, 100, 12, 4, 128, 0}, {4, 2048, 32, 32, 128, 1}, {8, 4096, 16, 16, 128, 1}};
     const int n_shapes = (int)(sizeof shapes / sizeof shapes[0]);
@@ -461,7 +473,7 @@ int main(void) {
     for (int i = 0; i < n_shapes; i++) {
         const Variant *variants = shapes[i].head_dim == 64 ? variants_hd64 : variants_hd128;
         int n = shapes[i].head_dim == 64 ? n64 : n128;
-        bench_shape(shapes[i], variants, n, results + (size_t)i * most, stream);
+        bench_shape(shapes[i], variants, n, results + (size_t)i * most, filter, stream);
     }
 
     printf("fastest passing variant per shape (row number, forward config | backward config):\n");
