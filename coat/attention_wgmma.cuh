@@ -207,8 +207,7 @@ __device__ __forceinline__ void wgmma_issue_a_bt(float (&acc)[N / 2], const bf16
 // read MN-major (K = sequence positions, 8-row groups apart; N = head_dim, core matrices 128 bytes
 // apart); K / 16 k-steps. acc and x must stay untouched until a wgmma_wait_pending covers the group.
 template <int N, int K>
-__device__ __forceinline__ void wgmma_issue_add_x_b(float (&acc)[N / 2], uint32_t (&x)[K / 16][4],
-                                                    const bf16 *b_rows) {
+__device__ __forceinline__ void wgmma_issue_add_x_b(float (&acc)[N / 2], uint32_t (&x)[K / 16][4], const bf16 *b_rows) {
     constexpr uint32_t ROW_GROUP_BYTES = N * 16;
     const uint64_t b_descriptor = wgmma_descriptor(b_rows, ROW_GROUP_BYTES, WGMMA_CORE_MATRIX_BYTES);
     wgmma_pin_registers(acc);
@@ -233,19 +232,38 @@ __device__ __forceinline__ void wgmma_scores_to_a_operand(uint32_t (&p)[KV_TILE 
 
 // ---- one step of each pass, per warpgroup ---------------------------------------------------------
 
-// A warpgroup's step of the dK/dV pass: its 64 keys (k_rows and v_rows, the first key_first) against
-// the Q_TILE queries q0.. of the stage (q_tile, dout_tile; lse_log2 and delta per query, lse in log2
-// units, +inf past T so that P = 0 there). dk and dv accumulate (dK unscaled).
+// The shared-memory operands of a warpgroup's dK/dV step in the no-swizzle core-matrix layout: its 64
+// key rows of K and V, and the stage's Q and dO tiles. Each issue is one commit group (see
+// wgmma_issue_a_bt and wgmma_issue_add_x_b).
 template <int HEAD_DIM, int Q_TILE>
+struct CoreMatrixDkDvOperands {
+    const bf16 *k_rows, *v_rows, *q_tile, *dout_tile;
+    __device__ __forceinline__ void issue_scores_t(float (&st)[Q_TILE / 2]) const {  // S^T = K Q^T
+        wgmma_issue_a_bt<HEAD_DIM, Q_TILE>(st, k_rows, q_tile);
+    }
+    __device__ __forceinline__ void issue_dp_t(float (&dpt)[Q_TILE / 2]) const {  // dP^T = V dO^T
+        wgmma_issue_a_bt<HEAD_DIM, Q_TILE>(dpt, v_rows, dout_tile);
+    }
+    __device__ __forceinline__ void issue_dv(float (&dv)[HEAD_DIM / 2], uint32_t (&pt)[Q_TILE / 16][4]) const {
+        wgmma_issue_add_x_b<HEAD_DIM, Q_TILE>(dv, pt, dout_tile);  // dV += P^T dO
+    }
+    __device__ __forceinline__ void issue_dk(float (&dk)[HEAD_DIM / 2], uint32_t (&dst)[Q_TILE / 16][4]) const {
+        wgmma_issue_add_x_b<HEAD_DIM, Q_TILE>(dk, dst, q_tile);  // dK += dS^T Q
+    }
+};
+
+// A warpgroup's step of the dK/dV pass: its 64 keys (the first key_first) against the Q_TILE
+// queries q0.. of the stage (operands: see CoreMatrixDkDvOperands; lse_log2 and delta per query, lse
+// in log2 units, +inf past T so that P = 0 there). dk and dv accumulate (dK unscaled).
+template <int HEAD_DIM, int Q_TILE, class Operands>
 __device__ __forceinline__ void wgmma_backward_dkdv_step(float (&dk)[HEAD_DIM / 2], float (&dv)[HEAD_DIM / 2],
-                                                         const bf16 *k_rows, const bf16 *v_rows, const bf16 *q_tile,
-                                                         const bf16 *dout_tile, const float *lse_log2,
+                                                         const Operands &operands, const float *lse_log2,
                                                          const float *delta, float scale_log2, int key_first, int q0,
                                                          int warp, int lane) {
     float pt[Q_TILE / 2], dst[Q_TILE / 2];  // S^T then P^T; dP^T then dS^T: keys x queries
-    wgmma_issue_a_bt<HEAD_DIM, Q_TILE>(pt, k_rows, q_tile);      // S^T = K Q^T
-    wgmma_issue_a_bt<HEAD_DIM, Q_TILE>(dst, v_rows, dout_tile);  // dP^T = V dO^T
-    wgmma_wait_pending<1>();                                     // S^T complete
+    operands.issue_scores_t(pt);
+    operands.issue_dp_t(dst);
+    wgmma_wait_pending<1>();  // S^T complete
     wgmma_pin_registers(pt);
 
     // Element i: key key_lo + 8 ((i / 2) % 2), query q0 + 8 (i / 4) + c + i % 2.
@@ -263,8 +281,8 @@ __device__ __forceinline__ void wgmma_backward_dkdv_step(float (&dk)[HEAD_DIM / 
     }
     uint32_t pt_frag[Q_TILE / 16][4];
     wgmma_scores_to_a_operand<Q_TILE>(pt_frag, pt);
-    wgmma_issue_add_x_b<HEAD_DIM, Q_TILE>(dv, pt_frag, dout_tile);  // dV += P^T dO
-    wgmma_wait_pending<1>();                                        // dP^T complete
+    operands.issue_dv(dv, pt_frag);
+    wgmma_wait_pending<1>();  // dP^T complete
     wgmma_pin_registers(dst);
 
 #pragma unroll
@@ -276,7 +294,7 @@ __device__ __forceinline__ void wgmma_backward_dkdv_step(float (&dk)[HEAD_DIM / 
     }
     uint32_t dst_frag[Q_TILE / 16][4];
     wgmma_scores_to_a_operand<Q_TILE>(dst_frag, dst);
-    wgmma_issue_add_x_b<HEAD_DIM, Q_TILE>(dk, dst_frag, q_tile);  // dK += dS^T Q
+    operands.issue_dk(dk, dst_frag);
     wgmma_wait_pending<0>();
     // The fragments are read by the wgmma until here: pinned, they keep their registers that long.
     wgmma_pin_registers(pt_frag);
@@ -285,19 +303,34 @@ __device__ __forceinline__ void wgmma_backward_dkdv_step(float (&dk)[HEAD_DIM / 
     wgmma_pin_registers(dv);
 }
 
-// A warpgroup's step of the dQ pass: its 64 query rows (q_rows, dout_rows; this thread's rows row_lo
-// and row_lo + 8, with their lse in log2 units, +inf past T, and D) against the KV_TILE keys kv0..
-// of the stage (k_tile, v_tile). dq accumulates (unscaled).
+// The shared-memory operands of a warpgroup's dQ step in the no-swizzle core-matrix layout: its 64
+// rows of Q and dO, and the stage's K and V tiles.
 template <int HEAD_DIM, int KV_TILE>
-__device__ __forceinline__ void wgmma_backward_dq_step(float (&dq)[HEAD_DIM / 2], const bf16 *q_rows,
-                                                       const bf16 *dout_rows, const bf16 *k_tile, const bf16 *v_tile,
+struct CoreMatrixDqOperands {
+    const bf16 *q_rows, *dout_rows, *k_tile, *v_tile;
+    __device__ __forceinline__ void issue_scores(float (&s)[KV_TILE / 2]) const {  // S = Q K^T
+        wgmma_issue_a_bt<HEAD_DIM, KV_TILE>(s, q_rows, k_tile);
+    }
+    __device__ __forceinline__ void issue_dp(float (&dp)[KV_TILE / 2]) const {  // dP = dO V^T
+        wgmma_issue_a_bt<HEAD_DIM, KV_TILE>(dp, dout_rows, v_tile);
+    }
+    __device__ __forceinline__ void issue_dq(float (&dq)[HEAD_DIM / 2], uint32_t (&ds)[KV_TILE / 16][4]) const {
+        wgmma_issue_add_x_b<HEAD_DIM, KV_TILE>(dq, ds, k_tile);  // dQ += dS K
+    }
+};
+
+// A warpgroup's step of the dQ pass: its 64 query rows (this thread's rows row_lo and row_lo + 8, with
+// their lse in log2 units, +inf past T, and D) against the KV_TILE keys kv0.. of the stage (operands:
+// see CoreMatrixDqOperands). dq accumulates (unscaled).
+template <int HEAD_DIM, int KV_TILE, class Operands>
+__device__ __forceinline__ void wgmma_backward_dq_step(float (&dq)[HEAD_DIM / 2], const Operands &operands,
                                                        const float (&row_lse_log2)[2], const float (&row_delta)[2],
                                                        float scale_log2, int row_lo, int kv0, bool crosses_diagonal,
                                                        int lane) {
     float p[KV_TILE / 2], ds[KV_TILE / 2];  // S then P; dP then dS: queries x keys
-    wgmma_issue_a_bt<HEAD_DIM, KV_TILE>(p, q_rows, k_tile);      // S = Q K^T
-    wgmma_issue_a_bt<HEAD_DIM, KV_TILE>(ds, dout_rows, v_tile);  // dP = dO V^T
-    wgmma_wait_pending<1>();                                     // S complete
+    operands.issue_scores(p);
+    operands.issue_dp(ds);
+    wgmma_wait_pending<1>();  // S complete
     wgmma_pin_registers(p);
 
     // Element i: row row_lo + 8 ((i / 2) % 2), key kv0 + 8 (i / 4) + c + i % 2.
@@ -314,7 +347,7 @@ __device__ __forceinline__ void wgmma_backward_dq_step(float (&dq)[HEAD_DIM / 2]
     for (int i = 0; i < KV_TILE / 2; i++) ds[i] = p[i] * (ds[i] - row_delta[(i >> 1) & 1]);
     uint32_t ds_frag[KV_TILE / 16][4];
     wgmma_scores_to_a_operand<KV_TILE>(ds_frag, ds);
-    wgmma_issue_add_x_b<HEAD_DIM, KV_TILE>(dq, ds_frag, k_tile);  // dQ += dS K
+    operands.issue_dq(dq, ds_frag);
     wgmma_wait_pending<0>();
     wgmma_pin_registers(ds_frag);
     wgmma_pin_registers(dq);
@@ -328,9 +361,8 @@ __device__ __forceinline__ void wgmma_backward_dq_step(float (&dq)[HEAD_DIM / 2]
 template <int HEAD_DIM, int Q_TILE, int THREADS>
 __device__ __forceinline__ void wgmma_backward_load_step(bf16 *q_dst, bf16 *dout_dst, float *lse_log2,
                                                          float *delta_value, const bf16 *q_head, size_t qkv_row,
-                                                         const bf16 *dout_head, size_t dout_row,
-                                                         const float *lse_head, const float *delta_head, int q0,
-                                                         int T) {
+                                                         const bf16 *dout_head, size_t dout_row, const float *lse_head,
+                                                         const float *delta_head, int q0, int T) {
     wgmma_load_tile_async<Q_TILE, HEAD_DIM, THREADS>(q_dst, q_head, qkv_row, q0, T);
     wgmma_load_tile_async<Q_TILE, HEAD_DIM, THREADS>(dout_dst, dout_head, dout_row, q0, T);
     cp_async_commit();
@@ -457,18 +489,17 @@ __global__ void __launch_bounds__(WGMMA_BLOCK_THREADS, MIN_BLOCKS)
             const int head = kv_head * group + (step + 1) / q_tiles_per_head;
             const int q0 = (first_q_tile + (step + 1) % q_tiles_per_head) * Q_TILE;
             wgmma_backward_load_step<HEAD_DIM, Q_TILE, THREADS>(
-                q_tiles + next_stage * Q_TILE * HEAD_DIM, dout_tiles + next_stage * Q_TILE * HEAD_DIM,
-                &next_lse_log2, &next_delta, qkv_batch + (size_t)head * HEAD_DIM, qkv_row,
-                dout_batch + (size_t)head * HEAD_DIM, dout_row, lse_batch + (size_t)head * T,
-                delta_batch + (size_t)head * T, q0, T);
+                q_tiles + next_stage * Q_TILE * HEAD_DIM, dout_tiles + next_stage * Q_TILE * HEAD_DIM, &next_lse_log2,
+                &next_delta, qkv_batch + (size_t)head * HEAD_DIM, qkv_row, dout_batch + (size_t)head * HEAD_DIM,
+                dout_row, lse_batch + (size_t)head * T, delta_batch + (size_t)head * T, q0, T);
         }
         const int q0 = (first_q_tile + step % q_tiles_per_head) * Q_TILE;
         if (key_first < T && key_first <= q0 + Q_TILE - 1)
-            wgmma_backward_dkdv_step<HEAD_DIM, Q_TILE>(dk_acc, dv_acc, k_rows, v_rows,
-                                                       q_tiles + stage * Q_TILE * HEAD_DIM,
-                                                       dout_tiles + stage * Q_TILE * HEAD_DIM,
-                                                       lse_tiles + stage * Q_TILE, delta_tiles + stage * Q_TILE,
-                                                       scale_log2, key_first, q0, warp, lane);
+            wgmma_backward_dkdv_step<HEAD_DIM, Q_TILE>(
+                dk_acc, dv_acc,
+                CoreMatrixDkDvOperands<HEAD_DIM, Q_TILE>{k_rows, v_rows, q_tiles + stage * Q_TILE * HEAD_DIM,
+                                                         dout_tiles + stage * Q_TILE * HEAD_DIM},
+                lse_tiles + stage * Q_TILE, delta_tiles + stage * Q_TILE, scale_log2, key_first, q0, warp, lane);
         if (step + 1 < steps && (int)threadIdx.x < Q_TILE) {
             lse_tiles[next_stage * Q_TILE + threadIdx.x] = next_lse_log2;
             delta_tiles[next_stage * Q_TILE + threadIdx.x] = next_delta;
@@ -561,7 +592,9 @@ __global__ void __launch_bounds__(WGMMA_BLOCK_THREADS, MIN_BLOCKS)
         // group_row0 + 64 starts at or before group_row0 and shows every row at least key kv0.
         if (group_row0 >= T || kv0 >= group_row0 + GROUP_ROWS) continue;
         wgmma_backward_dq_step<HEAD_DIM, KV_TILE>(
-            dq_acc, q_rows, dout_rows, k_tiles + (j & 1) * KV_TILE * HEAD_DIM, v_tiles + (j & 1) * KV_TILE * HEAD_DIM,
+            dq_acc,
+            CoreMatrixDqOperands<HEAD_DIM, KV_TILE>{q_rows, dout_rows, k_tiles + (j & 1) * KV_TILE * HEAD_DIM,
+                                                    v_tiles + (j & 1) * KV_TILE * HEAD_DIM},
             row_lse_log2, row_delta, scale_log2, row_lo, kv0, kv0 + KV_TILE - 1 > group_row0, lane);
     }
 
@@ -585,7 +618,7 @@ static void attention_backward_dkdv_wgmma_launch(bf16 *dqkv, const float *delta,
     attention_launch_setup(kernel, smem);
     dim3 grid(ceil_div(T, WGMMA_BLOCK_ROWS), NKV, B);
     kernel<<<grid, WGMMA_BLOCK_THREADS, smem, stream>>>(dqkv, qkv, dout, lse, delta, T, NH, NKV,
-                                                            attention_softmax_scale(HEAD_DIM));
+                                                        attention_softmax_scale(HEAD_DIM));
     cudaCheckLaunch();
 }
 
@@ -598,7 +631,7 @@ static void attention_backward_dq_wgmma_launch(bf16 *dqkv, const float *delta, c
     attention_launch_setup(kernel, smem);
     dim3 grid(ceil_div(T, WGMMA_BLOCK_ROWS), NH, B);
     kernel<<<grid, WGMMA_BLOCK_THREADS, smem, stream>>>(dqkv, qkv, dout, lse, delta, T, NH, NKV,
-                                                            attention_softmax_scale(HEAD_DIM));
+                                                        attention_softmax_scale(HEAD_DIM));
     cudaCheckLaunch();
 }
 
@@ -649,8 +682,7 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t *bar, uint32_t parity) {
 }
 // The 64 x 64 box at (column c0, row c1, batch c2) of a rank-3 tensor map into shared memory; it
 // completes on bar with its bytes.
-__device__ __forceinline__ void tma_load_box(void *dst, const CUtensorMap *map, int c0, int c1, int c2,
-                                             uint64_t *bar) {
+__device__ __forceinline__ void tma_load_box(void *dst, const CUtensorMap *map, int c0, int c1, int c2, uint64_t *bar) {
     asm volatile(
         "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
         "[%5];\n" ::"r"(shared_address(dst)),
@@ -666,32 +698,32 @@ __device__ __forceinline__ uint64_t wgmma_sw128_descriptor(const char *start, ui
            (uint64_t)(1024 >> 4) << 32 | (uint64_t)1 << 62;
 }
 
-// Issues s (64 x KV) = Q K^T as one commit group: the warpgroup's 64 rows from row q_row0 of a
-// swizzled Q tile of q_rows rows, and a swizzled K tile of KV rows, both K-major.
-template <int HEAD_DIM, int KV>
-__device__ __forceinline__ void wgmma_issue_scores_sw128(float (&s)[KV / 2], const char *q_tile, int q_rows,
-                                                         int q_row0, const char *k_tile) {
+// Issues acc (64 x N) = A B^T as one commit group, A and B K-major swizzled: A the 64 rows from row
+// a_row0 of a tile of a_rows rows, B a whole tile of N rows.
+template <int HEAD_DIM, int N>
+__device__ __forceinline__ void wgmma_issue_a_bt_sw128(float (&acc)[N / 2], const char *a_tile, int a_rows, int a_row0,
+                                                       const char *b_tile) {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
         const int box = kk / 4, within = (kk % 4) * 32;
-        wgmma_m64k16_smem_a<KV>(s, wgmma_sw128_descriptor(q_tile + (box * q_rows + q_row0) * 128 + within, 16),
-                                wgmma_sw128_descriptor(k_tile + box * KV * 128 + within, 16), kk > 0);
+        wgmma_m64k16_smem_a<N>(acc, wgmma_sw128_descriptor(a_tile + (box * a_rows + a_row0) * 128 + within, 16),
+                               wgmma_sw128_descriptor(b_tile + box * N * 128 + within, 16), kk > 0);
     }
     wgmma_commit_group();
 }
 
-// Issues o (64 x HEAD_DIM) += P V as one commit group: p the A fragments, v a swizzled V tile of KV
-// rows read MN-major.
-template <int HEAD_DIM, int KV>
-__device__ __forceinline__ void wgmma_issue_pv_sw128(float (&o)[HEAD_DIM / 2], uint32_t (&p)[KV / 16][4],
-                                                     const char *v_tile) {
-    wgmma_pin_registers(o);
-    wgmma_pin_registers(p);
+// Issues acc (64 x N) += X B as one commit group: x the A fragments of X (64 x K), B a swizzled tile of
+// K rows and N columns read MN-major (acc and x untouched until a wait covers the group).
+template <int N, int K>
+__device__ __forceinline__ void wgmma_issue_add_x_b_sw128(float (&acc)[N / 2], uint32_t (&x)[K / 16][4],
+                                                          const char *b_tile) {
+    wgmma_pin_registers(acc);
+    wgmma_pin_registers(x);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < KV / 16; kk++)
-        wgmma_m64k16_register_a_mn_b<HEAD_DIM>(o, p[kk], wgmma_sw128_descriptor(v_tile + kk * 2048, KV * 128));
+    for (int kk = 0; kk < K / 16; kk++)
+        wgmma_m64k16_register_a_mn_b<N>(acc, x[kk], wgmma_sw128_descriptor(b_tile + kk * 2048, K * 128));
     wgmma_commit_group();
 }
 
@@ -728,8 +760,8 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     constexpr int Q_ROWS = Smem::q_rows, S_REGS = KV / 2, O_REGS = HEAD_DIM / 2;
     static_assert(HEAD_DIM % 64 == 0 && KV % 64 == 0 && (KV == 64 || KV == 128), "whole 64 x 64 boxes; wgmma n64/n128");
     extern __shared__ __align__(1024) unsigned char attention_tma_smem[];
-    char *smem = reinterpret_cast<char *>(attention_tma_smem) +
-                 ((1024u - (shared_address(attention_tma_smem) & 1023u)) & 1023u);
+    char *smem =
+        reinterpret_cast<char *>(attention_tma_smem) + ((1024u - (shared_address(attention_tma_smem) & 1023u)) & 1023u);
     char *q_tile = smem + Smem::q;
     uint64_t *q_full = reinterpret_cast<uint64_t *>(smem + Smem::bars);
     uint64_t *full = q_full + 1, *empty = full + STAGES;
@@ -797,8 +829,8 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
         mbarrier_wait(&full[stage], (j / STAGES) & 1);
         if (j < group_tiles) {  // warpgroup-uniform
             float s[S_REGS];
-            wgmma_issue_scores_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, consumer * WGMMA_WARPGROUP_ROWS,
-                                                   smem + Smem::k + stage * Smem::kv_bytes);
+            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, consumer * WGMMA_WARPGROUP_ROWS,
+                                                 smem + Smem::k + stage * Smem::kv_bytes);
             wgmma_wait_pending<0>();
             wgmma_pin_registers(s);
             const int kv0 = j * KV;
@@ -835,7 +867,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
             }
             uint32_t p_frag[KV / 16][4];  // P as BF16 A fragments
             wgmma_scores_to_a_operand<KV>(p_frag, s);
-            wgmma_issue_pv_sw128<HEAD_DIM, KV>(o_acc, p_frag, smem + Smem::v + stage * Smem::kv_bytes);
+            wgmma_issue_add_x_b_sw128<HEAD_DIM, KV>(o_acc, p_frag, smem + Smem::v + stage * Smem::kv_bytes);
             wgmma_wait_pending<0>();
             wgmma_pin_registers(o_acc);
             wgmma_pin_registers(p_frag);
@@ -877,8 +909,8 @@ static TensorMapEncodeTiled tensor_map_encode_function(void) {
     if (encode == NULL) {
         void *function = NULL;
         cudaDriverEntryPointQueryResult found;
-        cudaCheck(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault,
-                                                   &found));
+        cudaCheck(
+            cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &found));
         if (found != cudaDriverEntryPointSuccess || function == NULL) {
             fprintf(stderr, "error: the CUDA driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12 and sm_90)\n");
             exit(EXIT_FAILURE);
@@ -896,10 +928,10 @@ static CUtensorMap attention_qkv_tensor_map(const bf16 *qkv, int B, int T, int N
     const cuuint64_t dims[3] = {width, (cuuint64_t)T, (cuuint64_t)B};
     const cuuint64_t strides[2] = {width * sizeof(bf16), width * sizeof(bf16) * (cuuint64_t)T};
     const cuuint32_t box[3] = {64, 64, 1}, element_strides[3] = {1, 1, 1};
-    CUresult result = tensor_map_encode_function()(
-        &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16 *>(qkv), dims, strides, box, element_strides,
-        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    CUresult result =
+        tensor_map_encode_function()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16 *>(qkv), dims, strides,
+                                     box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                     CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (result != CUDA_SUCCESS) {
         fprintf(stderr, "error: cuTensorMapEncodeTiled refused the qkv tensor (code %d)\n", (int)result);
         exit(EXIT_FAILURE);
@@ -944,34 +976,42 @@ __device__ __forceinline__ void warpgroup_registers_claim() {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
 }
 
-// Issues acc (64 x N) = A B^T as one commit group, A and B K-major swizzled: A the 64 rows from row
-// a_row0 of a tile of a_rows rows, B a whole tile of N rows.
-template <int HEAD_DIM, int N>
-__device__ __forceinline__ void wgmma_issue_a_bt_sw128(float (&acc)[N / 2], const char *a_tile, int a_rows, int a_row0,
-                                                       const char *b_tile) {
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
-        const int box = kk / 4, within = (kk % 4) * 32;
-        wgmma_m64k16_smem_a<N>(acc, wgmma_sw128_descriptor(a_tile + (box * a_rows + a_row0) * 128 + within, 16),
-                               wgmma_sw128_descriptor(b_tile + box * N * 128 + within, 16), kk > 0);
+// The operands of the steps above in 128B-swizzled tiles: K and V tiles of 128 key rows (the
+// warpgroup's from key_row0) and a stage's Q and dO tiles of Q_TILE rows.
+template <int HEAD_DIM, int Q_TILE>
+struct Sw128DkDvOperands {
+    const char *k_tile, *v_tile;
+    int key_row0;
+    const char *q_tile, *dout_tile;
+    __device__ __forceinline__ void issue_scores_t(float (&st)[Q_TILE / 2]) const {  // S^T = K Q^T
+        wgmma_issue_a_bt_sw128<HEAD_DIM, Q_TILE>(st, k_tile, WGMMA_BLOCK_ROWS, key_row0, q_tile);
     }
-    wgmma_commit_group();
-}
-
-// Issues acc (64 x N) += X B as one commit group: x the A fragments of X (64 x K), B a swizzled tile of
-// K rows and N columns read MN-major (acc and x untouched until a wait covers the group).
-template <int N, int K>
-__device__ __forceinline__ void wgmma_issue_add_x_b_sw128(float (&acc)[N / 2], uint32_t (&x)[K / 16][4],
-                                                          const char *b_tile) {
-    wgmma_pin_registers(acc);
-    wgmma_pin_registers(x);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < K / 16; kk++)
-        wgmma_m64k16_register_a_mn_b<N>(acc, x[kk], wgmma_sw128_descriptor(b_tile + kk * 2048, K * 128));
-    wgmma_commit_group();
-}
+    __device__ __forceinline__ void issue_dp_t(float (&dpt)[Q_TILE / 2]) const {  // dP^T = V dO^T
+        wgmma_issue_a_bt_sw128<HEAD_DIM, Q_TILE>(dpt, v_tile, WGMMA_BLOCK_ROWS, key_row0, dout_tile);
+    }
+    __device__ __forceinline__ void issue_dv(float (&dv)[HEAD_DIM / 2], uint32_t (&pt)[Q_TILE / 16][4]) const {
+        wgmma_issue_add_x_b_sw128<HEAD_DIM, Q_TILE>(dv, pt, dout_tile);  // dV += P^T dO
+    }
+    __device__ __forceinline__ void issue_dk(float (&dk)[HEAD_DIM / 2], uint32_t (&dst)[Q_TILE / 16][4]) const {
+        wgmma_issue_add_x_b_sw128<HEAD_DIM, Q_TILE>(dk, dst, q_tile);  // dK += dS^T Q
+    }
+};
+// Q and dO tiles of 128 query rows (the warpgroup's from row0) and a stage's K and V tiles of KV rows.
+template <int HEAD_DIM, int KV>
+struct Sw128DqOperands {
+    const char *q_tile, *dout_tile;
+    int row0;
+    const char *k_tile, *v_tile;
+    __device__ __forceinline__ void issue_scores(float (&s)[KV / 2]) const {  // S = Q K^T
+        wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, WGMMA_BLOCK_ROWS, row0, k_tile);
+    }
+    __device__ __forceinline__ void issue_dp(float (&dp)[KV / 2]) const {  // dP = dO V^T
+        wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(dp, dout_tile, WGMMA_BLOCK_ROWS, row0, v_tile);
+    }
+    __device__ __forceinline__ void issue_dq(float (&dq)[HEAD_DIM / 2], uint32_t (&ds)[KV / 16][4]) const {
+        wgmma_issue_add_x_b_sw128<HEAD_DIM, KV>(dq, ds, k_tile);  // dQ += dS K
+    }
+};
 
 // Writes a warpgroup thread's accumulator rows (row_lo and row_lo + 8, 64 x N per warpgroup) times
 // scale as BF16 pairs into rows of one head (row_stride apart), skipping rows >= T.
@@ -1023,8 +1063,8 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
     typedef AttentionTmaDkDvSmem<HEAD_DIM, STAGES> Smem;
     constexpr int Q_TILE = Smem::Q_TILE, KV_ROWS = WGMMA_BLOCK_ROWS, GROUP_ROWS = WGMMA_WARPGROUP_ROWS;
     extern __shared__ __align__(1024) unsigned char attention_tma_smem[];
-    char *smem = reinterpret_cast<char *>(attention_tma_smem) +
-                 ((1024u - (shared_address(attention_tma_smem) & 1023u)) & 1023u);
+    char *smem =
+        reinterpret_cast<char *>(attention_tma_smem) + ((1024u - (shared_address(attention_tma_smem) & 1023u)) & 1023u);
     float *lse_tiles = reinterpret_cast<float *>(smem + Smem::lse);  // log2 units
     float *delta_tiles = reinterpret_cast<float *>(smem + Smem::delta);
     uint64_t *kv_full = reinterpret_cast<uint64_t *>(smem + Smem::bars);
@@ -1088,9 +1128,8 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
     warpgroup_registers_claim<HEAD_DIM>();
 
     const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
-    const int key_first = kv0 + consumer * GROUP_ROWS;  // this warpgroup's first key
-    const int g = lane / 4, c = (lane % 4) * 2;
-    const int key_lo = key_first + warp * 16 + g;  // this thread's keys: key_lo and key_lo + 8
+    const int key_first = kv0 + consumer * GROUP_ROWS;    // this warpgroup's first key
+    const int key_lo = key_first + warp * 16 + lane / 4;  // this thread's keys: key_lo and key_lo + 8
     const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
     float dk_acc[HEAD_DIM / 2], dv_acc[HEAD_DIM / 2];
 #pragma unroll
@@ -1101,48 +1140,13 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
         const int stage = step % STAGES;
         mbarrier_wait(&full[stage], (step / STAGES) & 1);
         const int q0 = (first_q_tile + step % q_tiles_per_head) * Q_TILE;
-        if (key_first < T && key_first <= q0 + Q_TILE - 1) {  // warpgroup-uniform
-            const char *q_stage = smem + Smem::q + stage * Smem::q_bytes;
-            const char *dout_stage = smem + Smem::dout + stage * Smem::q_bytes;
-            const float *lse_log2 = lse_tiles + stage * Q_TILE, *delta_stage = delta_tiles + stage * Q_TILE;
-            float pt[Q_TILE / 2], dst[Q_TILE / 2];  // S^T then P^T; dP^T then dS^T: keys x queries
-            wgmma_issue_a_bt_sw128<HEAD_DIM, Q_TILE>(pt, smem + Smem::k, KV_ROWS, consumer * GROUP_ROWS, q_stage);
-            wgmma_issue_a_bt_sw128<HEAD_DIM, Q_TILE>(dst, smem + Smem::v, KV_ROWS, consumer * GROUP_ROWS,
-                                                     dout_stage);
-            wgmma_wait_pending<1>();  // S^T complete
-            wgmma_pin_registers(pt);
-            // Element i: key key_lo + 8 ((i / 2) % 2), query q0 + 8 (i / 4) + c + i % 2.
-            const bool crosses_diagonal = key_first + GROUP_ROWS - 1 > q0;
-#pragma unroll
-            for (int n8 = 0; n8 < Q_TILE / 8; n8++) {
-                const float2 lse_pair = *reinterpret_cast<const float2 *>(lse_log2 + 8 * n8 + c);
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const float p = exp2_approx(fmaf(pt[4 * n8 + e], scale_log2, -((e & 1) ? lse_pair.y : lse_pair.x)));
-                    pt[4 * n8 + e] = crosses_diagonal && key_lo + (e >> 1) * 8 > q0 + 8 * n8 + c + (e & 1) ? 0.f : p;
-                }
-            }
-            uint32_t pt_frag[Q_TILE / 16][4];
-            wgmma_scores_to_a_operand<Q_TILE>(pt_frag, pt);
-            wgmma_issue_add_x_b_sw128<HEAD_DIM, Q_TILE>(dv_acc, pt_frag, dout_stage);  // dV += P^T dO
-            wgmma_wait_pending<1>();                                                  // dP^T complete
-            wgmma_pin_registers(dst);
-#pragma unroll
-            for (int n8 = 0; n8 < Q_TILE / 8; n8++) {
-                const float2 delta_pair = *reinterpret_cast<const float2 *>(delta_stage + 8 * n8 + c);
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    dst[4 * n8 + e] = pt[4 * n8 + e] * (dst[4 * n8 + e] - ((e & 1) ? delta_pair.y : delta_pair.x));
-            }
-            uint32_t dst_frag[Q_TILE / 16][4];
-            wgmma_scores_to_a_operand<Q_TILE>(dst_frag, dst);
-            wgmma_issue_add_x_b_sw128<HEAD_DIM, Q_TILE>(dk_acc, dst_frag, q_stage);  // dK += dS^T Q
-            wgmma_wait_pending<0>();
-            wgmma_pin_registers(pt_frag);
-            wgmma_pin_registers(dst_frag);
-            wgmma_pin_registers(dk_acc);
-            wgmma_pin_registers(dv_acc);
-        }
+        if (key_first < T && key_first <= q0 + Q_TILE - 1)  // warpgroup-uniform
+            wgmma_backward_dkdv_step<HEAD_DIM, Q_TILE>(
+                dk_acc, dv_acc,
+                Sw128DkDvOperands<HEAD_DIM, Q_TILE>{smem + Smem::k, smem + Smem::v, consumer * GROUP_ROWS,
+                                                    smem + Smem::q + stage * Smem::q_bytes,
+                                                    smem + Smem::dout + stage * Smem::q_bytes},
+                lse_tiles + stage * Q_TILE, delta_tiles + stage * Q_TILE, scale_log2, key_first, q0, warp, lane);
         if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
     }
 
@@ -1175,8 +1179,8 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
     typedef AttentionTmaDqSmem<HEAD_DIM, KV, STAGES> Smem;
     constexpr int Q_ROWS = WGMMA_BLOCK_ROWS, GROUP_ROWS = WGMMA_WARPGROUP_ROWS;
     extern __shared__ __align__(1024) unsigned char attention_tma_smem[];
-    char *smem = reinterpret_cast<char *>(attention_tma_smem) +
-                 ((1024u - (shared_address(attention_tma_smem) & 1023u)) & 1023u);
+    char *smem =
+        reinterpret_cast<char *>(attention_tma_smem) + ((1024u - (shared_address(attention_tma_smem) & 1023u)) & 1023u);
     uint64_t *qd_full = reinterpret_cast<uint64_t *>(smem + Smem::bars);
     uint64_t *full = qd_full + 1, *empty = full + STAGES;
 
@@ -1229,8 +1233,7 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
     const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
     const int group_row0 = q0 + consumer * GROUP_ROWS;
     const int group_tiles = group_row0 >= T ? 0 : (min(group_row0 + GROUP_ROWS, T) - 1) / KV + 1;
-    const int g = lane / 4, c = (lane % 4) * 2;
-    const int row_lo = group_row0 + warp * 16 + g;  // this thread's rows: row_lo and row_lo + 8
+    const int row_lo = group_row0 + warp * 16 + lane / 4;  // this thread's rows: row_lo and row_lo + 8
     const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
     float row_lse_log2[2], row_delta[2];  // rows past T: P = 0
 #pragma unroll
@@ -1248,40 +1251,21 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
     for (int j = 0; j < num_kv_tiles; j++) {
         const int stage = j % STAGES;
         mbarrier_wait(&full[stage], (j / STAGES) & 1);  // also where skipped: see the forward
-        if (j < group_tiles) {  // warpgroup-uniform
-            const char *k_stage = smem + Smem::k + stage * Smem::kv_bytes;
-            const char *v_stage = smem + Smem::v + stage * Smem::kv_bytes;
+        if (j < group_tiles) {                          // warpgroup-uniform
             const int kv0 = j * KV;
-            float p[KV / 2], ds[KV / 2];  // S then P; dP then dS: queries x keys
-            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(p, smem + Smem::q, Q_ROWS, consumer * GROUP_ROWS, k_stage);
-            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(ds, smem + Smem::dout, Q_ROWS, consumer * GROUP_ROWS, v_stage);
-            wgmma_wait_pending<1>();  // S complete
-            wgmma_pin_registers(p);
-            // Element i: row row_lo + 8 ((i / 2) % 2), key kv0 + 8 (i / 4) + c + i % 2.
-            const bool crosses_diagonal = kv0 + KV - 1 > group_row0;
-#pragma unroll
-            for (int i = 0; i < KV / 2; i++) {
-                const int r = (i >> 1) & 1;
-                const float prob = exp2_approx(fmaf(p[i], scale_log2, -row_lse_log2[r]));
-                p[i] = crosses_diagonal && kv0 + 8 * (i / 4) + c + (i & 1) > row_lo + 8 * r ? 0.f : prob;
-            }
-            wgmma_wait_pending<0>();  // dP complete
-            wgmma_pin_registers(ds);
-#pragma unroll
-            for (int i = 0; i < KV / 2; i++) ds[i] = p[i] * (ds[i] - row_delta[(i >> 1) & 1]);
-            uint32_t ds_frag[KV / 16][4];
-            wgmma_scores_to_a_operand<KV>(ds_frag, ds);
-            wgmma_issue_add_x_b_sw128<HEAD_DIM, KV>(dq_acc, ds_frag, k_stage);  // dQ += dS K
-            wgmma_wait_pending<0>();
-            wgmma_pin_registers(ds_frag);
-            wgmma_pin_registers(dq_acc);
+            wgmma_backward_dq_step<HEAD_DIM, KV>(
+                dq_acc,
+                Sw128DqOperands<HEAD_DIM, KV>{smem + Smem::q, smem + Smem::dout, consumer * GROUP_ROWS,
+                                              smem + Smem::k + stage * Smem::kv_bytes,
+                                              smem + Smem::v + stage * Smem::kv_bytes},
+                row_lse_log2, row_delta, scale_log2, row_lo, kv0, kv0 + KV - 1 > group_row0, lane);
         }
         if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
     }
 
     const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM;
-    wgmma_store_rows_direct<HEAD_DIM>(dqkv + (size_t)b * T * qkv_row + (size_t)h * HEAD_DIM, qkv_row, row_lo, T,
-                                      dq_acc, softmax_scale, lane);
+    wgmma_store_rows_direct<HEAD_DIM>(dqkv + (size_t)b * T * qkv_row + (size_t)h * HEAD_DIM, qkv_row, row_lo, T, dq_acc,
+                                      softmax_scale, lane);
 }
 
 // dout [B, T, NH * head_dim] as a rank-3 tensor map like qkv's.
