@@ -1,6 +1,9 @@
-// Causal flash attention backward on Hopper warpgroup MMA (wgmma, sm_90a): the program's backward
-// at head_dim 128, where it is 4-10% faster than the mma.sync kernels of attention.cuh (H200, the
-// ANCHORS.md shapes). Same math, layouts and results as attention_backward() there:
+// Causal flash attention on Hopper warpgroup MMA (wgmma, sm_90a), same math, layouts and results as
+// attention_forward() and attention_backward() of attention.cuh:
+//   - the backward below on cp.async loads and no-swizzle tiles: the program's backward at head_dim
+//     128, where it is 4-10% faster than the mma.sync kernels (H200, the ANCHORS.md shapes);
+//   - at the end, a forward and a backward on TMA loads by a producer warpgroup, mbarriers and
+//     128B-swizzled tiles: variants (bench_attention_variants) until measured in the program.
 //
 //   D = rowsum(dO * O), P = 2^(S scale log2 e - lse log2 e) (keys s <= query t), dP = dO V^T,
 //   dS = P (dP - D), dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO;   scale = 1 / sqrt(head_dim)
