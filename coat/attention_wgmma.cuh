@@ -38,6 +38,8 @@
 #include <cuda.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #define WGMMA_WARPGROUP_THREADS 128
 #define WGMMA_WARPGROUP_ROWS 64  // the M of every wgmma
 #define WGMMA_BLOCK_THREADS (2 * WGMMA_WARPGROUP_THREADS)
@@ -730,10 +732,24 @@ __device__ __forceinline__ void wgmma_issue_add_x_b_sw128(float (&acc)[N / 2], u
     wgmma_commit_group();
 }
 
-// A forward variant: K/V tiles of KV keys, CONSUMERS warpgroups of 64 query rows, STAGES K/V stages.
-template <int KV, int CONSUMERS, int STAGES>
+// A producer warpgroup gives registers back and consumer warpgroups take them (setmaxnreg; the counts
+// are multiples of 8, and 128 x PRODUCER + 128 x consumers x CONSUMER must stay within the SM's 64K).
+// Every thread of the warpgroup executes these. ptxas then allocates up to the claimed count in the
+// code that follows.
+template <int REGISTERS>
+__device__ __forceinline__ void warpgroup_registers_release() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGISTERS) : "memory");
+}
+template <int REGISTERS>
+__device__ __forceinline__ void warpgroup_registers_claim() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS) : "memory");
+}
+
+// A forward variant: K/V tiles of KV keys, CONSUMERS warpgroups of 64 query rows, STAGES K/V stages;
+// with OVERLAP a consumer issues S for its next tile before the softmax of the current one.
+template <int KV, int CONSUMERS, int STAGES, bool OVERLAP = false>
 struct AttentionTmaForwardConfig {
-    static constexpr bool tma = true;
+    static constexpr bool tma = true, overlap = OVERLAP;
     static constexpr int kv_tile = KV, consumers = CONSUMERS, stages = STAGES;
     static constexpr int q_tile = CONSUMERS * WGMMA_WARPGROUP_ROWS;
     static constexpr int threads = (CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS;  // the producer's warpgroup too
@@ -754,8 +770,11 @@ struct AttentionTmaForwardSmem {
 // (its thread 0 issues every load); warpgroup 1 + w is consumer w: rows q0 + 64 w.., warp i of it
 // rows + 16 i, thread rows g and g + 8. A consumer walks every K/V tile of the block, computing on
 // those left of its diagonal, and releases each stage once its products from it completed. Online
-// softmax in base 2, as attention_forward_kernel.
-template <int HEAD_DIM, int KV, int CONSUMERS, int STAGES>
+// softmax in base 2, as attention_forward_kernel. With OVERLAP, per tile j of a consumer:
+//   issue S_{j+1} (its tile loaded) | softmax of S_j | wait for S_{j+1} and O += P_{j-1} V_{j-1} |
+//   rescale O | issue O += P_j V_j, which runs into tile j + 1 (stage j is released there);
+// where needed the producer gives its registers to the consumers, who hold S_j and S_{j+1} beside O.
+template <int HEAD_DIM, int KV, int CONSUMERS, int STAGES, bool OVERLAP>
 __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     attention_forward_tma_kernel(const __grid_constant__ CUtensorMap qkv_map, bf16 *out, float *lse, int T, int NH,
                                  int NKV, float softmax_scale) {
@@ -785,7 +804,12 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     }
     __syncthreads();
 
+    // OVERLAP needs more registers than the launch gives at head_dim 128 or with 3 consumers (at 64 with
+    // 2, claiming them makes ptxas serialize the wgmma): 128 x 24 + 128 CONSUMERS x CONSUMER_REGISTERS.
+    constexpr bool CLAIM = OVERLAP && (HEAD_DIM == 128 || CONSUMERS > 2);
+    constexpr int CONSUMER_REGISTERS = CONSUMERS == 2 ? 240 : 160;
     if (warpgroup == 0) {
+        if constexpr (CLAIM) warpgroup_registers_release<24>();
         if (threadIdx.x == 0) {
             mbarrier_arrive_expect_bytes(q_full, (uint32_t)Smem::q_bytes);
             for (int box = 0; box < HEAD_DIM / 64; box++)
@@ -811,6 +835,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
         return;
     }
 
+    if constexpr (CLAIM) warpgroup_registers_claim<CONSUMER_REGISTERS>();
     const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
     const int group_row0 = q0 + consumer * WGMMA_WARPGROUP_ROWS;
     // This warpgroup's tiles: up to the diagonal of its last valid row (none when all lie past T).
@@ -818,65 +843,131 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     const int g = lane / 4, c = (lane % 4) * 2;
     const int row_lo = group_row0 + warp * 16 + g;  // this thread's rows: row_lo and row_lo + 8
     const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
+    const int q_row0 = consumer * WGMMA_WARPGROUP_ROWS;
     float o_acc[O_REGS];
 #pragma unroll
     for (int i = 0; i < O_REGS; i++) o_acc[i] = 0.f;
     // Tile 0 holds key 0, which every row sees, so the running max is finite after it.
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    // P as BF16 A fragments, read by O += P V until the next wait. Defined before its first pin: an
+    // undefined one makes ptxas serialize every wgmma of the kernel.
+    uint32_t p_frag[KV / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < KV / 16; kk++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) p_frag[kk][i] = 0u;
+    float s[S_REGS];  // S_j (with OVERLAP issued one tile ahead)
     mbarrier_wait(q_full, 0);
+    if (OVERLAP && group_tiles > 0) {
+        mbarrier_wait(&full[0], 0);
+        wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, q_row0, smem + Smem::k);
+        wgmma_wait_pending<0>();
+        wgmma_pin_registers(s);
+    }
 
-    for (int j = 0; j < num_kv_tiles; j++) {
+    // Tile j of this warpgroup; has_next: tile j + 1 is one of its tiles too. Warpgroup-uniform
+    // branches with one issue/wait pattern each, so that ptxas keeps the wgmma asynchronous.
+    auto compute_tile = [&](int j, auto has_next_tag) {
+        constexpr bool HAS_NEXT = decltype(has_next_tag)::value && OVERLAP;
         const int stage = j % STAGES;
-        // Also where this warpgroup skips the tile: its release must not run ahead of the tile's load
-        // (an early arrival would count towards the stage's previous phase).
-        mbarrier_wait(&full[stage], (j / STAGES) & 1);
-        if (j < group_tiles) {  // warpgroup-uniform
-            float s[S_REGS];
-            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, consumer * WGMMA_WARPGROUP_ROWS,
+        float s_next[S_REGS];
+        if constexpr (HAS_NEXT) {
+            const int next = (j + 1) % STAGES;
+            mbarrier_wait(&full[next], ((j + 1) / STAGES) & 1);
+            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s_next, q_tile, Q_ROWS, q_row0,
+                                                 smem + Smem::k + next * Smem::kv_bytes);
+        }
+        if constexpr (!OVERLAP) {
+            mbarrier_wait(&full[stage], (j / STAGES) & 1);
+            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, q_row0,
                                                  smem + Smem::k + stage * Smem::kv_bytes);
             wgmma_wait_pending<0>();
             wgmma_pin_registers(s);
-            const int kv0 = j * KV;
-            if (kv0 + KV - 1 > group_row0) {  // the tile crosses this warpgroup's diagonal
+        }
+        const int kv0 = j * KV;
+        if (kv0 + KV - 1 > group_row0) {  // the tile crosses this warpgroup's diagonal
 #pragma unroll
-                for (int i = 0; i < S_REGS; i++)
-                    if (kv0 + (i / 4) * 8 + c + (i & 1) > row_lo + ((i >> 1) & 1) * 8) s[i] = -INFINITY;
-            }
+            for (int i = 0; i < S_REGS; i++)
+                if (kv0 + (i / 4) * 8 + c + (i & 1) > row_lo + ((i >> 1) & 1) * 8) s[i] = -INFINITY;
+        }
+        float correction[2];
 #pragma unroll
-            for (int r = 0; r < 2; r++) {  // r = 0: row row_lo, r = 1: row row_lo + 8
-                float tile_max = -INFINITY;
+        for (int r = 0; r < 2; r++) {  // r = 0: row row_lo, r = 1: row row_lo + 8
+            float tile_max = -INFINITY;
 #pragma unroll
-                for (int n8 = 0; n8 < KV / 8; n8++)
-                    tile_max = fmaxf(tile_max, fmaxf(s[4 * n8 + 2 * r], s[4 * n8 + 2 * r + 1]));
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));  // the 4 threads of a row
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-                const float new_max = fmaxf(row_max[r], tile_max * scale_log2);
-                const float correction = exp2_approx(row_max[r] - new_max);
-                row_max[r] = new_max;
-                row_sum[r] *= correction;  // a per-thread partial sum: the 4 partials are added at the end
+            for (int n8 = 0; n8 < KV / 8; n8++)
+                tile_max = fmaxf(tile_max, fmaxf(s[4 * n8 + 2 * r], s[4 * n8 + 2 * r + 1]));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));  // the 4 threads of a row
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+            const float new_max = fmaxf(row_max[r], tile_max * scale_log2);
+            correction[r] = exp2_approx(row_max[r] - new_max);
+            row_max[r] = new_max;
+            row_sum[r] *= correction[r];  // a per-thread partial sum: the 4 partials are added at the end
 #pragma unroll
-                for (int n8 = 0; n8 < HEAD_DIM / 8; n8++) {
-                    o_acc[4 * n8 + 2 * r] *= correction;
-                    o_acc[4 * n8 + 2 * r + 1] *= correction;
+            for (int n8 = 0; n8 < KV / 8; n8++)
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; e++) {
+                    const float p = exp2_approx(fmaf(s[4 * n8 + e], scale_log2, -new_max));
+                    s[4 * n8 + e] = p;
+                    row_sum[r] += p;
                 }
+        }
+        // The previous O += P V (and S_{j+1}) complete: O may be rescaled and P rewritten. (Waiting
+        // for O += P V alone, wait_group 1, makes ptxas serialize every wgmma.)
+        wgmma_wait_pending<0>();
+        wgmma_pin_registers(o_acc);
+        wgmma_pin_registers(p_frag);
+        if constexpr (HAS_NEXT) wgmma_pin_registers(s_next);
 #pragma unroll
-                for (int n8 = 0; n8 < KV / 8; n8++)
+        for (int n8 = 0; n8 < HEAD_DIM / 8; n8++) {
+            o_acc[4 * n8] *= correction[0];
+            o_acc[4 * n8 + 1] *= correction[0];
+            o_acc[4 * n8 + 2] *= correction[1];
+            o_acc[4 * n8 + 3] *= correction[1];
+        }
+        wgmma_scores_to_a_operand<KV>(p_frag, s);
+        wgmma_issue_add_x_b_sw128<HEAD_DIM, KV>(o_acc, p_frag, smem + Smem::v + stage * Smem::kv_bytes);
+        if constexpr (HAS_NEXT) {
 #pragma unroll
-                    for (int e = 2 * r; e < 2 * r + 2; e++) {
-                        const float p = exp2_approx(fmaf(s[4 * n8 + e], scale_log2, -new_max));
-                        s[4 * n8 + e] = p;
-                        row_sum[r] += p;
-                    }
-            }
-            uint32_t p_frag[KV / 16][4];  // P as BF16 A fragments
-            wgmma_scores_to_a_operand<KV>(p_frag, s);
-            wgmma_issue_add_x_b_sw128<HEAD_DIM, KV>(o_acc, p_frag, smem + Smem::v + stage * Smem::kv_bytes);
+            for (int i = 0; i < S_REGS; i++) s[i] = s_next[i];
+        }
+        if constexpr (!OVERLAP) {  // the product completes here, and the stage is released at once
             wgmma_wait_pending<0>();
             wgmma_pin_registers(o_acc);
             wgmma_pin_registers(p_frag);
         }
-        if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
+    };
+
+    for (int j = 0; j < num_kv_tiles; j++) {
+        const int stage = j % STAGES;
+        if (j + 1 < group_tiles) {
+            compute_tile(j, std::true_type());
+        } else if (j < group_tiles) {
+            compute_tile(j, std::false_type());
+        } else {
+            // A tile right of this warpgroup's diagonal: nothing to compute, but the release must not
+            // run ahead of the tile's load (an early arrival would count towards the stage's
+            // previous phase).
+            mbarrier_wait(&full[stage], (j / STAGES) & 1);
+            wgmma_wait_pending<0>();
+            wgmma_pin_registers(o_acc);
+            wgmma_pin_registers(p_frag);
+        }
+        // Release: without OVERLAP this tile's stage; with it the previous tile's (its O += P V
+        // completed in this tile), and the last one's after the loop.
+        if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) {
+            if constexpr (OVERLAP) {
+                if (j > 0) mbarrier_arrive(&empty[(j - 1) % STAGES]);
+            } else {
+                mbarrier_arrive(&empty[stage]);
+            }
+        }
     }
+    wgmma_wait_pending<0>();
+    wgmma_pin_registers(o_acc);
+    wgmma_pin_registers(p_frag);
+    if constexpr (OVERLAP)
+        if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[(num_kv_tiles - 1) % STAGES]);
 
     float inv_sum[2];
 #pragma unroll
@@ -948,7 +1039,8 @@ static void attention_forward_tma_launch(bf16 *out, float *lse, const bf16 *qkv,
     typedef AttentionTmaForwardSmem<HEAD_DIM, Config::kv_tile, Config::consumers, Config::stages> Smem;
     static_assert(Smem::bytes <= ATTENTION_MAX_SMEM_BYTES, "TMA forward tiles exceed shared memory");
     const CUtensorMap map = attention_qkv_tensor_map(qkv, B, T, NH, NKV, HEAD_DIM);
-    auto kernel = attention_forward_tma_kernel<HEAD_DIM, Config::kv_tile, Config::consumers, Config::stages>;
+    auto kernel =
+        attention_forward_tma_kernel<HEAD_DIM, Config::kv_tile, Config::consumers, Config::stages, Config::overlap>;
     attention_launch_setup(kernel, Smem::bytes);
     dim3 grid(ceil_div(T, Config::q_tile), NH, B);
     kernel<<<grid, Config::threads, Smem::bytes, stream>>>(map, out, lse, T, NH, NKV,
@@ -961,23 +1053,8 @@ static void attention_forward_tma_launch(bf16 *out, float *lse, const bf16 *qkv,
 // The two passes of the backward above with the forward's loading scheme: a producer warpgroup (one
 // thread issues TMA; its first warp also stages lse and D) fills STAGES stages guarded by mbarriers,
 // and 2 consumer warpgroups compute from the swizzled tiles. The producer hands its registers to the
-// consumers (setmaxnreg), which hold dK and dV (or dQ) beside the step's S^T and dP^T: at head_dim
-// 128 they need 240 (the producer keeps 24 and spills 8 bytes); at 64, 232 leave the producer 40.
-// 128 x producer + 256 x consumer registers stay within the SM's 64K.
-template <int HEAD_DIM>
-__device__ __forceinline__ void warpgroup_registers_release() {
-    if constexpr (HEAD_DIM == 128)
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-    else
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-}
-template <int HEAD_DIM>
-__device__ __forceinline__ void warpgroup_registers_claim() {
-    if constexpr (HEAD_DIM == 128)
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-    else
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-}
+// consumers (warpgroup_registers_*), which hold dK and dV (or dQ) beside the step's S^T and dP^T:
+// at head_dim 128 they need 240 (the producer keeps 24 and spills 8 bytes); at 64, 232 leave it 40.
 
 // The operands of the steps above in 128B-swizzled tiles: K and V tiles of 128 key rows (the
 // warpgroup's from key_row0) and a stage's Q and dO tiles of Q_TILE rows.
@@ -1091,7 +1168,7 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
     __syncthreads();
 
     if (warpgroup == 0) {
-        warpgroup_registers_release<HEAD_DIM>();
+        warpgroup_registers_release<HEAD_DIM == 128 ? 24 : 40>();
         if (threadIdx.x >= 32) return;
         const int lane = threadIdx.x;
         if (lane == 0) {
@@ -1128,7 +1205,7 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
         }
         return;
     }
-    warpgroup_registers_claim<HEAD_DIM>();
+    warpgroup_registers_claim<HEAD_DIM == 128 ? 240 : 232>();
 
     const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
     const int key_first = kv0 + consumer * GROUP_ROWS;    // this warpgroup's first key
@@ -1204,7 +1281,7 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
     __syncthreads();
 
     if (warpgroup == 0) {
-        warpgroup_registers_release<HEAD_DIM>();
+        warpgroup_registers_release<HEAD_DIM == 128 ? 24 : 40>();
         if (threadIdx.x == 0) {
             mbarrier_arrive_expect_bytes(qd_full, (uint32_t)(2 * Smem::rows_bytes));
             for (int box = 0; box < HEAD_DIM / 64; box++)
@@ -1231,7 +1308,7 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
         }
         return;
     }
-    warpgroup_registers_claim<HEAD_DIM>();
+    warpgroup_registers_claim<HEAD_DIM == 128 ? 240 : 232>();
 
     const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
     const int group_row0 = q0 + consumer * GROUP_ROWS;

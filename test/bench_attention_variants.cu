@@ -45,8 +45,8 @@ template <class DKDV, class DQ>
 using TwoPass = AttentionTwoPassConfig<DKDV, DQ>;
 template <int MB, int ST = 2>
 using OnePass = AttentionOnePassConfig<MB, ST>;
-template <int KV, int CONSUMERS, int ST>  // TMA forward: K/V tile, consumer warpgroups, stages
-using TmaFwd = AttentionTmaForwardConfig<KV, CONSUMERS, ST>;
+template <int KV, int CONSUMERS, int ST, bool OVERLAP = false>  // TMA forward: K/V tile, consumers, stages
+using TmaFwd = AttentionTmaForwardConfig<KV, CONSUMERS, ST, OVERLAP>;
 template <int DKDV_ST, int DQ_KV, int DQ_ST>  // TMA two passes: dK/dV stages, dQ K/V tile and stages
 using TmaTwoPass = AttentionTmaTwoPassConfig<DKDV_ST, DQ_KV, DQ_ST>;
 template <int Q, int KV>  // wgmma two passes: dK/dV query tile, dQ K/V tile, one block per SM each
@@ -72,7 +72,8 @@ static const char *stages_suffix(int stages) {
 template <class C>
 static void describe_forward(char *text, size_t size) {
     if constexpr (C::tma)
-        snprintf(text, size, "fwd tma kv%d c%d st%d", C::kv_tile, C::consumers, C::stages);
+        snprintf(text, size, "fwd tma kv%d c%d st%d%s", C::kv_tile, C::consumers, C::stages,
+                 C::overlap ? " overlap" : "");
     else
         snprintf(text, size, "fwd w%d m%d kv%d q-%s mb%d%s", C::warps, C::m_tiles, C::kv_tile,
                  C::q_in_registers ? "reg" : "smem", C::min_blocks, stages_suffix(C::stages));
@@ -136,6 +137,7 @@ static const Variant variants_hd64[] = {
     // TMA forward (108 registers) and backward
     variant<64, TmaFwd<64, 3, 4>, Bwd64>(),
     variant<64, TmaFwd<64, 2, 4>, Bwd64>(),
+    variant<64, TmaFwd<64, 3, 4, true>, Bwd64>(),
     variant<64, Fwd64, TmaTwoPass<3, 64, 4>>(),
     variant<64, Fwd64, TmaTwoPass<4, 128, 3>>(),
     // pipeline stages
@@ -176,6 +178,7 @@ static const Variant variants_hd128[] = {
     // TMA forward (147 registers) and backward
     variant<128, TmaFwd<64, 2, 4>, Bwd128>(),
     variant<128, TmaFwd<64, 2, 3>, Bwd128>(),
+    variant<128, TmaFwd<64, 2, 4, true>, Bwd128>(),
     variant<128, Fwd128, TmaTwoPass<3, 64, 4>>(),
     variant<128, Fwd128, TmaTwoPass<4, 64, 3>>(),
     // pipeline stages
