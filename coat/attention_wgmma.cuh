@@ -695,6 +695,16 @@ __device__ __forceinline__ void tma_load_box(void *dst, const CUtensorMap *map, 
         : "memory");
 }
 
+// Rows row0 .. row0 + ROWS - 1 and columns col0 .. col0 + HEAD_DIM - 1 of batch b of a tensor map into
+// a swizzled tile (box b at byte b ROWS 128, 64-row boxes stacked inside it), completing on bar.
+template <int ROWS, int HEAD_DIM>
+__device__ __forceinline__ void tma_load_tile(char *tile, const CUtensorMap *map, int col0, int row0, int b,
+                                              uint64_t *bar) {
+    for (int box = 0; box < HEAD_DIM / 64; box++)
+        for (int r = 0; r < ROWS; r += 64)
+            tma_load_box(tile + (box * ROWS + r) * 128, map, col0 + 64 * box, row0 + r, b, bar);
+}
+
 // Descriptor of a 128B-swizzled operand (layout type 1): stride between 8-row groups 1024 bytes; LBO
 // the stride between 64-column boxes of an MN-major operand (unused by K-major ones). A k-step of 16
 // columns of a K-major operand is +32 bytes inside a box; of 16 rows of an MN-major one, +2048 bytes.
@@ -812,24 +822,16 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
         if constexpr (CLAIM) warpgroup_registers_release<24>();
         if (threadIdx.x == 0) {
             mbarrier_arrive_expect_bytes(q_full, (uint32_t)Smem::q_bytes);
-            for (int box = 0; box < HEAD_DIM / 64; box++)
-                for (int r = 0; r < Q_ROWS; r += 64)
-                    tma_load_box(q_tile + (box * Q_ROWS + r) * 128, &qkv_map, h * HEAD_DIM + 64 * box, q0 + r, b,
-                                 q_full);
+            tma_load_tile<Q_ROWS, HEAD_DIM>(q_tile, &qkv_map, h * HEAD_DIM, q0, b, q_full);
             for (int j = 0; j < num_kv_tiles; j++) {
                 const int stage = j % STAGES;
                 // Tile j - STAGES, the stage's last, released by every consumer (its phase j / STAGES - 1).
                 if (j >= STAGES) mbarrier_wait(&empty[stage], (j / STAGES + 1) & 1);
-                char *k_tile = smem + Smem::k + stage * Smem::kv_bytes;
-                char *v_tile = smem + Smem::v + stage * Smem::kv_bytes;
                 mbarrier_arrive_expect_bytes(&full[stage], (uint32_t)(2 * Smem::kv_bytes));
-                for (int box = 0; box < HEAD_DIM / 64; box++)
-                    for (int r = 0; r < KV; r += 64) {
-                        tma_load_box(k_tile + (box * KV + r) * 128, &qkv_map, (NH + kv_head) * HEAD_DIM + 64 * box,
-                                     j * KV + r, b, &full[stage]);
-                        tma_load_box(v_tile + (box * KV + r) * 128, &qkv_map,
-                                     (NH + NKV + kv_head) * HEAD_DIM + 64 * box, j * KV + r, b, &full[stage]);
-                    }
+                tma_load_tile<KV, HEAD_DIM>(smem + Smem::k + stage * Smem::kv_bytes, &qkv_map,
+                                            (NH + kv_head) * HEAD_DIM, j * KV, b, &full[stage]);
+                tma_load_tile<KV, HEAD_DIM>(smem + Smem::v + stage * Smem::kv_bytes, &qkv_map,
+                                            (NH + NKV + kv_head) * HEAD_DIM, j * KV, b, &full[stage]);
             }
         }
         return;
@@ -879,8 +881,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
         }
         if constexpr (!OVERLAP) {
             mbarrier_wait(&full[stage], (j / STAGES) & 1);
-            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, q_row0,
-                                                 smem + Smem::k + stage * Smem::kv_bytes);
+            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, q_row0, smem + Smem::k + stage * Smem::kv_bytes);
             wgmma_wait_pending<0>();
             wgmma_pin_registers(s);
         }
@@ -1173,13 +1174,9 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
         const int lane = threadIdx.x;
         if (lane == 0) {
             mbarrier_arrive_expect_bytes(kv_full, (uint32_t)(2 * Smem::kv_bytes));
-            for (int box = 0; box < HEAD_DIM / 64; box++)
-                for (int r = 0; r < KV_ROWS; r += 64) {
-                    tma_load_box(smem + Smem::k + (box * KV_ROWS + r) * 128, &qkv_map,
-                                 (NH + kv_head) * HEAD_DIM + 64 * box, kv0 + r, b, kv_full);
-                    tma_load_box(smem + Smem::v + (box * KV_ROWS + r) * 128, &qkv_map,
-                                 (NH + NKV + kv_head) * HEAD_DIM + 64 * box, kv0 + r, b, kv_full);
-                }
+            tma_load_tile<KV_ROWS, HEAD_DIM>(smem + Smem::k, &qkv_map, (NH + kv_head) * HEAD_DIM, kv0, b, kv_full);
+            tma_load_tile<KV_ROWS, HEAD_DIM>(smem + Smem::v, &qkv_map, (NH + NKV + kv_head) * HEAD_DIM, kv0, b,
+                                             kv_full);
         }
         for (int step = 0; step < steps; step++) {
             const int stage = step % STAGES;
@@ -1195,12 +1192,10 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
             __syncwarp();
             if (lane == 0) {  // its arrival releases the warp's lse and D stores with the tiles
                 mbarrier_arrive_expect_bytes(&full[stage], (uint32_t)(2 * Smem::q_bytes));
-                for (int box = 0; box < HEAD_DIM / 64; box++) {
-                    tma_load_box(smem + Smem::q + stage * Smem::q_bytes + box * Q_TILE * 128, &qkv_map,
-                                 head * HEAD_DIM + 64 * box, q0, b, &full[stage]);
-                    tma_load_box(smem + Smem::dout + stage * Smem::q_bytes + box * Q_TILE * 128, &dout_map,
-                                 head * HEAD_DIM + 64 * box, q0, b, &full[stage]);
-                }
+                tma_load_tile<Q_TILE, HEAD_DIM>(smem + Smem::q + stage * Smem::q_bytes, &qkv_map, head * HEAD_DIM, q0,
+                                                b, &full[stage]);
+                tma_load_tile<Q_TILE, HEAD_DIM>(smem + Smem::dout + stage * Smem::q_bytes, &dout_map, head * HEAD_DIM,
+                                                q0, b, &full[stage]);
             }
         }
         return;
@@ -1284,26 +1279,16 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
         warpgroup_registers_release<HEAD_DIM == 128 ? 24 : 40>();
         if (threadIdx.x == 0) {
             mbarrier_arrive_expect_bytes(qd_full, (uint32_t)(2 * Smem::rows_bytes));
-            for (int box = 0; box < HEAD_DIM / 64; box++)
-                for (int r = 0; r < Q_ROWS; r += 64) {
-                    tma_load_box(smem + Smem::q + (box * Q_ROWS + r) * 128, &qkv_map, h * HEAD_DIM + 64 * box, q0 + r,
-                                 b, qd_full);
-                    tma_load_box(smem + Smem::dout + (box * Q_ROWS + r) * 128, &dout_map, h * HEAD_DIM + 64 * box,
-                                 q0 + r, b, qd_full);
-                }
+            tma_load_tile<Q_ROWS, HEAD_DIM>(smem + Smem::q, &qkv_map, h * HEAD_DIM, q0, b, qd_full);
+            tma_load_tile<Q_ROWS, HEAD_DIM>(smem + Smem::dout, &dout_map, h * HEAD_DIM, q0, b, qd_full);
             for (int j = 0; j < num_kv_tiles; j++) {
                 const int stage = j % STAGES;
                 if (j >= STAGES) mbarrier_wait(&empty[stage], (j / STAGES + 1) & 1);
-                char *k_tile = smem + Smem::k + stage * Smem::kv_bytes;
-                char *v_tile = smem + Smem::v + stage * Smem::kv_bytes;
                 mbarrier_arrive_expect_bytes(&full[stage], (uint32_t)(2 * Smem::kv_bytes));
-                for (int box = 0; box < HEAD_DIM / 64; box++)
-                    for (int r = 0; r < KV; r += 64) {
-                        tma_load_box(k_tile + (box * KV + r) * 128, &qkv_map, (NH + kv_head) * HEAD_DIM + 64 * box,
-                                     j * KV + r, b, &full[stage]);
-                        tma_load_box(v_tile + (box * KV + r) * 128, &qkv_map,
-                                     (NH + NKV + kv_head) * HEAD_DIM + 64 * box, j * KV + r, b, &full[stage]);
-                    }
+                tma_load_tile<KV, HEAD_DIM>(smem + Smem::k + stage * Smem::kv_bytes, &qkv_map,
+                                            (NH + kv_head) * HEAD_DIM, j * KV, b, &full[stage]);
+                tma_load_tile<KV, HEAD_DIM>(smem + Smem::v + stage * Smem::kv_bytes, &qkv_map,
+                                            (NH + NKV + kv_head) * HEAD_DIM, j * KV, b, &full[stage]);
             }
         }
         return;
