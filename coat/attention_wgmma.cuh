@@ -695,6 +695,28 @@ __device__ __forceinline__ void tma_load_box(void *dst, const CUtensorMap *map, 
         : "memory");
 }
 
+// The dynamic shared memory rounded up to 1024 bytes (the launches ask for 1024 more): swizzled tiles
+// start on the swizzle pattern's 1024-byte period.
+__device__ __forceinline__ char *shared_aligned_1024(unsigned char *smem) {
+    return reinterpret_cast<char *>(smem) + ((1024u - (shared_address(smem) & 1023u)) & 1023u);
+}
+
+// The mbarriers of a TMA pipeline, bars[0 .. 2 STAGES]: once (the tiles loaded once per block), then
+// full[STAGES] (one arrival: the producer's, with the bytes), then empty[STAGES] (one arrival per
+// consumer warpgroup). Thread 0 initialises them; the whole block waits.
+template <int STAGES>
+__device__ __forceinline__ void tma_pipeline_init(uint64_t *bars, int consumers) {
+    if (threadIdx.x == 0) {
+        mbarrier_init(&bars[0], 1);
+        for (int s = 0; s < STAGES; s++) {
+            mbarrier_init(&bars[1 + s], 1);
+            mbarrier_init(&bars[1 + STAGES + s], consumers);
+        }
+        mbarrier_fence_init();
+    }
+    __syncthreads();
+}
+
 // Rows row0 .. row0 + ROWS - 1 and columns col0 .. col0 + HEAD_DIM - 1 of batch b of a tensor map into
 // a swizzled tile (box b at byte b ROWS 128, 64-row boxes stacked inside it), completing on bar.
 template <int ROWS, int HEAD_DIM>
@@ -792,8 +814,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     constexpr int Q_ROWS = Smem::q_rows, S_REGS = KV / 2, O_REGS = HEAD_DIM / 2;
     static_assert(HEAD_DIM % 64 == 0 && KV % 64 == 0 && (KV == 64 || KV == 128), "whole 64 x 64 boxes; wgmma n64/n128");
     extern __shared__ __align__(1024) unsigned char attention_tma_smem[];
-    char *smem =
-        reinterpret_cast<char *>(attention_tma_smem) + ((1024u - (shared_address(attention_tma_smem) & 1023u)) & 1023u);
+    char *smem = shared_aligned_1024(attention_tma_smem);
     char *q_tile = smem + Smem::q;
     uint64_t *q_full = reinterpret_cast<uint64_t *>(smem + Smem::bars);
     uint64_t *full = q_full + 1, *empty = full + STAGES;
@@ -804,15 +825,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     const int q0 = q_block * Q_ROWS;
     const int num_kv_tiles = (min(q0 + Q_ROWS, T) - 1) / KV + 1;  // up to the last valid row's diagonal
 
-    if (threadIdx.x == 0) {
-        mbarrier_init(q_full, 1);
-        for (int s = 0; s < STAGES; s++) {
-            mbarrier_init(&full[s], 1);
-            mbarrier_init(&empty[s], CONSUMERS);
-        }
-        mbarrier_fence_init();
-    }
-    __syncthreads();
+    tma_pipeline_init<STAGES>(q_full, CONSUMERS);
 
     // OVERLAP needs more registers than the launch gives at head_dim 128 or with 3 consumers (at 64 with
     // 2, claiming them makes ptxas serialize the wgmma): 128 x 24 + 128 CONSUMERS x CONSUMER_REGISTERS.
@@ -1144,8 +1157,7 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
     typedef AttentionTmaDkDvSmem<HEAD_DIM, STAGES> Smem;
     constexpr int Q_TILE = Smem::Q_TILE, KV_ROWS = WGMMA_BLOCK_ROWS, GROUP_ROWS = WGMMA_WARPGROUP_ROWS;
     extern __shared__ __align__(1024) unsigned char attention_tma_smem[];
-    char *smem =
-        reinterpret_cast<char *>(attention_tma_smem) + ((1024u - (shared_address(attention_tma_smem) & 1023u)) & 1023u);
+    char *smem = shared_aligned_1024(attention_tma_smem);
     float *lse_tiles = reinterpret_cast<float *>(smem + Smem::lse);  // log2 units
     float *delta_tiles = reinterpret_cast<float *>(smem + Smem::delta);
     uint64_t *kv_full = reinterpret_cast<uint64_t *>(smem + Smem::bars);
@@ -1158,15 +1170,7 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
     const int q_tiles_per_head = ceil_div(T, Q_TILE) - first_q_tile;
     const int steps = group * q_tiles_per_head;  // step i: head kv_head * group + i / q_tiles_per_head
 
-    if (threadIdx.x == 0) {
-        mbarrier_init(kv_full, 1);
-        for (int s = 0; s < STAGES; s++) {
-            mbarrier_init(&full[s], 1);
-            mbarrier_init(&empty[s], 2);
-        }
-        mbarrier_fence_init();
-    }
-    __syncthreads();
+    tma_pipeline_init<STAGES>(kv_full, 2);
 
     if (warpgroup == 0) {
         warpgroup_registers_release<HEAD_DIM == 128 ? 24 : 40>();
@@ -1254,8 +1258,7 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
     typedef AttentionTmaDqSmem<HEAD_DIM, KV, STAGES> Smem;
     constexpr int Q_ROWS = WGMMA_BLOCK_ROWS, GROUP_ROWS = WGMMA_WARPGROUP_ROWS;
     extern __shared__ __align__(1024) unsigned char attention_tma_smem[];
-    char *smem =
-        reinterpret_cast<char *>(attention_tma_smem) + ((1024u - (shared_address(attention_tma_smem) & 1023u)) & 1023u);
+    char *smem = shared_aligned_1024(attention_tma_smem);
     uint64_t *qd_full = reinterpret_cast<uint64_t *>(smem + Smem::bars);
     uint64_t *full = qd_full + 1, *empty = full + STAGES;
 
@@ -1265,15 +1268,7 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
     const int q0 = q_block * Q_ROWS;
     const int num_kv_tiles = (min(q0 + Q_ROWS, T) - 1) / KV + 1;  // up to the last valid row's diagonal
 
-    if (threadIdx.x == 0) {
-        mbarrier_init(qd_full, 1);
-        for (int s = 0; s < STAGES; s++) {
-            mbarrier_init(&full[s], 1);
-            mbarrier_init(&empty[s], 2);
-        }
-        mbarrier_fence_init();
-    }
-    __syncthreads();
+    tma_pipeline_init<STAGES>(qd_full, 2);
 
     if (warpgroup == 0) {
         warpgroup_registers_release<HEAD_DIM == 128 ? 24 : 40>();
