@@ -1105,24 +1105,23 @@ struct AttentionOnePassConfig {
     static constexpr int min_blocks = MIN_BLOCKS, stages = STAGES;
 };
 
-// The tile shapes the program uses. Forward: the largest K/V tiles without register spills
-// (ptxas, 255 registers at two blocks per SM): 64 keys with the Q fragments in registers for
-// head_dim 64; for 128, where O alone takes 128 registers, 32 keys and Q read from shared memory.
-// Backward: two passes at 64, the dK/dV pass with query tiles of 128 (5% faster than 64 at the
-// llama shapes); at 128 the wgmma two passes (query tiles of 64 for dK/dV, K/V tiles of 128 for dQ:
-// 4-10% faster than the best mma.sync variant, the one pass with three stages). Deeper pipelines
-// gain nothing elsewhere. test/bench_attention_variants.cu checks and times the alternatives.
+// The kernels the program uses: on Hopper, the TMA forward and two-pass backward of
+// attention_wgmma.cuh (producer warpgroup, mbarriers, wgmma from 128B-swizzled tiles), measured on
+// the H200 at the llama shapes against every variant of test/bench_attention_variants.cu: forward
+// 1.03-1.16x the mma.sync kernel at head_dim 64 (3 consumer warpgroups, 192 query rows per K/V tile)
+// and 1.5-1.6x at 128 (2 consumers: O takes 64 registers a thread); backward 1.36-1.45x at 64 and
+// 1.5-1.7x at 128 over the previous defaults.
 template <int HEAD_DIM>
 struct AttentionDefaults;
 template <>
 struct AttentionDefaults<64> {
-    typedef AttentionForwardConfig<4, 2, 64, true, 2> forward;
-    typedef AttentionTwoPassConfig<AttentionDkDvConfig<8, 128, 1>, AttentionDqConfig<8, 32, 2>> backward;
+    typedef AttentionTmaForwardConfig<64, 3, 4> forward;
+    typedef AttentionTmaTwoPassConfig<4, 128, 3> backward;
 };
 template <>
 struct AttentionDefaults<128> {
-    typedef AttentionForwardConfig<4, 2, 32, false, 2> forward;
-    typedef AttentionWgmmaTwoPassConfig<AttentionWgmmaDkDvConfig<64, 1>, AttentionWgmmaDqConfig<128, 1>> backward;
+    typedef AttentionTmaForwardConfig<64, 2, 4> forward;
+    typedef AttentionTmaTwoPassConfig<3, 64, 4> backward;
 };
 
 template <int HEAD_DIM, class Config = typename AttentionDefaults<HEAD_DIM>::forward>

@@ -110,8 +110,13 @@ static Variant variant(void) {
 typedef AttentionDefaults<64>::forward Fwd64;
 typedef AttentionDefaults<64>::backward Bwd64;
 static const Variant variants_hd64[] = {
-    variant<64, Fwd64, Bwd64>(),  // fwd 246 [2x4]; dkdv 231 [1x8], dq 126 [2x8]
+    variant<64, Fwd64, Bwd64>(),  // TMA: fwd 108 registers; dkdv and dq 232 per consumer
+    // TMA forward and backward
+    variant<64, TmaFwd<64, 2, 4>, Bwd64>(),
+    variant<64, TmaFwd<64, 3, 4, true>, Bwd64>(),
+    variant<64, Fwd64, TmaTwoPass<3, 64, 4>>(),
     // forward
+    variant<64, Fwd<4, 2, 64, true, 2>, Bwd64>(),   // 246 [2x4]
     variant<64, Fwd<4, 2, 32, true, 2>, Bwd64>(),   // 194 [2x4]
     variant<64, Fwd<4, 2, 32, false, 3>, Bwd64>(),  // 161 [3x4]
     variant<64, Fwd<4, 2, 16, false, 4>, Bwd64>(),  // 128 [4x4]
@@ -122,6 +127,7 @@ static const Variant variants_hd64[] = {
     variant<64, Fwd<8, 1, 32, true, 2>, Bwd64>(),   // 120 [2x8]
     variant<64, Fwd<8, 2, 64, true, 1>, Bwd64>(),   // 238 [1x8]
     // backward: dK/dV pass
+    variant<64, Fwd64, TwoPass<DkDv<8, 128, 1>, Dq<8, 32, 2>>>(),  // dkdv 231 [1x8], dq 126 [2x8]
     variant<64, Fwd64, TwoPass<DkDv<8, 32, 1>, Dq<8, 32, 2>>>(),   // 194 [1x8]
     variant<64, Fwd64, TwoPass<DkDv<8, 64, 1>, Dq<8, 32, 2>>>(),   // 231 [1x8]
     variant<64, Fwd64, TwoPass<DkDv<4, 64, 2>, Dq<8, 32, 2>>>(),   // 234 [2x4]
@@ -134,12 +140,6 @@ static const Variant variants_hd64[] = {
     variant<64, Fwd64, TwoPass<DkDv<8, 128, 1>, Dq<4, 16, 4>>>(),  // 114 [4x4]
     // backward: one pass
     variant<64, Fwd64, OnePass<1>>(),  // 243 [1x8]
-    // TMA forward (108 registers) and backward
-    variant<64, TmaFwd<64, 3, 4>, Bwd64>(),
-    variant<64, TmaFwd<64, 2, 4>, Bwd64>(),
-    variant<64, TmaFwd<64, 3, 4, true>, Bwd64>(),
-    variant<64, Fwd64, TmaTwoPass<3, 64, 4>>(),
-    variant<64, Fwd64, TmaTwoPass<4, 128, 3>>(),
     // pipeline stages
     variant<64, Fwd<4, 2, 64, true, 2, 3>, Bwd64>(),
     variant<64, Fwd<4, 2, 64, true, 2, 4>, Bwd64>(),
@@ -150,8 +150,13 @@ static const Variant variants_hd64[] = {
 typedef AttentionDefaults<128>::forward Fwd128;
 typedef AttentionDefaults<128>::backward Bwd128;
 static const Variant variants_hd128[] = {
-    variant<128, Fwd128, Bwd128>(),  // fwd 255 [2x4]; wgmma dkdv 242 [1x8], dq 255 [1x8]
+    variant<128, Fwd128, Bwd128>(),  // TMA: fwd 147 registers; dkdv and dq 240 per consumer
+    // TMA forward and backward
+    variant<128, TmaFwd<64, 2, 3>, Bwd128>(),
+    variant<128, TmaFwd<64, 2, 4, true>, Bwd128>(),
+    variant<128, Fwd128, TmaTwoPass<4, 64, 3>>(),
     // forward
+    variant<128, Fwd<4, 2, 32, false, 2>, Bwd128>(),   // 255 [2x4]
     variant<128, Fwd<4, 2, 16, false, 2>, Bwd128>(),   // 215 [2x4]
     variant<128, Fwd<4, 1, 32, false, 3>, Bwd128>(),   // 161 [3x4]
     variant<128, Fwd<4, 1, 64, false, 2>, Bwd128>(),   // 210 [2x4]
@@ -162,7 +167,8 @@ static const Variant variants_hd128[] = {
     variant<128, Fwd<8, 1, 128, false, 1>, Bwd128>(),  // 244 [1x8]
     variant<128, Fwd<8, 2, 32, false, 1>, Bwd128>(),   // 240 [1x8]
     // backward: wgmma two passes
-    variant<128, Fwd128, WgmmaTwoPass<64, 64>>(),  // dq 187 [1x8]
+    variant<128, Fwd128, WgmmaTwoPass<64, 128>>(),  // dkdv 242 [1x8], dq 255 [1x8]
+    variant<128, Fwd128, WgmmaTwoPass<64, 64>>(),   // dq 187 [1x8]
     // backward: one pass
     variant<128, Fwd128, OnePass<1, 3>>(),  // 255 and 16 bytes of spills
     // backward: two passes
@@ -175,12 +181,6 @@ static const Variant variants_hd128[] = {
     variant<128, Fwd128, TwoPass<DkDv<8, 64, 1>, Dq<8, 16, 2>>>(),  // dq 128 [2x8]
     variant<128, Fwd128, TwoPass<DkDv<8, 64, 1>, Dq<4, 32, 2>>>(),  // dq 198 [2x4]
     variant<128, Fwd128, TwoPass<DkDv<8, 64, 1>, Dq<4, 16, 4>>>(),  // dq 128 [4x4]
-    // TMA forward (147 registers) and backward
-    variant<128, TmaFwd<64, 2, 4>, Bwd128>(),
-    variant<128, TmaFwd<64, 2, 3>, Bwd128>(),
-    variant<128, TmaFwd<64, 2, 4, true>, Bwd128>(),
-    variant<128, Fwd128, TmaTwoPass<3, 64, 4>>(),
-    variant<128, Fwd128, TmaTwoPass<4, 64, 3>>(),
     // pipeline stages
     variant<128, Fwd<4, 2, 32, false, 2, 3>, Bwd128>(),
     variant<128, Fwd<4, 2, 32, false, 2, 4>, Bwd128>(),
