@@ -117,6 +117,11 @@ $(BUILD)/debug_state.bin: scripts/train_llama.py configs/models/tiny.conf
 	@mkdir -p $(BUILD)
 	python3 scripts/train_llama.py --debug-state $@ --config configs/models/tiny.conf
 
+# Random attention cases with PyTorch SDPA's answers that test_attention compares against (torch too).
+$(BUILD)/attention_sdpa.bin: scripts/attention_sdpa.py
+	@mkdir -p $(BUILD)
+	python3 scripts/attention_sdpa.py $@
+
 TOKENIZERS := data/tokenizers/llama3/tokenizer.json data/tokenizers/llama2/tokenizer.json
 $(TOKENIZERS):
 	scripts/fetch_tokenizers.sh
@@ -126,7 +131,7 @@ ifeq ($(HAVE_GPU),0)
 	@echo "no GPU found (nvidia-smi -L): running the CPU tests only"
 	@test/run_tests.sh $(CPU_TESTS) $(CPU_SCRIPT_TESTS)
 else
-	-@$(MAKE) --no-print-directory $(BUILD)/debug_state.bin
+	-@$(MAKE) --no-print-directory $(BUILD)/debug_state.bin $(BUILD)/attention_sdpa.bin
 	@test/run_tests.sh $(CPU_TESTS) $(CPU_SCRIPT_TESTS) $(GPU_TESTS) $(GPU_SCRIPT_TESTS)
 endif
 
@@ -134,7 +139,7 @@ test-cpu: all $(CPU_TESTS) $(TOKENIZERS)
 	@test/run_tests.sh $(CPU_TESTS) $(CPU_SCRIPT_TESTS)
 
 test-gpu: all $(GPU_TESTS)
-	-@$(MAKE) --no-print-directory $(BUILD)/debug_state.bin
+	-@$(MAKE) --no-print-directory $(BUILD)/debug_state.bin $(BUILD)/attention_sdpa.bin
 	@test/run_tests.sh $(GPU_TESTS) $(GPU_SCRIPT_TESTS)
 
 bench: all

@@ -2,7 +2,8 @@
 # Benchmarks beside PyTorch, measured in the same call on the same GPU:
 #  1. training throughput of train_llama against the PyTorch reference (torch.compile, BF16
 #     autocast, fused AdamW) on random tokens: tokens/s, MFU and peak memory for llama-125m and
-#     llama-1b at the ANCHORS.md micro-batches;
+#     llama-1b at the ANCHORS.md micro-batches; then llama-1b 4x2048's peak memory beside PyTorch
+#     (eager) with SDPA and with attention written out (what storing the probabilities costs);
 #  2. our flash attention (build/test_attention's timings) against PyTorch SDPA's flash and cuDNN
 #     backends (scripts/bench_attention.py) at the ANCHORS.md shapes.
 #  3. with --profile, where the time of a llama-1b step goes: train_llama's per-op GPU times
@@ -70,6 +71,24 @@ PY
     done
     echo
     echo "train_llama peak = its memory plan (all it allocates); PyTorch peak = torch.cuda.max_memory_allocated()."
+    echo
+    # What flash attention saves: the same model in PyTorch (eager) with SDPA and with attention written
+    # out, which stores the T x T probabilities of every layer for the backward.
+    echo "| llama-1b 4x2048 | tokens/s | peak GiB |"
+    echo "|---|---|---|"
+    python3 - "$(ours llama-1b-4x2048 llama-1b 4 2048)" \
+        "$(python3 scripts/train_llama.py --bench --config configs/models/llama-1b.conf --batch 4 --seq 2048 \
+            --steps "$steps" 2>/dev/null | tail -1)" \
+        "$(python3 scripts/train_llama.py --bench --exact-attention --config configs/models/llama-1b.conf \
+            --batch 4 --seq 2048 --steps "$steps" 2>/dev/null | tail -1)" <<'PY'
+import json, sys
+for arg in sys.argv[1:]:
+    r = json.loads(arg) if arg.startswith("{") else {"error": "failed"}
+    if "error" in r:
+        print(f"| {r.get('impl', 'pytorch')} | {r['error']} | |")
+    else:
+        print(f"| {r['impl']} | {r['tokens_per_s']:,.0f} | {r['peak_gib']:.1f} |")
+PY
     echo
     make -s build/test_attention > /dev/null
     build/test_attention | grep '^attention B=' > "$dir/attention-ours.txt"

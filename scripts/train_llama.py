@@ -5,9 +5,11 @@
       FP32 model, one random batch: writes the initial weights, the batch, logits, loss and every
       gradient, then the loss before each of N AdamW steps on that batch (format below)
   --bench --config CONF --batch B [--seq T] [--compile] [--steps N --warmup W] [--profile]
+          [--exact-attention]
       training throughput as a user runs it (BF16 autocast, FP32 master weights, fused AdamW,
       SDPA flash attention): one JSON line; --profile adds, on stderr, the GPU kernels of two more
-      steps by total time (torch.profiler)
+      steps by total time (torch.profiler); --exact-attention writes attention out instead of SDPA
+      (the memory of an attention that stores its probabilities)
   --logits CKPT --tokens "1 2 3" [--out FILE]
       our checkpoint in this model, FP32: logits statistics as JSON; FILE gets the logits in the
       format check_hf_export.py reads
@@ -268,7 +270,8 @@ def profile_steps(train_step, steps: int) -> None:
 def bench(args, shape: ModelShape) -> int:
     """Median step time over --steps timed steps after --warmup; tokens/s, MFU and peak memory."""
     config_name = os.path.splitext(os.path.basename(args.config))[0]
-    result = {"impl": "pytorch" + ("-compile" if args.compile else ""), "config": config_name,
+    impl = "pytorch" + ("-compile" if args.compile else "") + ("-exact-attention" if args.exact_attention else "")
+    result = {"impl": impl, "config": config_name,
               "batch": args.batch, "seq": args.seq}
     layout = ParamLayout(shape)
     device = torch.device("cuda")
@@ -276,7 +279,7 @@ def bench(args, shape: ModelShape) -> int:
     try:
         generator = torch.Generator(device=device).manual_seed(args.seed)
         with device:
-            model = Llama(shape, exact=False)
+            model = Llama(shape, exact=args.exact_attention)
         init_weights(model, generator)
         optimizer = make_optimizer(model, args.lr, fused=True)
         forward = torch.compile(model) if args.compile else model
@@ -376,6 +379,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (bench)")
+    parser.add_argument("--exact-attention", action="store_true",
+                        help="--bench: attention written out (stores the T x T probabilities) instead of SDPA")
     parser.add_argument("--profile", action="store_true", help="--bench: also print the GPU kernels of two steps")
     parser.add_argument("--tokens", help='token ids for --logits, e.g. "1 2 3"')
     parser.add_argument("--out", help="--logits: write [n_tokens, vocab] logits here")

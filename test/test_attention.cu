@@ -3,9 +3,12 @@
 // for T in {1, 17, 64, 100, 257} (one partial tile, several, and the tile edges), head_dim 64 and
 // 128, NH/NKV 4/4, 8/2, 12/4, B 1 or 2. Outputs are poisoned with NaN (0xFF bytes) before every
 // run, with poisoned guards on both sides, so an element left unwritten or a write out of bounds
-// shows. The backward runs twice and must be bitwise equal. Prints forward and forward+backward
-// TFLOP/s at the four ANCHORS.md shapes (information, not a check), and checks there that two
-// backward runs from poisoned outputs agree bitwise and leave no element unwritten.
+// shows. The backward runs twice and must be bitwise equal. Then random shapes against PyTorch SDPA
+// (build/attention_sdpa.bin, written by scripts/attention_sdpa.py on a machine with torch): our
+// out, dq, dk, dv against SDPA in float64 must be within twice the error of SDPA in BF16. Prints
+// forward and forward+backward TFLOP/s at the four ANCHORS.md shapes (information, not a check),
+// and checks there that two backward runs from poisoned outputs agree bitwise and leave no element
+// unwritten.
 //
 // Tolerances. out: atol = rtol = 2e-2; P is rounded to BF16 before P V (relative 2^-9) and out
 // itself is BF16 (2^-9), against values of order 1. lse: atol 1e-3, rtol 1e-4; it is FP32 all the
@@ -197,6 +200,113 @@ static void test_shape(AttnShape s, Random *rng) {
     free(dqkv_h[1]);
 }
 
+// ---- against PyTorch SDPA -----------------------------------------------------------------------
+
+// Relative RMS distance ||got - ref|| / ||ref|| over columns col0 .. col0 + cols of rows `width` wide.
+static double relative_error(const float *got, const float *ref, size_t rows, size_t width, size_t col0,
+                             size_t cols) {
+    double diff = 0.0, norm = 0.0;
+    for (size_t r = 0; r < rows; r++)
+        for (size_t c = col0; c < col0 + cols; c++) {
+            double d = (double)got[r * width + c] - ref[r * width + c];
+            diff += d * d;
+            norm += (double)ref[r * width + c] * ref[r * width + c];
+        }
+    return sqrt(diff / (norm + 1e-30));
+}
+
+// Ours against the float64 reference must be within twice PyTorch's BF16 SDPA's distance to it
+// (plus 1e-3 for the smallest cases): ours runs the same BF16 math, and a wrong mask, tile edge or
+// head mapping gives errors of order 1.
+static void check_like_sdpa(const char *label, const char *name, double ours, double sdpa) {
+    check(ours <= 2.0 * sdpa + 1e-3, "%s: %s vs float64 SDPA: relative error %.2e (PyTorch BF16 SDPA %.2e)", label,
+          name, ours, sdpa);
+}
+
+// One case of scripts/attention_sdpa.py: our forward, then our backward on our out and lse (as in
+// training), against SDPA in float64 and beside SDPA in BF16.
+static int test_sdpa_case(FILE *f) {
+    int32_t shape[8];
+    if (fread(shape, sizeof shape, 1, f) != 1) return 0;
+    const int B = shape[0], T = shape[1], NH = shape[2], NKV = shape[3], hd = shape[4];
+    if (B < 1 || T < 1 || NKV < 1 || NH % NKV || (hd != 64 && hd != 128)) return 0;
+    const size_t rows = (size_t)B * T, width = (size_t)(NH + 2 * NKV) * hd, n_qkv = rows * width;
+    const size_t n_q = rows * NH * hd, n_lse = (size_t)B * NH * T;
+    bf16 *qkv = host_bf16s(n_qkv), *dout = host_bf16s(n_q);
+    float *out_ref = host_floats(n_q), *dqkv_ref = host_floats(n_qkv), *out_sdpa = host_floats(n_q);
+    float *dqkv_sdpa = host_floats(n_qkv);
+    int ok = fread(qkv, sizeof(bf16), n_qkv, f) == n_qkv && fread(dout, sizeof(bf16), n_q, f) == n_q &&
+             fread(out_ref, 4, n_q, f) == n_q && fread(dqkv_ref, 4, n_qkv, f) == n_qkv &&
+             fread(out_sdpa, 4, n_q, f) == n_q && fread(dqkv_sdpa, 4, n_qkv, f) == n_qkv;
+    if (ok) {
+        char label[96];
+        snprintf(label, sizeof label, "SDPA case B=%d T=%d NH=%d NKV=%d hd=%d", B, T, NH, NKV, hd);
+        bf16 *d_qkv, *d_dout;
+        float *d_scratch;
+        cudaCheck(cudaMalloc(&d_qkv, n_qkv * sizeof(bf16)));
+        cudaCheck(cudaMalloc(&d_dout, n_q * sizeof(bf16)));
+        cudaCheck(cudaMalloc(&d_scratch, attention_backward_scratch_bytes(B, T, NH, hd)));
+        cudaCheck(cudaMemcpy(d_qkv, qkv, n_qkv * sizeof(bf16), cudaMemcpyHostToDevice));
+        cudaCheck(cudaMemcpy(d_dout, dout, n_q * sizeof(bf16), cudaMemcpyHostToDevice));
+        GuardedBuffer out_buf = guarded_alloc(n_q, sizeof(bf16)), lse_buf = guarded_alloc(n_lse, sizeof(float));
+        GuardedBuffer dqkv_buf = guarded_alloc(n_qkv, sizeof(bf16));
+        guarded_poison(&out_buf);
+        guarded_poison(&lse_buf);
+        guarded_poison(&dqkv_buf);
+        poison_nan(d_scratch, attention_backward_scratch_bytes(B, T, NH, hd));
+        attention_forward((bf16 *)out_buf.data, (float *)lse_buf.data, d_qkv, B, T, NH, NKV, hd, 0);
+        attention_backward((bf16 *)dqkv_buf.data, d_scratch, d_dout, d_qkv, (bf16 *)out_buf.data,
+                           (float *)lse_buf.data, B, T, NH, NKV, hd, 0);
+        cudaCheck(cudaDeviceSynchronize());
+        bf16 *out_h = host_bf16s(n_q), *dqkv_h = host_bf16s(n_qkv);
+        float *lse_h = host_floats(n_lse), *out_f = host_floats(n_q), *dqkv_f = host_floats(n_qkv);
+        int guards_intact = guarded_fetch(&out_buf, out_h) & guarded_fetch(&lse_buf, lse_h) &
+                            guarded_fetch(&dqkv_buf, dqkv_h);
+        size_t unwritten = count_nan_bf16(out_h, n_q) + count_nan_float(lse_h, n_lse) + count_nan_bf16(dqkv_h, n_qkv);
+        convert_bf16_to_floats(out_f, out_h, n_q);
+        convert_bf16_to_floats(dqkv_f, dqkv_h, n_qkv);
+        const size_t q_cols = (size_t)NH * hd, kv_cols = (size_t)NKV * hd;
+        check_like_sdpa(label, "out", relative_error(out_f, out_ref, rows, q_cols, 0, q_cols),
+                        relative_error(out_sdpa, out_ref, rows, q_cols, 0, q_cols));
+        const char *names[3] = {"dq", "dk", "dv"};
+        const size_t col0[3] = {0, q_cols, q_cols + kv_cols}, cols[3] = {q_cols, kv_cols, kv_cols};
+        for (int i = 0; i < 3; i++)
+            check_like_sdpa(label, names[i], relative_error(dqkv_f, dqkv_ref, rows, width, col0[i], cols[i]),
+                            relative_error(dqkv_sdpa, dqkv_ref, rows, width, col0[i], cols[i]));
+        check(unwritten == 0 && guards_intact, "%s: every element of out, lse, dqkv written (%zu NaN left), guards %s",
+              label, unwritten, guards_intact ? "intact" : "overwritten");
+        guarded_free(&out_buf);
+        guarded_free(&lse_buf);
+        guarded_free(&dqkv_buf);
+        cudaCheck(cudaFree(d_qkv));
+        cudaCheck(cudaFree(d_dout));
+        cudaCheck(cudaFree(d_scratch));
+        free(out_h); free(dqkv_h); free(lse_h); free(out_f); free(dqkv_f);
+    }
+    free(qkv); free(dout); free(out_ref); free(dqkv_ref); free(out_sdpa); free(dqkv_sdpa);
+    return ok;
+}
+
+static void test_against_sdpa(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        check(0, "SDPA cases %s are missing (make test-gpu writes them with scripts/attention_sdpa.py)", path);
+        return;
+    }
+    int32_t header[16];
+    if (fread(header, sizeof header, 1, f) != 1 || header[0] != 20261129 || header[1] != 1 || header[2] < 1) {
+        check(0, "%s: not a file of scripts/attention_sdpa.py (bad header)", path);
+        fclose(f);
+        return;
+    }
+    for (int i = 0; i < header[2]; i++)
+        if (!test_sdpa_case(f)) {
+            check(0, "%s: case %d has a bad shape or is truncated", path, i);
+            break;
+        }
+    fclose(f);
+}
+
 // ---- timing at the ANCHORS.md shapes -----------------------------------------------------------
 
 // counts[0] += elements where a and b differ bitwise, counts[1] += elements of a that are NaN.
@@ -289,7 +399,7 @@ static void benchmark(AttnShape s) {
     cudaCheck(cudaStreamDestroy(stream));
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     Random rng;
     random_seed(&rng, 20261101);
     const int seq_lens[] = {1, 17, 64, 100, 257};
@@ -302,6 +412,8 @@ int main(void) {
                                head_dims[di]};
                 test_shape(s, &rng);
             }
+
+    test_against_sdpa(argc > 1 ? argv[1] : "build/attention_sdpa.bin");
 
     const AttnShape anchors[] = {
         {64, 1024, 12, 4, 64}, {16, 2048, 32, 8, 64}, {4, 2048, 32, 32, 128}, {8, 4096, 16, 16, 128}};
