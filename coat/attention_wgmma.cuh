@@ -1,39 +1,29 @@
-// Causal flash attention on Hopper warpgroup MMA (wgmma, sm_90a), same math, layouts and results as
-// attention_forward() and attention_backward() of attention.cuh:
-//   - the backward below on cp.async loads and no-swizzle tiles: the program's backward at head_dim
-//     128, where it is 4-10% faster than the mma.sync kernels (H200, the ANCHORS.md shapes);
-//   - at the end, a forward and a backward on TMA loads by a producer warpgroup, mbarriers and
-//     128B-swizzled tiles: variants (bench_attention_variants) until measured in the program.
+// The attention kernels on Hopper: TMA loads by a producer warpgroup into rings of stages guarded by
+// mbarriers, and consumer warpgroups computing with warpgroup MMA (wgmma) straight from 128B-swizzled
+// shared tiles, with no block-wide barrier in their loops. Same math and layouts as attention.cuh,
+// which includes this file after the helpers it shares (shared_address, exp2_approx, pack_bf16x2,
+// attention_launch_setup); not a header of its own.
 //
 //   D = rowsum(dO * O), P = 2^(S scale log2 e - lse log2 e) (keys s <= query t), dP = dO V^T,
 //   dS = P (dP - D), dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO;   scale = 1 / sqrt(head_dim)
 //
-// Included by attention.cuh after the helpers it shares (cp.async, exp2_approx, pack_bf16x2,
-// attention_launch_setup); not a header of its own.
-//
-// Two passes after D, each block 2 warpgroups (8 warps), warpgroup wg owning 64 rows:
-//   dK/dV: a block owns 128 key rows of one kv head (K and V resident) and walks the Q_TILE-row query
-//     tiles of every query head of its group from the diagonal on (Q, dO, lse, D double-buffered).
-//     Per step a warpgroup computes, transposed so that key rows stay in the accumulator rows:
-//       S^T  = K Q^T      A = K, B = Q, both K-major            (m64 n{Q_TILE})
+// Forward: CONSUMERS warpgroups of 64 query rows share each K/V tile; online softmax in base 2.
+// Backward: two passes after D, each block 2 consumer warpgroups, warpgroup wg owning 64 rows:
+//   dK/dV: a block owns 128 key rows of one kv head (K and V resident) and walks the 64-row query
+//     tiles of every query head of its group from the diagonal on. Per step a warpgroup computes,
+//     transposed so that key rows stay in the accumulator rows:
+//       S^T  = K Q^T      A = K, B = Q, both K-major            (m64 n64)
 //       dP^T = V dO^T     A = V, B = dO, both K-major           (issued together with S^T)
 //       P^T  = 2^(S^T scale log2 e - lse log2 e), 0 where the key comes after the query
 //       dV  += P^T dO     A = P^T from registers, B = dO MN-major (runs while dS^T is computed)
 //       dS^T = P^T (dP^T - D)
 //       dK  += dS^T Q     A = dS^T from registers, B = Q MN-major
 //     dK and dV (64 x head_dim each per warpgroup) stay in registers to the end.
-//   dQ: a block owns 128 query rows of one query head (Q and dO resident) and walks the KV_TILE-key
-//     tiles up to the diagonal: S = Q K^T and dP = dO V^T (issued together), P, dS, dQ += dS K.
+//   dQ: a block owns 128 query rows of one query head (Q and dO resident) and walks the K/V tiles up
+//     to the diagonal: S = Q K^T and dP = dO V^T (issued together), P, dS, dQ += dS K.
 // dQ has its own pass (7 products per query-key tile instead of 5): a share per dK/dV step would need
 // a fixed-order sum between blocks to stay deterministic, and its accumulators do not fit beside dK
-// and dV (the dK/dV pass alone takes 242 of the 255 registers at head_dim 128). No atomics; bitwise
-// deterministic.
-//
-// Shared tiles use the no-swizzle core-matrix layout wgmma reads: a core matrix is 8 rows x 8 BF16
-// (16 bytes a row, 128 contiguous bytes); in a tile of rows x head_dim, core matrix (row / 8, col / 8)
-// lies at byte 128 (row / 8 * head_dim / 8 + col / 8), so each 8-row group is one contiguous block.
-// The same bytes serve as a K-major operand (K = head_dim: Q, K, V, dO in S, dP) and as an MN-major
-// one (K = sequence positions: Q, dO, K in dK, dV, dQ); only the descriptor's strides swap roles.
+// and dV. No atomics; bitwise deterministic.
 #pragma once
 #include <cuda.h>
 #include <stdint.h>
@@ -42,44 +32,7 @@
 
 #define WGMMA_WARPGROUP_THREADS 128
 #define WGMMA_WARPGROUP_ROWS 64  // the M of every wgmma
-#define WGMMA_BLOCK_THREADS (2 * WGMMA_WARPGROUP_THREADS)
 #define WGMMA_BLOCK_ROWS (2 * WGMMA_WARPGROUP_ROWS)  // key rows of a dK/dV block, query rows of a dQ block
-#define WGMMA_CORE_MATRIX_BYTES 128
-
-// ---- core-matrix tiles ----------------------------------------------------------------------------
-
-// Element offset of (row, col) in a core-matrix tile HEAD_DIM wide.
-template <int HEAD_DIM>
-__device__ __forceinline__ int wgmma_tile_offset(int row, int col) {
-    return ((row / 8) * (HEAD_DIM / 8) + col / 8) * 64 + (row % 8) * 8 + col % 8;
-}
-
-// The row and first column of 16-byte chunk i of a core-matrix tile, numbered so that chunk i lies at
-// byte 16 i: 8 consecutive threads fill one core matrix (128 contiguous bytes, no bank conflict)
-// from 8 rows, and a warp reads 64 contiguous bytes of each of 8 global rows.
-template <int HEAD_DIM>
-__device__ __forceinline__ void wgmma_chunk_position(int chunk, int &row, int &col) {
-    constexpr int COL_GROUPS = HEAD_DIM / 8;
-    row = chunk / (8 * COL_GROUPS) * 8 + chunk % 8;
-    col = chunk / 8 % COL_GROUPS * 8;
-}
-
-// Rows [row0, row0 + ROWS) of one head (HEAD_DIM elements each, row_stride apart in global memory)
-// into a core-matrix tile, asynchronously, spread over the THREADS threads of the block; rows >= T
-// become zeros so that no stale value (possibly NaN) reaches a wgmma.
-template <int ROWS, int HEAD_DIM, int THREADS>
-__device__ __forceinline__ void wgmma_load_tile_async(bf16 *tile, const bf16 *head, size_t row_stride, int row0,
-                                                      int T) {
-    constexpr int CHUNKS = ROWS * HEAD_DIM / 8;
-    static_assert(ROWS % 8 == 0 && CHUNKS % THREADS == 0, "tile must split evenly over the block");
-#pragma unroll
-    for (int i = 0; i < CHUNKS / THREADS; i++) {
-        int chunk = i * THREADS + (int)threadIdx.x, row, col;
-        wgmma_chunk_position<HEAD_DIM>(chunk, row, col);
-        bool valid = row0 + row < T;
-        cp_async_16(tile + 8 * chunk, head + (size_t)(valid ? row0 + row : 0) * row_stride + col, valid);
-    }
-}
 
 // ---- wgmma building blocks ------------------------------------------------------------------------
 
@@ -102,23 +55,6 @@ __device__ __forceinline__ void wgmma_pin_registers(uint32_t (&fragments)[K_STEP
     for (int kk = 0; kk < K_STEPS; kk++)
 #pragma unroll
         for (int i = 0; i < 4; i++) asm volatile("" : "+r"(fragments[kk][i])::"memory");
-}
-
-// Shared-memory matrix descriptor without swizzle: start address, then the leading byte offset (LBO)
-// = the stride between core matrices adjacent along K, and the stride byte offset (SBO) = the stride
-// along M or N, all in 16-byte units; base offset 0 and swizzle mode 0. This is the PTX ISA's
-// canonical no-swizzle layout for both K-major ((8,m),(T,2k)):((1T,SBO),(1,LBO)) and MN-major
-// ((T,1,m),(8,k)):((1,T,SBO),(1T,LBO)) operands, confirmed on H200 by a probe of every assignment.
-__device__ __forceinline__ uint64_t wgmma_descriptor(const bf16 *tile, uint32_t k_adjacent_bytes,
-                                                     uint32_t mn_adjacent_bytes) {
-    return (uint64_t)((shared_address(tile) >> 4) & 0x3FFF) | (uint64_t)((k_adjacent_bytes >> 4) & 0x3FFF) << 16 |
-           (uint64_t)((mn_adjacent_bytes >> 4) & 0x3FFF) << 32;
-}
-
-// The descriptor of the same tile moved by bytes (a multiple of 16): the address field is the low
-// 14 bits, and shared addresses stay below 2^18 bytes, so the sum never carries out of it.
-__device__ __forceinline__ uint64_t wgmma_descriptor_advance(uint64_t descriptor, uint32_t bytes) {
-    return descriptor + (bytes >> 4);
 }
 
 #define WGMMA_ACC8(d, i)                                                                                        \
@@ -189,41 +125,6 @@ __device__ __forceinline__ void wgmma_wait_pending() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
 }
 
-// Issues acc (64 x N, accumulator layout) = A B^T for one warpgroup as one commit group and returns
-// at once: a_rows its 64 rows and b_rows N rows, both core-matrix tiles HEAD_DIM wide read K-major
-// (K = head_dim); HEAD_DIM / 16 k-steps, the first overwriting acc. acc is only complete after a
-// wgmma_wait_pending that covers the group, and must then be pinned (wgmma_pin_registers) before use.
-template <int HEAD_DIM, int N>
-__device__ __forceinline__ void wgmma_issue_a_bt(float (&acc)[N / 2], const bf16 *a_rows, const bf16 *b_rows) {
-    constexpr uint32_t K_STEP_BYTES = 2 * WGMMA_CORE_MATRIX_BYTES;  // 16 columns: two core matrices
-    constexpr uint32_t ROW_GROUP_BYTES = HEAD_DIM * 16;             // 8 rows
-    const uint64_t a_descriptor = wgmma_descriptor(a_rows, WGMMA_CORE_MATRIX_BYTES, ROW_GROUP_BYTES);
-    const uint64_t b_descriptor = wgmma_descriptor(b_rows, WGMMA_CORE_MATRIX_BYTES, ROW_GROUP_BYTES);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; kk++)
-        wgmma_m64k16_smem_a<N>(acc, wgmma_descriptor_advance(a_descriptor, kk * K_STEP_BYTES),
-                               wgmma_descriptor_advance(b_descriptor, kk * K_STEP_BYTES), kk > 0);
-    wgmma_commit_group();
-}
-
-// Issues acc (64 x N) += X B for one warpgroup as one commit group and returns at once: x the A
-// fragments of X (64 x K, from wgmma_scores_to_a_operand), b_rows K rows of a core-matrix tile N wide
-// read MN-major (K = sequence positions, 8-row groups apart; N = head_dim, core matrices 128 bytes
-// apart); K / 16 k-steps. acc and x must stay untouched until a wgmma_wait_pending covers the group.
-template <int N, int K>
-__device__ __forceinline__ void wgmma_issue_add_x_b(float (&acc)[N / 2], uint32_t (&x)[K / 16][4], const bf16 *b_rows) {
-    constexpr uint32_t ROW_GROUP_BYTES = N * 16;
-    const uint64_t b_descriptor = wgmma_descriptor(b_rows, ROW_GROUP_BYTES, WGMMA_CORE_MATRIX_BYTES);
-    wgmma_pin_registers(acc);
-    wgmma_pin_registers(x);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < K / 16; kk++)
-        wgmma_m64k16_register_a_mn_b<N>(acc, x[kk], wgmma_descriptor_advance(b_descriptor, kk * 2 * ROW_GROUP_BYTES));
-    wgmma_commit_group();
-}
-
 // The S accumulators of columns [16 kk, 16 kk + 16) are, pair by pair, the A fragment of P's k-step
 // kk (two adjacent n8 blocks, as with mma.sync): p[kk][i] = BF16 pair (s[8 kk + 2 i], s[8 kk + 2 i + 1]).
 template <int KV_TILE>
@@ -237,29 +138,10 @@ __device__ __forceinline__ void wgmma_scores_to_a_operand(uint32_t (&p)[KV_TILE 
 
 // ---- one step of each pass, per warpgroup ---------------------------------------------------------
 
-// The shared-memory operands of a warpgroup's dK/dV step in the no-swizzle core-matrix layout: its 64
-// key rows of K and V, and the stage's Q and dO tiles. Each issue is one commit group (see
-// wgmma_issue_a_bt and wgmma_issue_add_x_b).
-template <int HEAD_DIM, int Q_TILE>
-struct CoreMatrixDkDvOperands {
-    const bf16 *k_rows, *v_rows, *q_tile, *dout_tile;
-    __device__ __forceinline__ void issue_scores_t(float (&st)[Q_TILE / 2]) const {  // S^T = K Q^T
-        wgmma_issue_a_bt<HEAD_DIM, Q_TILE>(st, k_rows, q_tile);
-    }
-    __device__ __forceinline__ void issue_dp_t(float (&dpt)[Q_TILE / 2]) const {  // dP^T = V dO^T
-        wgmma_issue_a_bt<HEAD_DIM, Q_TILE>(dpt, v_rows, dout_tile);
-    }
-    __device__ __forceinline__ void issue_dv(float (&dv)[HEAD_DIM / 2], uint32_t (&pt)[Q_TILE / 16][4]) const {
-        wgmma_issue_add_x_b<HEAD_DIM, Q_TILE>(dv, pt, dout_tile);  // dV += P^T dO
-    }
-    __device__ __forceinline__ void issue_dk(float (&dk)[HEAD_DIM / 2], uint32_t (&dst)[Q_TILE / 16][4]) const {
-        wgmma_issue_add_x_b<HEAD_DIM, Q_TILE>(dk, dst, q_tile);  // dK += dS^T Q
-    }
-};
-
 // A warpgroup's step of the dK/dV pass: its 64 keys (the first key_first) against the Q_TILE
-// queries q0.. of the stage (operands: see CoreMatrixDkDvOperands; lse_log2 and delta per query, lse
-// in log2 units, +inf past T so that P = 0 there). dk and dv accumulate (dK unscaled).
+// queries q0.. of the stage (operands: each issue_* one commit group of wgmma, as Sw128DkDvOperands
+// below; lse_log2 and delta per query, lse in log2 units, +inf past T so that P = 0 there). dk and dv
+// accumulate (dK unscaled).
 template <int HEAD_DIM, int Q_TILE, class Operands>
 __device__ __forceinline__ void wgmma_backward_dkdv_step(float (&dk)[HEAD_DIM / 2], float (&dv)[HEAD_DIM / 2],
                                                          const Operands &operands, const float *lse_log2,
@@ -308,25 +190,9 @@ __device__ __forceinline__ void wgmma_backward_dkdv_step(float (&dk)[HEAD_DIM / 
     wgmma_pin_registers(dv);
 }
 
-// The shared-memory operands of a warpgroup's dQ step in the no-swizzle core-matrix layout: its 64
-// rows of Q and dO, and the stage's K and V tiles.
-template <int HEAD_DIM, int KV_TILE>
-struct CoreMatrixDqOperands {
-    const bf16 *q_rows, *dout_rows, *k_tile, *v_tile;
-    __device__ __forceinline__ void issue_scores(float (&s)[KV_TILE / 2]) const {  // S = Q K^T
-        wgmma_issue_a_bt<HEAD_DIM, KV_TILE>(s, q_rows, k_tile);
-    }
-    __device__ __forceinline__ void issue_dp(float (&dp)[KV_TILE / 2]) const {  // dP = dO V^T
-        wgmma_issue_a_bt<HEAD_DIM, KV_TILE>(dp, dout_rows, v_tile);
-    }
-    __device__ __forceinline__ void issue_dq(float (&dq)[HEAD_DIM / 2], uint32_t (&ds)[KV_TILE / 16][4]) const {
-        wgmma_issue_add_x_b<HEAD_DIM, KV_TILE>(dq, ds, k_tile);  // dQ += dS K
-    }
-};
-
 // A warpgroup's step of the dQ pass: its 64 query rows (this thread's rows row_lo and row_lo + 8, with
 // their lse in log2 units, +inf past T, and D) against the KV_TILE keys kv0.. of the stage (operands:
-// see CoreMatrixDqOperands). dq accumulates (unscaled).
+// as Sw128DqOperands below). dq accumulates (unscaled).
 template <int HEAD_DIM, int KV_TILE, class Operands>
 __device__ __forceinline__ void wgmma_backward_dq_step(float (&dq)[HEAD_DIM / 2], const Operands &operands,
                                                        const float (&row_lse_log2)[2], const float (&row_delta)[2],
@@ -356,296 +222,6 @@ __device__ __forceinline__ void wgmma_backward_dq_step(float (&dq)[HEAD_DIM / 2]
     wgmma_wait_pending<0>();
     wgmma_pin_registers(ds_frag);
     wgmma_pin_registers(dq);
-}
-
-// ---- loads and stores -------------------------------------------------------------------------------
-
-// Issues the loads of one dK/dV step (Q_TILE query rows q0.. of one query head) into a stage, as one
-// commit group, and returns this thread's row statistics for row q0 + threadIdx.x, stored by the
-// caller: lse in log2 units and D. Rows past T get lse = +inf, so that their P is exactly 0, and D = 0.
-template <int HEAD_DIM, int Q_TILE, int THREADS>
-__device__ __forceinline__ void wgmma_backward_load_step(bf16 *q_dst, bf16 *dout_dst, float *lse_log2,
-                                                         float *delta_value, const bf16 *q_head, size_t qkv_row,
-                                                         const bf16 *dout_head, size_t dout_row, const float *lse_head,
-                                                         const float *delta_head, int q0, int T) {
-    wgmma_load_tile_async<Q_TILE, HEAD_DIM, THREADS>(q_dst, q_head, qkv_row, q0, T);
-    wgmma_load_tile_async<Q_TILE, HEAD_DIM, THREADS>(dout_dst, dout_head, dout_row, q0, T);
-    cp_async_commit();
-    const int q = q0 + (int)threadIdx.x;
-    const bool valid = (int)threadIdx.x < Q_TILE && q < T;
-    *lse_log2 = valid ? lse_head[q] * ATTENTION_LOG2E : INFINITY;
-    *delta_value = valid ? delta_head[q] : 0.f;
-}
-
-// Writes the 16 rows of a warp's accumulators (rows g and g + 8 of the warp, times scale) as BF16 to
-// global rows first_row.. of one head (row_stride apart; rows >= T skipped), staged in rows: the
-// warp's own 16 rows of a core-matrix tile HEAD_DIM wide, which no wgmma reads any more. A warp's
-// stores fill whole core matrices (no bank conflict); the copy-out moves 16-byte chunks.
-template <int HEAD_DIM>
-__device__ __forceinline__ void wgmma_store_warp_rows(bf16 *head, size_t row_stride, int first_row, int T, bf16 *rows,
-                                                      const float (&acc)[HEAD_DIM / 2], float scale, int lane) {
-    const int g = lane / 4, c = (lane % 4) * 2;
-#pragma unroll
-    for (int n8 = 0; n8 < HEAD_DIM / 8; n8++) {
-        *reinterpret_cast<__nv_bfloat162 *>(rows + wgmma_tile_offset<HEAD_DIM>(g, 8 * n8 + c)) =
-            __floats2bfloat162_rn(acc[4 * n8] * scale, acc[4 * n8 + 1] * scale);
-        *reinterpret_cast<__nv_bfloat162 *>(rows + wgmma_tile_offset<HEAD_DIM>(g + 8, 8 * n8 + c)) =
-            __floats2bfloat162_rn(acc[4 * n8 + 2] * scale, acc[4 * n8 + 3] * scale);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int chunk = lane; chunk < 16 * HEAD_DIM / 8; chunk += 32) {
-        int row, col;
-        wgmma_chunk_position<HEAD_DIM>(chunk, row, col);
-        if (first_row + row < T) store16(head + (size_t)(first_row + row) * row_stride + col, load16(rows + 8 * chunk));
-    }
-}
-
-// ---- dK/dV pass -------------------------------------------------------------------------------------
-
-// A dK/dV pass variant: query tiles of Q_TILE rows (64 or 128), MIN_BLOCKS per SM for
-// __launch_bounds__ (registers per thread capped at 64K / (256 MIN_BLOCKS)).
-template <int Q_TILE, int MIN_BLOCKS>
-struct AttentionWgmmaDkDvConfig {
-    static constexpr int q_tile = Q_TILE, min_blocks = MIN_BLOCKS;
-};
-
-// Shared memory of the dK/dV pass, in bytes from the start (each offset a multiple of 128).
-template <int HEAD_DIM, int Q_TILE>
-struct AttentionWgmmaDkDvSmem {
-    static constexpr size_t kv_bytes = (size_t)WGMMA_BLOCK_ROWS * HEAD_DIM * sizeof(bf16);
-    static constexpr size_t q_bytes = (size_t)Q_TILE * HEAD_DIM * sizeof(bf16);
-    static constexpr size_t k_tile = 0, v_tile = kv_bytes;
-    static constexpr size_t q_tiles = 2 * kv_bytes;              // two stages
-    static constexpr size_t dout_tiles = q_tiles + 2 * q_bytes;  // two stages
-    static constexpr size_t lse_tiles = dout_tiles + 2 * q_bytes;
-    static constexpr size_t delta_tiles = lse_tiles + 2 * Q_TILE * sizeof(float);
-    static constexpr size_t bytes = delta_tiles + 2 * Q_TILE * sizeof(float);
-};
-
-// Block: key rows kv0 = 128 blockIdx.x.. of kv head blockIdx.y of batch blockIdx.z; warpgroup wg:
-// keys kv0 + 64 wg.., warp w of it the 16 keys from kv0 + 64 wg + 16 w. Steps: every query head of
-// the group (outer) and its query tiles from the one holding kv0 on (inner); the next step's tiles
-// load while this one runs. A warpgroup skips the steps where all its keys lie past T or after the
-// tile's last query (warpgroup-uniform: a whole warpgroup takes part in each wgmma or none does).
-// Blocks with low blockIdx.x (most steps) are dispatched first within each kv head.
-template <int HEAD_DIM, int Q_TILE, int MIN_BLOCKS>
-__global__ void __launch_bounds__(WGMMA_BLOCK_THREADS, MIN_BLOCKS)
-    attention_backward_dkdv_wgmma_kernel(bf16 *dqkv, const bf16 *qkv, const bf16 *dout, const float *lse,
-                                         const float *delta, int T, int NH, int NKV, float softmax_scale) {
-    typedef AttentionWgmmaDkDvSmem<HEAD_DIM, Q_TILE> Smem;
-    constexpr int THREADS = WGMMA_BLOCK_THREADS, KV_ROWS = WGMMA_BLOCK_ROWS, GROUP_ROWS = WGMMA_WARPGROUP_ROWS;
-    static_assert((Q_TILE == 64 || Q_TILE == 128) && (HEAD_DIM == 64 || HEAD_DIM == 128), "wgmma n64 or n128");
-    static_assert(KV_ROWS % Q_TILE == 0 && Q_TILE <= THREADS,
-                  "a key block starts on a query tile boundary; one thread loads each row's lse and D");
-    extern __shared__ __align__(128) unsigned char attention_wgmma_smem[];
-    bf16 *k_tile = reinterpret_cast<bf16 *>(attention_wgmma_smem + Smem::k_tile);
-    bf16 *v_tile = reinterpret_cast<bf16 *>(attention_wgmma_smem + Smem::v_tile);
-    bf16 *q_tiles = reinterpret_cast<bf16 *>(attention_wgmma_smem + Smem::q_tiles);
-    bf16 *dout_tiles = reinterpret_cast<bf16 *>(attention_wgmma_smem + Smem::dout_tiles);
-    float *lse_tiles = reinterpret_cast<float *>(attention_wgmma_smem + Smem::lse_tiles);  // log2 units
-    float *delta_tiles = reinterpret_cast<float *>(attention_wgmma_smem + Smem::delta_tiles);
-
-    const int warpgroup = threadIdx.x / WGMMA_WARPGROUP_THREADS, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
-    const int kv0 = blockIdx.x * KV_ROWS, kv_head = blockIdx.y, b = blockIdx.z;
-    const int group = NH / NKV;
-    const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM, dout_row = (size_t)NH * HEAD_DIM;
-    bf16 *dqkv_batch = dqkv + (size_t)b * T * qkv_row;
-    const bf16 *qkv_batch = qkv + (size_t)b * T * qkv_row;
-    const bf16 *dout_batch = dout + (size_t)b * T * dout_row;
-    const float *lse_batch = lse + (size_t)b * NH * T, *delta_batch = delta + (size_t)b * NH * T;
-    const int first_q_tile = kv0 / Q_TILE;  // earlier queries see none of these keys
-    const int q_tiles_per_head = ceil_div(T, Q_TILE) - first_q_tile;
-    const int steps = group * q_tiles_per_head;  // step i: head kv_head * group + i / q_tiles_per_head
-
-    wgmma_load_tile_async<KV_ROWS, HEAD_DIM, THREADS>(k_tile, qkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, qkv_row,
-                                                      kv0, T);
-    wgmma_load_tile_async<KV_ROWS, HEAD_DIM, THREADS>(v_tile, qkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM,
-                                                      qkv_row, kv0, T);
-    {
-        const int head = kv_head * group, q0 = first_q_tile * Q_TILE;
-        float lse_log2, delta_value;
-        wgmma_backward_load_step<HEAD_DIM, Q_TILE, THREADS>(
-            q_tiles, dout_tiles, &lse_log2, &delta_value, qkv_batch + (size_t)head * HEAD_DIM, qkv_row,
-            dout_batch + (size_t)head * HEAD_DIM, dout_row, lse_batch + (size_t)head * T,
-            delta_batch + (size_t)head * T, q0, T);
-        if ((int)threadIdx.x < Q_TILE) {
-            lse_tiles[threadIdx.x] = lse_log2;
-            delta_tiles[threadIdx.x] = delta_value;
-        }
-    }
-
-    const int key_first = kv0 + warpgroup * GROUP_ROWS;  // this warpgroup's first key
-    const bf16 *k_rows = k_tile + warpgroup * GROUP_ROWS * HEAD_DIM;
-    const bf16 *v_rows = v_tile + warpgroup * GROUP_ROWS * HEAD_DIM;
-    const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
-    float dk_acc[HEAD_DIM / 2], dv_acc[HEAD_DIM / 2];
-#pragma unroll
-    for (int i = 0; i < HEAD_DIM / 2; i++) dk_acc[i] = dv_acc[i] = 0.f;
-
-    for (int step = 0; step < steps; step++) {
-        cp_async_wait_pending<0>();
-        fence_proxy_async_shared();
-        __syncthreads();  // this step's tiles visible to every wgmma; every warpgroup is done with the
-                          // stage refilled below (its last reader of it completed before it got here)
-        const int stage = step & 1, next_stage = stage ^ 1;
-        float next_delta = 0.f, next_lse_log2 = INFINITY;
-        if (step + 1 < steps) {
-            const int head = kv_head * group + (step + 1) / q_tiles_per_head;
-            const int q0 = (first_q_tile + (step + 1) % q_tiles_per_head) * Q_TILE;
-            wgmma_backward_load_step<HEAD_DIM, Q_TILE, THREADS>(
-                q_tiles + next_stage * Q_TILE * HEAD_DIM, dout_tiles + next_stage * Q_TILE * HEAD_DIM, &next_lse_log2,
-                &next_delta, qkv_batch + (size_t)head * HEAD_DIM, qkv_row, dout_batch + (size_t)head * HEAD_DIM,
-                dout_row, lse_batch + (size_t)head * T, delta_batch + (size_t)head * T, q0, T);
-        }
-        const int q0 = (first_q_tile + step % q_tiles_per_head) * Q_TILE;
-        if (key_first < T && key_first <= q0 + Q_TILE - 1)
-            wgmma_backward_dkdv_step<HEAD_DIM, Q_TILE>(
-                dk_acc, dv_acc,
-                CoreMatrixDkDvOperands<HEAD_DIM, Q_TILE>{k_rows, v_rows, q_tiles + stage * Q_TILE * HEAD_DIM,
-                                                         dout_tiles + stage * Q_TILE * HEAD_DIM},
-                lse_tiles + stage * Q_TILE, delta_tiles + stage * Q_TILE, scale_log2, key_first, q0, warp, lane);
-        if (step + 1 < steps && (int)threadIdx.x < Q_TILE) {
-            lse_tiles[next_stage * Q_TILE + threadIdx.x] = next_lse_log2;
-            delta_tiles[next_stage * Q_TILE + threadIdx.x] = next_delta;
-        }
-    }
-
-    // Every wgmma of the block has completed; each warp stages its own 16 rows of dK and dV in its
-    // rows of the K and V tiles.
-    __syncthreads();
-    const int warp_key0 = key_first + warp * 16, warp_offset = (warpgroup * GROUP_ROWS + warp * 16) * HEAD_DIM;
-    wgmma_store_warp_rows<HEAD_DIM>(dqkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, qkv_row, warp_key0, T,
-                                    k_tile + warp_offset, dk_acc, softmax_scale, lane);
-    wgmma_store_warp_rows<HEAD_DIM>(dqkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM, qkv_row, warp_key0, T,
-                                    v_tile + warp_offset, dv_acc, 1.f, lane);
-}
-
-// ---- dQ pass ----------------------------------------------------------------------------------------
-
-// A dQ pass variant: K/V tiles of KV_TILE keys (64 or 128), MIN_BLOCKS per SM.
-template <int KV_TILE, int MIN_BLOCKS>
-struct AttentionWgmmaDqConfig {
-    static constexpr int kv_tile = KV_TILE, min_blocks = MIN_BLOCKS;
-};
-
-// Block: query rows q0 = 128 q_block.. of head h of batch b; warpgroup wg: rows q0 + 64 wg.., warp w
-// of it the 16 rows from q0 + 64 wg + 16 w, thread rows g and g + 8 of those. Every thread helps load
-// each K/V tile (prefetched while the previous one is used); a warpgroup skips the tiles right of
-// its diagonal, as the forward does.
-template <int HEAD_DIM, int KV_TILE, int MIN_BLOCKS>
-__global__ void __launch_bounds__(WGMMA_BLOCK_THREADS, MIN_BLOCKS)
-    attention_backward_dq_wgmma_kernel(bf16 *dqkv, const bf16 *qkv, const bf16 *dout, const float *lse,
-                                       const float *delta, int T, int NH, int NKV, float softmax_scale) {
-    constexpr int THREADS = WGMMA_BLOCK_THREADS, Q_ROWS = WGMMA_BLOCK_ROWS, GROUP_ROWS = WGMMA_WARPGROUP_ROWS;
-    static_assert((KV_TILE == 64 || KV_TILE == 128) && (HEAD_DIM == 64 || HEAD_DIM == 128), "wgmma n64 or n128");
-    extern __shared__ __align__(128) unsigned char attention_wgmma_smem[];
-    bf16 *q_tile = reinterpret_cast<bf16 *>(attention_wgmma_smem);
-    bf16 *dout_tile = q_tile + Q_ROWS * HEAD_DIM;
-    bf16 *k_tiles = dout_tile + Q_ROWS * HEAD_DIM;     // two stages
-    bf16 *v_tiles = k_tiles + 2 * KV_TILE * HEAD_DIM;  // two stages
-
-    const int warpgroup = threadIdx.x / WGMMA_WARPGROUP_THREADS, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
-    const int q_block = gridDim.x - 1 - blockIdx.x;  // longest causal rows first: fewer idle SMs at the end
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int kv_head = h / (NH / NKV);
-    const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM, dout_row = (size_t)NH * HEAD_DIM;
-    const bf16 *qkv_batch = qkv + (size_t)b * T * qkv_row;
-    const bf16 *k_head = qkv_batch + (size_t)(NH + kv_head) * HEAD_DIM;
-    const bf16 *v_head = qkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM;
-    const int q0 = q_block * Q_ROWS;
-    const int num_kv_tiles = (min(q0 + Q_ROWS, T) - 1) / KV_TILE + 1;  // up to the last valid row's diagonal
-
-    wgmma_load_tile_async<Q_ROWS, HEAD_DIM, THREADS>(q_tile, qkv_batch + (size_t)h * HEAD_DIM, qkv_row, q0, T);
-    wgmma_load_tile_async<Q_ROWS, HEAD_DIM, THREADS>(dout_tile, dout + (size_t)b * T * dout_row + (size_t)h * HEAD_DIM,
-                                                     dout_row, q0, T);
-    wgmma_load_tile_async<KV_TILE, HEAD_DIM, THREADS>(k_tiles, k_head, qkv_row, 0, T);
-    wgmma_load_tile_async<KV_TILE, HEAD_DIM, THREADS>(v_tiles, v_head, qkv_row, 0, T);
-    cp_async_commit();
-
-    const int group_row0 = q0 + warpgroup * GROUP_ROWS;
-    const int row_lo = group_row0 + warp * 16 + lane / 4;  // this thread's rows: row_lo and row_lo + 8
-    const bf16 *q_rows = q_tile + warpgroup * GROUP_ROWS * HEAD_DIM;
-    const bf16 *dout_rows = dout_tile + warpgroup * GROUP_ROWS * HEAD_DIM;
-    const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
-    float row_lse_log2[2], row_delta[2];  // rows past T: P = 0
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = row_lo + 8 * r;
-        const size_t index = ((size_t)b * NH + h) * T + row;
-        row_lse_log2[r] = row < T ? lse[index] * ATTENTION_LOG2E : INFINITY;
-        row_delta[r] = row < T ? delta[index] : 0.f;
-    }
-    float dq_acc[HEAD_DIM / 2];
-#pragma unroll
-    for (int i = 0; i < HEAD_DIM / 2; i++) dq_acc[i] = 0.f;
-
-    for (int j = 0; j < num_kv_tiles; j++) {
-        cp_async_wait_pending<0>();
-        fence_proxy_async_shared();
-        __syncthreads();  // tile j visible to every wgmma; every warpgroup is done with the stage refilled below
-        if (j + 1 < num_kv_tiles) {
-            const int next = (j + 1) & 1;
-            wgmma_load_tile_async<KV_TILE, HEAD_DIM, THREADS>(k_tiles + next * KV_TILE * HEAD_DIM, k_head, qkv_row,
-                                                              (j + 1) * KV_TILE, T);
-            wgmma_load_tile_async<KV_TILE, HEAD_DIM, THREADS>(v_tiles + next * KV_TILE * HEAD_DIM, v_head, qkv_row,
-                                                              (j + 1) * KV_TILE, T);
-            cp_async_commit();
-        }
-        const int kv0 = j * KV_TILE;
-        // Rows are multiples of 64 and tiles of KV_TILE >= 64 apart, so a tile left of row
-        // group_row0 + 64 starts at or before group_row0 and shows every row at least key kv0.
-        if (group_row0 >= T || kv0 >= group_row0 + GROUP_ROWS) continue;
-        wgmma_backward_dq_step<HEAD_DIM, KV_TILE>(
-            dq_acc,
-            CoreMatrixDqOperands<HEAD_DIM, KV_TILE>{q_rows, dout_rows, k_tiles + (j & 1) * KV_TILE * HEAD_DIM,
-                                                    v_tiles + (j & 1) * KV_TILE * HEAD_DIM},
-            row_lse_log2, row_delta, scale_log2, row_lo, kv0, kv0 + KV_TILE - 1 > group_row0, lane);
-    }
-
-    // Every wgmma of the block has completed, so the Q tile is free: each warp stages its 16 rows of
-    // dQ there.
-    __syncthreads();
-    const int warp_row0 = group_row0 + warp * 16;
-    wgmma_store_warp_rows<HEAD_DIM>(dqkv + (size_t)b * T * qkv_row + (size_t)h * HEAD_DIM, qkv_row, warp_row0, T,
-                                    q_tile + (warpgroup * GROUP_ROWS + warp * 16) * HEAD_DIM, dq_acc, softmax_scale,
-                                    lane);
-}
-
-// ---- launchers ----------------------------------------------------------------------------------------
-
-template <int HEAD_DIM, class DkDv>
-static void attention_backward_dkdv_wgmma_launch(bf16 *dqkv, const float *delta, const bf16 *dout, const bf16 *qkv,
-                                                 const float *lse, int B, int T, int NH, int NKV, cudaStream_t stream) {
-    constexpr size_t smem = AttentionWgmmaDkDvSmem<HEAD_DIM, DkDv::q_tile>::bytes;
-    static_assert(smem <= ATTENTION_MAX_SMEM_BYTES, "dK/dV tiles exceed shared memory");
-    auto kernel = attention_backward_dkdv_wgmma_kernel<HEAD_DIM, DkDv::q_tile, DkDv::min_blocks>;
-    attention_launch_setup(kernel, smem);
-    dim3 grid(ceil_div(T, WGMMA_BLOCK_ROWS), NKV, B);
-    kernel<<<grid, WGMMA_BLOCK_THREADS, smem, stream>>>(dqkv, qkv, dout, lse, delta, T, NH, NKV,
-                                                        attention_softmax_scale(HEAD_DIM));
-    cudaCheckLaunch();
-}
-
-template <int HEAD_DIM, class Dq>
-static void attention_backward_dq_wgmma_launch(bf16 *dqkv, const float *delta, const bf16 *dout, const bf16 *qkv,
-                                               const float *lse, int B, int T, int NH, int NKV, cudaStream_t stream) {
-    constexpr size_t smem = (size_t)(2 * WGMMA_BLOCK_ROWS + 4 * Dq::kv_tile) * HEAD_DIM * sizeof(bf16);
-    static_assert(smem <= ATTENTION_MAX_SMEM_BYTES, "dQ tiles exceed shared memory");
-    auto kernel = attention_backward_dq_wgmma_kernel<HEAD_DIM, Dq::kv_tile, Dq::min_blocks>;
-    attention_launch_setup(kernel, smem);
-    dim3 grid(ceil_div(T, WGMMA_BLOCK_ROWS), NH, B);
-    kernel<<<grid, WGMMA_BLOCK_THREADS, smem, stream>>>(dqkv, qkv, dout, lse, delta, T, NH, NKV,
-                                                        attention_softmax_scale(HEAD_DIM));
-    cudaCheckLaunch();
-}
-
-// The dK/dV pass, then the dQ pass (D already in delta).
-template <int HEAD_DIM, class DkDv, class Dq>
-static void attention_backward_wgmma_launch(bf16 *dqkv, const float *delta, const bf16 *dout, const bf16 *qkv,
-                                            const float *lse, int B, int T, int NH, int NKV, cudaStream_t stream) {
-    attention_backward_dkdv_wgmma_launch<HEAD_DIM, DkDv>(dqkv, delta, dout, qkv, lse, B, T, NH, NKV, stream);
-    attention_backward_dq_wgmma_launch<HEAD_DIM, Dq>(dqkv, delta, dout, qkv, lse, B, T, NH, NKV, stream);
 }
 
 // ---- forward on TMA loads and 128B-swizzled tiles ---------------------------------------------------
@@ -1064,7 +640,7 @@ static void attention_forward_tma_launch(bf16 *out, float *lse, const bf16 *qkv,
 
 // ---- backward on TMA loads and 128B-swizzled tiles ----------------------------------------------------
 //
-// The two passes of the backward above with the forward's loading scheme: a producer warpgroup (one
+// The two passes of the header's backward with the forward's loading scheme: a producer warpgroup (one
 // thread issues TMA; its first warp also stages lse and D) fills STAGES stages guarded by mbarriers,
 // and 2 consumer warpgroups compute from the swizzled tiles. The producer hands its registers to the
 // consumers (warpgroup_registers_*), which hold dK and dV (or dQ) beside the step's S^T and dP^T:
@@ -1147,8 +723,8 @@ struct AttentionTmaDkDvSmem {
 };
 
 // Block: key rows kv0 = 128 blockIdx.x.. of kv head blockIdx.y of batch blockIdx.z; consumer w: keys
-// kv0 + 64 w... Steps as attention_backward_dkdv_wgmma_kernel (every query head of the group, its
-// query tiles from the diagonal on), each step's Q, dO, lse and D in stage step % STAGES.
+// kv0 + 64 w... Steps: every query head of the group (outer) and its query tiles from the one holding
+// kv0 on (inner), each step's Q, dO, lse and D in stage step % STAGES.
 template <int HEAD_DIM, int STAGES>
 __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
     attention_backward_dkdv_tma_kernel(const __grid_constant__ CUtensorMap qkv_map,

@@ -37,11 +37,6 @@ static inline void working_layout_init(WorkingLayout *w, const ModelShape *m, in
     // backward's partial sums, attention backward's row sums, the gradient norm's partials);
     // the model checks the real needs against it at start.
     w->kernel_scratch_bytes = tokens * (H / 4 + 4 * NH + 64) + (8u << 20);
-    // Attention backward at head_dim 128 also sums FP32 dQ shares per (head, 64-query tile).
-    if (hd >= 128) {
-        size_t query_tiles = (size_t)micro_batch_size * NH * (((size_t)seq_len + 63) / 64);
-        w->kernel_scratch_bytes += query_tiles * (64 * hd * 4 + 8);
-    }
     // FP8 GEMM operands: one layer's weights and their transposes, an activation transpose, and
     // the E5M2 output gradient with its transpose.
     size_t layer_linear = H * (qkv + attn + 3 * I);

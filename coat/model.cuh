@@ -60,7 +60,7 @@ static inline size_t model_kernel_scratch_needed(const ModelShape *m, int B, int
     int N = B * T;
     size_t need = embedding_backward_scratch_bytes(N, m->dim, m->vocab_size);
     size_t rms = rmsnorm_backward_scratch_bytes(N, m->dim);
-    size_t attn = attention_backward_scratch_bytes(B, T, m->n_heads, model_head_dim(m));
+    size_t attn = attention_backward_scratch_bytes(B, T, m->n_heads);
     if (rms > need) need = rms;
     if (attn > need) need = attn;
     return need;

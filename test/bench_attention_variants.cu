@@ -1,5 +1,6 @@
-// Checks and times compile-time tile variants of coat/attention.cuh in one GPU run, so that the
-// fastest can become AttentionDefaults. Not a test of the program (test/test_attention.cu is).
+// Checks and times the attention kernels of coat/attention.cuh and the variants of
+// test/attention_variants.cuh in one GPU run, so that the fastest can become AttentionDefaults. Not a
+// test of the program (test/test_attention.cu is).
 //
 // A variant is a forward config and a backward config (see the table below); each row changes one
 // of the two from the default. Per shape, the default variant's out, lse and dqkv are the
@@ -23,7 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../coat/attention.cuh"
+#include "attention_variants.cuh"
 #include "check.h"
 #include "gpu_test_util.cuh"
 
@@ -98,8 +99,8 @@ static Variant variant(void) {
     Variant v;
     describe_forward<Forward>(v.forward_name, sizeof v.forward_name);
     describe_backward<Backward>(v.backward_name, sizeof v.backward_name);
-    v.forward = attention_forward_launch<HEAD_DIM, Forward>;
-    v.backward = attention_backward_launch<HEAD_DIM, Backward>;
+    v.forward = attention_variant_forward_launch<HEAD_DIM, Forward>;
+    v.backward = attention_variant_backward_launch<HEAD_DIM, Backward>;
     return v;
 }
 
@@ -360,7 +361,7 @@ static void alloc_buffers(BenchBuffers *buf, BenchShape s) {
     buf->n_q = (size_t)s.B * s.T * s.NH * s.head_dim;
     buf->n_lse = (size_t)s.B * s.NH * s.T;
     // The one-pass layout holds the two-pass one (D first) and more.
-    buf->scratch_bytes = attention_backward_scratch_layout(s.B, s.T, s.NH, s.head_dim, true).total_bytes;
+    buf->scratch_bytes = attention_variant_scratch_layout(s.B, s.T, s.NH, s.head_dim, true).total_bytes;
     bf16 **bf16_buffers[] = {&buf->out, &buf->out_ref, &buf->dout};
     for (size_t i = 0; i < sizeof bf16_buffers / sizeof bf16_buffers[0]; i++)
         *bf16_buffers[i] = (bf16 *)device_alloc(buf->n_q * sizeof(bf16));

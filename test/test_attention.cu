@@ -133,7 +133,7 @@ static void test_shape(AttnShape s, Random *rng) {
     bf16 *d_out_in = device_bf16_from(out_in, n_q);
     float *d_lse_in, *d_scratch;
     cudaCheck(cudaMalloc(&d_lse_in, n_lse * sizeof(float)));
-    cudaCheck(cudaMalloc(&d_scratch, attention_backward_scratch_bytes(B, T, NH, hd)));
+    cudaCheck(cudaMalloc(&d_scratch, attention_backward_scratch_bytes(B, T, NH)));
     cudaCheck(cudaMemcpy(d_lse_in, ref_lse, n_lse * sizeof(float), cudaMemcpyHostToDevice));
     GuardedBuffer out_buf = guarded_alloc(n_q, sizeof(bf16)), lse_buf = guarded_alloc(n_lse, sizeof(float));
     GuardedBuffer dqkv_buf = guarded_alloc(n_qkv, sizeof(bf16));
@@ -160,7 +160,7 @@ static void test_shape(AttnShape s, Random *rng) {
     bf16 *dqkv_h[2];
     for (int run = 0; run < 2; run++) {
         guarded_poison(&dqkv_buf);
-        poison_nan(d_scratch, attention_backward_scratch_bytes(B, T, NH, hd));
+        poison_nan(d_scratch, attention_backward_scratch_bytes(B, T, NH));
         attention_backward((bf16 *)dqkv_buf.data, d_scratch, d_dout, d_qkv, d_out_in, d_lse_in, B, T, NH, NKV, hd,
                            0);
         cudaCheck(cudaDeviceSynchronize());
@@ -245,7 +245,7 @@ static int test_sdpa_case(FILE *f) {
         float *d_scratch;
         cudaCheck(cudaMalloc(&d_qkv, n_qkv * sizeof(bf16)));
         cudaCheck(cudaMalloc(&d_dout, n_q * sizeof(bf16)));
-        cudaCheck(cudaMalloc(&d_scratch, attention_backward_scratch_bytes(B, T, NH, hd)));
+        cudaCheck(cudaMalloc(&d_scratch, attention_backward_scratch_bytes(B, T, NH)));
         cudaCheck(cudaMemcpy(d_qkv, qkv, n_qkv * sizeof(bf16), cudaMemcpyHostToDevice));
         cudaCheck(cudaMemcpy(d_dout, dout, n_q * sizeof(bf16), cudaMemcpyHostToDevice));
         GuardedBuffer out_buf = guarded_alloc(n_q, sizeof(bf16)), lse_buf = guarded_alloc(n_lse, sizeof(float));
@@ -253,7 +253,7 @@ static int test_sdpa_case(FILE *f) {
         guarded_poison(&out_buf);
         guarded_poison(&lse_buf);
         guarded_poison(&dqkv_buf);
-        poison_nan(d_scratch, attention_backward_scratch_bytes(B, T, NH, hd));
+        poison_nan(d_scratch, attention_backward_scratch_bytes(B, T, NH));
         attention_forward((bf16 *)out_buf.data, (float *)lse_buf.data, d_qkv, B, T, NH, NKV, hd, 0);
         attention_backward((bf16 *)dqkv_buf.data, d_scratch, d_dout, d_qkv, (bf16 *)out_buf.data,
                            (float *)lse_buf.data, B, T, NH, NKV, hd, 0);
@@ -354,7 +354,7 @@ static void benchmark(AttnShape s) {
     cudaCheck(cudaMalloc(&out, n_q * sizeof(bf16)));
     cudaCheck(cudaMalloc(&dout, n_q * sizeof(bf16)));
     cudaCheck(cudaMalloc(&lse, (size_t)s.B * s.NH * s.T * sizeof(float)));
-    cudaCheck(cudaMalloc(&scratch, attention_backward_scratch_bytes(s.B, s.T, s.NH, s.head_dim)));
+    cudaCheck(cudaMalloc(&scratch, attention_backward_scratch_bytes(s.B, s.T, s.NH)));
     fill_uniform_bf16_kernel<<<1024, 256, 0, stream>>>(qkv, n_qkv, 1);
     cudaCheckLaunch();
     fill_uniform_bf16_kernel<<<1024, 256, 0, stream>>>(dout, n_q, 2);
