@@ -229,7 +229,7 @@ static int test_sdpa_case(FILE *f) {
     int32_t shape[8];
     if (fread(shape, sizeof shape, 1, f) != 1) return 0;
     const int B = shape[0], T = shape[1], NH = shape[2], NKV = shape[3], hd = shape[4];
-    if (B < 1 || T < 1 || NKV < 1 || NH % NKV || (hd != 64 && hd != 128)) return 0;
+    if (B < 1 || T < 1 || NKV < 1 || NH < NKV || NH % NKV || (hd != 64 && hd != 128)) return 0;
     const size_t rows = (size_t)B * T, width = (size_t)(NH + 2 * NKV) * hd, n_qkv = rows * width;
     const size_t n_q = rows * NH * hd, n_lse = (size_t)B * NH * T;
     bf16 *qkv = host_bf16s(n_qkv), *dout = host_bf16s(n_q);
