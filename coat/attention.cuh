@@ -42,6 +42,20 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
            ((uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
 }
 
+// A dQ pass's statistics of rows row_lo and row_lo + 8 of head h of batch b: lse in log2 units and D,
+// from lse and delta [B, NH, T]. Rows past T get lse = +inf, so that their P is exactly 0, and D = 0.
+__device__ __forceinline__ void attention_dq_row_statistics(float (&row_lse_log2)[2], float (&row_delta)[2],
+                                                            const float *lse, const float *delta, int b, int h, int NH,
+                                                            int T, int row_lo) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = row_lo + 8 * r;
+        const size_t index = ((size_t)b * NH + h) * T + row;
+        row_lse_log2[r] = row < T ? lse[index] * ATTENTION_LOG2E : INFINITY;
+        row_delta[r] = row < T ? delta[index] : 0.f;
+    }
+}
+
 // ---- backward: D ---------------------------------------------------------------------------------
 
 // D[b, h, t] = sum_d dout[b, t, h, d] * out[b, t, h, d] in FP32; HEAD_DIM / 8 lanes per row.

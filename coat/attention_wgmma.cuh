@@ -303,6 +303,26 @@ __device__ __forceinline__ void tma_load_tile(char *tile, const CUtensorMap *map
             tma_load_box(tile + (box * ROWS + r) * 128, map, col0 + 64 * box, row0 + r, b, bar);
 }
 
+// A producer's loop over the K/V tiles 0 .. num_kv_tiles - 1 of kv head kv_head of batch b: tile j into
+// stage j % STAGES of the K and V rings (STAGES tiles of KV rows each, from k_ring and v_ring), once
+// every consumer released the stage's previous tile, completing on full[stage].
+template <int KV, int HEAD_DIM, int STAGES>
+__device__ __forceinline__ void tma_load_kv_tiles(char *k_ring, char *v_ring, const CUtensorMap *qkv_map, int NH,
+                                                  int NKV, int kv_head, int b, int num_kv_tiles, uint64_t *full,
+                                                  uint64_t *empty) {
+    constexpr size_t TILE_BYTES = (size_t)KV * HEAD_DIM * 2;
+    for (int j = 0; j < num_kv_tiles; j++) {
+        const int stage = j % STAGES;
+        // Tile j - STAGES, the stage's last, released by every consumer (its phase j / STAGES - 1).
+        if (j >= STAGES) mbarrier_wait(&empty[stage], (j / STAGES + 1) & 1);
+        mbarrier_arrive_expect_bytes(&full[stage], (uint32_t)(2 * TILE_BYTES));
+        tma_load_tile<KV, HEAD_DIM>(k_ring + stage * TILE_BYTES, qkv_map, (NH + kv_head) * HEAD_DIM, j * KV, b,
+                                    &full[stage]);
+        tma_load_tile<KV, HEAD_DIM>(v_ring + stage * TILE_BYTES, qkv_map, (NH + NKV + kv_head) * HEAD_DIM, j * KV, b,
+                                    &full[stage]);
+    }
+}
+
 // Descriptor of a 128B-swizzled operand (layout type 1): stride between 8-row groups 1024 bytes; LBO
 // the stride between 64-column boxes of an MN-major operand (unused by K-major ones). A k-step of 16
 // columns of a K-major operand is +32 bytes inside a box; of 16 rows of an MN-major one, +2048 bytes.
@@ -412,16 +432,8 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
         if (threadIdx.x == 0) {
             mbarrier_arrive_expect_bytes(q_full, (uint32_t)Smem::q_bytes);
             tma_load_tile<Q_ROWS, HEAD_DIM>(q_tile, &qkv_map, h * HEAD_DIM, q0, b, q_full);
-            for (int j = 0; j < num_kv_tiles; j++) {
-                const int stage = j % STAGES;
-                // Tile j - STAGES, the stage's last, released by every consumer (its phase j / STAGES - 1).
-                if (j >= STAGES) mbarrier_wait(&empty[stage], (j / STAGES + 1) & 1);
-                mbarrier_arrive_expect_bytes(&full[stage], (uint32_t)(2 * Smem::kv_bytes));
-                tma_load_tile<KV, HEAD_DIM>(smem + Smem::k + stage * Smem::kv_bytes, &qkv_map,
-                                            (NH + kv_head) * HEAD_DIM, j * KV, b, &full[stage]);
-                tma_load_tile<KV, HEAD_DIM>(smem + Smem::v + stage * Smem::kv_bytes, &qkv_map,
-                                            (NH + NKV + kv_head) * HEAD_DIM, j * KV, b, &full[stage]);
-            }
+            tma_load_kv_tiles<KV, HEAD_DIM, STAGES>(smem + Smem::k, smem + Smem::v, &qkv_map, NH, NKV, kv_head, b,
+                                                    num_kv_tiles, full, empty);
         }
         return;
     }
@@ -852,15 +864,8 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
             mbarrier_arrive_expect_bytes(qd_full, (uint32_t)(2 * Smem::rows_bytes));
             tma_load_tile<Q_ROWS, HEAD_DIM>(smem + Smem::q, &qkv_map, h * HEAD_DIM, q0, b, qd_full);
             tma_load_tile<Q_ROWS, HEAD_DIM>(smem + Smem::dout, &dout_map, h * HEAD_DIM, q0, b, qd_full);
-            for (int j = 0; j < num_kv_tiles; j++) {
-                const int stage = j % STAGES;
-                if (j >= STAGES) mbarrier_wait(&empty[stage], (j / STAGES + 1) & 1);
-                mbarrier_arrive_expect_bytes(&full[stage], (uint32_t)(2 * Smem::kv_bytes));
-                tma_load_tile<KV, HEAD_DIM>(smem + Smem::k + stage * Smem::kv_bytes, &qkv_map,
-                                            (NH + kv_head) * HEAD_DIM, j * KV, b, &full[stage]);
-                tma_load_tile<KV, HEAD_DIM>(smem + Smem::v + stage * Smem::kv_bytes, &qkv_map,
-                                            (NH + NKV + kv_head) * HEAD_DIM, j * KV, b, &full[stage]);
-            }
+            tma_load_kv_tiles<KV, HEAD_DIM, STAGES>(smem + Smem::k, smem + Smem::v, &qkv_map, NH, NKV, kv_head, b,
+                                                    num_kv_tiles, full, empty);
         }
         return;
     }
@@ -871,14 +876,8 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
     const int group_tiles = group_row0 >= T ? 0 : (min(group_row0 + GROUP_ROWS, T) - 1) / KV + 1;
     const int row_lo = group_row0 + warp * 16 + lane / 4;  // this thread's rows: row_lo and row_lo + 8
     const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
-    float row_lse_log2[2], row_delta[2];  // rows past T: P = 0
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = row_lo + 8 * r;
-        const size_t index = ((size_t)b * NH + h) * T + row;
-        row_lse_log2[r] = row < T ? lse[index] * ATTENTION_LOG2E : INFINITY;
-        row_delta[r] = row < T ? delta[index] : 0.f;
-    }
+    float row_lse_log2[2], row_delta[2];
+    attention_dq_row_statistics(row_lse_log2, row_delta, lse, delta, b, h, NH, T, row_lo);
     float dq_acc[HEAD_DIM / 2];
 #pragma unroll
     for (int i = 0; i < HEAD_DIM / 2; i++) dq_acc[i] = 0.f;

@@ -682,14 +682,8 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
     const int warp_row0 = q0 + warp * 16;
     const int g = lane / 4, c = (lane % 4) * 2;
     const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
-    float row_lse_log2[2], row_delta[2];  // rows g and g + 8; rows past T: P = 0
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        int row = warp_row0 + g + 8 * r;
-        size_t index = ((size_t)b * NH + h) * T + row;
-        row_lse_log2[r] = row < T ? lse[index] * ATTENTION_LOG2E : INFINITY;
-        row_delta[r] = row < T ? delta[index] : 0.f;
-    }
+    float row_lse_log2[2], row_delta[2];  // rows g and g + 8
+    attention_dq_row_statistics(row_lse_log2, row_delta, lse, delta, b, h, NH, T, warp_row0 + g);
     float dq_acc[D_TILES][4];
 #pragma unroll
     for (int dt = 0; dt < D_TILES; dt++) dq_acc[dt][0] = dq_acc[dt][1] = dq_acc[dt][2] = dq_acc[dt][3] = 0.f;
@@ -1342,14 +1336,8 @@ __global__ void __launch_bounds__(WGMMA_BLOCK_THREADS, MIN_BLOCKS)
     const bf16 *q_rows = q_tile + warpgroup * GROUP_ROWS * HEAD_DIM;
     const bf16 *dout_rows = dout_tile + warpgroup * GROUP_ROWS * HEAD_DIM;
     const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
-    float row_lse_log2[2], row_delta[2];  // rows past T: P = 0
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = row_lo + 8 * r;
-        const size_t index = ((size_t)b * NH + h) * T + row;
-        row_lse_log2[r] = row < T ? lse[index] * ATTENTION_LOG2E : INFINITY;
-        row_delta[r] = row < T ? delta[index] : 0.f;
-    }
+    float row_lse_log2[2], row_delta[2];
+    attention_dq_row_statistics(row_lse_log2, row_delta, lse, delta, b, h, NH, T, row_lo);
     float dq_acc[HEAD_DIM / 2];
 #pragma unroll
     for (int i = 0; i < HEAD_DIM / 2; i++) dq_acc[i] = 0.f;
