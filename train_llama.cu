@@ -102,17 +102,32 @@ static OptimizerStateKind optimizer_kind(StatesChoice states) {
     }
 }
 
-// A GPU is there, and the precision asked for is one this build trains with.
-static void check_gpu_and_precision(const ConfigParser *parser, GpuContext *gpu) {
+// The model's precision as the config resolves it.
+static ModelPrecision model_precision_of(const TrainConfig *c) {
+    ModelPrecision p;
+    p.fp8_gemms = c->precision != PRECISION_BF16;
+    p.activations = config_activations(c);
+    p.fast_accumulation = c->fp8_fast_accum;
+    return p;
+}
+
+// Refuses a precision combination the model cannot run (for dry_run and training alike).
+static void check_precision(const ConfigParser *parser) {
+    const TrainConfig *c = &parser->values;
+    if (c->fp8_fast_accum && c->precision == PRECISION_BF16)
+        fail_config(parser, "fp8_fast_accum", "applies to FP8 GEMMs only: set precision = fp8 or coat");
+    const char *reason = model_precision_unsupported(&c->model, c->micro_batch_size, c->seq_len, model_precision_of(c));
+    if (reason != NULL) fail_config(parser, c->activations != ACTS_AUTO ? "activations" : "precision", reason);
+}
+
+// A GPU is there, and one that runs the precision asked for.
+static void check_gpu(const ConfigParser *parser, GpuContext *gpu) {
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
         fail("no CUDA GPU found: training needs one (dry_run = 1 checks a config without a GPU)");
     gpu_context_create(gpu, 0);
-    const TrainConfig *c = &parser->values;
-    if (c->precision != PRECISION_BF16 && gpu->compute_capability < 90)
-        fail_config(parser, "precision", "needs FP8 tensor cores (Hopper, compute capability 9.0); this GPU has less");
-    if (c->precision != PRECISION_BF16 || config_activations(c) != ACTS_BF16)
-        fail_config(parser, "precision", "fp8 and coat need the FP8 GEMM and activation kernels, not in this build: use bf16");
+    if (parser->values.precision != PRECISION_BF16 && gpu->compute_capability < 89)
+        fail_config(parser, "precision", "needs FP8 tensor cores (compute capability 8.9 or 9.0); this GPU has less");
 }
 
 // Refuses a micro-batch whose plan exceeds the free GPU memory, naming the largest that fits.
@@ -232,6 +247,7 @@ static int dry_run(const ConfigParser *parser, int ranks) {
         fprintf(stderr, "error: %s\n", error);
         return EXIT_CONFIG_ERROR;
     }
+    check_precision(parser);
     validate_inputs(parser);
     print_model_summary(c);
     printf("batch: %d x %d tokens per micro-step x %d rank(s) x %d accumulation step(s) = %lld tokens per step\n",
@@ -273,6 +289,7 @@ static void load_checkpoint(Trainer *t, const char *path, int resume) {
     }
     adamw_set_master_from_host(&t->opt, master, t->gpu.stream);
     adamw_write_params(&t->opt, t->model.params, t->gpu.stream);
+    model_weights_changed(&t->model);
     free(master);
     if (resume) {
         if (!h.has_optimizer_state) {
@@ -473,10 +490,11 @@ static void trainer_create(Trainer *t, ConfigParser *parser, int ranks) {
     if (!c->generate && c->train_data[0] == '\0') fail_config(parser, "train_data", "is empty: name the training shards");
     if ((c->sample_every > 0 || c->generate) && c->tokenizer[0] == '\0')
         fail_config(parser, "tokenizer", "is empty: sampling needs the tokenizer");
-    check_gpu_and_precision(parser, &t->gpu);
+    check_precision(parser);
+    check_gpu(parser, &t->gpu);
     check_memory_fits(parser, ranks);
 
-    model_create(&t->model, &c->model, c->micro_batch_size, c->seq_len);
+    model_create(&t->model, &c->model, c->micro_batch_size, c->seq_len, model_precision_of(c));
     AdamWConfig ac;
     ac.beta1 = c->beta1;
     ac.beta2 = c->beta2;
@@ -513,6 +531,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, int ranks) {
         param_init_weights(&t->model.layout, init, c->seed);
         adamw_set_master_from_host(&t->opt, init, t->gpu.stream);
         adamw_write_params(&t->opt, t->model.params, t->gpu.stream);
+        model_weights_changed(&t->model);
         free(init);
     }
 }
@@ -531,7 +550,8 @@ static void trainer_free(Trainer *t) {
 }
 
 // One optimizer step: grad_accum micro-batches, the global norm, clipping, AdamW. Returns the
-// mean training loss and leaves the gradient norm in *grad_norm.
+// mean training loss and leaves the gradient norm in *grad_norm. When either is NaN or inf the
+// optimizer does not step (weights and moments stay as they were).
 // When profiling, every op of the step is timed (validation and sampling are not: the model's
 // timer is set only here).
 static float train_step(Trainer *t, float lr, float *grad_norm) {
@@ -559,11 +579,15 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
     cudaCheck(cudaMemcpyAsync(t->host_scalar, m->grad_norm_squared, sizeof(float), cudaMemcpyDeviceToHost, s));
     cudaCheck(cudaStreamSynchronize(s));
     *grad_norm = sqrtf(*t->host_scalar);
-    float scale = t->c->grad_clip > 0 ? grad_clip_factor(*grad_norm, t->c->grad_clip) : 1.0f;
-    adamw_step(&t->opt, m->params, m->grads, lr, scale, s);
-    op_timer_mark(m->timer, "adamw (after the host's wait)", s);
+    float loss = (float)(loss_sum / t->grad_accum);
+    if (isfinite(loss) && isfinite(*grad_norm)) {
+        float scale = t->c->grad_clip > 0 ? grad_clip_factor(*grad_norm, t->c->grad_clip) : 1.0f;
+        adamw_step(&t->opt, m->params, m->grads, lr, scale, s);
+        model_weights_changed(m);
+        op_timer_mark(m->timer, "adamw (after the host's wait)", s);
+    }
     m->timer = NULL;
-    return (float)(loss_sum / t->grad_accum);
+    return loss;
 }
 
 static void log_validation(Trainer *t) {
@@ -601,6 +625,7 @@ static int train(ConfigParser *parser, int ranks) {
     // a checkpoint repeats none of them.
     if (t->state.step == 0 && t->have_val && c->val_every > 0) log_validation(t);
     long long first_step = t->state.step + 1;
+    int nonfinite_in_a_row = 0;
     while (t->state.step < c->max_steps) {
         float lr = learning_rate_at(c, (int)t->state.step), grad_norm = 0.0f;
         cudaCheck(cudaEventRecord(start, t->gpu.stream));
@@ -618,10 +643,25 @@ static int train(ConfigParser *parser, int ranks) {
         size_t free_bytes, total_bytes;
         cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
         double mem = gib(total_bytes - free_bytes);
-        printf("step %6lld/%d | loss %.4f | lr %.3e | norm %.3f | %.1f ms | %.0f tok/s | MFU %.1f%% | %.1f GiB\n", step,
-               c->max_steps, loss, lr, grad_norm, ms, tokens_per_s, 100.0 * mfu, mem);
-        fflush(stdout);
-        run_log_train(&t->log, step, loss, lr, grad_norm, ms, t->state.tokens_seen, tokens_per_s, mfu, mem);
+        if (!isfinite(loss) || !isfinite(grad_norm)) {
+            nonfinite_in_a_row++;
+            printf("step %6lld/%d | loss %g | norm %g: not finite, optimizer step skipped (%d in a row, max_nonfinite_steps %d)\n",
+                   step, c->max_steps, loss, grad_norm, nonfinite_in_a_row, c->max_nonfinite_steps);
+            fflush(stdout);
+            run_log_skipped(&t->log, step, loss, grad_norm);
+            if (nonfinite_in_a_row >= c->max_nonfinite_steps) {
+                fprintf(stderr, "error: step %lld: %d steps in a row with a non-finite loss or gradient norm (max_nonfinite_steps); "
+                                "stopping, the newest checkpoint in %s is from before them\n",
+                        step, nonfinite_in_a_row, c->out_dir);
+                exit(EXIT_FAILURE);
+            }
+        } else {
+            nonfinite_in_a_row = 0;
+            printf("step %6lld/%d | loss %.4f | lr %.3e | norm %.3f | %.1f ms | %.0f tok/s | MFU %.1f%% | %.1f GiB\n", step,
+                   c->max_steps, loss, lr, grad_norm, ms, tokens_per_s, 100.0 * mfu, mem);
+            fflush(stdout);
+            run_log_train(&t->log, step, loss, lr, grad_norm, ms, t->state.tokens_seen, tokens_per_s, mfu, mem);
+        }
         int last = step == c->max_steps;
         if (t->have_val && c->val_every > 0 && (step % c->val_every == 0 || last)) log_validation(t);
         if (c->sample_every > 0 && (step % c->sample_every == 0 || last)) print_sample(t);

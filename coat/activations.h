@@ -2,9 +2,10 @@
 // token and storage for each precision mode (COAT_SPEC.md section 4). Storing a tensor in
 // FP8 is a change to this table and to the kernel that produces it. Plain C: the memory plan
 // (dry_run) and the GPU model both size their buffers from it.
-// Storage: BF16; FP32; E4M3 with one scale per tensor (linear-layer inputs; the transpose for
-// the weight gradient is made in backward, not stored); E4M3 with one FP32 scale per 1x16 group
-// (inputs of non-linear ops).
+// Storage: BF16; FP32; E4M3 with one scale per tensor (linear-layer inputs, stored as the
+// transpose [features, tokens] that the FP8 weight-gradient GEMM reads; the scale sits in the
+// model's table of FP8 scales); E4M3 with one FP32 scale per 1x16 group (inputs of non-linear
+// ops: the codes [tokens, features], then the scales [tokens, features / 16]).
 #pragma once
 #include <stddef.h>
 #include "config.h"
@@ -37,6 +38,7 @@ static inline void activation_table(ActivationInfo table[ACT_LAYER_KINDS], const
     size_t H = (size_t)m->dim, I = (size_t)m->ffn_dim, hd = (size_t)model_head_dim(m);
     size_t NH = (size_t)m->n_heads, NKV = (size_t)m->n_kv_heads;
     // Linear-layer inputs go FP8 per tensor in fp8 and coat; non-linear inputs 1x16 in coat only.
+    // The attention output stays BF16 (its backward reads it); its FP8 transpose is remade there.
     ActivationStorage linear = mode == ACTS_BF16 ? STORE_BF16 : STORE_E4M3_TENSOR;
     ActivationStorage nonlinear = mode == ACTS_COAT ? STORE_E4M3_GROUP16 : STORE_BF16;
     const ActivationInfo rows[ACT_LAYER_KINDS] = {
@@ -44,7 +46,7 @@ static inline void activation_table(ActivationInfo table[ACT_LAYER_KINDS], const
         {"attn_rstd", 1, STORE_FP32},
         {"attn_norm_out", H, linear},
         {"qkv", (NH + 2 * NKV) * hd, STORE_BF16},
-        {"attn_out", NH * hd, STORE_BF16},   // attention backward needs it in BF16; the FP8 copy is transient
+        {"attn_out", NH * hd, STORE_BF16},
         {"attn_lse", NH, STORE_FP32},
         {"residual_mid", H, nonlinear},
         {"mlp_rstd", 1, STORE_FP32},
@@ -63,7 +65,7 @@ static inline size_t activation_bytes(ActivationStorage storage, size_t elems) {
     switch (storage) {
     case STORE_BF16: return 2 * elems;
     case STORE_FP32: return 4 * elems;
-    case STORE_E4M3_TENSOR: return elems + 4;
+    case STORE_E4M3_TENSOR: return elems;
     case STORE_E4M3_GROUP16: return elems + 4 * ((elems + 15) / 16);
     }
     return 0;

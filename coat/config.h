@@ -54,6 +54,7 @@ typedef struct {
     int weight_decay_all;
     float beta1, beta2, adam_eps;
     float grad_clip;
+    int max_nonfinite_steps;
     // evaluation, sampling, logging
     int val_every;
     int val_batches;
@@ -109,7 +110,7 @@ static const ConfigKey config_keys[] = {
      "AdamW moment storage (auto: fp8_dre for coat, else fp32)"},
     {"activations", KEY_CHOICE, CFG(activations), "auto", 0, 0, "auto|bf16|fp8|coat",
      "storage of activations saved for backward (auto: follows precision)"},
-    {"fp8_fast_accum", KEY_INT, CFG(fp8_fast_accum), "0", 0, 1, NULL, "Hopper fast accumulation in FP8 GEMMs"},
+    {"fp8_fast_accum", KEY_INT, CFG(fp8_fast_accum), "0", 0, 1, NULL, "Hopper fast accumulation in the FP8 GEMMs (precision fp8 or coat)"},
     // data and files
     {"train_data", KEY_STRING, CFG(train_data), "", 0, 0, NULL, "glob of training token shards"},
     {"val_data", KEY_STRING, CFG(val_data), "", 0, 0, NULL, "glob of validation token shards"},
@@ -140,6 +141,8 @@ static const ConfigKey config_keys[] = {
     {"beta2", KEY_FLOAT, CFG(beta2), "0.95", 0, 0.999999, NULL, "AdamW beta2"},
     {"adam_eps", KEY_FLOAT, CFG(adam_eps), "1e-8", 0, 1, NULL, "AdamW epsilon"},
     {"grad_clip", KEY_FLOAT, CFG(grad_clip), "1.0", 0, 1e9, NULL, "global gradient norm clip (0: off)"},
+    {"max_nonfinite_steps", KEY_INT, CFG(max_nonfinite_steps), "3", 1, 1 << 20, NULL,
+     "steps in a row whose loss or gradient norm is NaN or inf (each skipped) before the run stops"},
     // evaluation, sampling
     {"val_every", KEY_INT, CFG(val_every), "100", 0, INT_MAX, NULL, "steps between validation passes (0: never)"},
     {"val_batches", KEY_INT, CFG(val_batches), "20", 1, INT_MAX, NULL, "micro-batches per validation pass"},

@@ -48,6 +48,13 @@ static inline void run_log_train(RunLog *log, long long step, float loss, float 
     fflush(log->file);
 }
 
+// A step whose loss or gradient norm was not finite: the optimizer skipped it.
+static inline void run_log_skipped(RunLog *log, long long step, float loss, float grad_norm) {
+    fprintf(log->file, "{\"step\": %lld, \"skipped\": \"non-finite\", \"loss\": \"%g\", \"grad_norm\": \"%g\"}\n", step,
+            loss, grad_norm);
+    fflush(log->file);
+}
+
 static inline void run_log_val(RunLog *log, long long step, float val_loss) {
     fprintf(log->file, "{\"step\": %lld, \"val_loss\": %.6f}\n", step, val_loss);
     fflush(log->file);

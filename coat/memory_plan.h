@@ -13,23 +13,43 @@
 #define CLASSIFIER_CHUNK_ROWS 8192
 
 // Buffers reused by every layer, carved from one allocation: the forward branch output (also
-// the backward's norm gradient), the residual-stream gradient, the widest block intermediates
-// and their gradients, RoPE tables, one classifier chunk of logits and the kernels' scratch.
+// the norm output before its FP8 cast, and the backward's norm gradient), the residual-stream
+// gradient, the widest block intermediates and their gradients, RoPE tables, one classifier
+// chunk of logits and the kernels' scratch. With FP8 GEMMs also: the E4M3 input of the current
+// GEMM (in backward: the remade transpose of an input saved in BF16), the E5M2 output gradient
+// and its transpose, every layer's E4M3 weights and their transposes (cast once per optimizer
+// step) and the table of per-tensor FP8 scales. With COAT activations, the BF16 residual
+// stream, updated in place (only its 1x16 copies are saved).
 typedef struct {
-    size_t branch, d_residual, wide, rope_cos, rope_sin, logits, kernel_scratch, fp8_casts, small;  // byte offsets
+    size_t branch, d_residual, wide, rope_cos, rope_sin, logits, kernel_scratch, small;  // byte offsets
+    size_t residual, fp8_input, fp8_grad, fp8_grad_t, fp8_weights, fp8_scales;         // 0 bytes when unused
     size_t wide_elems_per_token;
     size_t logits_chunk_rows, logits_stride;
     size_t kernel_scratch_bytes;
-    size_t fp8_casts_bytes;   // FP8 copies made just in time (0 in bf16)
+    size_t residual_bytes, fp8_input_bytes, fp8_grad_bytes, fp8_weights_bytes, fp8_scales_bytes;
     size_t total_bytes;
 } WorkingLayout;
 
+#define FP8_SCALE_BYTES 16           // one Fp8Scale (coat/fp8.cuh)
+#define FP8_SCALES_PER_LAYER 12      // input, output gradient and weight of the four linear layers
+
+// The four linear layers of a block, by the GEMM's shape: y[N, out] = x[N, in] W^T.
+static inline void linear_shapes(const ModelShape *m, size_t in[4], size_t out[4]) {
+    size_t H = (size_t)m->dim, I = (size_t)m->ffn_dim, hd = (size_t)model_head_dim(m);
+    size_t qkv = ((size_t)m->n_heads + 2 * (size_t)m->n_kv_heads) * hd, attn = (size_t)m->n_heads * hd;
+    size_t ins[4] = {H, attn, H, I}, outs[4] = {qkv, H, 2 * I, H};
+    for (int i = 0; i < 4; i++) { in[i] = ins[i]; out[i] = outs[i]; }
+}
+
+static inline size_t max_size(size_t a, size_t b) { return a > b ? a : b; }
+
 static inline void working_layout_init(WorkingLayout *w, const ModelShape *m, int micro_batch_size, int seq_len,
-                                       int uses_fp8) {
+                                       int fp8_gemms, int coat_residual) {
     size_t H = (size_t)m->dim, I = (size_t)m->ffn_dim, hd = (size_t)model_head_dim(m), NH = (size_t)m->n_heads;
     size_t qkv = (NH + 2 * (size_t)m->n_kv_heads) * hd, attn = NH * hd;
     size_t tokens = (size_t)micro_batch_size * (size_t)seq_len;
-    // Backward holds d_swiglu [I] beside d_gate_up [2I], or d_attn_out beside d_qkv.
+    // Backward holds d_swiglu [I] beside d_gate_up [2I], or d_attn_out beside d_qkv; forward
+    // holds gate_up [2I] (before its 1x16 cast) beside swiglu_out [I].
     w->wide_elems_per_token = 3 * I > qkv + attn ? 3 * I : qkv + attn;
     w->logits_chunk_rows = tokens < CLASSIFIER_CHUNK_ROWS ? tokens : CLASSIFIER_CHUNK_ROWS;
     w->logits_stride = ((size_t)m->vocab_size + 7) / 8 * 8;
@@ -37,11 +57,18 @@ static inline void working_layout_init(WorkingLayout *w, const ModelShape *m, in
     // backward's partial sums, attention backward's row sums, the gradient norm's partials);
     // the model checks the real needs against it at start.
     w->kernel_scratch_bytes = tokens * (H / 4 + 4 * NH + 64) + (8u << 20);
-    // FP8 GEMM operands: one layer's weights and their transposes, an activation transpose, and
-    // the E5M2 output gradient with its transpose.
-    size_t layer_linear = H * (qkv + attn + 3 * I);
-    size_t widest_in = I > H ? I : H, widest_out = 2 * I > qkv ? 2 * I : qkv;
-    w->fp8_casts_bytes = uses_fp8 ? 2 * layer_linear + tokens * (widest_in + 2 * widest_out) : 0;
+    size_t in[4], out[4], widest_in = 0, widest_out = 0, layer_linear = 0;
+    linear_shapes(m, in, out);
+    for (int i = 0; i < 4; i++) {
+        widest_in = max_size(widest_in, in[i]);
+        widest_out = max_size(widest_out, out[i]);
+        layer_linear += in[i] * out[i];
+    }
+    w->residual_bytes = coat_residual ? 2 * tokens * H : 0;
+    w->fp8_input_bytes = fp8_gemms ? tokens * widest_in : 0;
+    w->fp8_grad_bytes = fp8_gemms ? tokens * widest_out : 0;
+    w->fp8_weights_bytes = fp8_gemms ? 2 * layer_linear * (size_t)m->n_layers : 0;
+    w->fp8_scales_bytes = fp8_gemms ? FP8_SCALE_BYTES * FP8_SCALES_PER_LAYER * (size_t)m->n_layers : 0;
     size_t at = 0;
     w->branch = at;         at += align256(2 * tokens * H);
     w->d_residual = at;     at += align256(2 * tokens * H);
@@ -50,7 +77,12 @@ static inline void working_layout_init(WorkingLayout *w, const ModelShape *m, in
     w->rope_sin = at;       at += align256(4 * (size_t)seq_len * hd / 2);
     w->logits = at;         at += align256(2 * w->logits_chunk_rows * w->logits_stride);
     w->kernel_scratch = at; at += align256(w->kernel_scratch_bytes);
-    w->fp8_casts = at;      at += align256(w->fp8_casts_bytes);
+    w->residual = at;       at += align256(w->residual_bytes);
+    w->fp8_input = at;      at += align256(w->fp8_input_bytes);
+    w->fp8_grad = at;       at += align256(w->fp8_grad_bytes);
+    w->fp8_grad_t = at;     at += align256(w->fp8_grad_bytes);
+    w->fp8_weights = at;    at += align256(w->fp8_weights_bytes);
+    w->fp8_scales = at;     at += align256(w->fp8_scales_bytes);
     w->small = at;          at += 256;
     w->total_bytes = at;
 }
@@ -111,7 +143,7 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
 
     plan->activations_bytes = (size_t)m->n_layers * activation_layer_bytes(m, acts, tokens) + final_activation_bytes(m, tokens);
     WorkingLayout working;
-    working_layout_init(&working, m, micro_batch_size, c->seq_len, acts != ACTS_BF16 || c->precision != PRECISION_BF16);
+    working_layout_init(&working, m, micro_batch_size, c->seq_len, c->precision != PRECISION_BF16, acts == ACTS_COAT);
     plan->working_bytes = working.total_bytes + CUBLASLT_WORKSPACE_BYTES;
     plan->total_bytes = plan->params_bytes + plan->grads_bytes + plan->master_bytes + plan->states_bytes +
                         plan->activations_bytes + plan->working_bytes;

@@ -1,12 +1,17 @@
 // The Llama model on the GPU: parameter, gradient, activation and working buffers (one
 // allocation each, laid out by coat/params.h, coat/activations.h and coat/memory_plan.h) and
-// the forward and backward passes of one micro-batch.
+// the forward and backward passes of one micro-batch, in BF16 or with FP8 GEMMs and FP8
+// activation storage (COAT_SPEC.md).
 //   x = embed(tokens); per layer: x += Wo attn(rope(Wqkv rmsnorm(x)));
 //                                 x += Wdown (silu(Wgate h) * Wup h), h = rmsnorm(x)
 //   loss = mean cross-entropy(Wlm rmsnorm(x), targets)
 // Activations are [N = B*T, features] row-major; qkv rows hold the q heads, then k, then v.
 // The wq/wk/wv and w_gate/w_up weights sit back to back in the parameter buffer, so each pair
-// of projections is one GEMM.
+// of projections is one GEMM: a block has four linear layers (Linear), each run by
+// linear_forward / linear_backward in the model's GEMM precision. With FP8 GEMMs every input
+// is cast to E4M3 per tensor just in time (its producer gathers the amax), output gradients to
+// E5M2 with their transposes, and the weights to E4M3 with their transposes once per optimizer
+// step; the embedding, the norms' math, attention, the lm_head and the loss stay BF16/FP32.
 #pragma once
 #include "activations.h"
 #include "attention.cuh"
@@ -14,6 +19,7 @@
 #include "common.cuh"
 #include "config.h"
 #include "embedding.cuh"
+#include "fp8.cuh"
 #include "matmul.cuh"
 #include "memory_plan.h"
 #include "op_timer.cuh"
@@ -22,20 +28,57 @@
 #include "rope.cuh"
 #include "swiglu.cuh"
 
+typedef enum { LINEAR_QKV, LINEAR_OUT, LINEAR_GATE_UP, LINEAR_DOWN, LINEARS } Linear;
+
+// The precision choices the model is built for (config.h resolves them from the config).
+typedef struct {
+    int fp8_gemms;              // FP8 GEMMs for the block's linear layers
+    ActivationsChoice activations;
+    int fast_accumulation;      // Hopper's FP8 fast accumulation
+} ModelPrecision;
+
+static inline ModelPrecision model_precision_bf16(void) {
+    ModelPrecision p = {0, ACTS_BF16, 0};
+    return p;
+}
+
+// One saved activation as the kernels read it: BF16 or FP32 data, the FP8 transpose of a
+// linear layer's input (its scale is the layer's input entry of the FP8 scale table), or 1x16
+// E4M3 groups (codes and scales).
+typedef struct {
+    ActivationStorage storage;
+    void *data;
+    Fp8Groups groups;  // STORE_E4M3_GROUP16 only
+} SavedTensor;
+
+// Per layer, the FP8 scale table holds the input, the output gradient and the weight of each
+// linear layer, in that order.
+typedef enum { FP8_SLOT_INPUT = 0, FP8_SLOT_GRAD = LINEARS, FP8_SLOT_WEIGHT = 2 * LINEARS } Fp8SlotGroup;
+
 typedef struct {
     ModelShape shape;
     ParamLayout layout;
+    ModelPrecision precision;
     int B, T;
     bf16 *params, *grads;          // layout.total_padded each
     char *activations;             // saved for backward
     size_t activations_bytes;
-    void **saved;                  // [n_layers][ACT_LAYER_KINDS] pointers into activations
+    SavedTensor *saved;            // [n_layers][ACT_LAYER_KINDS] views into activations
     bf16 *final_residual, *final_norm_out;
     float *final_rstd, *losses;
     int *tokens, *targets;
     char *working;
     WorkingLayout working_layout;
-    bf16 *branch, *d_residual, *wide, *logits;
+    bf16 *branch;                  // forward: a linear layer's output, then the next norm's output; backward: d(norm out)
+    bf16 *d_residual;
+    bf16 *wide;                    // forward: gate_up (before its 1x16 cast) and swiglu_out; backward: their gradients
+    bf16 *logits;
+    bf16 *residual;                // COAT activations: the BF16 residual stream (NULL otherwise)
+    uint8_t *fp8_input;            // E4M3 input of the current FP8 GEMM, or in backward a remade input transpose
+    uint8_t *fp8_grad, *fp8_grad_t;  // E5M2 output gradient [N, out] and its transpose [out, N]
+    uint8_t *fp8_weights;          // per layer and linear: W [out, in] then W^T [in, out], E4M3
+    Fp8Scale *fp8_scales;          // [n_layers][FP8_SCALES_PER_LAYER]
+    int fp8_weights_current;       // the FP8 weights were cast from the present BF16 weights
     float *rope_cos, *rope_sin;
     float *mean_loss, *grad_norm_squared;  // device scalars
     void *kernel_scratch;
@@ -48,11 +91,21 @@ static inline bf16 *model_param(const LlamaModel *model, ParamKind kind, int lay
 static inline bf16 *model_grad(const LlamaModel *model, ParamKind kind, int layer) {
     return model->grads + param_offset(&model->layout, kind, layer);
 }
+static inline const SavedTensor *model_saved_tensor(const LlamaModel *model, int layer, LayerActivation kind) {
+    return &model->saved[layer * ACT_LAYER_KINDS + kind];
+}
 static inline bf16 *model_saved(const LlamaModel *model, int layer, LayerActivation kind) {
-    return (bf16 *)model->saved[layer * ACT_LAYER_KINDS + kind];
+    return (bf16 *)model_saved_tensor(model, layer, kind)->data;
 }
 static inline float *model_saved_f32(const LlamaModel *model, int layer, LayerActivation kind) {
-    return (float *)model->saved[layer * ACT_LAYER_KINDS + kind];
+    return (float *)model_saved_tensor(model, layer, kind)->data;
+}
+// The 1x16 copy of a saved activation (codes NULL when it is stored otherwise).
+static inline Fp8Groups model_saved_groups(const LlamaModel *model, int layer, LayerActivation kind) {
+    return model_saved_tensor(model, layer, kind)->groups;
+}
+static inline Fp8Scale *model_fp8_scale(const LlamaModel *model, int layer, Fp8SlotGroup group, Linear which) {
+    return model->precision.fp8_gemms ? model->fp8_scales + (size_t)layer * FP8_SCALES_PER_LAYER + group + which : NULL;
 }
 
 // What the kernels ask of the scratch buffer for this shape; checked against the plan at start.
@@ -76,13 +129,31 @@ static inline void *model_alloc(size_t bytes, const char *what) {
     return p;
 }
 
-// Allocates every buffer for micro-batches of B sequences of T tokens. Only BF16 activation
-// storage is built here; the caller refuses other modes before.
-static inline void model_create(LlamaModel *model, const ModelShape *shape, int B, int T) {
+// Why this shape cannot run in this precision, or NULL: FP8 GEMMs need K and N multiples of 16
+// and transposes need the token count a multiple of 16; 1x16 groups need rows of whole groups.
+static inline const char *model_precision_unsupported(const ModelShape *shape, int B, int T, ModelPrecision p) {
+    if (p.activations != ACTS_BF16 && !p.fp8_gemms)
+        return "FP8 activation storage needs FP8 GEMMs (precision fp8 or coat): BF16 GEMMs read BF16 inputs";
+    if (!p.fp8_gemms) return NULL;
+    if (shape->dim % 16 != 0 || shape->ffn_dim % 16 != 0 || model_head_dim(shape) % 16 != 0)
+        return "FP8 GEMMs need dim, ffn_dim and head_dim multiples of 16";
+    if (((size_t)B * T) % 16 != 0) return "FP8 weight gradients need micro_batch_size x seq_len a multiple of 16";
+    return NULL;
+}
+
+// Allocates every buffer for micro-batches of B sequences of T tokens, in `precision` (the
+// caller refuses what model_precision_unsupported names). Exactly the buffers of the memory plan.
+static inline void model_create(LlamaModel *model, const ModelShape *shape, int B, int T, ModelPrecision precision) {
     memset(model, 0, sizeof(*model));
     model->shape = *shape;
+    model->precision = precision;
     model->B = B;
     model->T = T;
+    const char *unsupported = model_precision_unsupported(shape, B, T, precision);
+    if (unsupported != NULL) {
+        fprintf(stderr, "error: model_create: %s\n", unsupported);
+        exit(EXIT_FAILURE);
+    }
     param_layout_init(&model->layout, shape);
     size_t N = (size_t)B * T, L = (size_t)shape->n_layers;
     model->params = (bf16 *)model_alloc(2 * model->layout.total_padded, "parameters");
@@ -90,16 +161,24 @@ static inline void model_create(LlamaModel *model, const ModelShape *shape, int 
     cudaCheck(cudaMemset(model->grads, 0, 2 * model->layout.total_padded));
 
     ActivationInfo table[ACT_LAYER_KINDS];
-    activation_table(table, shape, ACTS_BF16);
-    size_t per_layer = activation_layer_bytes(shape, ACTS_BF16, N);
+    activation_table(table, shape, precision.activations);
+    size_t per_layer = activation_layer_bytes(shape, precision.activations, N);
     model->activations_bytes = L * per_layer + final_activation_bytes(shape, N);
     model->activations = (char *)model_alloc(model->activations_bytes, "activations");
-    model->saved = (void **)malloc(L * ACT_LAYER_KINDS * sizeof(void *));
+    model->saved = (SavedTensor *)calloc(L * ACT_LAYER_KINDS, sizeof(SavedTensor));
+    if (model->saved == NULL) {
+        fprintf(stderr, "error: out of host memory (activation table)\n");
+        exit(EXIT_FAILURE);
+    }
     char *at = model->activations;
     for (size_t l = 0; l < L; l++)
         for (int k = 0; k < ACT_LAYER_KINDS; k++) {
-            model->saved[l * ACT_LAYER_KINDS + k] = at;
-            at += align256(activation_bytes(table[k].storage, table[k].per_token * N));
+            SavedTensor *t = &model->saved[l * ACT_LAYER_KINDS + k];
+            size_t elems = table[k].per_token * N;
+            t->storage = table[k].storage;
+            t->data = at;
+            if (t->storage == STORE_E4M3_GROUP16) t->groups = Fp8Groups{(uint8_t *)at, (float *)(at + elems)};
+            at += align256(activation_bytes(table[k].storage, elems));
         }
     size_t H = (size_t)shape->dim;
     model->final_residual = (bf16 *)at;   at += align256(2 * N * H);
@@ -110,7 +189,7 @@ static inline void model_create(LlamaModel *model, const ModelShape *shape, int 
     model->targets = (int *)at;
 
     WorkingLayout *w = &model->working_layout;
-    working_layout_init(w, shape, B, T, 0);
+    working_layout_init(w, shape, B, T, precision.fp8_gemms, precision.activations == ACTS_COAT);
     size_t scratch_needed = model_kernel_scratch_needed(shape, B, T);
     if (scratch_needed > w->kernel_scratch_bytes) {
         fprintf(stderr, "error: kernels need %zu bytes of scratch, the memory plan reserves %zu\n", scratch_needed,
@@ -125,11 +204,22 @@ static inline void model_create(LlamaModel *model, const ModelShape *shape, int 
     model->rope_sin = (float *)(model->working + w->rope_sin);
     model->logits = (bf16 *)(model->working + w->logits);
     model->kernel_scratch = model->working + w->kernel_scratch;
+    model->residual = w->residual_bytes ? (bf16 *)(model->working + w->residual) : NULL;
+    model->fp8_input = (uint8_t *)(model->working + w->fp8_input);
+    model->fp8_grad = (uint8_t *)(model->working + w->fp8_grad);
+    model->fp8_grad_t = (uint8_t *)(model->working + w->fp8_grad_t);
+    model->fp8_weights = (uint8_t *)(model->working + w->fp8_weights);
+    model->fp8_scales = (Fp8Scale *)(model->working + w->fp8_scales);
     model->mean_loss = (float *)(model->working + w->small);
     model->grad_norm_squared = model->mean_loss + 1;
+    if (w->fp8_scales_bytes) cudaCheck(cudaMemset(model->fp8_scales, 0, w->fp8_scales_bytes));
 
     size_t table_elems = (size_t)T * model_head_dim(shape) / 2;
     float *cos_host = (float *)malloc(table_elems * sizeof(float)), *sin_host = (float *)malloc(table_elems * sizeof(float));
+    if (cos_host == NULL || sin_host == NULL) {
+        fprintf(stderr, "error: out of host memory (RoPE tables)\n");
+        exit(EXIT_FAILURE);
+    }
     rope_table_init(cos_host, sin_host, T, shape);
     cudaCheck(cudaMemcpy(model->rope_cos, cos_host, table_elems * sizeof(float), cudaMemcpyHostToDevice));
     cudaCheck(cudaMemcpy(model->rope_sin, sin_host, table_elems * sizeof(float), cudaMemcpyHostToDevice));
@@ -145,7 +235,150 @@ static inline void model_free(LlamaModel *model) {
     free(model->saved);
 }
 
+// Bytes of GPU memory the model allocates (what the memory plan counts for it).
+static inline size_t model_allocated_bytes(const LlamaModel *model) {
+    return 2 * 2 * model->layout.total_padded + model->activations_bytes + model->working_layout.total_bytes;
+}
+
+// The BF16 weights changed (an optimizer step, a load): the FP8 copies are cast again before
+// the next forward pass.
+static inline void model_weights_changed(LlamaModel *model) { model->fp8_weights_current = 0; }
+
 static inline int model_qkv_dim(const ModelShape *m) { return (m->n_heads + 2 * m->n_kv_heads) * model_head_dim(m); }
+
+// ---- the linear layers ------------------------------------------------------------------
+
+static inline ParamKind linear_weight_kind(Linear which) {
+    static const ParamKind kinds[LINEARS] = {PARAM_WQ, PARAM_WO, PARAM_W_GATE, PARAM_W_DOWN};
+    return kinds[which];
+}
+
+// The saved activation that is the linear layer's input.
+static inline LayerActivation linear_input_activation(Linear which) {
+    static const LayerActivation kinds[LINEARS] = {ACT_ATTN_NORM_OUT, ACT_ATTN_OUT, ACT_MLP_NORM_OUT, ACT_SWIGLU_OUT};
+    return kinds[which];
+}
+
+typedef struct {
+    int in, out;
+} LinearShape;
+
+static inline LinearShape linear_shape(const LlamaModel *model, Linear which) {
+    size_t in[4], out[4];
+    linear_shapes(&model->shape, in, out);
+    LinearShape shape = {(int)in[which], (int)out[which]};
+    return shape;
+}
+
+// E4M3 copies of the weight W [out, in] and its transpose [in, out].
+static inline uint8_t *linear_fp8_weight(const LlamaModel *model, int layer, Linear which, int transposed) {
+    size_t in[4], out[4], at = 0, per_layer = 0;
+    linear_shapes(&model->shape, in, out);
+    for (int i = 0; i < LINEARS; i++) {
+        if (i < (int)which) at += 2 * in[i] * out[i];
+        per_layer += 2 * in[i] * out[i];
+    }
+    return model->fp8_weights + (size_t)layer * per_layer + at + (transposed ? in[which] * out[which] : 0);
+}
+
+// Where the forward pass writes a linear layer's BF16 input: the saved tensor when it is
+// saved in BF16, else a working buffer that the FP8 cast reads.
+static inline bf16 *linear_input_bf16(const LlamaModel *model, int layer, Linear which) {
+    const SavedTensor *t = model_saved_tensor(model, layer, linear_input_activation(which));
+    if (t->storage == STORE_BF16) return (bf16 *)t->data;
+    if (which == LINEAR_DOWN) return model->wide + (size_t)model->B * model->T * 2 * model->shape.ffn_dim;
+    return model->branch;  // the norm outputs: the norm reads branch's row before writing it
+}
+
+// The slot that gathers the amax of a linear layer's input (NULL with BF16 GEMMs).
+static inline Fp8Scale *linear_input_amax(const LlamaModel *model, int layer, Linear which) {
+    return model_fp8_scale(model, layer, FP8_SLOT_INPUT, which);
+}
+
+// Casts every layer's weights to E4M3 and their transposes (FP8 GEMMs, once per optimizer step).
+static inline void model_cast_weights(LlamaModel *model, cudaStream_t s) {
+    for (int l = 0; l < model->shape.n_layers; l++)
+        for (int i = 0; i < LINEARS; i++) {
+            Linear which = (Linear)i;
+            LinearShape shape = linear_shape(model, which);
+            Fp8Scale *slot = model_fp8_scale(model, l, FP8_SLOT_WEIGHT, which);
+            const bf16 *weight = model_param(model, linear_weight_kind(which), l);
+            cudaCheck(cudaMemsetAsync(slot, 0, sizeof(Fp8Scale), s));
+            fp8_amax(slot, weight, (size_t)shape.out * shape.in, s);
+            fp8_quantize(linear_fp8_weight(model, l, which, 0), linear_fp8_weight(model, l, which, 1), slot, weight,
+                         shape.out, shape.in, FP8_E4M3, s);
+        }
+    model->fp8_weights_current = 1;
+}
+
+// out[N, out] = x W^T, x the layer's input written at linear_input_bf16 (with FP8 GEMMs its amax
+// already gathered): the input is cast here, and its transpose saved when the table says so.
+static inline void linear_forward(GpuContext *gpu, LlamaModel *model, int layer, Linear which, bf16 *out) {
+    int N = model->B * model->T;
+    LinearShape shape = linear_shape(model, which);
+    const bf16 *x = linear_input_bf16(model, layer, which);
+    if (!model->precision.fp8_gemms) {
+        matmul_forward(gpu, out, x, model_param(model, linear_weight_kind(which), layer), N, shape.in, shape.out, false);
+        return;
+    }
+    const SavedTensor *saved = model_saved_tensor(model, layer, linear_input_activation(which));
+    Fp8Scale *in_slot = linear_input_amax(model, layer, which);
+    fp8_quantize(model->fp8_input, saved->storage == STORE_E4M3_TENSOR ? (uint8_t *)saved->data : NULL, in_slot, x, N,
+                 shape.in, FP8_E4M3, gpu->stream);
+    op_timer_mark(model->timer, "fp8 cast of a linear input (+ saved transpose)", gpu->stream);
+    matmul_forward_fp8(gpu, out, (const __nv_fp8_e4m3 *)model->fp8_input, &in_slot->scale,
+                       (const __nv_fp8_e4m3 *)linear_fp8_weight(model, layer, which, 0),
+                       &model_fp8_scale(model, layer, FP8_SLOT_WEIGHT, which)->scale, N, shape.in, shape.out, false,
+                       model->precision.fast_accumulation);
+}
+
+// For dy [N, out] (BF16; with FP8 GEMMs its amax gathered in the layer's gradient slot):
+// dW += dy^T x and dx[N, in] = dy W (written, not accumulated).
+static inline void linear_backward(GpuContext *gpu, LlamaModel *model, int layer, Linear which, bf16 *dx, const bf16 *dy) {
+    int N = model->B * model->T;
+    LinearShape shape = linear_shape(model, which);
+    bf16 *dweight = model_grad(model, linear_weight_kind(which), layer);
+    const SavedTensor *saved = model_saved_tensor(model, layer, linear_input_activation(which));
+    if (!model->precision.fp8_gemms) {
+        const bf16 *weight = model_param(model, linear_weight_kind(which), layer);
+        matmul_backward_weight(gpu, dweight, dy, (const bf16 *)saved->data, N, shape.in, shape.out, true);
+        matmul_backward_input(gpu, dx, dy, weight, N, shape.in, shape.out, false);
+        return;
+    }
+    cudaStream_t s = gpu->stream;
+    bool fast = model->precision.fast_accumulation;
+    Fp8Scale *grad_slot = model_fp8_scale(model, layer, FP8_SLOT_GRAD, which);
+    Fp8Scale *in_slot = linear_input_amax(model, layer, which);
+    fp8_quantize(model->fp8_grad, model->fp8_grad_t, grad_slot, dy, N, shape.out, FP8_E5M2, s);
+    op_timer_mark(model->timer, "fp8 cast of an output gradient (+ transpose)", s);
+    const uint8_t *x_t = (const uint8_t *)saved->data;
+    if (saved->storage == STORE_BF16) {  // remade from the saved BF16 input with the forward's amax
+        fp8_quantize(NULL, model->fp8_input, in_slot, (const bf16 *)saved->data, N, shape.in, FP8_E4M3, s);
+        op_timer_mark(model->timer, "fp8 transpose of a BF16-saved input", s);
+        x_t = model->fp8_input;
+    }
+    matmul_backward_weight_fp8(gpu, dweight, DTYPE_BF16, (const __nv_fp8_e5m2 *)model->fp8_grad_t, &grad_slot->scale,
+                               (const __nv_fp8_e4m3 *)x_t, &in_slot->scale, N, shape.in, shape.out, true, fast);
+    matmul_backward_input_fp8(gpu, dx, (const __nv_fp8_e5m2 *)model->fp8_grad, &grad_slot->scale,
+                              (const __nv_fp8_e4m3 *)linear_fp8_weight(model, layer, which, 1),
+                              &model_fp8_scale(model, layer, FP8_SLOT_WEIGHT, which)->scale, N, shape.in, shape.out,
+                              false, fast);
+}
+
+// ---- forward and backward ---------------------------------------------------------------
+
+// Runs one op and charges its GPU time to `name` when profiling.
+#define TIMED(name, ...)                                      \
+    do {                                                      \
+        __VA_ARGS__;                                          \
+        op_timer_mark(model->timer, name, s);                 \
+    } while (0)
+
+// The residual stream around layer l: BF16 where the next op reads it (COAT: one working
+// buffer, updated in place), and its saved 1x16 copy (codes NULL when saved in BF16).
+static inline bf16 *model_residual(const LlamaModel *model, int layer, LayerActivation kind) {
+    return model->residual != NULL ? model->residual : model_saved(model, layer, kind);
+}
 
 // Forward pass of one micro-batch whose tokens and targets are already in model->tokens and
 // model->targets. Leaves the per-token losses in model->losses; when backward is set, the
@@ -153,51 +386,62 @@ static inline int model_qkv_dim(const ModelShape *m) { return (m->n_heads + 2 * 
 // lm_head's weight gradient, scaled by dloss.
 static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backward, float dloss) {
     const ModelShape *m = &model->shape;
-    int B = model->B, T = model->T, N = B * T, H = m->dim, I = m->ffn_dim, hd = model_head_dim(m);
-    int QKV = model_qkv_dim(m), A = m->n_heads * hd, L = m->n_layers;
+    int B = model->B, T = model->T, N = B * T, H = m->dim, I = m->ffn_dim, hd = model_head_dim(m), L = m->n_layers;
+    float eps = m->norm_eps;
     cudaStream_t s = gpu->stream;
+    if (model->precision.fp8_gemms) {
+        if (!model->fp8_weights_current) TIMED("fp8 cast of the weights (once per step)", model_cast_weights(model, s));
+        // Every activation and gradient amax starts from zero; the weights' entries are kept.
+        for (int l = 0; l < L; l++)
+            cudaCheck(cudaMemsetAsync(model_fp8_scale(model, l, FP8_SLOT_INPUT, LINEAR_QKV), 0,
+                                      FP8_SLOT_WEIGHT * sizeof(Fp8Scale), s));
+    }
 
-    embedding_forward(model_saved(model, 0, ACT_RESIDUAL_IN), model->tokens, model_param(model, PARAM_EMBEDDING, 0), N, H, s);
-    op_timer_mark(model->timer, "embedding forward", s);
-    rmsnorm_forward(model_saved(model, 0, ACT_ATTN_NORM_OUT), model_saved_f32(model, 0, ACT_ATTN_RSTD),
-                    model_saved(model, 0, ACT_RESIDUAL_IN), model_param(model, PARAM_ATTN_NORM, 0), N, H, m->norm_eps, s);
-    op_timer_mark(model->timer, "rmsnorm forward", s);
+    TIMED("embedding forward",
+          embedding_forward(model_residual(model, 0, ACT_RESIDUAL_IN), model->tokens, model_param(model, PARAM_EMBEDDING, 0), N, H, s));
+    TIMED("rmsnorm forward",
+          residual_rmsnorm_forward(NULL, linear_input_bf16(model, 0, LINEAR_QKV), model_saved_f32(model, 0, ACT_ATTN_RSTD),
+                                   model_residual(model, 0, ACT_RESIDUAL_IN), NULL, model_param(model, PARAM_ATTN_NORM, 0),
+                                   N, H, eps, s, model_saved_groups(model, 0, ACT_RESIDUAL_IN),
+                                   linear_input_amax(model, 0, LINEAR_QKV)));
     for (int l = 0; l < L; l++) {
         bf16 *qkv = model_saved(model, l, ACT_QKV), *attn_out = model_saved(model, l, ACT_ATTN_OUT);
-        matmul_forward(gpu, qkv, model_saved(model, l, ACT_ATTN_NORM_OUT), model_param(model, PARAM_WQ, l), N, H, QKV, false);
-        op_timer_mark(model->timer, "matmul qkv forward", s);
-        rope_forward(qkv, model->rope_cos, model->rope_sin, B, T, m->n_heads, m->n_kv_heads, hd, s);
-        op_timer_mark(model->timer, "rope forward", s);
-        attention_forward(attn_out, model_saved_f32(model, l, ACT_ATTN_LSE), qkv, B, T, m->n_heads, m->n_kv_heads, hd, s);
-        op_timer_mark(model->timer, "attention forward", s);
-        matmul_forward(gpu, model->branch, attn_out, model_param(model, PARAM_WO, l), N, A, H, false);
-        op_timer_mark(model->timer, "matmul attention output forward", s);
-        residual_rmsnorm_forward(model_saved(model, l, ACT_RESIDUAL_MID), model_saved(model, l, ACT_MLP_NORM_OUT),
-                                 model_saved_f32(model, l, ACT_MLP_RSTD), model_saved(model, l, ACT_RESIDUAL_IN),
-                                 model->branch, model_param(model, PARAM_MLP_NORM, l), N, H, m->norm_eps, s);
-        op_timer_mark(model->timer, "residual + rmsnorm forward", s);
-        bf16 *gate_up = model_saved(model, l, ACT_GATE_UP), *swiglu_out = model_saved(model, l, ACT_SWIGLU_OUT);
-        matmul_forward(gpu, gate_up, model_saved(model, l, ACT_MLP_NORM_OUT), model_param(model, PARAM_W_GATE, l), N, H, 2 * I, false);
-        op_timer_mark(model->timer, "matmul gate_up forward", s);
-        swiglu_forward(swiglu_out, gate_up, N, I, s);
-        op_timer_mark(model->timer, "swiglu forward", s);
-        matmul_forward(gpu, model->branch, swiglu_out, model_param(model, PARAM_W_DOWN, l), N, I, H, false);
-        op_timer_mark(model->timer, "matmul down forward", s);
-        // The next block's attention norm (or the final norm) is fused with this residual add.
+        TIMED("matmul qkv forward", linear_forward(gpu, model, l, LINEAR_QKV, qkv));
+        TIMED("rope forward", rope_forward(qkv, model->rope_cos, model->rope_sin, B, T, m->n_heads, m->n_kv_heads, hd, s));
+        TIMED("attention forward", attention_forward(attn_out, model_saved_f32(model, l, ACT_ATTN_LSE), qkv, B, T,
+                                                     m->n_heads, m->n_kv_heads, hd, s));
+        if (model->precision.fp8_gemms)
+            TIMED("fp8 amax of the attention output",
+                  fp8_amax(linear_input_amax(model, l, LINEAR_OUT), attn_out, (size_t)N * m->n_heads * hd, s));
+        TIMED("matmul attention output forward", linear_forward(gpu, model, l, LINEAR_OUT, model->branch));
+        TIMED("residual + rmsnorm forward",
+              residual_rmsnorm_forward(model_residual(model, l, ACT_RESIDUAL_MID), linear_input_bf16(model, l, LINEAR_GATE_UP),
+                                       model_saved_f32(model, l, ACT_MLP_RSTD), model_residual(model, l, ACT_RESIDUAL_IN),
+                                       model->branch, model_param(model, PARAM_MLP_NORM, l), N, H, eps, s,
+                                       model_saved_groups(model, l, ACT_RESIDUAL_MID), linear_input_amax(model, l, LINEAR_GATE_UP)));
+        Fp8Groups gate_up_copy = model_saved_groups(model, l, ACT_GATE_UP);
+        bf16 *gate_up = gate_up_copy.codes != NULL ? model->wide : model_saved(model, l, ACT_GATE_UP);
+        TIMED("matmul gate_up forward", linear_forward(gpu, model, l, LINEAR_GATE_UP, gate_up));
+        TIMED("swiglu forward", swiglu_forward(linear_input_bf16(model, l, LINEAR_DOWN), gate_up, N, I, s, gate_up_copy,
+                                               linear_input_amax(model, l, LINEAR_DOWN)));
+        TIMED("matmul down forward", linear_forward(gpu, model, l, LINEAR_DOWN, model->branch));
+        // The next block's attention norm (or the final norm, BF16 in every mode) is fused with this residual add.
         int last = l == L - 1;
-        residual_rmsnorm_forward(last ? model->final_residual : model_saved(model, l + 1, ACT_RESIDUAL_IN),
-                                 last ? model->final_norm_out : model_saved(model, l + 1, ACT_ATTN_NORM_OUT),
-                                 last ? model->final_rstd : model_saved_f32(model, l + 1, ACT_ATTN_RSTD),
-                                 model_saved(model, l, ACT_RESIDUAL_MID), model->branch,
-                                 last ? model_param(model, PARAM_FINAL_NORM, 0) : model_param(model, PARAM_ATTN_NORM, l + 1),
-                                 N, H, m->norm_eps, s);
-        op_timer_mark(model->timer, "residual + rmsnorm forward", s);
+        TIMED("residual + rmsnorm forward",
+              residual_rmsnorm_forward(last ? model->final_residual : model_residual(model, l + 1, ACT_RESIDUAL_IN),
+                                       last ? model->final_norm_out : linear_input_bf16(model, l + 1, LINEAR_QKV),
+                                       last ? model->final_rstd : model_saved_f32(model, l + 1, ACT_ATTN_RSTD),
+                                       model_residual(model, l, ACT_RESIDUAL_MID), model->branch,
+                                       last ? model_param(model, PARAM_FINAL_NORM, 0) : model_param(model, PARAM_ATTN_NORM, l + 1),
+                                       N, H, eps, s,
+                                       last ? Fp8Groups{NULL, NULL} : model_saved_groups(model, l + 1, ACT_RESIDUAL_IN),
+                                       last ? NULL : linear_input_amax(model, l + 1, LINEAR_QKV)));
     }
-    classifier_forward_backward(gpu, model->losses, backward ? model->branch : NULL,
-                                backward ? model_grad(model, PARAM_LM_HEAD, 0) : NULL, model->final_norm_out,
-                                model_param(model, PARAM_LM_HEAD, 0), model->targets, N, H, m->vocab_size, dloss,
-                                model->logits, (int)model->working_layout.logits_chunk_rows);
-    op_timer_mark(model->timer, "classifier (lm_head + cross-entropy)", s);
+    TIMED("classifier (lm_head + cross-entropy)",
+          classifier_forward_backward(gpu, model->losses, backward ? model->branch : NULL,
+                                      backward ? model_grad(model, PARAM_LM_HEAD, 0) : NULL, model->final_norm_out,
+                                      model_param(model, PARAM_LM_HEAD, 0), model->targets, N, H, m->vocab_size, dloss,
+                                      model->logits, (int)model->working_layout.logits_chunk_rows));
 }
 
 // Backward pass after model_forward(backward = 1): adds every parameter's gradient into
@@ -211,46 +455,42 @@ static inline void model_backward(GpuContext *gpu, LlamaModel *model) {
     bf16 *d_norm = model->branch;  // the classifier left d(final norm output) here
     bf16 *d_residual = model->d_residual;
 
-    cudaCheck(cudaMemsetAsync(d_residual, 0, (size_t)N * H * sizeof(bf16), s));
-    op_timer_mark(model->timer, "zero d_residual", s);
-    rmsnorm_backward(d_residual, model_grad(model, PARAM_FINAL_NORM, 0), scratch, d_norm, model->final_residual,
-                     model_param(model, PARAM_FINAL_NORM, 0), model->final_rstd, N, H, s);
-    op_timer_mark(model->timer, "rmsnorm backward", s);
+    TIMED("zero d_residual", cudaCheck(cudaMemsetAsync(d_residual, 0, (size_t)N * H * sizeof(bf16), s)));
+    TIMED("rmsnorm backward",
+          rmsnorm_backward(d_residual, model_grad(model, PARAM_FINAL_NORM, 0), scratch, d_norm, model->final_residual,
+                           model_param(model, PARAM_FINAL_NORM, 0), model->final_rstd, N, H, s, Fp8Groups{NULL, NULL},
+                           model_fp8_scale(model, L - 1, FP8_SLOT_GRAD, LINEAR_DOWN)));
     for (int l = L - 1; l >= 0; l--) {
         // MLP block: x_out = x_mid + Wdown swiglu(Wgate_up rmsnorm(x_mid))
         bf16 *d_swiglu = model->wide, *d_gate_up = model->wide + (size_t)N * I;
-        matmul_backward_weight(gpu, model_grad(model, PARAM_W_DOWN, l), d_residual, model_saved(model, l, ACT_SWIGLU_OUT), N, I, H, true);
-        op_timer_mark(model->timer, "matmul down wgrad", s);
-        matmul_backward_input(gpu, d_swiglu, d_residual, model_param(model, PARAM_W_DOWN, l), N, I, H, false);
-        op_timer_mark(model->timer, "matmul down dgrad", s);
-        swiglu_backward(d_gate_up, d_swiglu, model_saved(model, l, ACT_GATE_UP), N, I, s);
-        op_timer_mark(model->timer, "swiglu backward", s);
-        matmul_backward_weight(gpu, model_grad(model, PARAM_W_GATE, l), d_gate_up, model_saved(model, l, ACT_MLP_NORM_OUT), N, H, 2 * I, true);
-        op_timer_mark(model->timer, "matmul gate_up wgrad", s);
-        matmul_backward_input(gpu, d_norm, d_gate_up, model_param(model, PARAM_W_GATE, l), N, H, 2 * I, false);
-        op_timer_mark(model->timer, "matmul gate_up dgrad", s);
-        rmsnorm_backward(d_residual, model_grad(model, PARAM_MLP_NORM, l), scratch, d_norm, model_saved(model, l, ACT_RESIDUAL_MID),
-                         model_param(model, PARAM_MLP_NORM, l), model_saved_f32(model, l, ACT_MLP_RSTD), N, H, s);
-        op_timer_mark(model->timer, "rmsnorm backward", s);
+        TIMED("matmul down backward", linear_backward(gpu, model, l, LINEAR_DOWN, d_swiglu, d_residual));
+        TIMED("swiglu backward",
+              swiglu_backward(d_gate_up, d_swiglu, model_saved(model, l, ACT_GATE_UP), N, I, s,
+                              model_saved_groups(model, l, ACT_GATE_UP), model_fp8_scale(model, l, FP8_SLOT_GRAD, LINEAR_GATE_UP)));
+        TIMED("matmul gate_up backward", linear_backward(gpu, model, l, LINEAR_GATE_UP, d_norm, d_gate_up));
+        TIMED("rmsnorm backward",
+              rmsnorm_backward(d_residual, model_grad(model, PARAM_MLP_NORM, l), scratch, d_norm,
+                               model_saved(model, l, ACT_RESIDUAL_MID), model_param(model, PARAM_MLP_NORM, l),
+                               model_saved_f32(model, l, ACT_MLP_RSTD), N, H, s, model_saved_groups(model, l, ACT_RESIDUAL_MID),
+                               model_fp8_scale(model, l, FP8_SLOT_GRAD, LINEAR_OUT)));
         // Attention block: x_mid = x_in + Wo attention(rope(Wqkv rmsnorm(x_in)))
         bf16 *d_attn_out = model->wide, *d_qkv = model->wide + (size_t)N * A;
-        matmul_backward_weight(gpu, model_grad(model, PARAM_WO, l), d_residual, model_saved(model, l, ACT_ATTN_OUT), N, A, H, true);
-        op_timer_mark(model->timer, "matmul attention output wgrad", s);
-        matmul_backward_input(gpu, d_attn_out, d_residual, model_param(model, PARAM_WO, l), N, A, H, false);
-        op_timer_mark(model->timer, "matmul attention output dgrad", s);
-        attention_backward(d_qkv, scratch, d_attn_out, model_saved(model, l, ACT_QKV), model_saved(model, l, ACT_ATTN_OUT),
-                           model_saved_f32(model, l, ACT_ATTN_LSE), B, T, m->n_heads, m->n_kv_heads, hd, s);
-        op_timer_mark(model->timer, "attention backward", s);
-        rope_backward(d_qkv, model->rope_cos, model->rope_sin, B, T, m->n_heads, m->n_kv_heads, hd, s);
-        op_timer_mark(model->timer, "rope backward", s);
-        matmul_backward_weight(gpu, model_grad(model, PARAM_WQ, l), d_qkv, model_saved(model, l, ACT_ATTN_NORM_OUT), N, H, QKV, true);
-        op_timer_mark(model->timer, "matmul qkv wgrad", s);
-        matmul_backward_input(gpu, d_norm, d_qkv, model_param(model, PARAM_WQ, l), N, H, QKV, false);
-        op_timer_mark(model->timer, "matmul qkv dgrad", s);
-        rmsnorm_backward(d_residual, model_grad(model, PARAM_ATTN_NORM, l), scratch, d_norm, model_saved(model, l, ACT_RESIDUAL_IN),
-                         model_param(model, PARAM_ATTN_NORM, l), model_saved_f32(model, l, ACT_ATTN_RSTD), N, H, s);
-        op_timer_mark(model->timer, "rmsnorm backward", s);
+        TIMED("matmul attention output backward", linear_backward(gpu, model, l, LINEAR_OUT, d_attn_out, d_residual));
+        TIMED("attention backward",
+              attention_backward(d_qkv, scratch, d_attn_out, model_saved(model, l, ACT_QKV), model_saved(model, l, ACT_ATTN_OUT),
+                                 model_saved_f32(model, l, ACT_ATTN_LSE), B, T, m->n_heads, m->n_kv_heads, hd, s));
+        TIMED("rope backward", rope_backward(d_qkv, model->rope_cos, model->rope_sin, B, T, m->n_heads, m->n_kv_heads, hd, s));
+        if (model->precision.fp8_gemms)
+            TIMED("fp8 amax of the qkv gradient",
+                  fp8_amax(model_fp8_scale(model, l, FP8_SLOT_GRAD, LINEAR_QKV), d_qkv, (size_t)N * QKV, s));
+        TIMED("matmul qkv backward", linear_backward(gpu, model, l, LINEAR_QKV, d_norm, d_qkv));
+        TIMED("rmsnorm backward",
+              rmsnorm_backward(d_residual, model_grad(model, PARAM_ATTN_NORM, l), scratch, d_norm,
+                               model_saved(model, l, ACT_RESIDUAL_IN), model_param(model, PARAM_ATTN_NORM, l),
+                               model_saved_f32(model, l, ACT_ATTN_RSTD), N, H, s, model_saved_groups(model, l, ACT_RESIDUAL_IN),
+                               l > 0 ? model_fp8_scale(model, l - 1, FP8_SLOT_GRAD, LINEAR_DOWN) : NULL));
     }
-    embedding_backward(model_grad(model, PARAM_EMBEDDING, 0), d_residual, model->tokens, N, H, V, scratch, s);
-    op_timer_mark(model->timer, "embedding backward", s);
+    TIMED("embedding backward", embedding_backward(model_grad(model, PARAM_EMBEDDING, 0), d_residual, model->tokens, N, H, V, scratch, s));
 }
+
+#undef TIMED

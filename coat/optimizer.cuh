@@ -35,6 +35,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "common.cuh"
+#include "fp8.cuh"
 #include "params.h"
 
 typedef enum {
@@ -255,12 +256,6 @@ __device__ __forceinline__ float adamw_group_min(float x) {
     return x;
 }
 
-__device__ __forceinline__ float adamw_e4m3_decode(uint32_t code) {
-    return __half2float(__half(__nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)code, __NV_E4M3)));
-}
-__device__ __forceinline__ uint32_t adamw_e4m3_encode(float x) {
-    return (uint32_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
-}
 
 // This thread's 8 values of a moment from its E4M3 codes and the group's scalars.
 template <bool DRE>
@@ -268,7 +263,7 @@ __device__ __forceinline__ void dequantize8_e4m3(float out[ADAMW_VEC], uint2 cod
     float scale = group[0];
     for (int j = 0; j < ADAMW_VEC; j++) {
         uint32_t word = j < 4 ? codes.x : codes.y;
-        float y = mul_unfused(adamw_e4m3_decode((word >> (8 * (j % 4))) & 0xffu), scale);
+        float y = mul_unfused(fp8_decode((uint8_t)((word >> (8 * (j % 4))) & 0xffu), FP8_E4M3), scale);
         if (DRE) {
             float k = group[1], c = group[2];
             y = copysignf(mul_unfused(dre_pow(fabsf(y), 1.0f / k), c), y);
@@ -281,7 +276,11 @@ __device__ __forceinline__ void dequantize8_e4m3(float out[ADAMW_VEC], uint2 cod
 // writes the group's scalars from its first thread. Called by every lane of the warp (inactive
 // lanes pass zeros and write nothing).
 template <bool DRE>
-__device__ __forceinline__ uint2 quantize8_e4m3(const float x[ADAMW_VEC], float *group, bool active) {
+// An infinite moment (v overflows past FLT_MAX when |g| > 1.8e19 without clipping) is stored
+// as +-FLT_MAX: an infinity in a group would make c infinite and every scale of the group NaN.
+__device__ __forceinline__ uint2 quantize8_e4m3(const float moment[ADAMW_VEC], float *group, bool active) {
+    float x[ADAMW_VEC];
+    for (int j = 0; j < ADAMW_VEC; j++) x[j] = isinf(moment[j]) ? copysignf(3.40282347e38f, moment[j]) : moment[j];
     float local_max = 0.0f, local_min = dre_bits_float(0x7f800000u);
     for (int j = 0; j < ADAMW_VEC; j++) {
         float a = fabsf(x[j]);
@@ -307,7 +306,7 @@ __device__ __forceinline__ uint2 quantize8_e4m3(const float x[ADAMW_VEC], float 
     uint2 codes = make_uint2(0u, 0u);
     for (int j = 0; j < ADAMW_VEC; j++) {
         float y = DRE ? copysignf(dre_pow(fabsf(x[j]) / c, k), x[j]) / scale : x[j] / scale;
-        uint32_t code = adamw_e4m3_encode(y) << (8 * (j % 4));
+        uint32_t code = (uint32_t)fp8_encode(y, FP8_E4M3) << (8 * (j % 4));
         if (j < 4) codes.x |= code; else codes.y |= code;
     }
     if (active && (threadIdx.x % ADAMW_THREADS_PER_GROUP) == 0) {

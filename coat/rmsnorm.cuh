@@ -3,12 +3,15 @@
 //   forward:  y = x * rstd * w,  rstd = 1 / sqrt(mean(x^2) + eps)   (one rstd per row)
 //   backward: g = dy * w, xhat = x * rstd,
 //             dx = rstd * (g - xhat * mean(g * xhat)),   dw = sum over rows of dy * xhat
-// Layouts: x, y, dy, dx are [N, C] row-major BF16; w, dw are [C] BF16; rstd is [N] FP32.
+// Layouts: x, y, dy, dx are [N, C] row-major BF16; w, dw are [C] BF16; rstd is [N] FP32. In
+// COAT mode the saved x is its 1x16 E4M3 copy (coat/fp8.cuh), and the kernels that produce an
+// FP8 GEMM's input (the norm output, the residual gradient) also gather its amax.
 // Rows move as 16-byte vectors of 8 BF16 values: C must be a multiple of 8 and every pointer
 // 16-byte aligned; the backward pass takes C up to 8192. Results are deterministic: no atomics,
 // reductions in a fixed order.
 #pragma once
 #include "common.cuh"
+#include "fp8.cuh"
 
 #define RMSNORM_FORWARD_THREADS 256            // one warp per row, 8 rows per block
 #define RMSNORM_BACKWARD_ROWS_PER_BLOCK 64     // rows whose dw partial one block sums
@@ -52,43 +55,76 @@ __global__ void __launch_bounds__(RMSNORM_FORWARD_THREADS)
 }
 
 // residual_out = bf16(residual_in + branch), then RMSNorm of the ROUNDED sum: the backward
-// pass only sees the stored BF16 residual, so the forward must normalize exactly that.
-// residual_out may alias residual_in (each thread reads an element before writing it).
+// pass only sees the stored residual, so the forward must normalize exactly that. With GROUP16
+// the stored residual is its 1x16 E4M3 copy (residual_copy), and the norm reads the copy back.
+// branch == NULL: no add (residual_out is not written). residual_out may alias residual_in
+// (each thread reads an element before writing it). With AMAX, max |norm_out| goes to norm_amax.
+// The loops run every lane of the warp the same number of times: 1x16 groups span lane pairs.
+template <bool GROUP16, bool AMAX>
 __global__ void __launch_bounds__(RMSNORM_FORWARD_THREADS)
-    residual_rmsnorm_forward_kernel(bf16 *residual_out, bf16 *norm_out, float *rstd, const bf16 *residual_in,
-                                    const bf16 *branch, const bf16 *weight, int N, int C, float eps) {
+    residual_rmsnorm_forward_kernel(bf16 *residual_out, Fp8Groups residual_copy, bf16 *norm_out, float *rstd,
+                                    Fp8Scale *norm_amax, const bf16 *residual_in, const bf16 *branch,
+                                    const bf16 *weight, int N, int C, float eps) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
-    if (row >= N) return;
-    size_t row_offset = (size_t)row * C;
+    float out_max = 0.0f;
+    if (row < N) {  // the whole warp
+        size_t row_offset = (size_t)row * C;
+        const bf16 *sum_row = (branch != NULL ? residual_out : residual_in) + row_offset;
+        uint8_t *codes_row = GROUP16 ? residual_copy.codes + row_offset : NULL;
+        float *scales_row = GROUP16 ? residual_copy.scales + (size_t)row * (C / FP8_GROUP) : NULL;
 
-    float sum_squares = 0.0f;
+        float sum_squares = 0.0f;
 #pragma unroll 4
-    for (int c = lane * 8; c < C; c += 32 * 8) {
-        Vec16<bf16> a = load16(residual_in + row_offset + c);
-        Vec16<bf16> b = load16(branch + row_offset + c);
-        Vec16<bf16> s;
-        for (int k = 0; k < 8; k++) {
-            s[k] = __float2bfloat16(__bfloat162float(a[k]) + __bfloat162float(b[k]));
-            float f = __bfloat162float(s[k]);
-            sum_squares += f * f;
+        for (int base = 0; base < C; base += 32 * 8) {
+            int c = base + lane * 8;
+            bool active = c < C;
+            float s[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            if (active) {
+                Vec16<bf16> a = load16(residual_in + row_offset + c);
+                if (branch != NULL) {
+                    Vec16<bf16> b = load16(branch + row_offset + c);
+                    for (int k = 0; k < 8; k++) a[k] = __float2bfloat16(__bfloat162float(a[k]) + __bfloat162float(b[k]));
+                    store16(residual_out + row_offset + c, a);
+                }
+                for (int k = 0; k < 8; k++) s[k] = __bfloat162float(a[k]);
+            }
+            if (GROUP16) {
+                float scale;
+                uint2 codes = fp8_quantize_half_group(s, &scale);
+                if (active) {
+                    *reinterpret_cast<uint2 *>(codes_row + c) = codes;
+                    if (lane % 2 == 0) scales_row[c / FP8_GROUP] = scale;
+                }
+                fp8_dequantize8(s, codes, scale, FP8_E4M3);
+            }
+            if (active)
+                for (int k = 0; k < 8; k++) sum_squares += s[k] * s[k];
         }
-        store16(residual_out + row_offset + c, s);
-    }
-    sum_squares = warp_sum(sum_squares);
-    float row_rstd = 1.0f / sqrtf(sum_squares / (float)C + eps);
-    if (lane == 0) rstd[row] = row_rstd;
+        sum_squares = warp_sum(sum_squares);
+        float row_rstd = 1.0f / sqrtf(sum_squares / (float)C + eps);
+        if (lane == 0) rstd[row] = row_rstd;
 
-    // Each lane re-reads exactly the vectors it wrote above: its own writes are visible to it.
+        // Each lane re-reads exactly the vectors it wrote above: its own writes are visible to it.
 #pragma unroll 4
-    for (int c = lane * 8; c < C; c += 32 * 8) {
-        Vec16<bf16> s = load16(residual_out + row_offset + c);
-        Vec16<bf16> w = load16(weight + c);
-        Vec16<bf16> o;
-        for (int k = 0; k < 8; k++)
-            o[k] = __float2bfloat16(__bfloat162float(s[k]) * row_rstd * __bfloat162float(w[k]));
-        store16(norm_out + row_offset + c, o);
+        for (int c = lane * 8; c < C; c += 32 * 8) {
+            float s[8];
+            if (GROUP16) {
+                fp8_load_group16(s, codes_row, scales_row, c);
+            } else {
+                Vec16<bf16> v = load16(sum_row + c);
+                for (int k = 0; k < 8; k++) s[k] = __bfloat162float(v[k]);
+            }
+            Vec16<bf16> w = load16(weight + c);
+            Vec16<bf16> o;
+            for (int k = 0; k < 8; k++) {
+                o[k] = __float2bfloat16(s[k] * row_rstd * __bfloat162float(w[k]));
+                if (AMAX) out_max = fp8_abs_max(out_max, __bfloat162float(o[k]));
+            }
+            store16(norm_out + row_offset + c, o);
+        }
     }
+    if (AMAX) fp8_block_amax(norm_amax, out_max);
 }
 
 // Sum of one value per thread over the block, the same on every thread. Warps add in a fixed
@@ -107,16 +143,19 @@ __device__ __forceinline__ float block_sum_deterministic(float value, float *slo
 // One block per group of RMSNORM_BACKWARD_ROWS_PER_BLOCK rows; thread t owns the 8-column
 // vectors t, t + blockDim.x, ... (VECS of them), keeps their weights and its dw partial sums in
 // registers, and writes the block's dw partial to dweight_partial[blockIdx.x, C].
-template <int VECS>
+// The input x is BF16 (in) or 1x16 E4M3 (in_groups, GROUP16). With AMAX, max |din| after the
+// add goes to din_amax.
+template <int VECS, bool GROUP16, bool AMAX>
 __global__ void __launch_bounds__(RMSNORM_BACKWARD_MAX_THREADS)
-    rmsnorm_backward_kernel(bf16 *din, float *dweight_partial, const bf16 *dout, const bf16 *in,
-                            const bf16 *weight, const float *rstd, int N, int C) {
+    rmsnorm_backward_kernel(bf16 *din, float *dweight_partial, Fp8Scale *din_amax, const bf16 *dout, const bf16 *in,
+                            Fp8Groups in_groups, const bf16 *weight, const float *rstd, int N, int C) {
     __shared__ float slots[2][32];
     int vecs_per_row = C / 8;
     int row_begin = blockIdx.x * RMSNORM_BACKWARD_ROWS_PER_BLOCK;
     int row_end = min(row_begin + RMSNORM_BACKWARD_ROWS_PER_BLOCK, N);
 
     float w[VECS][8], dw[VECS][8];
+    float din_max = 0.0f;
 #pragma unroll
     for (int j = 0; j < VECS; j++) {
         int vec = threadIdx.x + j * blockDim.x;
@@ -138,14 +177,20 @@ __global__ void __launch_bounds__(RMSNORM_BACKWARD_MAX_THREADS)
         for (int j = 0; j < VECS; j++) {
             int vec = threadIdx.x + j * blockDim.x;
             bool active = vec < vecs_per_row;
-            Vec16<bf16> xv, dyv;
+            Vec16<bf16> dyv;
+            float x[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
             if (active) {
-                xv = load16_stream(in + row_offset + vec * 8);
+                if (GROUP16) {
+                    fp8_load_group16(x, in_groups.codes + row_offset, in_groups.scales + (size_t)row * (C / FP8_GROUP), vec * 8);
+                } else {
+                    Vec16<bf16> xv = load16_stream(in + row_offset + vec * 8);
+                    for (int k = 0; k < 8; k++) x[k] = __bfloat162float(xv[k]);
+                }
                 dyv = load16_stream(dout + row_offset + vec * 8);
                 din_old[j] = load16(din + row_offset + vec * 8);
             }
             for (int k = 0; k < 8; k++) {
-                xhat[j][k] = active ? __bfloat162float(xv[k]) * row_rstd : 0.0f;
+                xhat[j][k] = active ? x[k] * row_rstd : 0.0f;
                 dy[j][k] = active ? __bfloat162float(dyv[k]) : 0.0f;
                 dot += dy[j][k] * w[j][k] * xhat[j][k];
             }
@@ -160,6 +205,7 @@ __global__ void __launch_bounds__(RMSNORM_BACKWARD_MAX_THREADS)
                 float g = dy[j][k] * w[j][k];
                 float grad = row_rstd * (g - xhat[j][k] * mean_dot);
                 din_new[k] = __float2bfloat16(__bfloat162float(din_old[j][k]) + grad);
+                if (AMAX) din_max = fp8_abs_max(din_max, __bfloat162float(din_new[k]));
                 dw[j][k] += dy[j][k] * xhat[j][k];
             }
             store16(din + row_offset + vec * 8, din_new);
@@ -175,6 +221,7 @@ __global__ void __launch_bounds__(RMSNORM_BACKWARD_MAX_THREADS)
         dst[0] = make_float4(dw[j][0], dw[j][1], dw[j][2], dw[j][3]);
         dst[1] = make_float4(dw[j][4], dw[j][5], dw[j][6], dw[j][7]);
     }
+    if (AMAX) fp8_block_amax(din_amax, din_max);
 }
 
 // dweight[c] += sum over partials p of partial[p, c], always in the same order: slice s adds
@@ -204,14 +251,33 @@ static inline void rmsnorm_forward(bf16 *out, float *rstd, const bf16 *in, const
     cudaCheckLaunch();
 }
 
-// residual_out = residual_in + branch (rounded to BF16); norm_out = rmsnorm(residual_out) * weight.
+// residual_out = residual_in + branch (rounded to BF16; branch NULL: no add, residual_out
+// unused); norm_out = rmsnorm(residual) * weight. Optional: residual_copy.codes, the residual's
+// 1x16 E4M3 copy (C a multiple of 16), which the norm then reads; norm_amax, max |norm_out|.
 static inline void residual_rmsnorm_forward(bf16 *residual_out, bf16 *norm_out, float *rstd, const bf16 *residual_in,
                                             const bf16 *branch, const bf16 *weight, int N, int C, float eps,
-                                            cudaStream_t stream) {
+                                            cudaStream_t stream, Fp8Groups residual_copy = Fp8Groups{NULL, NULL},
+                                            Fp8Scale *norm_amax = NULL) {
     require_vector_rows("residual_rmsnorm_forward", "C", C);
+    bool group16 = residual_copy.codes != NULL, amax = norm_amax != NULL;
+    if (group16 && C % FP8_GROUP != 0) {
+        fprintf(stderr, "error: residual_rmsnorm_forward: C = %d must be a multiple of 16 for 1x16 groups\n", C);
+        exit(EXIT_FAILURE);
+    }
     int rows_per_block = RMSNORM_FORWARD_THREADS / 32;
-    residual_rmsnorm_forward_kernel<<<ceil_div(N, rows_per_block), RMSNORM_FORWARD_THREADS, 0, stream>>>(
-        residual_out, norm_out, rstd, residual_in, branch, weight, N, C, eps);
+    dim3 grid(ceil_div(N, rows_per_block));
+    if (group16 && amax)
+        residual_rmsnorm_forward_kernel<true, true><<<grid, RMSNORM_FORWARD_THREADS, 0, stream>>>(
+            residual_out, residual_copy, norm_out, rstd, norm_amax, residual_in, branch, weight, N, C, eps);
+    else if (group16)
+        residual_rmsnorm_forward_kernel<true, false><<<grid, RMSNORM_FORWARD_THREADS, 0, stream>>>(
+            residual_out, residual_copy, norm_out, rstd, norm_amax, residual_in, branch, weight, N, C, eps);
+    else if (amax)
+        residual_rmsnorm_forward_kernel<false, true><<<grid, RMSNORM_FORWARD_THREADS, 0, stream>>>(
+            residual_out, residual_copy, norm_out, rstd, norm_amax, residual_in, branch, weight, N, C, eps);
+    else
+        residual_rmsnorm_forward_kernel<false, false><<<grid, RMSNORM_FORWARD_THREADS, 0, stream>>>(
+            residual_out, residual_copy, norm_out, rstd, norm_amax, residual_in, branch, weight, N, C, eps);
     cudaCheckLaunch();
 }
 
@@ -220,10 +286,29 @@ static inline size_t rmsnorm_backward_scratch_bytes(int N, int C) {
     return (size_t)ceil_div(N, RMSNORM_BACKWARD_ROWS_PER_BLOCK) * (size_t)C * sizeof(float);
 }
 
+template <int VECS>
+static inline void rmsnorm_backward_launch(int blocks, int threads, cudaStream_t stream, bf16 *din, float *scratch,
+                                           Fp8Scale *din_amax, const bf16 *dout, const bf16 *in, Fp8Groups in_groups,
+                                           const bf16 *weight, const float *rstd, int N, int C) {
+    bool group16 = in_groups.codes != NULL, amax = din_amax != NULL;
+    if (group16 && amax)
+        rmsnorm_backward_kernel<VECS, true, true><<<blocks, threads, 0, stream>>>(din, scratch, din_amax, dout, in, in_groups, weight, rstd, N, C);
+    else if (group16)
+        rmsnorm_backward_kernel<VECS, true, false><<<blocks, threads, 0, stream>>>(din, scratch, din_amax, dout, in, in_groups, weight, rstd, N, C);
+    else if (amax)
+        rmsnorm_backward_kernel<VECS, false, true><<<blocks, threads, 0, stream>>>(din, scratch, din_amax, dout, in, in_groups, weight, rstd, N, C);
+    else
+        rmsnorm_backward_kernel<VECS, false, false><<<blocks, threads, 0, stream>>>(din, scratch, din_amax, dout, in, in_groups, weight, rstd, N, C);
+    cudaCheckLaunch();
+}
+
 // din += dx (read once, added in FP32, written once: din is the residual-stream gradient);
-// dweight += dw. scratch holds rmsnorm_backward_scratch_bytes(N, C).
+// dweight += dw. The input x is `in` (BF16), or in_groups when its codes are set (1x16 E4M3,
+// C a multiple of 16). din_amax (optional) gathers max |din| after the add. scratch holds
+// rmsnorm_backward_scratch_bytes(N, C).
 static inline void rmsnorm_backward(bf16 *din, bf16 *dweight, float *scratch, const bf16 *dout, const bf16 *in,
-                                    const bf16 *weight, const float *rstd, int N, int C, cudaStream_t stream) {
+                                    const bf16 *weight, const float *rstd, int N, int C, cudaStream_t stream,
+                                    Fp8Groups in_groups = Fp8Groups{NULL, NULL}, Fp8Scale *din_amax = NULL) {
     require_vector_rows("rmsnorm_backward", "C", C);
     int vecs_per_row = C / 8;
     int max_vecs = RMSNORM_BACKWARD_MAX_THREADS * RMSNORM_BACKWARD_MAX_VECS_PER_THREAD;
@@ -231,15 +316,17 @@ static inline void rmsnorm_backward(bf16 *din, bf16 *dweight, float *scratch, co
         fprintf(stderr, "error: rmsnorm_backward: C = %d is above the supported %d\n", C, 8 * max_vecs);
         exit(EXIT_FAILURE);
     }
-    int blocks = ceil_div(N, RMSNORM_BACKWARD_ROWS_PER_BLOCK);
-    if (vecs_per_row <= RMSNORM_BACKWARD_MAX_THREADS) {
-        int threads = ceil_div(vecs_per_row, 32) * 32;
-        rmsnorm_backward_kernel<1><<<blocks, threads, 0, stream>>>(din, scratch, dout, in, weight, rstd, N, C);
-    } else {
-        int threads = ceil_div(ceil_div(vecs_per_row, 2), 32) * 32;
-        rmsnorm_backward_kernel<2><<<blocks, threads, 0, stream>>>(din, scratch, dout, in, weight, rstd, N, C);
+    if (in_groups.codes != NULL && C % FP8_GROUP != 0) {
+        fprintf(stderr, "error: rmsnorm_backward: C = %d must be a multiple of 16 for 1x16 groups\n", C);
+        exit(EXIT_FAILURE);
     }
-    cudaCheckLaunch();
+    int blocks = ceil_div(N, RMSNORM_BACKWARD_ROWS_PER_BLOCK);
+    if (vecs_per_row <= RMSNORM_BACKWARD_MAX_THREADS)
+        rmsnorm_backward_launch<1>(blocks, ceil_div(vecs_per_row, 32) * 32, stream, din, scratch, din_amax, dout, in,
+                                   in_groups, weight, rstd, N, C);
+    else
+        rmsnorm_backward_launch<2>(blocks, ceil_div(ceil_div(vecs_per_row, 2), 32) * 32, stream, din, scratch, din_amax,
+                                   dout, in, in_groups, weight, rstd, N, C);
     dim3 reduce_threads(RMSNORM_DWEIGHT_COLUMNS, RMSNORM_DWEIGHT_SLICES);
     rmsnorm_dweight_reduce_kernel<<<ceil_div(C, RMSNORM_DWEIGHT_COLUMNS), reduce_threads, 0, stream>>>(dweight, scratch,
                                                                                                       blocks, C);

@@ -3,65 +3,149 @@
 //   backward: dgate = dout * up * sigmoid(g) * (1 + g * (1 - sigmoid(g))),  dup = dout * silu(g)
 // Layouts: gate_up and dgate_up [N, 2I] BF16, each row the I gate values then the I up values;
 // out, dout [N, I] BF16. 16-byte vectors: I must be a multiple of 8, pointers 16-byte aligned.
+// In COAT mode gate_up is saved as its 1x16 E4M3 copy (coat/fp8.cuh), made by the forward
+// kernel, which computes out from the copy so that forward and backward see the same values;
+// out and dgate_up, FP8 GEMM inputs, have their amax gathered by the kernels that write them.
 #pragma once
 #include "common.cuh"
+#include "fp8.cuh"
 
 #define SWIGLU_THREADS 256
 
 __device__ __forceinline__ float sigmoid_fp32(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// One thread per 8 consecutive outputs of a row.
-__global__ void __launch_bounds__(SWIGLU_THREADS)
-    swiglu_forward_kernel(bf16 *out, const bf16 *gate_up, int I, size_t total_vecs) {
-    size_t vec = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (vec >= total_vecs) return;
-    size_t vecs_per_row = (size_t)I / 8;
-    size_t row = vec / vecs_per_row, column = (vec % vecs_per_row) * 8;
-    const bf16 *gate = gate_up + row * 2 * I + column;
-    Vec16<bf16> g = load16_stream(gate), u = load16_stream(gate + I);
-    Vec16<bf16> o;
-    for (int k = 0; k < 8; k++) {
-        float x = __bfloat162float(g[k]);
-        o[k] = __float2bfloat16(x * sigmoid_fp32(x) * __bfloat162float(u[k]));
+// This thread's 8 gate and 8 up values at `column` of `row`: from BF16 gate_up, or from its
+// 1x16 copy (groups.codes set).
+template <bool GROUP16>
+__device__ __forceinline__ void swiglu_load(float gate[8], float up[8], const bf16 *gate_up, Fp8Groups groups,
+                                            size_t row, size_t column, int I) {
+    size_t offset = row * 2 * I + column;
+    if (GROUP16) {
+        const float *scales = groups.scales + row * (2 * I / FP8_GROUP);
+        fp8_load_group16(gate, groups.codes + row * 2 * I, scales, (int)column);
+        fp8_load_group16(up, groups.codes + row * 2 * I, scales, (int)(column + I));
+    } else {
+        Vec16<bf16> g = load16_stream(gate_up + offset), u = load16_stream(gate_up + offset + I);
+        for (int k = 0; k < 8; k++) {
+            gate[k] = __bfloat162float(g[k]);
+            up[k] = __bfloat162float(u[k]);
+        }
     }
-    store16(out + row * I + column, o);
 }
 
+// One thread per 8 consecutive outputs of a row; with I a multiple of 16, lanes 2k and 2k+1
+// hold one 1x16 group of gate and one of up. Every thread runs to the end (group shuffles,
+// the block's amax). GROUP16: also stores the 1x16 copy of gate_up and computes out from it,
+// as the backward will. AMAX: max |out| goes to out_amax.
+template <bool GROUP16, bool AMAX>
 __global__ void __launch_bounds__(SWIGLU_THREADS)
-    swiglu_backward_kernel(bf16 *dgate_up, const bf16 *dout, const bf16 *gate_up, int I, size_t total_vecs) {
+    swiglu_forward_kernel(bf16 *out, Fp8Groups gate_up_copy, Fp8Scale *out_amax, const bf16 *gate_up, int I,
+                          size_t total_vecs) {
     size_t vec = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (vec >= total_vecs) return;
+    bool active = vec < total_vecs;
     size_t vecs_per_row = (size_t)I / 8;
-    size_t row = vec / vecs_per_row, column = (vec % vecs_per_row) * 8;
-    size_t gate_offset = row * 2 * I + column;
-    Vec16<bf16> g = load16_stream(gate_up + gate_offset), u = load16_stream(gate_up + gate_offset + I);
-    Vec16<bf16> d = load16_stream(dout + row * I + column);
-    Vec16<bf16> dg, du;
-    for (int k = 0; k < 8; k++) {
-        float x = __bfloat162float(g[k]), up = __bfloat162float(u[k]), grad = __bfloat162float(d[k]);
-        float s = sigmoid_fp32(x);
-        dg[k] = __float2bfloat16(grad * up * s * (1.0f + x * (1.0f - s)));
-        du[k] = __float2bfloat16(grad * x * s);
+    size_t row = active ? vec / vecs_per_row : 0, column = active ? (vec % vecs_per_row) * 8 : 0;
+    float gate[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}, up[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (active) swiglu_load<false>(gate, up, gate_up, gate_up_copy, row, column, I);
+    if (GROUP16) {
+        float gate_scale, up_scale;
+        uint2 gate_codes = fp8_quantize_half_group(gate, &gate_scale), up_codes = fp8_quantize_half_group(up, &up_scale);
+        if (active) {
+            uint8_t *codes = gate_up_copy.codes + row * 2 * I;
+            float *scales = gate_up_copy.scales + row * (2 * I / FP8_GROUP);
+            *reinterpret_cast<uint2 *>(codes + column) = gate_codes;
+            *reinterpret_cast<uint2 *>(codes + column + I) = up_codes;
+            if (threadIdx.x % 2 == 0) {
+                scales[column / FP8_GROUP] = gate_scale;
+                scales[(column + I) / FP8_GROUP] = up_scale;
+            }
+        }
+        fp8_dequantize8(gate, gate_codes, gate_scale, FP8_E4M3);
+        fp8_dequantize8(up, up_codes, up_scale, FP8_E4M3);
     }
-    store16(dgate_up + gate_offset, dg);
-    store16(dgate_up + gate_offset + I, du);
+    float out_max = 0.0f;
+    if (active) {
+        Vec16<bf16> o;
+        for (int k = 0; k < 8; k++) {
+            o[k] = __float2bfloat16(gate[k] * sigmoid_fp32(gate[k]) * up[k]);
+            if (AMAX) out_max = fp8_abs_max(out_max, __bfloat162float(o[k]));
+        }
+        store16(out + row * I + column, o);
+    }
+    if (AMAX) fp8_block_amax(out_amax, out_max);
 }
 
-// out[N, I] = silu(gate) * up.
-static inline void swiglu_forward(bf16 *out, const bf16 *gate_up, int N, int I, cudaStream_t stream) {
-    require_vector_rows("swiglu_forward", "I", I);
+// gate_up is BF16, or its 1x16 copy (GROUP16). AMAX: max |dgate_up| goes to dgate_up_amax.
+template <bool GROUP16, bool AMAX>
+__global__ void __launch_bounds__(SWIGLU_THREADS)
+    swiglu_backward_kernel(bf16 *dgate_up, Fp8Scale *dgate_up_amax, const bf16 *dout, const bf16 *gate_up,
+                           Fp8Groups gate_up_groups, int I, size_t total_vecs) {
+    size_t vec = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    float grad_max = 0.0f;
+    if (vec < total_vecs) {
+        size_t vecs_per_row = (size_t)I / 8;
+        size_t row = vec / vecs_per_row, column = (vec % vecs_per_row) * 8;
+        size_t gate_offset = row * 2 * I + column;
+        float gate[8], up[8];
+        swiglu_load<GROUP16>(gate, up, gate_up, gate_up_groups, row, column, I);
+        Vec16<bf16> d = load16_stream(dout + row * I + column);
+        Vec16<bf16> dg, du;
+        for (int k = 0; k < 8; k++) {
+            float x = gate[k], grad = __bfloat162float(d[k]);
+            float s = sigmoid_fp32(x);
+            dg[k] = __float2bfloat16(grad * up[k] * s * (1.0f + x * (1.0f - s)));
+            du[k] = __float2bfloat16(grad * x * s);
+            if (AMAX) grad_max = fp8_abs_max(fp8_abs_max(grad_max, __bfloat162float(dg[k])), __bfloat162float(du[k]));
+        }
+        store16(dgate_up + gate_offset, dg);
+        store16(dgate_up + gate_offset + I, du);
+    }
+    if (AMAX) fp8_block_amax(dgate_up_amax, grad_max);
+}
+
+static inline void swiglu_check(const char *launcher, int I, bool group16) {
+    require_vector_rows(launcher, "I", I);
+    if (group16 && I % FP8_GROUP != 0) {
+        fprintf(stderr, "error: %s: I = %d must be a multiple of 16 for 1x16 groups\n", launcher, I);
+        exit(EXIT_FAILURE);
+    }
+}
+
+// out[N, I] = silu(gate) * up. Optional: gate_up_copy.codes, the 1x16 E4M3 copy of gate_up
+// (then out is computed from it); out_amax, max |out|.
+static inline void swiglu_forward(bf16 *out, const bf16 *gate_up, int N, int I, cudaStream_t stream,
+                                  Fp8Groups gate_up_copy = Fp8Groups{NULL, NULL}, Fp8Scale *out_amax = NULL) {
+    bool group16 = gate_up_copy.codes != NULL, amax = out_amax != NULL;
+    swiglu_check("swiglu_forward", I, group16);
     size_t total_vecs = (size_t)N * (size_t)(I / 8);
     unsigned blocks = (unsigned)ceil_div_size(total_vecs, SWIGLU_THREADS);
-    swiglu_forward_kernel<<<blocks, SWIGLU_THREADS, 0, stream>>>(out, gate_up, I, total_vecs);
+    if (group16 && amax)
+        swiglu_forward_kernel<true, true><<<blocks, SWIGLU_THREADS, 0, stream>>>(out, gate_up_copy, out_amax, gate_up, I, total_vecs);
+    else if (group16)
+        swiglu_forward_kernel<true, false><<<blocks, SWIGLU_THREADS, 0, stream>>>(out, gate_up_copy, out_amax, gate_up, I, total_vecs);
+    else if (amax)
+        swiglu_forward_kernel<false, true><<<blocks, SWIGLU_THREADS, 0, stream>>>(out, gate_up_copy, out_amax, gate_up, I, total_vecs);
+    else
+        swiglu_forward_kernel<false, false><<<blocks, SWIGLU_THREADS, 0, stream>>>(out, gate_up_copy, out_amax, gate_up, I, total_vecs);
     cudaCheckLaunch();
 }
 
-// dgate_up[N, 2I] is written (not accumulated): the gradients of gate and up.
+// dgate_up[N, 2I] is written (not accumulated): the gradients of gate and up. gate_up is BF16,
+// or gate_up_groups when its codes are set. Optional: dgate_up_amax, max |dgate_up|.
 static inline void swiglu_backward(bf16 *dgate_up, const bf16 *dout, const bf16 *gate_up, int N, int I,
-                                   cudaStream_t stream) {
-    require_vector_rows("swiglu_backward", "I", I);
+                                   cudaStream_t stream, Fp8Groups gate_up_groups = Fp8Groups{NULL, NULL},
+                                   Fp8Scale *dgate_up_amax = NULL) {
+    bool group16 = gate_up_groups.codes != NULL, amax = dgate_up_amax != NULL;
+    swiglu_check("swiglu_backward", I, group16);
     size_t total_vecs = (size_t)N * (size_t)(I / 8);
     unsigned blocks = (unsigned)ceil_div_size(total_vecs, SWIGLU_THREADS);
-    swiglu_backward_kernel<<<blocks, SWIGLU_THREADS, 0, stream>>>(dgate_up, dout, gate_up, I, total_vecs);
+    if (group16 && amax)
+        swiglu_backward_kernel<true, true><<<blocks, SWIGLU_THREADS, 0, stream>>>(dgate_up, dgate_up_amax, dout, gate_up, gate_up_groups, I, total_vecs);
+    else if (group16)
+        swiglu_backward_kernel<true, false><<<blocks, SWIGLU_THREADS, 0, stream>>>(dgate_up, dgate_up_amax, dout, gate_up, gate_up_groups, I, total_vecs);
+    else if (amax)
+        swiglu_backward_kernel<false, true><<<blocks, SWIGLU_THREADS, 0, stream>>>(dgate_up, dgate_up_amax, dout, gate_up, gate_up_groups, I, total_vecs);
+    else
+        swiglu_backward_kernel<false, false><<<blocks, SWIGLU_THREADS, 0, stream>>>(dgate_up, dgate_up_amax, dout, gate_up, gate_up_groups, I, total_vecs);
     cudaCheckLaunch();
 }

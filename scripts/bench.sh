@@ -30,17 +30,18 @@ if not os.path.exists(path):
 PY
 
 # Median tokens/s and MFU over the steps after the first five, and the memory plan's total.
-ours() {  # ours NAME CONFIG B T
-    local out="$dir/$1"
+ours() {  # ours NAME CONFIG B T [PRECISION]
+    local precision=${5:-bf16} out="$dir/$1-${5:-bf16}"
     rm -rf "$out"
     ./train_llama "configs/models/$2.conf" --train_data="$dir/train_*.bin" --micro_batch_size="$3" --seq_len="$4" \
-        --max_steps="$steps" --warmup_steps=1 --val_every=0 --checkpoints_keep=1 --out_dir="$out" > "$out.log" 2>&1 ||
-        { tail -5 "$out.log" >&2; echo "{\"impl\": \"train_llama\", \"error\": \"failed\"}"; return; }
-    python3 - "$out/log.jsonl" "$out.log" <<'PY'
+        --precision="$precision" --max_steps="$steps" --warmup_steps=1 --val_every=0 --checkpoint_every=0 \
+        --checkpoints_keep=1 --out_dir="$out" > "$out.log" 2>&1 ||
+        { tail -5 "$out.log" >&2; echo "{\"impl\": \"train_llama $precision\", \"error\": \"failed\"}"; return; }
+    python3 - "$out/log.jsonl" "$out.log" "$precision" <<'PY'
 import json, re, statistics, sys
 records = [json.loads(line) for line in open(sys.argv[1]) if '"train_loss"' in line][5:]
 plan = re.search(r"^  total\s+([0-9.]+) GiB", open(sys.argv[2]).read(), re.M)
-print(json.dumps({"impl": "train_llama", "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
+print(json.dumps({"impl": "train_llama " + sys.argv[3], "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
                   "mfu": statistics.median(r["mfu"] for r in records), "peak_gib": float(plan.group(1)),
                   "used_gib": max(r["gpu_mem_gib"] for r in records)}))
 PY
@@ -55,17 +56,20 @@ pytorch() {  # pytorch CONFIG B T
     echo "|---|---|---|---|---|---|---|"
     for spec in "llama-125m 64 1024" "llama-1b 16 2048"; do
         set -- $spec
-        a=$(ours "$1" "$1" "$2" "$3"); b=$(pytorch "$1" "$2" "$3")
-        python3 - "$1" "$2x$3" "$a" "$b" <<'PY'
+        a=$(ours "$1" "$1" "$2" "$3" bf16); a8=$(ours "$1" "$1" "$2" "$3" fp8); ac=$(ours "$1" "$1" "$2" "$3" coat)
+        b=$(pytorch "$1" "$2" "$3")
+        python3 - "$1" "$2x$3" "$b" "$a" "$a8" "$ac" <<'PY'
 import json, sys
-name, batch, ours, ref = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+name, batch, ref = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 def row(r, ratio):
     if "error" in r:
         return f"| {name} | {batch} | {r.get('impl')} | {r['error']} | | | |"
     return (f"| {name} | {batch} | {r['impl']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
             f"{r['peak_gib']:.1f} | {ratio} |")
-ok = "error" not in ours and "error" not in ref
-print(row(ours, f"{ours['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ok else ""))
+for arg in sys.argv[4:]:
+    ours = json.loads(arg)
+    ok = "error" not in ours and "error" not in ref
+    print(row(ours, f"{ours['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ok else ""))
 print(row(ref, "1.00x"))
 PY
     done

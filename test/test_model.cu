@@ -84,7 +84,7 @@ static void test_against_cpu_reference(GpuContext *gpu) {
     ref_model_backward(&ref);
 
     LlamaModel model;
-    model_create(&model, &shape, B, T);
+    model_create(&model, &shape, B, T, model_precision_bf16());
     copy_bf16_to_device(model.params, weights, P);
     cudaCheck(cudaMemcpy(model.tokens, tokens, N * sizeof(int), cudaMemcpyHostToDevice));
     cudaCheck(cudaMemcpy(model.targets, targets, N * sizeof(int), cudaMemcpyHostToDevice));
@@ -167,7 +167,7 @@ static void test_against_pytorch(GpuContext *gpu, const char *path) {
     if (!ok) return;
 
     LlamaModel model;
-    model_create(&model, &shape, B, T);
+    model_create(&model, &shape, B, T, model_precision_bf16());
     copy_bf16_to_device(model.params, weights, P);
     cudaCheck(cudaMemcpy(model.tokens, tokens, N * sizeof(int), cudaMemcpyHostToDevice));
     cudaCheck(cudaMemcpy(model.targets, targets, N * sizeof(int), cudaMemcpyHostToDevice));

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The trainer end to end on the GPU, on random-token shards. Bit-exact resume: 20 steps straight,
-# against 10 steps + resume + 10 steps from the step-10 checkpoint; every logged loss must match
-# to the last digit. Also: the run's validation loss falls, a corrupt checkpoint is refused with
+# The trainer end to end on the GPU, on random-token shards. Bit-exact resume in bf16, fp8 and
+# coat: 20 steps straight, against 10 steps + resume + 10 steps from the step-10 checkpoint; every
+# logged loss must match to the last digit; fp8 and coat end near bf16. Also: the run's validation loss falls, a corrupt checkpoint is refused with
 # its name, a micro-batch that does not fit is refused, and profile = 1 prints per-op times that
 # add up to the measured step time.
 cd "$(dirname "$0")/.." || exit 1
@@ -22,25 +22,52 @@ PY
 common=(configs/models/tiny.conf --train_data="$tmp/train_*.bin" --val_data="$tmp/val_*.bin" --micro_batch_size=4
         --seq_len=64 --max_steps=20 --warmup_steps=5 --learning_rate=3e-3 --val_every=5 --val_batches=4
         --checkpoint_every=10 --checkpoints_keep=5)
-# out_dir's parent does not exist yet: it is created like mkdir -p.
-./train_llama "${common[@]}" --out_dir="$tmp/runs/straight" > "$tmp/straight.out" 2>&1
-check "20 steps straight run" $? "$(tail -3 "$tmp/straight.out")"
-mkdir -p "$tmp/resumed"
-cp "$tmp/runs/straight/ckpt_00000010.bin" "$tmp/runs/straight/ckpt_00000010.done" "$tmp/resumed/" 2>/dev/null
-# The whole 20-step log: resuming must drop the records past step 10 itself.
-cp "$tmp/runs/straight/log.jsonl" "$tmp/resumed/log.jsonl"
-./train_llama "${common[@]}" --out_dir="$tmp/resumed" --resume=1 > "$tmp/resumed.out" 2>&1
-check "resume from the step-10 checkpoint runs" $? "$(tail -3 "$tmp/resumed.out")"
 losses() { grep -o '"step": [0-9]*, "\(train\|val\)_loss": [0-9.]*' "$1"; }
-check "10 + resume + 10 steps log the same losses as 20 straight, to the bit" \
-    "$(diff <(losses "$tmp/runs/straight/log.jsonl") <(losses "$tmp/resumed/log.jsonl") > "$tmp/diff"; echo $?)" "$(head -4 "$tmp/diff")"
-check "the resumed run ends with the same checkpoint bytes" \
-    "$(cmp -s "$tmp/runs/straight/ckpt_00000020.bin" "$tmp/resumed/ckpt_00000020.bin"; echo $?)"
-first=$(grep -o '"val_loss": [0-9.]*' "$tmp/runs/straight/log.jsonl" | head -1 | cut -d' ' -f2)
-last=$(grep -o '"val_loss": [0-9.]*' "$tmp/runs/straight/log.jsonl" | tail -1 | cut -d' ' -f2)
-check "validation loss falls ($first -> $last)" "$(awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 0.5) }'; echo $?)"
+# Every precision: 20 steps straight against 10 + resume + 10, bit for bit; the loss falls.
+for precision in bf16 fp8 coat; do
+    run=(--precision=$precision)
+    # out_dir's parent does not exist yet: it is created like mkdir -p.
+    ./train_llama "${common[@]}" "${run[@]}" --out_dir="$tmp/runs/straight-$precision" > "$tmp/straight.out" 2>&1
+    check "$precision: 20 steps straight run" $? "$(tail -3 "$tmp/straight.out")"
+    mkdir -p "$tmp/resumed-$precision"
+    cp "$tmp/runs/straight-$precision/ckpt_00000010.bin" "$tmp/runs/straight-$precision/ckpt_00000010.done" \
+        "$tmp/resumed-$precision/" 2>/dev/null
+    # The whole 20-step log: resuming must drop the records past step 10 itself.
+    cp "$tmp/runs/straight-$precision/log.jsonl" "$tmp/resumed-$precision/log.jsonl"
+    ./train_llama "${common[@]}" "${run[@]}" --out_dir="$tmp/resumed-$precision" --resume=1 > "$tmp/resumed.out" 2>&1
+    check "$precision: resume from the step-10 checkpoint runs" $? "$(tail -3 "$tmp/resumed.out")"
+    check "$precision: 10 + resume + 10 steps log the same losses as 20 straight, to the bit" \
+        "$(diff <(losses "$tmp/runs/straight-$precision/log.jsonl") <(losses "$tmp/resumed-$precision/log.jsonl") > "$tmp/diff"; echo $?)" \
+        "$(head -4 "$tmp/diff")"
+    check "$precision: the resumed run ends with the same checkpoint bytes" \
+        "$(cmp -s "$tmp/runs/straight-$precision/ckpt_00000020.bin" "$tmp/resumed-$precision/ckpt_00000020.bin"; echo $?)"
+    first=$(grep -o '"val_loss": [0-9.]*' "$tmp/runs/straight-$precision/log.jsonl" | head -1 | cut -d' ' -f2)
+    last=$(grep -o '"val_loss": [0-9.]*' "$tmp/runs/straight-$precision/log.jsonl" | tail -1 | cut -d' ' -f2)
+    check "$precision: validation loss falls ($first -> $last)" "$(awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 0.5) }'; echo $?)"
+done
+# The FP8 modes follow bf16 closely on this short run: final validation losses within 2%.
+bf16_last=$(grep -o '"val_loss": [0-9.]*' "$tmp/runs/straight-bf16/log.jsonl" | tail -1 | cut -d' ' -f2)
+for precision in fp8 coat; do
+    last=$(grep -o '"val_loss": [0-9.]*' "$tmp/runs/straight-$precision/log.jsonl" | tail -1 | cut -d' ' -f2)
+    check "$precision: final validation loss $last within 2% of bf16's $bf16_last" \
+        "$(awk -v a="$bf16_last" -v b="$last" 'BEGIN { d = (b - a) / a; exit !(d < 0.02 && d > -0.02) }'; echo $?)"
+done
 
-head -c 100000 "$tmp/runs/straight/ckpt_00000020.bin" > "$tmp/cut.bin"
+# Non-finite steps: weights with NaN in them give a NaN loss every step; each step is skipped and
+# logged, and the run stops after max_nonfinite_steps of them in a row.
+python3 - "$tmp/runs/straight-bf16/ckpt_00000020.bin" "$tmp/nan.bin" <<'PY'
+import struct, sys
+data = bytearray(open(sys.argv[1], "rb").read())
+data[512:512 + 4 * 4096] = struct.pack("<f", float("nan")) * 4096  # the first embedding rows
+open(sys.argv[2], "wb").write(data)
+PY
+out=$(./train_llama "${common[@]}" --precision=coat --out_dir="$tmp/nan" --init_from="$tmp/nan.bin" --max_nonfinite_steps=2 2>&1); rc=$?
+check "NaN losses: the steps are skipped, then the run stops after max_nonfinite_steps" \
+    "$([ $rc -ne 0 ] && [ "$(printf '%s' "$out" | grep -c 'optimizer step skipped')" = 2 ] &&
+       printf '%s' "$out" | grep -q '2 steps in a row with a non-finite' && [ "$(grep -c '"skipped"' "$tmp/nan/log.jsonl")" = 2 ]; echo $?)" \
+    "$(printf '%s' "$out" | tail -3)"
+
+head -c 100000 "$tmp/runs/straight-bf16/ckpt_00000020.bin" > "$tmp/cut.bin"
 out=$(./train_llama "${common[@]}" --out_dir="$tmp/cut" --init_from="$tmp/cut.bin" 2>&1); rc=$?
 check "a truncated checkpoint is refused, naming the file" \
     "$([ $rc -ne 0 ] && printf '%s' "$out" | grep -q "$tmp/cut.bin: size"; echo $?)" "$(printf '%s' "$out" | tail -1)"

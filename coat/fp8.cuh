@@ -1,0 +1,189 @@
+// FP8 casts and quantizers (COAT_SPEC.md sections 2 and 4), shared by the activations, the
+// FP8 linear layers and the optimizer.
+//   cast:        q = fp8_satfinite(x / s), round to nearest even, +-max on overflow, NaN stays NaN
+//   per tensor:  s = (amax + 1e-10) / 448 (E4M3) or / 57344 (E5M2), amax = max |x| of the tensor
+//   1x16 groups: the same rule per 16 consecutive values of a row, E4M3, one FP32 scale each
+// Scales are dequantization factors (x ~ q * s), computed in FP32 and used as they are stored.
+// Per-tensor scaling is just in time and in two passes ("Group Scaling"): the kernel that
+// produces a tensor folds the maxima of its rows into Fp8Scale.amax (one atomic max per block:
+// the result does not depend on the order), and the cast pass reads it, stores the scale and
+// writes the FP8 tensor and, where a weight gradient needs it, its transpose.
+// Layouts: a tensor [R, C] row-major; its transpose [C, R] row-major; 1x16 scales [R, C/16].
+// BF16 inputs move as 16-byte vectors: C a multiple of 8 (16 for 1x16 groups), pointers
+// 16-byte aligned; a transpose needs R a multiple of 16.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+#include "common.cuh"
+
+#define FP8_E4M3_MAX 448.0f
+#define FP8_E5M2_MAX 57344.0f
+#define FP8_SCALE_EPS 1e-10f
+#define FP8_GROUP 16                 // 1x16 groups of the non-linear inputs
+#define FP8_TILE 64                  // transpose tile of the cast pass: 64 x 64 values
+#define FP8_TILE_PITCH (FP8_TILE + 4)  // bytes per staged row: 4-byte aligned, few bank conflicts
+#define FP8_THREADS 256
+
+typedef enum { FP8_E4M3, FP8_E5M2 } Fp8Format;
+
+// One per-tensor FP8 scale. 16 bytes so that an array keeps every scale 16-byte aligned, which
+// cuBLASLt requires of its scale pointers.
+typedef struct __align__(16) {
+    float scale;  // dequantization factor of the FP8 tensor
+    float amax;   // max |x| of its source, gathered by the producer (starts at 0)
+    float unused[2];
+} Fp8Scale;
+
+static __host__ __device__ __forceinline__ float fp8_format_max(Fp8Format format) {
+    return format == FP8_E4M3 ? FP8_E4M3_MAX : FP8_E5M2_MAX;
+}
+
+static __host__ __device__ __forceinline__ float fp8_scale_from_amax(float amax, Fp8Format format) {
+    return (amax + FP8_SCALE_EPS) / fp8_format_max(format);
+}
+
+static __host__ __device__ __forceinline__ uint8_t fp8_encode(float x, Fp8Format format) {
+    return (uint8_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, format == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
+}
+
+static __host__ __device__ __forceinline__ float fp8_decode(uint8_t code, Fp8Format format) {
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)code, format == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2)));
+}
+
+// Folds max |x| of one value per thread into slot->amax: a block reduction, then one atomic.
+// Non-negative floats order like their bit patterns as ints, and a NaN's bits (sign cleared)
+// exceed every other value's, so a NaN anywhere makes the amax, and the scale, NaN: the loss
+// turns NaN and the step is skipped. The order of the maxima does not matter: deterministic.
+// Every thread of the block must call it.
+__device__ __forceinline__ void fp8_block_amax(Fp8Scale *slot, float value) {
+    __shared__ unsigned warp_max_bits[32];
+    unsigned bits = __reduce_max_sync(0xffffffffu, (unsigned)__float_as_int(fabsf(value)));
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    if (lane == 0) warp_max_bits[warp] = bits;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < warps; w++) bits = max(bits, warp_max_bits[w]);
+        bits = max(bits, warp_max_bits[0]);
+        if (bits > 0) atomicMax((unsigned *)&slot->amax, bits);
+    }
+}
+
+// max(a, |b|) that keeps a NaN of either.
+__device__ __forceinline__ float fp8_abs_max(float a, float b) {
+    return __int_as_float(max(__float_as_int(a), __float_as_int(fabsf(b))));
+}
+
+// A tensor [R, C] stored as 1x16 E4M3 groups: codes [R, C] and one FP32 scale per group
+// [R, C/16]. codes == NULL: not stored so (the tensor is BF16).
+typedef struct {
+    uint8_t *codes;
+    float *scales;
+} Fp8Groups;
+
+// ---- 1x16 groups, 8 values per thread, the group's other half in lane ^ 1 -----------------
+
+// Codes of this thread's 8 values and the group's scale (the same in both lanes). Both lanes of
+// every pair must call it (inactive pairs pass zeros).
+__device__ __forceinline__ uint2 fp8_quantize_half_group(const float x[8], float *group_scale) {
+    float m = 0.0f;
+    for (int j = 0; j < 8; j++) m = fp8_abs_max(m, x[j]);
+    m = fp8_abs_max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    float scale = fp8_scale_from_amax(m, FP8_E4M3);  // NaN when the group holds one
+    uint2 codes = make_uint2(0u, 0u);
+    for (int j = 0; j < 8; j++) {
+        uint32_t code = (uint32_t)fp8_encode(x[j] / scale, FP8_E4M3) << (8 * (j % 4));
+        if (j < 4) codes.x |= code; else codes.y |= code;
+    }
+    *group_scale = scale;
+    return codes;
+}
+
+__device__ __forceinline__ void fp8_dequantize8(float out[8], uint2 codes, float scale, Fp8Format format) {
+    for (int j = 0; j < 8; j++) {
+        uint32_t word = j < 4 ? codes.x : codes.y;
+        out[j] = fp8_decode((uint8_t)((word >> (8 * (j % 4))) & 0xffu), format) * scale;
+    }
+}
+
+// 8 values at column c of a row of a 1x16-quantized tensor (codes row, scales row).
+__device__ __forceinline__ void fp8_load_group16(float out[8], const uint8_t *codes_row, const float *scales_row, int c) {
+    fp8_dequantize8(out, *reinterpret_cast<const uint2 *>(codes_row + c), scales_row[c / FP8_GROUP], FP8_E4M3);
+}
+
+// ---- per-tensor passes ------------------------------------------------------------------
+
+__global__ void __launch_bounds__(FP8_THREADS) fp8_amax_kernel(Fp8Scale *slot, const bf16 *in, size_t n_vecs) {
+    float m = 0.0f;
+    for (size_t v = (size_t)blockIdx.x * blockDim.x + threadIdx.x; v < n_vecs; v += (size_t)gridDim.x * blockDim.x) {
+        Vec16<bf16> x = load16_stream(in + v * 8);
+        for (int j = 0; j < 8; j++) {
+            m = fp8_abs_max(m, __bfloat162float(x[j]));
+        }
+    }
+    fp8_block_amax(slot, m);
+}
+
+// One block per 64 x 64 tile: each thread casts two 8-value row vectors; the transpose goes
+// through shared memory and leaves as 16-byte rows of out_t.
+template <Fp8Format FORMAT>
+__global__ void __launch_bounds__(FP8_THREADS)
+    fp8_quantize_kernel(uint8_t *out, uint8_t *out_t, Fp8Scale *slot, const bf16 *in, int R, int C) {
+    __shared__ __align__(16) uint8_t tile_t[FP8_TILE][FP8_TILE_PITCH];  // [column][row] of the tile
+    float scale = fp8_scale_from_amax(slot->amax, FORMAT);
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) slot->scale = scale;
+    int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
+    int tile_row = threadIdx.x / 8, tile_col = (threadIdx.x % 8) * 8;
+    for (int k = 0; k < 2; k++) {
+        int tr = tile_row + 32 * k, r = r0 + tr, c = c0 + tile_col;
+        if (r >= R || c >= C) continue;
+        Vec16<bf16> x = load16_stream(in + (size_t)r * C + c);
+        uint8_t codes[8];
+        for (int j = 0; j < 8; j++) codes[j] = fp8_encode(__bfloat162float(x[j]) / scale, FORMAT);
+        if (out != NULL) {
+            uint2 packed;
+            packed.x = codes[0] | codes[1] << 8 | codes[2] << 16 | (uint32_t)codes[3] << 24;
+            packed.y = codes[4] | codes[5] << 8 | codes[6] << 16 | (uint32_t)codes[7] << 24;
+            *reinterpret_cast<uint2 *>(out + (size_t)r * C + c) = packed;
+        }
+        if (out_t != NULL)
+            for (int j = 0; j < 8; j++) tile_t[tile_col + j][tr] = codes[j];
+    }
+    if (out_t == NULL) return;  // the same for the whole block
+    __syncthreads();
+    int column = threadIdx.x / 4, row_part = (threadIdx.x % 4) * 16;
+    int c = c0 + column, r = r0 + row_part;
+    if (c >= C || r >= R) return;
+    const uint32_t *staged = reinterpret_cast<const uint32_t *>(&tile_t[column][row_part]);
+    *reinterpret_cast<uint4 *>(out_t + (size_t)c * R + r) = make_uint4(staged[0], staged[1], staged[2], staged[3]);
+}
+
+static inline void fp8_check(const char *launcher, bool ok, const char *what) {
+    if (ok) return;
+    fprintf(stderr, "error: %s: %s\n", launcher, what);
+    exit(EXIT_FAILURE);
+}
+
+// slot->amax = max(slot->amax, max |in|) over n BF16 values (n a multiple of 8): for tensors
+// whose producer does not gather it (attention's output, RoPE's backward, weights).
+static inline void fp8_amax(Fp8Scale *slot, const bf16 *in, size_t n, cudaStream_t stream) {
+    fp8_check("fp8_amax", n % 8 == 0 && ((uintptr_t)in & 15u) == 0, "n must be a multiple of 8 and in 16-byte aligned");
+    size_t vecs = n / 8;
+    unsigned blocks = (unsigned)(ceil_div_size(vecs, FP8_THREADS) < 1024 ? ceil_div_size(vecs, FP8_THREADS) : 1024);
+    fp8_amax_kernel<<<blocks ? blocks : 1, FP8_THREADS, 0, stream>>>(slot, in, vecs);
+    cudaCheckLaunch();
+}
+
+// out [R, C] and/or out_t [C, R] (either may be NULL) = fp8(in / s), s from slot->amax, which
+// the producer of `in` gathered; stores s in slot->scale.
+static inline void fp8_quantize(uint8_t *out, uint8_t *out_t, Fp8Scale *slot, const bf16 *in, int R, int C,
+                                Fp8Format format, cudaStream_t stream) {
+    fp8_check("fp8_quantize", R > 0 && C > 0 && C % 8 == 0, "C must be a positive multiple of 8");
+    fp8_check("fp8_quantize", out_t == NULL || R % 16 == 0, "a transposed copy needs R a multiple of 16");
+    fp8_check("fp8_quantize", ((uintptr_t)in & 15u) == 0 && ((uintptr_t)out & 7u) == 0 && ((uintptr_t)out_t & 15u) == 0,
+              "in and out_t must be 16-byte aligned, out 8-byte aligned");
+    dim3 grid(ceil_div(C, FP8_TILE), ceil_div(R, FP8_TILE));
+    if (format == FP8_E4M3) fp8_quantize_kernel<FP8_E4M3><<<grid, FP8_THREADS, 0, stream>>>(out, out_t, slot, in, R, C);
+    else fp8_quantize_kernel<FP8_E5M2><<<grid, FP8_THREADS, 0, stream>>>(out, out_t, slot, in, R, C);
+    cudaCheckLaunch();
+}
