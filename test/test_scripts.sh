@@ -21,6 +21,7 @@ python_checks() {  # python_checks NAME [ARGS...]
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 
 for script in scripts/llama_layout.py scripts/convert_hf.py scripts/plot_curves.py scripts/train_llama.py \
+              scripts/optimizer_state_mse.py \
               scripts/check_hf_export.py scripts/attention_sdpa.py scripts/bench_attention.py; do
     out=$("$PYTHON" -c 'import sys; compile(open(sys.argv[1]).read(), sys.argv[1], "exec")' "$script" 2>&1); rc=$?
     check "$script compiles" $rc "$out"
