@@ -93,30 +93,12 @@ static void fail_config(const ConfigParser *parser, const char *key, const char 
     exit(EXIT_CONFIG_ERROR);
 }
 
-static OptimizerStateKind optimizer_kind(StatesChoice states) {
-    switch (states) {
-    case STATES_BF16: return OPT_STATES_BF16;
-    case STATES_FP8: return OPT_STATES_FP8;
-    case STATES_FP8_DRE: return OPT_STATES_FP8_DRE;
-    default: return OPT_STATES_FP32;
-    }
-}
-
-// The model's precision as the config resolves it.
-static ModelPrecision model_precision_of(const TrainConfig *c) {
-    ModelPrecision p;
-    p.fp8_gemms = c->precision != PRECISION_BF16;
-    p.activations = config_activations(c);
-    p.fast_accumulation = c->fp8_fast_accum;
-    return p;
-}
-
 // Refuses a precision combination the model cannot run (for dry_run and training alike).
 static void check_precision(const ConfigParser *parser) {
     const TrainConfig *c = &parser->values;
     if (c->fp8_fast_accum && c->precision == PRECISION_BF16)
         fail_config(parser, "fp8_fast_accum", "applies to FP8 GEMMs only: set precision = fp8 or coat");
-    const char *reason = model_precision_unsupported(&c->model, c->micro_batch_size, c->seq_len, model_precision_of(c));
+    const char *reason = model_precision_unsupported(&c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c));
     if (reason != NULL) fail_config(parser, c->activations != ACTS_AUTO ? "activations" : "precision", reason);
 }
 
@@ -494,14 +476,14 @@ static void trainer_create(Trainer *t, ConfigParser *parser, int ranks) {
     check_gpu(parser, &t->gpu);
     check_memory_fits(parser, ranks);
 
-    model_create(&t->model, &c->model, c->micro_batch_size, c->seq_len, model_precision_of(c));
+    model_create(&t->model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c));
     AdamWConfig ac;
     ac.beta1 = c->beta1;
     ac.beta2 = c->beta2;
     ac.eps = c->adam_eps;
     ac.weight_decay = c->weight_decay;
     ac.weight_decay_all = c->weight_decay_all;
-    adamw_create(&t->opt, optimizer_kind(config_optimizer_states(c)), &ac, &t->model.layout, 0,
+    adamw_create(&t->opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &t->model.layout, 0,
                  t->model.layout.total_padded, t->gpu.stream);
     if (!c->generate) open_loader(&t->train_loader, c->train_data, c, 1);
     t->have_val = c->val_data[0] != '\0' && !c->generate;

@@ -4,7 +4,7 @@
 // (dry_run) and the GPU model both size their buffers from it.
 // Storage: BF16; FP32; E4M3 with one scale per tensor (linear-layer inputs, stored as the
 // transpose [features, tokens] that the FP8 weight-gradient GEMM reads; the scale sits in the
-// model's table of FP8 scales); E4M3 with one FP32 scale per 1x16 group (inputs of non-linear
+// model's table of FP8 scales); E4M3 with one BF16 scale per 1x16 group (inputs of non-linear
 // ops: the codes [tokens, features], then the scales [tokens, features / 16]).
 #pragma once
 #include <stddef.h>
@@ -66,7 +66,7 @@ static inline size_t activation_bytes(ActivationStorage storage, size_t elems) {
     case STORE_BF16: return 2 * elems;
     case STORE_FP32: return 4 * elems;
     case STORE_E4M3_TENSOR: return elems;
-    case STORE_E4M3_GROUP16: return elems + 4 * ((elems + 15) / 16);
+    case STORE_E4M3_GROUP16: return elems + 2 * ((elems + 15) / 16);
     }
     return 0;
 }

@@ -2,13 +2,17 @@
 // FP8 linear layers and the optimizer.
 //   cast:        q = fp8_satfinite(x / s), round to nearest even, +-max on overflow, NaN stays NaN
 //   per tensor:  s = (amax + 1e-10) / 448 (E4M3) or / 57344 (E5M2), amax = max |x| of the tensor
-//   1x16 groups: the same rule per 16 consecutive values of a row, E4M3, one FP32 scale each
-// Scales are dequantization factors (x ~ q * s), computed in FP32 and used as they are stored.
+//   1x16 groups: the same rule per 16 consecutive values of a row, E4M3, one BF16 scale each
+// Scales are dequantization factors (x ~ q * s), computed in FP32, rounded to their storage
+// type (FP32 per tensor, BF16 per group: half the bytes of FP32 scales, 1/8 byte per value),
+// and the data is divided by the rounded scale, so quantize and dequantize use one number.
 // Per-tensor scaling is just in time and in two passes ("Group Scaling"): the kernel that
 // produces a tensor folds the maxima of its rows into Fp8Scale.amax (one atomic max per block:
 // the result does not depend on the order), and the cast pass reads it, stores the scale and
 // writes the FP8 tensor and, where a weight gradient needs it, its transpose.
 // Layouts: a tensor [R, C] row-major; its transpose [C, R] row-major; 1x16 scales [R, C/16].
+// The cast pass reads its values from a source: a BF16 tensor, or a kernel's math recomputed
+// from that kernel's inputs (coat/swiglu.cuh), so that no BF16 copy has to be written and read.
 // BF16 inputs move as 16-byte vectors: C a multiple of 8 (16 for 1x16 groups), pointers
 // 16-byte aligned; a transpose needs R a multiple of 16.
 #pragma once
@@ -74,28 +78,29 @@ __device__ __forceinline__ float fp8_abs_max(float a, float b) {
     return __int_as_float(max(__float_as_int(a), __float_as_int(fabsf(b))));
 }
 
-// A tensor [R, C] stored as 1x16 E4M3 groups: codes [R, C] and one FP32 scale per group
+// A tensor [R, C] stored as 1x16 E4M3 groups: codes [R, C] and one BF16 scale per group
 // [R, C/16]. codes == NULL: not stored so (the tensor is BF16).
 typedef struct {
     uint8_t *codes;
-    float *scales;
+    bf16 *scales;
 } Fp8Groups;
 
 // ---- 1x16 groups, 8 values per thread, the group's other half in lane ^ 1 -----------------
 
-// Codes of this thread's 8 values and the group's scale (the same in both lanes). Both lanes of
-// every pair must call it (inactive pairs pass zeros).
-__device__ __forceinline__ uint2 fp8_quantize_half_group(const float x[8], float *group_scale) {
+// Codes of this thread's 8 values and the group's scale (the same in both lanes), rounded to
+// BF16 before the division. Both lanes of every pair must call it (inactive pairs pass zeros).
+__device__ __forceinline__ uint2 fp8_quantize_half_group(const float x[8], bf16 *group_scale) {
     float m = 0.0f;
     for (int j = 0; j < 8; j++) m = fp8_abs_max(m, x[j]);
     m = fp8_abs_max(m, __shfl_xor_sync(0xffffffffu, m, 1));
-    float scale = fp8_scale_from_amax(m, FP8_E4M3);  // NaN when the group holds one
+    bf16 stored = __float2bfloat16_rn(fp8_scale_from_amax(m, FP8_E4M3));  // NaN when the group holds one
+    float scale = __bfloat162float(stored);
     uint2 codes = make_uint2(0u, 0u);
     for (int j = 0; j < 8; j++) {
         uint32_t code = (uint32_t)fp8_encode(x[j] / scale, FP8_E4M3) << (8 * (j % 4));
         if (j < 4) codes.x |= code; else codes.y |= code;
     }
-    *group_scale = scale;
+    *group_scale = stored;
     return codes;
 }
 
@@ -107,8 +112,8 @@ __device__ __forceinline__ void fp8_dequantize8(float out[8], uint2 codes, float
 }
 
 // 8 values at column c of a row of a 1x16-quantized tensor (codes row, scales row).
-__device__ __forceinline__ void fp8_load_group16(float out[8], const uint8_t *codes_row, const float *scales_row, int c) {
-    fp8_dequantize8(out, *reinterpret_cast<const uint2 *>(codes_row + c), scales_row[c / FP8_GROUP], FP8_E4M3);
+__device__ __forceinline__ void fp8_load_group16(float out[8], const uint8_t *codes_row, const bf16 *scales_row, int c) {
+    fp8_dequantize8(out, *reinterpret_cast<const uint2 *>(codes_row + c), __bfloat162float(scales_row[c / FP8_GROUP]), FP8_E4M3);
 }
 
 // ---- per-tensor passes ------------------------------------------------------------------
@@ -124,38 +129,57 @@ __global__ void __launch_bounds__(FP8_THREADS) fp8_amax_kernel(Fp8Scale *slot, c
     fp8_block_amax(slot, m);
 }
 
-// One block per 64 x 64 tile: each thread casts two 8-value row vectors; the transpose goes
-// through shared memory and leaves as 16-byte rows of out_t.
-template <Fp8Format FORMAT>
+// The plain source: a BF16 tensor [R, C].
+struct Fp8SourceBf16 {
+    static constexpr int PLANES = 1;
+    const bf16 *in;
+    int C;
+    __device__ __forceinline__ void load(int r, int c, float v[1][8]) const {
+        Vec16<bf16> x = load16_stream(in + (size_t)r * C + c);
+        for (int j = 0; j < 8; j++) v[0][j] = __bfloat162float(x[j]);
+    }
+};
+
+// One block per tile of 64 rows x 64 columns of each of the source's PLANES planes (plane p is
+// columns [p C, (p + 1) C) of the output, which is [R, PLANES C]): each thread casts two 8-value
+// row vectors per plane; the transpose goes through shared memory and leaves as 16-byte rows of
+// out_t [PLANES C, R].
+template <Fp8Format FORMAT, class Source>
 __global__ void __launch_bounds__(FP8_THREADS)
-    fp8_quantize_kernel(uint8_t *out, uint8_t *out_t, Fp8Scale *slot, const bf16 *in, int R, int C) {
-    __shared__ __align__(16) uint8_t tile_t[FP8_TILE][FP8_TILE_PITCH];  // [column][row] of the tile
+    fp8_quantize_kernel(uint8_t *out, uint8_t *out_t, Fp8Scale *slot, Source source, int R, int C) {
+    constexpr int PLANES = Source::PLANES;
+    __shared__ __align__(16) uint8_t tile_t[PLANES][FP8_TILE][FP8_TILE_PITCH];  // [plane][column][row] of the tile
     float scale = fp8_scale_from_amax(slot->amax, FORMAT);
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) slot->scale = scale;
-    int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
+    int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE, out_columns = PLANES * C;
     int tile_row = threadIdx.x / 8, tile_col = (threadIdx.x % 8) * 8;
     for (int k = 0; k < 2; k++) {
         int tr = tile_row + 32 * k, r = r0 + tr, c = c0 + tile_col;
         if (r >= R || c >= C) continue;
-        Vec16<bf16> x = load16_stream(in + (size_t)r * C + c);
-        uint8_t codes[8];
-        for (int j = 0; j < 8; j++) codes[j] = fp8_encode(__bfloat162float(x[j]) / scale, FORMAT);
-        if (out != NULL) {
-            uint2 packed;
-            packed.x = codes[0] | codes[1] << 8 | codes[2] << 16 | (uint32_t)codes[3] << 24;
-            packed.y = codes[4] | codes[5] << 8 | codes[6] << 16 | (uint32_t)codes[7] << 24;
-            *reinterpret_cast<uint2 *>(out + (size_t)r * C + c) = packed;
+        float v[PLANES][8];
+        source.load(r, c, v);
+        for (int p = 0; p < PLANES; p++) {
+            uint8_t codes[8];
+            for (int j = 0; j < 8; j++) codes[j] = fp8_encode(v[p][j] / scale, FORMAT);
+            if (out != NULL) {
+                uint2 packed;
+                packed.x = codes[0] | codes[1] << 8 | codes[2] << 16 | (uint32_t)codes[3] << 24;
+                packed.y = codes[4] | codes[5] << 8 | codes[6] << 16 | (uint32_t)codes[7] << 24;
+                *reinterpret_cast<uint2 *>(out + (size_t)r * out_columns + p * C + c) = packed;
+            }
+            if (out_t != NULL)
+                for (int j = 0; j < 8; j++) tile_t[p][tile_col + j][tr] = codes[j];
         }
-        if (out_t != NULL)
-            for (int j = 0; j < 8; j++) tile_t[tile_col + j][tr] = codes[j];
     }
     if (out_t == NULL) return;  // the same for the whole block
     __syncthreads();
     int column = threadIdx.x / 4, row_part = (threadIdx.x % 4) * 16;
     int c = c0 + column, r = r0 + row_part;
     if (c >= C || r >= R) return;
-    const uint32_t *staged = reinterpret_cast<const uint32_t *>(&tile_t[column][row_part]);
-    *reinterpret_cast<uint4 *>(out_t + (size_t)c * R + r) = make_uint4(staged[0], staged[1], staged[2], staged[3]);
+    for (int p = 0; p < PLANES; p++) {
+        const uint32_t *staged = reinterpret_cast<const uint32_t *>(&tile_t[p][column][row_part]);
+        *reinterpret_cast<uint4 *>(out_t + (size_t)(p * C + c) * R + r) = make_uint4(staged[0], staged[1], staged[2], staged[3]);
+    }
 }
 
 static inline void fp8_check(const char *launcher, bool ok, const char *what) {
@@ -174,16 +198,25 @@ static inline void fp8_amax(Fp8Scale *slot, const bf16 *in, size_t n, cudaStream
     cudaCheckLaunch();
 }
 
-// out [R, C] and/or out_t [C, R] (either may be NULL) = fp8(in / s), s from slot->amax, which
-// the producer of `in` gathered; stores s in slot->scale.
-static inline void fp8_quantize(uint8_t *out, uint8_t *out_t, Fp8Scale *slot, const bf16 *in, int R, int C,
-                                Fp8Format format, cudaStream_t stream) {
+// out [R, PLANES C] and/or out_t [PLANES C, R] (either may be NULL) = fp8(x / s) for the
+// source's values x, s from slot->amax (gathered by whoever produced or first computed them);
+// stores s in slot->scale.
+template <class Source>
+static inline void fp8_quantize_source(uint8_t *out, uint8_t *out_t, Fp8Scale *slot, Source source, int R, int C,
+                                       Fp8Format format, cudaStream_t stream) {
     fp8_check("fp8_quantize", R > 0 && C > 0 && C % 8 == 0, "C must be a positive multiple of 8");
     fp8_check("fp8_quantize", out_t == NULL || R % 16 == 0, "a transposed copy needs R a multiple of 16");
-    fp8_check("fp8_quantize", ((uintptr_t)in & 15u) == 0 && ((uintptr_t)out & 7u) == 0 && ((uintptr_t)out_t & 15u) == 0,
-              "in and out_t must be 16-byte aligned, out 8-byte aligned");
+    fp8_check("fp8_quantize", ((uintptr_t)out & 7u) == 0 && ((uintptr_t)out_t & 15u) == 0,
+              "out must be 8-byte aligned, out_t 16-byte aligned");
     dim3 grid(ceil_div(C, FP8_TILE), ceil_div(R, FP8_TILE));
-    if (format == FP8_E4M3) fp8_quantize_kernel<FP8_E4M3><<<grid, FP8_THREADS, 0, stream>>>(out, out_t, slot, in, R, C);
-    else fp8_quantize_kernel<FP8_E5M2><<<grid, FP8_THREADS, 0, stream>>>(out, out_t, slot, in, R, C);
+    if (format == FP8_E4M3) fp8_quantize_kernel<FP8_E4M3><<<grid, FP8_THREADS, 0, stream>>>(out, out_t, slot, source, R, C);
+    else fp8_quantize_kernel<FP8_E5M2><<<grid, FP8_THREADS, 0, stream>>>(out, out_t, slot, source, R, C);
     cudaCheckLaunch();
+}
+
+// The cast of a BF16 tensor in [R, C] (16-byte aligned).
+static inline void fp8_quantize(uint8_t *out, uint8_t *out_t, Fp8Scale *slot, const bf16 *in, int R, int C,
+                                Fp8Format format, cudaStream_t stream) {
+    fp8_check("fp8_quantize", ((uintptr_t)in & 15u) == 0, "in must be 16-byte aligned");
+    fp8_quantize_source(out, out_t, slot, Fp8SourceBf16{in, C}, R, C, format, stream);
 }

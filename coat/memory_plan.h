@@ -10,7 +10,7 @@
 #include "params.h"
 
 #define CUBLASLT_WORKSPACE_BYTES (32u << 20)
-#define CLASSIFIER_CHUNK_ROWS 8192
+#define CLASSIFIER_CHUNK_ROWS 4096  // logits rows per lm_head + cross-entropy chunk (4096 x 32000 BF16: 250 MB)
 
 // Buffers reused by every layer, carved from one allocation: the forward branch output (also
 // the norm output before its FP8 cast, and the backward's norm gradient), the residual-stream
@@ -19,7 +19,8 @@
 // GEMM (in backward: the remade transpose of an input saved in BF16), the E5M2 output gradient
 // and its transpose, every layer's E4M3 weights and their transposes (cast once per optimizer
 // step) and the table of per-tensor FP8 scales. With COAT activations, the BF16 residual
-// stream, updated in place (only its 1x16 copies are saved).
+// stream, updated in place (only its 1x16 copies are saved); and the forward's BF16 gate_up
+// output (before its 1x16 cast) lives in the two output-gradient buffers, idle in forward.
 typedef struct {
     size_t branch, d_residual, wide, rope_cos, rope_sin, logits, kernel_scratch, small;  // byte offsets
     size_t residual, fp8_input, fp8_grad, fp8_grad_t, fp8_weights, fp8_scales;         // 0 bytes when unused
@@ -48,9 +49,10 @@ static inline void working_layout_init(WorkingLayout *w, const ModelShape *m, in
     size_t H = (size_t)m->dim, I = (size_t)m->ffn_dim, hd = (size_t)model_head_dim(m), NH = (size_t)m->n_heads;
     size_t qkv = (NH + 2 * (size_t)m->n_kv_heads) * hd, attn = NH * hd;
     size_t tokens = (size_t)micro_batch_size * (size_t)seq_len;
-    // Backward holds d_swiglu [I] beside d_gate_up [2I], or d_attn_out beside d_qkv; forward
-    // holds gate_up [2I] (before its 1x16 cast) beside swiglu_out [I].
-    w->wide_elems_per_token = 3 * I > qkv + attn ? 3 * I : qkv + attn;
+    // Backward holds d_swiglu [I] beside d_gate_up [2I] (BF16 GEMMs; FP8 GEMMs cast d_gate_up
+    // straight from d_swiglu), or d_attn_out beside d_qkv. The forward does not use it.
+    size_t swiglu_grads = fp8_gemms ? I : 3 * I;
+    w->wide_elems_per_token = swiglu_grads > qkv + attn ? swiglu_grads : qkv + attn;
     w->logits_chunk_rows = tokens < CLASSIFIER_CHUNK_ROWS ? tokens : CLASSIFIER_CHUNK_ROWS;
     w->logits_stride = ((size_t)m->vocab_size + 7) / 8 * 8;
     // Bound on what the kernels ask for (embedding backward's sort and partial sums, RMSNorm
@@ -107,16 +109,18 @@ static inline size_t final_activation_bytes(const ModelShape *m, size_t tokens) 
     return 2 * align256(2 * tokens * (size_t)m->dim) + 4 * align256(4 * tokens);
 }
 
-// Bytes per element of m and v together, scales included (one 128-group shares them).
-static inline double optimizer_state_bytes_per_param(StatesChoice states) {
+// Bytes the optimizer allocates for a shard of n elements beside its FP32 master weights
+// (coat/optimizer.cuh): m and v, their FP32 scalars per 128-group (fp8: a scale; fp8_dre: scale,
+// k, c) and the weight-decay table (one byte per group).
+static inline size_t optimizer_state_bytes(StatesChoice states, size_t n) {
+    size_t element = 4, scalars = 0, groups = n / 128;
     switch (states) {
-    case STATES_FP32: return 8.0;
-    case STATES_BF16: return 4.0;
-    case STATES_FP8: return 2.0 + 2.0 * 4.0 / 128.0;            // E4M3 + one FP32 scale per group
-    case STATES_FP8_DRE: return 2.0 + 2.0 * 3.0 * 4.0 / 128.0;  // E4M3 + scale, k, c per group
-    case STATES_AUTO: break;
+    case STATES_FP32: case STATES_AUTO: break;
+    case STATES_BF16: element = 2; break;
+    case STATES_FP8: element = 1; scalars = 1; break;
+    case STATES_FP8_DRE: element = 1; scalars = 3; break;
     }
-    return 0.0;
+    return 2 * (element * n + 4 * scalars * groups) + groups;
 }
 
 static inline size_t memory_plan_shard_elems(size_t padded, int ranks) {
@@ -139,7 +143,7 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
     plan->grads_bytes = (c->zero_stage >= 2 && ranks > 1) ? 2 * (plan->shard_elems + layout.layer_stride)
                                                           : 2 * layout.total_padded;
     plan->master_bytes = 4 * plan->shard_elems;
-    plan->states_bytes = (size_t)(optimizer_state_bytes_per_param(config_optimizer_states(c)) * (double)plan->shard_elems);
+    plan->states_bytes = optimizer_state_bytes(config_optimizer_states(c), plan->shard_elems);
 
     plan->activations_bytes = (size_t)m->n_layers * activation_layer_bytes(m, acts, tokens) + final_activation_bytes(m, tokens);
     WorkingLayout working;

@@ -42,6 +42,11 @@ static inline ModelPrecision model_precision_bf16(void) {
     return p;
 }
 
+static inline ModelPrecision model_precision_from_config(const TrainConfig *c) {
+    ModelPrecision p = {c->precision != PRECISION_BF16, config_activations(c), c->fp8_fast_accum};
+    return p;
+}
+
 // One saved activation as the kernels read it: BF16 or FP32 data, the FP8 transpose of a
 // linear layer's input (its scale is the layer's input entry of the FP8 scale table), or 1x16
 // E4M3 groups (codes and scales).
@@ -71,11 +76,12 @@ typedef struct {
     WorkingLayout working_layout;
     bf16 *branch;                  // forward: a linear layer's output, then the next norm's output; backward: d(norm out)
     bf16 *d_residual;
-    bf16 *wide;                    // forward: gate_up (before its 1x16 cast) and swiglu_out; backward: their gradients
+    bf16 *wide;                    // backward: the block intermediates' gradients
     bf16 *logits;
     bf16 *residual;                // COAT activations: the BF16 residual stream (NULL otherwise)
     uint8_t *fp8_input;            // E4M3 input of the current FP8 GEMM, or in backward a remade input transpose
     uint8_t *fp8_grad, *fp8_grad_t;  // E5M2 output gradient [N, out] and its transpose [out, N]
+    bf16 *gate_up_working;         // COAT forward: gate_up before its 1x16 cast, in fp8_grad and fp8_grad_t
     uint8_t *fp8_weights;          // per layer and linear: W [out, in] then W^T [in, out], E4M3
     Fp8Scale *fp8_scales;          // [n_layers][FP8_SCALES_PER_LAYER]
     int fp8_weights_current;       // the FP8 weights were cast from the present BF16 weights
@@ -177,7 +183,7 @@ static inline void model_create(LlamaModel *model, const ModelShape *shape, int 
             size_t elems = table[k].per_token * N;
             t->storage = table[k].storage;
             t->data = at;
-            if (t->storage == STORE_E4M3_GROUP16) t->groups = Fp8Groups{(uint8_t *)at, (float *)(at + elems)};
+            if (t->storage == STORE_E4M3_GROUP16) t->groups = Fp8Groups{(uint8_t *)at, (bf16 *)(at + elems)};
             at += align256(activation_bytes(table[k].storage, elems));
         }
     size_t H = (size_t)shape->dim;
@@ -210,6 +216,13 @@ static inline void model_create(LlamaModel *model, const ModelShape *shape, int 
     model->fp8_grad_t = (uint8_t *)(model->working + w->fp8_grad_t);
     model->fp8_weights = (uint8_t *)(model->working + w->fp8_weights);
     model->fp8_scales = (Fp8Scale *)(model->working + w->fp8_scales);
+    if (precision.activations == ACTS_COAT) {
+        model->gate_up_working = (bf16 *)model->fp8_grad;
+        if (w->fp8_grad_t - w->fp8_grad < 2 * N * 2 * (size_t)shape->ffn_dim) {
+            fprintf(stderr, "error: model_create: the output-gradient buffers cannot hold the forward's gate_up\n");
+            exit(EXIT_FAILURE);
+        }
+    }
     model->mean_loss = (float *)(model->working + w->small);
     model->grad_norm_squared = model->mean_loss + 1;
     if (w->fp8_scales_bytes) cudaCheck(cudaMemset(model->fp8_scales, 0, w->fp8_scales_bytes));
@@ -282,11 +295,12 @@ static inline uint8_t *linear_fp8_weight(const LlamaModel *model, int layer, Lin
 }
 
 // Where the forward pass writes a linear layer's BF16 input: the saved tensor when it is
-// saved in BF16, else a working buffer that the FP8 cast reads.
+// saved in BF16, else a working buffer that the FP8 cast reads; NULL for the SwiGLU output
+// saved in FP8, which is cast straight from gate_up (swiglu_forward_cast).
 static inline bf16 *linear_input_bf16(const LlamaModel *model, int layer, Linear which) {
     const SavedTensor *t = model_saved_tensor(model, layer, linear_input_activation(which));
     if (t->storage == STORE_BF16) return (bf16 *)t->data;
-    if (which == LINEAR_DOWN) return model->wide + (size_t)model->B * model->T * 2 * model->shape.ffn_dim;
+    if (which == LINEAR_DOWN) return NULL;
     return model->branch;  // the norm outputs: the norm reads branch's row before writing it
 }
 
@@ -311,8 +325,15 @@ static inline void model_cast_weights(LlamaModel *model, cudaStream_t s) {
     model->fp8_weights_current = 1;
 }
 
+// The saved FP8 transpose of a linear layer's input (NULL when it is saved in BF16).
+static inline uint8_t *linear_saved_input_t(const LlamaModel *model, int layer, Linear which) {
+    const SavedTensor *t = model_saved_tensor(model, layer, linear_input_activation(which));
+    return t->storage == STORE_E4M3_TENSOR ? (uint8_t *)t->data : NULL;
+}
+
 // out[N, out] = x W^T, x the layer's input written at linear_input_bf16 (with FP8 GEMMs its amax
-// already gathered): the input is cast here, and its transpose saved when the table says so.
+// already gathered): the input is cast here, and its transpose saved when the table says so;
+// with no BF16 input its producer cast it into fp8_input already.
 static inline void linear_forward(GpuContext *gpu, LlamaModel *model, int layer, Linear which, bf16 *out) {
     int N = model->B * model->T;
     LinearShape shape = linear_shape(model, which);
@@ -321,18 +342,19 @@ static inline void linear_forward(GpuContext *gpu, LlamaModel *model, int layer,
         matmul_forward(gpu, out, x, model_param(model, linear_weight_kind(which), layer), N, shape.in, shape.out, false);
         return;
     }
-    const SavedTensor *saved = model_saved_tensor(model, layer, linear_input_activation(which));
     Fp8Scale *in_slot = linear_input_amax(model, layer, which);
-    fp8_quantize(model->fp8_input, saved->storage == STORE_E4M3_TENSOR ? (uint8_t *)saved->data : NULL, in_slot, x, N,
-                 shape.in, FP8_E4M3, gpu->stream);
-    op_timer_mark(model->timer, "fp8 cast of a linear input (+ saved transpose)", gpu->stream);
+    if (x != NULL) {
+        fp8_quantize(model->fp8_input, linear_saved_input_t(model, layer, which), in_slot, x, N, shape.in, FP8_E4M3, gpu->stream);
+        op_timer_mark(model->timer, "fp8 cast of a linear input (+ saved transpose)", gpu->stream);
+    }
     matmul_forward_fp8(gpu, out, (const __nv_fp8_e4m3 *)model->fp8_input, &in_slot->scale,
                        (const __nv_fp8_e4m3 *)linear_fp8_weight(model, layer, which, 0),
                        &model_fp8_scale(model, layer, FP8_SLOT_WEIGHT, which)->scale, N, shape.in, shape.out, false,
                        model->precision.fast_accumulation);
 }
 
-// For dy [N, out] (BF16; with FP8 GEMMs its amax gathered in the layer's gradient slot):
+// For dy [N, out] (BF16; with FP8 GEMMs its amax gathered in the layer's gradient slot, or
+// dy NULL when its producer cast it into fp8_grad and fp8_grad_t already):
 // dW += dy^T x and dx[N, in] = dy W (written, not accumulated).
 static inline void linear_backward(GpuContext *gpu, LlamaModel *model, int layer, Linear which, bf16 *dx, const bf16 *dy) {
     int N = model->B * model->T;
@@ -349,8 +371,10 @@ static inline void linear_backward(GpuContext *gpu, LlamaModel *model, int layer
     bool fast = model->precision.fast_accumulation;
     Fp8Scale *grad_slot = model_fp8_scale(model, layer, FP8_SLOT_GRAD, which);
     Fp8Scale *in_slot = linear_input_amax(model, layer, which);
-    fp8_quantize(model->fp8_grad, model->fp8_grad_t, grad_slot, dy, N, shape.out, FP8_E5M2, s);
-    op_timer_mark(model->timer, "fp8 cast of an output gradient (+ transpose)", s);
+    if (dy != NULL) {
+        fp8_quantize(model->fp8_grad, model->fp8_grad_t, grad_slot, dy, N, shape.out, FP8_E5M2, s);
+        op_timer_mark(model->timer, "fp8 cast of an output gradient (+ transpose)", s);
+    }
     const uint8_t *x_t = (const uint8_t *)saved->data;
     if (saved->storage == STORE_BF16) {  // remade from the saved BF16 input with the forward's amax
         fp8_quantize(NULL, model->fp8_input, in_slot, (const bf16 *)saved->data, N, shape.in, FP8_E4M3, s);
@@ -420,10 +444,15 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
                                        model->branch, model_param(model, PARAM_MLP_NORM, l), N, H, eps, s,
                                        model_saved_groups(model, l, ACT_RESIDUAL_MID), linear_input_amax(model, l, LINEAR_GATE_UP)));
         Fp8Groups gate_up_copy = model_saved_groups(model, l, ACT_GATE_UP);
-        bf16 *gate_up = gate_up_copy.codes != NULL ? model->wide : model_saved(model, l, ACT_GATE_UP);
+        bf16 *gate_up = gate_up_copy.codes != NULL ? model->gate_up_working : model_saved(model, l, ACT_GATE_UP);
         TIMED("matmul gate_up forward", linear_forward(gpu, model, l, LINEAR_GATE_UP, gate_up));
-        TIMED("swiglu forward", swiglu_forward(linear_input_bf16(model, l, LINEAR_DOWN), gate_up, N, I, s, gate_up_copy,
-                                               linear_input_amax(model, l, LINEAR_DOWN)));
+        bf16 *swiglu_out = linear_input_bf16(model, l, LINEAR_DOWN);
+        Fp8Scale *swiglu_amax = linear_input_amax(model, l, LINEAR_DOWN);
+        TIMED("swiglu forward", swiglu_forward(swiglu_out, gate_up, N, I, s, gate_up_copy, swiglu_amax));
+        if (swiglu_out == NULL)  // cast straight from gate_up (or its 1x16 copy): no BF16 output
+            TIMED("swiglu forward: fp8 cast (+ saved transpose)",
+                  swiglu_forward_cast(model->fp8_input, linear_saved_input_t(model, l, LINEAR_DOWN), swiglu_amax, gate_up,
+                                      gate_up_copy, N, I, s));
         TIMED("matmul down forward", linear_forward(gpu, model, l, LINEAR_DOWN, model->branch));
         // The next block's attention norm (or the final norm, BF16 in every mode) is fused with this residual add.
         int last = l == L - 1;
@@ -462,11 +491,16 @@ static inline void model_backward(GpuContext *gpu, LlamaModel *model) {
                            model_fp8_scale(model, L - 1, FP8_SLOT_GRAD, LINEAR_DOWN)));
     for (int l = L - 1; l >= 0; l--) {
         // MLP block: x_out = x_mid + Wdown swiglu(Wgate_up rmsnorm(x_mid))
-        bf16 *d_swiglu = model->wide, *d_gate_up = model->wide + (size_t)N * I;
+        // With FP8 GEMMs d_gate_up goes straight to E5M2 (and its transpose), never to BF16.
+        bf16 *d_swiglu = model->wide, *d_gate_up = model->precision.fp8_gemms ? NULL : model->wide + (size_t)N * I;
+        const bf16 *gate_up = model_saved(model, l, ACT_GATE_UP);
+        Fp8Groups gate_up_groups = model_saved_groups(model, l, ACT_GATE_UP);
+        Fp8Scale *d_gate_up_amax = model_fp8_scale(model, l, FP8_SLOT_GRAD, LINEAR_GATE_UP);
         TIMED("matmul down backward", linear_backward(gpu, model, l, LINEAR_DOWN, d_swiglu, d_residual));
-        TIMED("swiglu backward",
-              swiglu_backward(d_gate_up, d_swiglu, model_saved(model, l, ACT_GATE_UP), N, I, s,
-                              model_saved_groups(model, l, ACT_GATE_UP), model_fp8_scale(model, l, FP8_SLOT_GRAD, LINEAR_GATE_UP)));
+        TIMED("swiglu backward", swiglu_backward(d_gate_up, d_swiglu, gate_up, N, I, s, gate_up_groups, d_gate_up_amax));
+        if (d_gate_up == NULL)
+            TIMED("swiglu backward: fp8 cast (+ transpose)",
+                  swiglu_backward_cast(model->fp8_grad, model->fp8_grad_t, d_gate_up_amax, d_swiglu, gate_up, gate_up_groups, N, I, s));
         TIMED("matmul gate_up backward", linear_backward(gpu, model, l, LINEAR_GATE_UP, d_norm, d_gate_up));
         TIMED("rmsnorm backward",
               rmsnorm_backward(d_residual, model_grad(model, PARAM_MLP_NORM, l), scratch, d_norm,

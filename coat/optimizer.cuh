@@ -35,6 +35,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "common.cuh"
+#include "config.h"
 #include "fp8.cuh"
 #include "params.h"
 
@@ -75,6 +76,16 @@ typedef struct {
 #define ADAMW_CHECKPOINT_MAGIC 0x4d41444154414f43ull  // "COATADAM" in a little-endian uint64
 #define ADAMW_CHECKPOINT_VERSION 2
 #define ADAMW_COPY_CHUNK_BYTES ((size_t)64 << 20)   // staging buffer for save and load
+
+static inline OptimizerStateKind adamw_kind_from_config(StatesChoice states) {
+    switch (states) {
+    case STATES_BF16: return OPT_STATES_BF16;
+    case STATES_FP8: return OPT_STATES_FP8;
+    case STATES_FP8_DRE: return OPT_STATES_FP8_DRE;
+    case STATES_FP32: case STATES_AUTO: break;
+    }
+    return OPT_STATES_FP32;
+}
 
 static inline const char *optimizer_state_kind_name(OptimizerStateKind kind) {
     switch (kind) {

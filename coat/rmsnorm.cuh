@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(RMSNORM_FORWARD_THREADS)
         size_t row_offset = (size_t)row * C;
         const bf16 *sum_row = (branch != NULL ? residual_out : residual_in) + row_offset;
         uint8_t *codes_row = GROUP16 ? residual_copy.codes + row_offset : NULL;
-        float *scales_row = GROUP16 ? residual_copy.scales + (size_t)row * (C / FP8_GROUP) : NULL;
+        bf16 *scales_row = GROUP16 ? residual_copy.scales + (size_t)row * (C / FP8_GROUP) : NULL;
 
         float sum_squares = 0.0f;
 #pragma unroll 4
@@ -90,13 +90,13 @@ __global__ void __launch_bounds__(RMSNORM_FORWARD_THREADS)
                 for (int k = 0; k < 8; k++) s[k] = __bfloat162float(a[k]);
             }
             if (GROUP16) {
-                float scale;
+                bf16 scale;
                 uint2 codes = fp8_quantize_half_group(s, &scale);
                 if (active) {
                     *reinterpret_cast<uint2 *>(codes_row + c) = codes;
                     if (lane % 2 == 0) scales_row[c / FP8_GROUP] = scale;
                 }
-                fp8_dequantize8(s, codes, scale, FP8_E4M3);
+                fp8_dequantize8(s, codes, __bfloat162float(scale), FP8_E4M3);
             }
             if (active)
                 for (int k = 0; k < 8; k++) sum_squares += s[k] * s[k];

@@ -21,7 +21,7 @@ __device__ __forceinline__ void swiglu_load(float gate[8], float up[8], const bf
                                             size_t row, size_t column, int I) {
     size_t offset = row * 2 * I + column;
     if (GROUP16) {
-        const float *scales = groups.scales + row * (2 * I / FP8_GROUP);
+        const bf16 *scales = groups.scales + row * (2 * I / FP8_GROUP);
         fp8_load_group16(gate, groups.codes + row * 2 * I, scales, (int)column);
         fp8_load_group16(up, groups.codes + row * 2 * I, scales, (int)(column + I));
     } else {
@@ -33,10 +33,21 @@ __device__ __forceinline__ void swiglu_load(float gate[8], float up[8], const bf
     }
 }
 
+// The forward's output and the backward's two gradients, each rounded to BF16 as stored.
+__device__ __forceinline__ float swiglu_value(float gate, float up) {
+    return __bfloat162float(__float2bfloat16(gate * sigmoid_fp32(gate) * up));
+}
+__device__ __forceinline__ void swiglu_gradients(float gate, float up, float grad, float *dgate, float *dup) {
+    float s = sigmoid_fp32(gate);
+    *dgate = __bfloat162float(__float2bfloat16(grad * up * s * (1.0f + gate * (1.0f - s))));
+    *dup = __bfloat162float(__float2bfloat16(grad * gate * s));
+}
+
 // One thread per 8 consecutive outputs of a row; with I a multiple of 16, lanes 2k and 2k+1
 // hold one 1x16 group of gate and one of up. Every thread runs to the end (group shuffles,
 // the block's amax). GROUP16: also stores the 1x16 copy of gate_up and computes out from it,
-// as the backward will. AMAX: max |out| goes to out_amax.
+// as the backward will. AMAX: max |out| goes to out_amax. out == NULL: not stored (the FP8
+// cast recomputes it).
 template <bool GROUP16, bool AMAX>
 __global__ void __launch_bounds__(SWIGLU_THREADS)
     swiglu_forward_kernel(bf16 *out, Fp8Groups gate_up_copy, Fp8Scale *out_amax, const bf16 *gate_up, int I,
@@ -48,11 +59,11 @@ __global__ void __launch_bounds__(SWIGLU_THREADS)
     float gate[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}, up[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     if (active) swiglu_load<false>(gate, up, gate_up, gate_up_copy, row, column, I);
     if (GROUP16) {
-        float gate_scale, up_scale;
+        bf16 gate_scale, up_scale;
         uint2 gate_codes = fp8_quantize_half_group(gate, &gate_scale), up_codes = fp8_quantize_half_group(up, &up_scale);
         if (active) {
             uint8_t *codes = gate_up_copy.codes + row * 2 * I;
-            float *scales = gate_up_copy.scales + row * (2 * I / FP8_GROUP);
+            bf16 *scales = gate_up_copy.scales + row * (2 * I / FP8_GROUP);
             *reinterpret_cast<uint2 *>(codes + column) = gate_codes;
             *reinterpret_cast<uint2 *>(codes + column + I) = up_codes;
             if (threadIdx.x % 2 == 0) {
@@ -60,22 +71,24 @@ __global__ void __launch_bounds__(SWIGLU_THREADS)
                 scales[(column + I) / FP8_GROUP] = up_scale;
             }
         }
-        fp8_dequantize8(gate, gate_codes, gate_scale, FP8_E4M3);
-        fp8_dequantize8(up, up_codes, up_scale, FP8_E4M3);
+        fp8_dequantize8(gate, gate_codes, __bfloat162float(gate_scale), FP8_E4M3);
+        fp8_dequantize8(up, up_codes, __bfloat162float(up_scale), FP8_E4M3);
     }
     float out_max = 0.0f;
     if (active) {
         Vec16<bf16> o;
         for (int k = 0; k < 8; k++) {
-            o[k] = __float2bfloat16(gate[k] * sigmoid_fp32(gate[k]) * up[k]);
-            if (AMAX) out_max = fp8_abs_max(out_max, __bfloat162float(o[k]));
+            float value = swiglu_value(gate[k], up[k]);
+            o[k] = __float2bfloat16(value);
+            if (AMAX) out_max = fp8_abs_max(out_max, value);
         }
-        store16(out + row * I + column, o);
+        if (out != NULL) store16(out + row * I + column, o);
     }
     if (AMAX) fp8_block_amax(out_amax, out_max);
 }
 
 // gate_up is BF16, or its 1x16 copy (GROUP16). AMAX: max |dgate_up| goes to dgate_up_amax.
+// dgate_up == NULL: not stored (the FP8 cast recomputes it).
 template <bool GROUP16, bool AMAX>
 __global__ void __launch_bounds__(SWIGLU_THREADS)
     swiglu_backward_kernel(bf16 *dgate_up, Fp8Scale *dgate_up_amax, const bf16 *dout, const bf16 *gate_up,
@@ -91,17 +104,49 @@ __global__ void __launch_bounds__(SWIGLU_THREADS)
         Vec16<bf16> d = load16_stream(dout + row * I + column);
         Vec16<bf16> dg, du;
         for (int k = 0; k < 8; k++) {
-            float x = gate[k], grad = __bfloat162float(d[k]);
-            float s = sigmoid_fp32(x);
-            dg[k] = __float2bfloat16(grad * up[k] * s * (1.0f + x * (1.0f - s)));
-            du[k] = __float2bfloat16(grad * x * s);
-            if (AMAX) grad_max = fp8_abs_max(fp8_abs_max(grad_max, __bfloat162float(dg[k])), __bfloat162float(du[k]));
+            float dgate, dup;
+            swiglu_gradients(gate[k], up[k], __bfloat162float(d[k]), &dgate, &dup);
+            dg[k] = __float2bfloat16(dgate);
+            du[k] = __float2bfloat16(dup);
+            if (AMAX) grad_max = fp8_abs_max(fp8_abs_max(grad_max, dgate), dup);
         }
-        store16(dgate_up + gate_offset, dg);
-        store16(dgate_up + gate_offset + I, du);
+        if (dgate_up != NULL) {
+            store16(dgate_up + gate_offset, dg);
+            store16(dgate_up + gate_offset + I, du);
+        }
     }
     if (AMAX) fp8_block_amax(dgate_up_amax, grad_max);
 }
+
+// Sources of the FP8 cast pass (coat/fp8.cuh) that recompute the SwiGLU output, or the two
+// gradients, from the kernels' inputs instead of reading a BF16 copy: the same values, bit for
+// bit, as the kernels above store.
+template <bool GROUP16>
+struct SwigluSource {
+    static constexpr int PLANES = 1;
+    const bf16 *gate_up;
+    Fp8Groups groups;
+    int I;
+    __device__ __forceinline__ void load(int r, int c, float v[1][8]) const {
+        float gate[8], up[8];
+        swiglu_load<GROUP16>(gate, up, gate_up, groups, (size_t)r, (size_t)c, I);
+        for (int k = 0; k < 8; k++) v[0][k] = swiglu_value(gate[k], up[k]);
+    }
+};
+
+template <bool GROUP16>
+struct SwigluGradSource {
+    static constexpr int PLANES = 2;  // dgate, then dup: the layout of dgate_up
+    const bf16 *dout, *gate_up;
+    Fp8Groups groups;
+    int I;
+    __device__ __forceinline__ void load(int r, int c, float v[2][8]) const {
+        float gate[8], up[8];
+        swiglu_load<GROUP16>(gate, up, gate_up, groups, (size_t)r, (size_t)c, I);
+        Vec16<bf16> d = load16_stream(dout + (size_t)r * I + c);
+        for (int k = 0; k < 8; k++) swiglu_gradients(gate[k], up[k], __bfloat162float(d[k]), &v[0][k], &v[1][k]);
+    }
+};
 
 static inline void swiglu_check(const char *launcher, int I, bool group16) {
     require_vector_rows(launcher, "I", I);
@@ -111,8 +156,8 @@ static inline void swiglu_check(const char *launcher, int I, bool group16) {
     }
 }
 
-// out[N, I] = silu(gate) * up. Optional: gate_up_copy.codes, the 1x16 E4M3 copy of gate_up
-// (then out is computed from it); out_amax, max |out|.
+// out[N, I] = silu(gate) * up (out may be NULL). Optional: gate_up_copy.codes, the 1x16 E4M3
+// copy of gate_up (then out is computed from it); out_amax, max |out|.
 static inline void swiglu_forward(bf16 *out, const bf16 *gate_up, int N, int I, cudaStream_t stream,
                                   Fp8Groups gate_up_copy = Fp8Groups{NULL, NULL}, Fp8Scale *out_amax = NULL) {
     bool group16 = gate_up_copy.codes != NULL, amax = out_amax != NULL;
@@ -130,8 +175,8 @@ static inline void swiglu_forward(bf16 *out, const bf16 *gate_up, int N, int I, 
     cudaCheckLaunch();
 }
 
-// dgate_up[N, 2I] is written (not accumulated): the gradients of gate and up. gate_up is BF16,
-// or gate_up_groups when its codes are set. Optional: dgate_up_amax, max |dgate_up|.
+// dgate_up[N, 2I] is written (not accumulated; may be NULL): the gradients of gate and up.
+// gate_up is BF16, or gate_up_groups when its codes are set. Optional: dgate_up_amax.
 static inline void swiglu_backward(bf16 *dgate_up, const bf16 *dout, const bf16 *gate_up, int N, int I,
                                    cudaStream_t stream, Fp8Groups gate_up_groups = Fp8Groups{NULL, NULL},
                                    Fp8Scale *dgate_up_amax = NULL) {
@@ -148,4 +193,23 @@ static inline void swiglu_backward(bf16 *dgate_up, const bf16 *dout, const bf16 
     else
         swiglu_backward_kernel<false, false><<<blocks, SWIGLU_THREADS, 0, stream>>>(dgate_up, dgate_up_amax, dout, gate_up, gate_up_groups, I, total_vecs);
     cudaCheckLaunch();
+}
+
+// The FP8 casts that follow swiglu_forward / swiglu_backward with an amax (which gathered
+// slot->amax): out [N, I] and/or out_t [I, N] E4M3 from the recomputed output; dq [N, 2I] and
+// dq_t [2I, N] E5M2 from the recomputed gradients. gate_up as for those kernels.
+static inline void swiglu_forward_cast(uint8_t *out, uint8_t *out_t, Fp8Scale *slot, const bf16 *gate_up,
+                                       Fp8Groups groups, int N, int I, cudaStream_t stream) {
+    if (groups.codes != NULL)
+        fp8_quantize_source(out, out_t, slot, SwigluSource<true>{gate_up, groups, I}, N, I, FP8_E4M3, stream);
+    else
+        fp8_quantize_source(out, out_t, slot, SwigluSource<false>{gate_up, groups, I}, N, I, FP8_E4M3, stream);
+}
+
+static inline void swiglu_backward_cast(uint8_t *dq, uint8_t *dq_t, Fp8Scale *slot, const bf16 *dout,
+                                        const bf16 *gate_up, Fp8Groups groups, int N, int I, cudaStream_t stream) {
+    if (groups.codes != NULL)
+        fp8_quantize_source(dq, dq_t, slot, SwigluGradSource<true>{dout, gate_up, groups, I}, N, I, FP8_E5M2, stream);
+    else
+        fp8_quantize_source(dq, dq_t, slot, SwigluGradSource<false>{dout, gate_up, groups, I}, N, I, FP8_E5M2, stream);
 }

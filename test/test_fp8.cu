@@ -638,23 +638,25 @@ static void test_amax_accumulates(void) {
 
 // Half group h (8 values) of x [R, C] per thread, C a multiple of 16, so that lanes 2k and 2k+1
 // hold one group and group h/2 is entry [r, c/16] of the scales [R, C/16]. Lanes past the tensor
-// pass zeros: the helper's shuffle needs the whole warp. The even lane writes `scales`, the odd
-// one `odd_lane_scales`, which must hold the same.
-__global__ void quantize_groups_kernel(uint8_t *codes, float *scales, float *odd_lane_scales, const float *x,
-                                       size_t n_halves) {
+// pass zeros: the helper's shuffle needs the whole warp. The even lane writes `scales` (as
+// floats, and as stored, in BF16, into `stored_scales`), the odd one `odd_lane_scales`, which
+// must hold the same.
+__global__ void quantize_groups_kernel(uint8_t *codes, float *scales, float *odd_lane_scales, bf16 *stored_scales,
+                                       const float *x, size_t n_halves) {
     size_t h = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     bool active = h < n_halves;
     float values[8];
     for (int j = 0; j < 8; j++) values[j] = active ? x[h * 8 + j] : 0.0f;
-    float scale;
+    bf16 scale;
     uint2 packed = fp8_quantize_half_group(values, &scale);
     if (!active) return;
     *reinterpret_cast<uint2 *>(codes + h * 8) = packed;
-    (h % 2 == 0 ? scales : odd_lane_scales)[h / 2] = scale;
+    (h % 2 == 0 ? scales : odd_lane_scales)[h / 2] = __bfloat162float(scale);
+    if (h % 2 == 0) stored_scales[h / 2] = scale;
 }
 
 // out [R, C] = the values fp8_load_group16 reads back, 8 per thread, by row and column.
-__global__ void load_groups_kernel(float *out, const uint8_t *codes, const float *scales, int R, int C) {
+__global__ void load_groups_kernel(float *out, const uint8_t *codes, const bf16 *scales, int R, int C) {
     size_t h = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (h >= (size_t)R * C / 8) return;
     size_t r = h * 8 / C, c = h * 8 % C;
@@ -674,15 +676,16 @@ static void compare_floats_bits(Mismatches *bad, const float *got, const float *
         if (!same_float(got[i], expected[i])) note_mismatch(bad, i, bits_of(expected[i]), bits_of(got[i]));
 }
 
-// Both kernels on x [R, C] against the reference: scale = (max |x| of the 16 + 1e-10f)/448,
-// code = encode_e4m3(x / scale), dequantized = decode(code) * scale. Returns the device results.
+// Both kernels on x [R, C] against the reference: scale = bf16((max |x| of the 16 + 1e-10f)/448)
+// (rounded to nearest even, as stored), code = encode_e4m3(x / scale), dequantized =
+// decode(code) * scale. Returns the device results.
 static GroupResult check_group_helpers(const char *what, const float *x, int R, int C) {
     size_t n = (size_t)R * C, groups = n / FP8_GROUP;
     uint8_t *expected_codes = (uint8_t *)host_alloc(n);
     float *expected_scales = host_floats(groups), *expected_values = host_floats(n);
     for (size_t g = 0; g < groups; g++) {
         const float *group = x + g * FP8_GROUP;
-        float scale = host_scale(host_amax(group, FP8_GROUP), FP8_E4M3);
+        float scale = round_to_bf16(host_scale(host_amax(group, FP8_GROUP), FP8_E4M3));
         expected_scales[g] = scale;
         for (int j = 0; j < FP8_GROUP; j++) {
             uint8_t code = host_fp8_encode(group[j] / scale, FP8_E4M3);
@@ -694,12 +697,13 @@ static GroupResult check_group_helpers(const char *what, const float *x, int R, 
     uint8_t *d_codes = device_poisoned(n, POISON_FIRST);
     float *d_scales = (float *)device_poisoned(groups * sizeof(float), POISON_FIRST);
     float *d_odd_scales = (float *)device_poisoned(groups * sizeof(float), POISON_FIRST);
+    bf16 *d_stored_scales = (bf16 *)device_poisoned(groups * sizeof(bf16), POISON_FIRST);
     float *d_values = (float *)device_poisoned(n * sizeof(float), POISON_FIRST);
     size_t halves = n / 8;
     unsigned blocks = (unsigned)ceil_div_size(halves, THREADS);
-    quantize_groups_kernel<<<blocks, THREADS>>>(d_codes, d_scales, d_odd_scales, d_x, halves);
+    quantize_groups_kernel<<<blocks, THREADS>>>(d_codes, d_scales, d_odd_scales, d_stored_scales, d_x, halves);
     cudaCheckLaunch();
-    load_groups_kernel<<<blocks, THREADS>>>(d_values, d_codes, d_scales, R, C);
+    load_groups_kernel<<<blocks, THREADS>>>(d_values, d_codes, d_stored_scales, R, C);
     cudaCheckLaunch();
     GroupResult got;
     got.codes = (uint8_t *)host_copy_of(d_codes, n);
@@ -716,7 +720,7 @@ static GroupResult check_group_helpers(const char *what, const float *x, int R, 
     compare_floats_bits(&values_bad, got.dequantized, expected_values, n);
     char detail[DETAIL_CHARS], odd_detail[DETAIL_CHARS];
     check(scales_bad.count == 0 && odd_bad.count == 0,
-          "fp8_quantize_half_group [%d x %d] %s: group scales (max|x| + 1e-10)/448 bit for bit in lane 2k and 2k+1: "
+          "fp8_quantize_half_group [%d x %d] %s: group scales bf16((max|x| + 1e-10)/448) bit for bit in lane 2k and 2k+1: "
           "%zu and %zu of %zu differ%s%s",
           R, C, what, scales_bad.count, odd_bad.count, groups,
           describe_floats(detail, &scales_bad, (size_t)C / FP8_GROUP),
@@ -733,6 +737,8 @@ static GroupResult check_group_helpers(const char *what, const float *x, int R, 
     cudaCheck(cudaFree(d_codes));
     cudaCheck(cudaFree(d_scales));
     cudaCheck(cudaFree(d_odd_scales));
+    cudaCheck(cudaFree(d_stored_scales));
+    cudaCheck(cudaFree(d_stored_scales));
     cudaCheck(cudaFree(d_values));
     return got;
 }
@@ -771,12 +777,12 @@ static void test_group_helpers(void) {
     for (int g = 0; g < R * C / FP8_GROUP; g++) fill_crafted_group(x + (size_t)g * FP8_GROUP, g, &rng);
     GroupResult got = check_group_helpers("crafted groups", x, R, C);
 
-    float zero_scale = 1e-10f / 448.0f;
+    float zero_scale = round_to_bf16(1e-10f / 448.0f);
     size_t zero_codes = FP8_GROUP - count_codes_not(got.codes + GROUP_ZERO * FP8_GROUP, FP8_GROUP, 0x00);
     size_t nan_codes = 0;
     for (int j = 0; j < FP8_GROUP; j++) nan_codes += is_nan_code(got.codes[GROUP_NAN * FP8_GROUP + j], FP8_E4M3);
     check(same_float(got.scales[GROUP_ZERO], zero_scale) && zero_codes == FP8_GROUP,
-          "1x16 all-zero group: scale 1e-10/448 = %.9g (got %.9g), %d codes 0x00 (got %zu)", (double)zero_scale,
+          "1x16 all-zero group: scale bf16(1e-10/448) = %.9g (got %.9g), %d codes 0x00 (got %zu)", (double)zero_scale,
           (double)got.scales[GROUP_ZERO], FP8_GROUP, zero_codes);
     check(isnan(got.scales[GROUP_NAN]) && nan_codes == FP8_GROUP && got.scales[GROUP_INF] == INFINITY,
           "1x16 group with a NaN: scale NaN (got %.9g), %d NaN codes (got %zu); group with -inf: scale inf (got %.9g)",

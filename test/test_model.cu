@@ -231,10 +231,56 @@ static void test_against_pytorch(GpuContext *gpu, const char *path, const Precis
     free(weights); free(logits); free(grads); free(losses); free(tokens); free(targets); free(got_logits); free(got_grads);
 }
 
+// The memory plan (dry_run's, and the trainer's check that a micro-batch fits) equals what
+// model_create and adamw_create allocate, byte for byte, in every precision.
+static void test_memory_plan_matches_allocation(GpuContext *gpu) {
+    ConfigParser *parser = (ConfigParser *)host_alloc(sizeof(ConfigParser));
+    config_defaults(parser);
+    TrainConfig *c = &parser->values;
+    ModelShape shape = {1000, 128, 2, 2, 1, 352, 64, 10000.0f, 1e-5f, 0, 1, 4, 8192};
+    c->model = shape;
+    c->micro_batch_size = 4;
+    c->seq_len = 64;
+    const struct { const char *name; int precision, activations, states; } cases[] = {
+        {"bf16", PRECISION_BF16, ACTS_AUTO, STATES_AUTO},
+        {"bf16, fp8_dre states", PRECISION_BF16, ACTS_AUTO, STATES_FP8_DRE},
+        {"fp8 GEMMs, bf16 activations", PRECISION_FP8, ACTS_BF16, STATES_AUTO},
+        {"fp8", PRECISION_FP8, ACTS_AUTO, STATES_AUTO},
+        {"coat", PRECISION_COAT, ACTS_AUTO, STATES_AUTO},
+        {"coat, fp32 states", PRECISION_COAT, ACTS_AUTO, STATES_FP32},
+        {"coat GEMMs, fp8 activations", PRECISION_COAT, ACTS_FP8, STATES_AUTO},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        c->precision = cases[i].precision;
+        c->activations = cases[i].activations;
+        c->optimizer_states = cases[i].states;
+        MemoryPlan plan;
+        memory_plan_compute(&plan, c, 1, c->micro_batch_size);
+        LlamaModel model;
+        model_create(&model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c));
+        AdamWConfig ac = {0.9f, 0.95f, 1e-8f, 0.1f, 0};
+        AdamW opt;
+        adamw_create(&opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &model.layout, 0,
+                     model.layout.total_padded, gpu->stream);
+        size_t planned_model = plan.params_bytes + plan.grads_bytes + plan.activations_bytes + plan.working_bytes -
+                               CUBLASLT_WORKSPACE_BYTES;
+        size_t planned_optimizer = plan.master_bytes + plan.states_bytes;
+        size_t optimizer = opt.state_bytes + opt.n / ADAMW_GROUP;  // the decay table beside the state
+        check(planned_model == model_allocated_bytes(&model) && planned_optimizer == optimizer &&
+                  gpu->cublaslt_workspace_bytes == CUBLASLT_WORKSPACE_BYTES,
+              "%s: the memory plan equals the allocation byte for byte (model %zu planned, %zu allocated; optimizer %zu "
+              "planned, %zu allocated)", cases[i].name, planned_model, model_allocated_bytes(&model), planned_optimizer, optimizer);
+        adamw_free(&opt);
+        model_free(&model);
+    }
+    free(parser);
+}
+
 int main(int argc, char **argv) {
     GpuContext gpu;
     gpu_context_create(&gpu, 0);
     test_against_cpu_reference(&gpu);
+    test_memory_plan_matches_allocation(&gpu);
     const PrecisionCase cases[] = {
         {"bf16", model_precision_bf16(), LOSS_REL_TOL, 0.02, GRAD_REL_TOL, 0.02},
         {"fp8 GEMMs, bf16 activations", {1, ACTS_BF16, 0}, 0.02, 0.10, 0.25, 0.03},
