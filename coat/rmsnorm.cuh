@@ -104,8 +104,9 @@ __global__ void __launch_bounds__(RMSNORM_FORWARD_THREADS)
         sum_squares = warp_sum(sum_squares);
         float row_rstd = 1.0f / sqrtf(sum_squares / (float)C + eps);
         if (lane == 0) rstd[row] = row_rstd;
+        if (GROUP16) __syncwarp();  // the odd lane of a pair reads the scale its even partner wrote
 
-        // Each lane re-reads exactly the vectors it wrote above: its own writes are visible to it.
+        // Each lane re-reads the vectors it wrote above: its own writes are visible to it.
 #pragma unroll 4
         for (int c = lane * 8; c < C; c += 32 * 8) {
             float s[8];

@@ -738,7 +738,6 @@ static GroupResult check_group_helpers(const char *what, const float *x, int R, 
     cudaCheck(cudaFree(d_scales));
     cudaCheck(cudaFree(d_odd_scales));
     cudaCheck(cudaFree(d_stored_scales));
-    cudaCheck(cudaFree(d_stored_scales));
     cudaCheck(cudaFree(d_values));
     return got;
 }
