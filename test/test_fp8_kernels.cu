@@ -217,8 +217,7 @@ static void test_residual_rmsnorm_forward(int N, int C, bool with_branch, bool g
     fill_normal_bf16_values(&rng, residual, n, 0.0, 3.0);
     fill_normal_bf16_values(&rng, branch, n, 0.0, 1.0);
     fill_normal_bf16_values(&rng, weight, C, 1.0, 0.1);
-    memset(residual, 0, FP8_GROUP * sizeof(float));  // an all-zero group: scale bf16(1e-10 / 448), codes 0
-    memset(branch, 0, FP8_GROUP * sizeof(float));
+    for (int j = 0; j < FP8_GROUP; j++) residual[j] = branch[j] = 0.0f;  // an all-zero group: scale bf16(1e-10 / 448), codes 0
     // The GPU adds in FP32 and rounds once to BF16: the same operations here give the same bits.
     for (size_t i = 0; i < n; i++) sum[i] = with_branch ? round_to_bf16(residual[i] + branch[i]) : residual[i];
 
@@ -326,7 +325,7 @@ static float *random_gate_up(Random *rng, int N, int I) {
     size_t n = 2 * (size_t)N * I;
     float *gate_up = host_floats(n);
     fill_normal_bf16_values(rng, gate_up, n, 0.0, 3.0);
-    memset(gate_up, 0, FP8_GROUP * sizeof(float));
+    for (int j = 0; j < FP8_GROUP; j++) gate_up[j] = 0.0f;
     return gate_up;
 }
 
