@@ -8,12 +8,18 @@
 #     backends (scripts/bench_attention.py) at the ANCHORS.md shapes.
 #  3. with --profile, where the time of a llama-1b step goes: train_llama's per-op GPU times
 #     (profile = 1) and PyTorch's kernels by total time (torch.profiler), one after the other.
-# Usage: scripts/bench.sh [--profile] [STEPS]   (writes build/bench/results.md, and profile.txt with
-#        --profile; into $OUT too when set)
+# Usage: scripts/bench.sh [--profile] [--training-only] [STEPS]   (writes build/bench/results.md,
+#        and profile.txt with --profile; into $OUT too when set). --training-only stops after 1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-profile=0
-if [ "${1:-}" = "--profile" ]; then profile=1; shift; fi
+profile=0 training_only=0
+while [ $# -gt 0 ]; do
+    case $1 in
+    --profile) profile=1; shift ;;
+    --training-only) training_only=1; shift ;;
+    *) break ;;
+    esac
+done
 steps=${1:-30}
 dir=build/bench
 mkdir -p "$dir"
@@ -52,8 +58,8 @@ pytorch() {  # pytorch CONFIG B T
 }
 
 {
-    echo "| model | micro-batch | implementation | tokens/s | MFU | peak GiB | tokens/s vs PyTorch |"
-    echo "|---|---|---|---|---|---|---|"
+    echo "| model | micro-batch | implementation | tokens/s | MFU | peak GiB | GiB in use | tokens/s vs PyTorch |"
+    echo "|---|---|---|---|---|---|---|---|"
     for spec in "llama-125m 64 1024" "llama-1b 16 2048"; do
         set -- $spec
         a=$(ours "$1" "$1" "$2" "$3" bf16); a8=$(ours "$1" "$1" "$2" "$3" fp8); ac=$(ours "$1" "$1" "$2" "$3" coat)
@@ -63,9 +69,10 @@ import json, sys
 name, batch, ref = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 def row(r, ratio):
     if "error" in r:
-        return f"| {name} | {batch} | {r.get('impl')} | {r['error']} | | | |"
+        return f"| {name} | {batch} | {r.get('impl')} | {r['error']} | | | | |"
+    used = f"{r['used_gib']:.1f}" if "used_gib" in r else ""
     return (f"| {name} | {batch} | {r['impl']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
-            f"{r['peak_gib']:.1f} | {ratio} |")
+            f"{r['peak_gib']:.1f} | {used} | {ratio} |")
 for arg in sys.argv[4:]:
     ours = json.loads(arg)
     ok = "error" not in ours and "error" not in ref
@@ -74,8 +81,9 @@ print(row(ref, "1.00x"))
 PY
     done
     echo
-    echo "train_llama peak = its memory plan (all it allocates); PyTorch peak = torch.cuda.max_memory_allocated()."
+    echo "train_llama peak = its memory plan (all it allocates); in use = the GPU's used memory during the run (cudaMemGetInfo: the plan, the CUDA context and the allocator's rounding); PyTorch peak = torch.cuda.max_memory_allocated()."
     echo
+    [ "$training_only" = 1 ] && exit 0
     # What flash attention saves: the same model in PyTorch (eager) with SDPA and with attention written
     # out, which stores the T x T probabilities of every layer for the backward.
     echo "| llama-1b 4x2048 | tokens/s | peak GiB |"

@@ -1,0 +1,177 @@
+#!/usr/bin/env bash
+# Loss parity of the three precisions: llama-125m trained in bf16, fp8 and coat from the same seed
+# (same initialisation, same data order) for 300 steps of 64 x 1024 tokens on the local corpus
+# (configs/llama-125m-parity.conf), then a Markdown table of each run's final validation loss, its
+# difference relative to bf16, the median tokens/s and the peak GPU memory, printed and written to
+# OUT_DIR/parity.md. When the bf16 run (FP32 AdamW moments) left a checkpoint, the COAT paper's
+# Table 1 on its optimizer states (scripts/optimizer_state_mse.py) is appended to parity.md.
+# Usage: scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]
+#   DATA_DIR (default data/parity): train_*.bin and val_*.bin shards; *.bin.xz files without their
+#            .bin are decompressed there first (xz -dk).
+#   OUT_DIR  (default out/parity): one folder per precision (log.jsonl, train.log, the final
+#            checkpoint) and parity.md; each run's old log and checkpoints are removed first.
+# Each run is bounded by RUN_TIMEOUT_S seconds (default 155) and the Table 1 script by MSE_TIMEOUT_S
+# (default 45), so the whole script ends within 9 minutes; an H200 trains the 300 steps in about
+# 30 s. Needs ./train_llama built (make train_llama), python3, timeout, stdbuf and xz. A run that
+# fails shows its last lines and "failed" in the table; the exit status is 1 when any run failed.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+CONFIG=$ROOT/configs/llama-125m-parity.conf
+PRECISIONS=(bf16 fp8 coat)
+RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-155}
+MSE_TIMEOUT_S=${MSE_TIMEOUT_S:-45}
+KILL_AFTER_S=5
+
+usage() { echo "usage: scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]" >&2; exit 2; }
+case ${1:-} in -h|--help) usage ;; esac
+[ $# -le 2 ] || usage
+DATA=${1:-$ROOT/data/parity}
+OUT=${2:-$ROOT/out/parity}
+DATA=${DATA%/}
+OUT=${OUT%/}
+
+if [ ! -x "$ROOT/train_llama" ]; then
+    echo "error: $ROOT/train_llama is not built (make train_llama)" >&2
+    exit 1
+fi
+if [ ! -d "$DATA" ]; then
+    echo "error: $DATA: no such data directory" >&2
+    exit 1
+fi
+
+# Decompresses every shard that is present only as .bin.xz.
+decompress_shards() {
+    local packed
+    for packed in "$DATA"/train_*.bin.xz "$DATA"/val_*.bin.xz; do
+        [ -e "$packed" ] || continue
+        if [ ! -e "${packed%.xz}" ]; then
+            echo "loss_parity: xz -dk $packed"
+            xz -dk -T0 "$packed"
+        fi
+    done
+}
+
+# Trains one precision into $OUT/<precision>; returns train_llama's exit status (124: timed out).
+run_precision() {
+    local precision=$1
+    local dir=$OUT/$precision
+    local start=$SECONDS
+    local status=0
+    mkdir -p "$dir"
+    rm -f "$dir"/log.jsonl "$dir"/train.log "$dir"/ckpt_*
+    echo "loss_parity: $precision: training (at most ${RUN_TIMEOUT_S} s), output in $dir/train.log"
+    # stdbuf: line-buffered output, so that a run killed by the timeout keeps its last step lines.
+    timeout --kill-after="$KILL_AFTER_S" "$RUN_TIMEOUT_S" stdbuf -oL "$ROOT/train_llama" "$CONFIG" \
+        --precision="$precision" --out_dir="$dir" --train_data="$DATA/train_*.bin" --val_data="$DATA/val_*.bin" \
+        >"$dir/train.log" 2>&1 || status=$?
+    if [ "$status" -eq 0 ]; then
+        echo "loss_parity: $precision: done in $((SECONDS - start)) s"
+    else
+        local why=""
+        if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then why=" (timed out after ${RUN_TIMEOUT_S} s)"; fi
+        echo "loss_parity: $precision: FAILED with exit status $status$why after $((SECONDS - start)) s; last lines:"
+        tail -n 15 "$dir/train.log" | sed 's/^/    /'
+    fi
+    return "$status"
+}
+
+# Prints the Markdown table from each run's log.jsonl; arguments OUT_DIR and PRECISION:STATUS
+# pairs. Exits 1 when a run failed or its log lacks a validation loss at its last step.
+summarize() {
+    python3 - "$@" <<'PYTHON'
+import json, statistics, sys
+
+out, runs = sys.argv[1], [arg.split(":") for arg in sys.argv[2:]]
+def records(precision):
+    try:
+        lines = open(f"{out}/{precision}/log.jsonl", encoding="utf-8").readlines()
+    except OSError:
+        return []
+    parsed = []
+    for line in lines:
+        try:
+            parsed.append(json.loads(line))  # a non-finite loss ("nan") is not JSON: left out
+        except ValueError:
+            pass
+    return [r for r in parsed if isinstance(r, dict)]
+
+rows, failed = {}, False
+for precision, status in runs:
+    log = records(precision)
+    train = [r for r in log if "train_loss" in r]
+    val = [r for r in log if "val_loss" in r]
+    speeds = [r["tokens_per_s"] for r in train[5:]]
+    memory = [r["gpu_mem_gib"] for r in train]
+    loss = None
+    if status != "0":
+        note = "timed out" if status in ("124", "137") else f"exit {status}"
+        loss_text = f"failed ({note})"
+    elif not val or not train or val[-1]["step"] != train[-1]["step"]:
+        loss_text = "failed (no final val_loss)"
+    else:
+        loss = val[-1]["val_loss"]
+        loss_text = f"{loss:.4f}"
+    failed |= loss is None
+    rows[precision] = (loss, loss_text, f"{statistics.median(speeds):,.0f}" if speeds else "-",
+                       f"{max(memory):.2f}" if memory else "-")
+
+reference = rows.get("bf16", (None,))[0]
+print("| precision | final val loss | relative difference to bf16 | median tokens/s | peak GPU memory (GiB) |")
+print("|---|---|---|---|---|")
+for precision, (loss, loss_text, speed, memory) in rows.items():
+    if precision == "bf16":
+        relative = "reference"
+    elif loss is None or reference is None:
+        relative = "-"
+    else:
+        relative = f"{(loss - reference) / reference:+.2%}"
+    print(f"| {precision} | {loss_text} | {relative} | {speed} | {memory} |")
+sys.exit(1 if failed else 0)
+PYTHON
+}
+
+mkdir -p "$OUT"
+decompress_shards
+results=()
+for precision in "${PRECISIONS[@]}"; do
+    status=0
+    run_precision "$precision" || status=$?
+    results+=("$precision:$status")
+done
+
+table_status=0
+table=$(summarize "$OUT" "${results[@]}") || table_status=$?
+{
+    echo "# Loss parity: llama-125m, 300 steps of 64 x 1024 tokens ($(basename "$CONFIG"))"
+    echo
+    echo "Data: $DATA. Final val loss: the mean over the $(sed -n 's/^val_batches *= *//p' "$CONFIG") fixed validation"
+    echo "batches after the last step; tokens/s: the median over the steps after the first 5."
+    echo
+    echo "$table"
+} >"$OUT/parity.md"
+echo
+echo "$table"
+
+checkpoint=$(find "$OUT/bf16" -maxdepth 1 -name 'ckpt_*.bin' 2>/dev/null | sort | tail -n 1) || checkpoint=""
+if [ ! -f "$ROOT/scripts/optimizer_state_mse.py" ]; then
+    echo "loss_parity: scripts/optimizer_state_mse.py not found: optimizer-state table skipped"
+elif [ -z "$checkpoint" ]; then
+    echo "loss_parity: the bf16 run left no checkpoint: optimizer-state table skipped"
+else
+    echo
+    echo "loss_parity: optimizer states of $checkpoint (at most ${MSE_TIMEOUT_S} s)"
+    mse_status=0
+    mse=$(timeout --kill-after="$KILL_AFTER_S" "$MSE_TIMEOUT_S" \
+          python3 "$ROOT/scripts/optimizer_state_mse.py" "$checkpoint" 2>&1) || mse_status=$?
+    echo "$mse"
+    {
+        echo
+        echo "## Optimizer-state round trips (COAT Table 1) on $(basename "$checkpoint") of the bf16 run"
+        echo
+        echo "$mse"
+        if [ "$mse_status" -ne 0 ]; then echo; echo "(optimizer_state_mse.py failed with exit status $mse_status)"; fi
+    } >>"$OUT/parity.md"
+    if [ "$mse_status" -ne 0 ]; then echo "loss_parity: optimizer_state_mse.py failed with exit status $mse_status"; fi
+fi
+echo "loss_parity: wrote $OUT/parity.md"
+exit "$table_status"
