@@ -182,6 +182,18 @@ __global__ void __launch_bounds__(FP8_THREADS)
     }
 }
 
+// out = code * slot->scale, 8 values per thread.
+__global__ void __launch_bounds__(FP8_THREADS)
+    fp8_dequantize_kernel(bf16 *out, const uint8_t *in, const Fp8Scale *slot, Fp8Format format, size_t n_vecs) {
+    size_t v = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (v >= n_vecs) return;
+    float x[8];
+    fp8_dequantize8(x, *reinterpret_cast<const uint2 *>(in + v * 8), slot->scale, format);
+    Vec16<bf16> o;
+    for (int j = 0; j < 8; j++) o[j] = __float2bfloat16(x[j]);
+    store16(out + v * 8, o);
+}
+
 static inline void fp8_check(const char *launcher, bool ok, const char *what) {
     if (ok) return;
     fprintf(stderr, "error: %s: %s\n", launcher, what);
@@ -211,6 +223,16 @@ static inline void fp8_quantize_source(uint8_t *out, uint8_t *out_t, Fp8Scale *s
     dim3 grid(ceil_div(C, FP8_TILE), ceil_div(R, FP8_TILE));
     if (format == FP8_E4M3) fp8_quantize_kernel<FP8_E4M3><<<grid, FP8_THREADS, 0, stream>>>(out, out_t, slot, source, R, C);
     else fp8_quantize_kernel<FP8_E5M2><<<grid, FP8_THREADS, 0, stream>>>(out, out_t, slot, source, R, C);
+    cudaCheckLaunch();
+}
+
+// out [n] BF16 = in [n] FP8 * slot->scale (n a multiple of 8; out 16-byte, in 8-byte aligned).
+static inline void fp8_dequantize(bf16 *out, const uint8_t *in, const Fp8Scale *slot, size_t n, Fp8Format format,
+                                  cudaStream_t stream) {
+    fp8_check("fp8_dequantize", n % 8 == 0 && ((uintptr_t)out & 15u) == 0 && ((uintptr_t)in & 7u) == 0,
+              "n must be a multiple of 8, out 16-byte and in 8-byte aligned");
+    size_t vecs = n / 8;
+    fp8_dequantize_kernel<<<(unsigned)ceil_div_size(vecs, FP8_THREADS), FP8_THREADS, 0, stream>>>(out, in, slot, format, vecs);
     cudaCheckLaunch();
 }
 

@@ -18,9 +18,10 @@
 // chunk of logits and the kernels' scratch. With FP8 GEMMs also: the E4M3 input of the current
 // GEMM (in backward: the remade transpose of an input saved in BF16), the E5M2 output gradient
 // and its transpose, every layer's E4M3 weights and their transposes (cast once per optimizer
-// step) and the table of per-tensor FP8 scales. With COAT activations, the BF16 residual
-// stream, updated in place (only its 1x16 copies are saved); and the forward's BF16 gate_up
-// output (before its 1x16 cast) lives in the two output-gradient buffers, idle in forward.
+// step); the table of per-tensor FP8 scales (also for FP8 activations with BF16 GEMMs). With
+// COAT activations, the BF16 residual stream, updated in place (only its 1x16 copies are
+// saved); and the forward's BF16 gate_up output (before its 1x16 cast) lives in the two
+// output-gradient buffers, idle in forward (with BF16 GEMMs: in wide, idle in forward too).
 typedef struct {
     size_t branch, d_residual, wide, rope_cos, rope_sin, logits, kernel_scratch, small;  // byte offsets
     size_t residual, fp8_input, fp8_grad, fp8_grad_t, fp8_weights, fp8_scales;         // 0 bytes when unused
@@ -45,7 +46,7 @@ static inline void linear_shapes(const ModelShape *m, size_t in[4], size_t out[4
 static inline size_t max_size(size_t a, size_t b) { return a > b ? a : b; }
 
 static inline void working_layout_init(WorkingLayout *w, const ModelShape *m, int micro_batch_size, int seq_len,
-                                       int fp8_gemms, int coat_residual) {
+                                       int fp8_gemms, ActivationsChoice activations) {
     size_t H = (size_t)m->dim, I = (size_t)m->ffn_dim, hd = (size_t)model_head_dim(m), NH = (size_t)m->n_heads;
     size_t qkv = (NH + 2 * (size_t)m->n_kv_heads) * hd, attn = NH * hd;
     size_t tokens = (size_t)micro_batch_size * (size_t)seq_len;
@@ -66,11 +67,12 @@ static inline void working_layout_init(WorkingLayout *w, const ModelShape *m, in
         widest_out = max_size(widest_out, out[i]);
         layer_linear += in[i] * out[i];
     }
-    w->residual_bytes = coat_residual ? 2 * tokens * H : 0;
+    w->residual_bytes = activations == ACTS_COAT ? 2 * tokens * H : 0;
     w->fp8_input_bytes = fp8_gemms ? tokens * widest_in : 0;
     w->fp8_grad_bytes = fp8_gemms ? tokens * widest_out : 0;
     w->fp8_weights_bytes = fp8_gemms ? 2 * layer_linear * (size_t)m->n_layers : 0;
-    w->fp8_scales_bytes = fp8_gemms ? FP8_SCALE_BYTES * FP8_SCALES_PER_LAYER * (size_t)m->n_layers : 0;
+    int any_fp8 = fp8_gemms || activations != ACTS_BF16;
+    w->fp8_scales_bytes = any_fp8 ? FP8_SCALE_BYTES * FP8_SCALES_PER_LAYER * (size_t)m->n_layers : 0;
     size_t at = 0;
     w->branch = at;         at += align256(2 * tokens * H);
     w->d_residual = at;     at += align256(2 * tokens * H);
@@ -147,7 +149,7 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
 
     plan->activations_bytes = (size_t)m->n_layers * activation_layer_bytes(m, acts, tokens) + final_activation_bytes(m, tokens);
     WorkingLayout working;
-    working_layout_init(&working, m, micro_batch_size, c->seq_len, c->precision != PRECISION_BF16, acts == ACTS_COAT);
+    working_layout_init(&working, m, micro_batch_size, c->seq_len, c->precision != PRECISION_BF16, acts);
     plan->working_bytes = working.total_bytes + CUBLASLT_WORKSPACE_BYTES;
     plan->total_bytes = plan->params_bytes + plan->grads_bytes + plan->master_bytes + plan->states_bytes +
                         plan->activations_bytes + plan->working_bytes;

@@ -81,7 +81,7 @@ typedef struct {
     bf16 *residual;                // COAT activations: the BF16 residual stream (NULL otherwise)
     uint8_t *fp8_input;            // E4M3 input of the current FP8 GEMM, or in backward a remade input transpose
     uint8_t *fp8_grad, *fp8_grad_t;  // E5M2 output gradient [N, out] and its transpose [out, N]
-    bf16 *gate_up_working;         // COAT forward: gate_up before its 1x16 cast, in fp8_grad and fp8_grad_t
+    bf16 *gate_up_working;         // COAT forward: gate_up before its 1x16 cast (in fp8_grad and fp8_grad_t, or wide)
     uint8_t *fp8_weights;          // per layer and linear: W [out, in] then W^T [in, out], E4M3
     Fp8Scale *fp8_scales;          // [n_layers][FP8_SCALES_PER_LAYER]
     int fp8_weights_current;       // the FP8 weights were cast from the present BF16 weights
@@ -110,8 +110,11 @@ static inline float *model_saved_f32(const LlamaModel *model, int layer, LayerAc
 static inline Fp8Groups model_saved_groups(const LlamaModel *model, int layer, LayerActivation kind) {
     return model_saved_tensor(model, layer, kind)->groups;
 }
+// The entry of the FP8 scale table, or NULL where nothing is cast to FP8: inputs are cast for
+// FP8 GEMMs or for FP8 storage, gradients and weights for FP8 GEMMs only.
 static inline Fp8Scale *model_fp8_scale(const LlamaModel *model, int layer, Fp8SlotGroup group, Linear which) {
-    return model->precision.fp8_gemms ? model->fp8_scales + (size_t)layer * FP8_SCALES_PER_LAYER + group + which : NULL;
+    int used = model->precision.fp8_gemms || (group == FP8_SLOT_INPUT && model->precision.activations != ACTS_BF16);
+    return used ? model->fp8_scales + (size_t)layer * FP8_SCALES_PER_LAYER + group + which : NULL;
 }
 
 // What the kernels ask of the scratch buffer for this shape; checked against the plan at start.
@@ -137,13 +140,16 @@ static inline void *model_alloc(size_t bytes, const char *what) {
 
 // Why this shape cannot run in this precision, or NULL: FP8 GEMMs need K and N multiples of 16
 // and transposes need the token count a multiple of 16; 1x16 groups need rows of whole groups.
+// Every combination of GEMM precision and activation storage runs: with BF16 GEMMs an input
+// saved in FP8 is turned back into BF16 for its weight gradient.
 static inline const char *model_precision_unsupported(const ModelShape *shape, int B, int T, ModelPrecision p) {
-    if (p.activations != ACTS_BF16 && !p.fp8_gemms)
-        return "FP8 activation storage needs FP8 GEMMs (precision fp8 or coat): BF16 GEMMs read BF16 inputs";
-    if (!p.fp8_gemms) return NULL;
+    if (!p.fp8_gemms && p.activations == ACTS_BF16) return NULL;
     if (shape->dim % 16 != 0 || shape->ffn_dim % 16 != 0 || model_head_dim(shape) % 16 != 0)
-        return "FP8 GEMMs need dim, ffn_dim and head_dim multiples of 16";
-    if (((size_t)B * T) % 16 != 0) return "FP8 weight gradients need micro_batch_size x seq_len a multiple of 16";
+        return "FP8 GEMMs and FP8 activations need dim, ffn_dim and head_dim multiples of 16";
+    if (((size_t)B * T) % 16 != 0)
+        return "FP8 transposes (weight gradients, saved inputs) need micro_batch_size x seq_len a multiple of 16";
+    if (!p.fp8_gemms && shape->ffn_dim < shape->dim)
+        return "BF16 GEMMs with FP8-saved inputs need ffn_dim >= dim (the BF16 copy for a weight gradient goes where d_swiglu was)";
     return NULL;
 }
 
@@ -195,7 +201,7 @@ static inline void model_create(LlamaModel *model, const ModelShape *shape, int 
     model->targets = (int *)at;
 
     WorkingLayout *w = &model->working_layout;
-    working_layout_init(w, shape, B, T, precision.fp8_gemms, precision.activations == ACTS_COAT);
+    working_layout_init(w, shape, B, T, precision.fp8_gemms, precision.activations);
     size_t scratch_needed = model_kernel_scratch_needed(shape, B, T);
     if (scratch_needed > w->kernel_scratch_bytes) {
         fprintf(stderr, "error: kernels need %zu bytes of scratch, the memory plan reserves %zu\n", scratch_needed,
@@ -216,9 +222,10 @@ static inline void model_create(LlamaModel *model, const ModelShape *shape, int 
     model->fp8_grad_t = (uint8_t *)(model->working + w->fp8_grad_t);
     model->fp8_weights = (uint8_t *)(model->working + w->fp8_weights);
     model->fp8_scales = (Fp8Scale *)(model->working + w->fp8_scales);
-    if (precision.activations == ACTS_COAT) {
+    if (precision.activations == ACTS_COAT && !precision.fp8_gemms) model->gate_up_working = model->wide;
+    if (precision.activations == ACTS_COAT && precision.fp8_gemms) {
         model->gate_up_working = (bf16 *)model->fp8_grad;
-        if (w->fp8_grad_t - w->fp8_grad < 2 * N * 2 * (size_t)shape->ffn_dim) {
+        if (w->fp8_grad_t + w->fp8_grad_bytes - w->fp8_grad < sizeof(bf16) * N * 2 * (size_t)shape->ffn_dim) {
             fprintf(stderr, "error: model_create: the output-gradient buffers cannot hold the forward's gate_up\n");
             exit(EXIT_FAILURE);
         }
@@ -296,11 +303,12 @@ static inline uint8_t *linear_fp8_weight(const LlamaModel *model, int layer, Lin
 
 // Where the forward pass writes a linear layer's BF16 input: the saved tensor when it is
 // saved in BF16, else a working buffer that the FP8 cast reads; NULL for the SwiGLU output
-// saved in FP8, which is cast straight from gate_up (swiglu_forward_cast).
+// saved in FP8 with FP8 GEMMs, which is cast straight from gate_up (swiglu_forward_cast).
 static inline bf16 *linear_input_bf16(const LlamaModel *model, int layer, Linear which) {
     const SavedTensor *t = model_saved_tensor(model, layer, linear_input_activation(which));
     if (t->storage == STORE_BF16) return (bf16 *)t->data;
-    if (which == LINEAR_DOWN) return NULL;
+    if (which == LINEAR_DOWN)  // BF16 GEMMs: after gate_up in wide (idle in forward)
+        return model->precision.fp8_gemms ? NULL : model->wide + (size_t)model->B * model->T * 2 * model->shape.ffn_dim;
     return model->branch;  // the norm outputs: the norm reads branch's row before writing it
 }
 
@@ -338,11 +346,16 @@ static inline void linear_forward(GpuContext *gpu, LlamaModel *model, int layer,
     int N = model->B * model->T;
     LinearShape shape = linear_shape(model, which);
     const bf16 *x = linear_input_bf16(model, layer, which);
+    Fp8Scale *in_slot = linear_input_amax(model, layer, which);
     if (!model->precision.fp8_gemms) {
+        uint8_t *saved_t = linear_saved_input_t(model, layer, which);
+        if (saved_t != NULL) {
+            fp8_quantize(NULL, saved_t, in_slot, x, N, shape.in, FP8_E4M3, gpu->stream);
+            op_timer_mark(model->timer, "fp8 cast of a linear input (saved transpose)", gpu->stream);
+        }
         matmul_forward(gpu, out, x, model_param(model, linear_weight_kind(which), layer), N, shape.in, shape.out, false);
         return;
     }
-    Fp8Scale *in_slot = linear_input_amax(model, layer, which);
     if (x != NULL) {
         fp8_quantize(model->fp8_input, linear_saved_input_t(model, layer, which), in_slot, x, N, shape.in, FP8_E4M3, gpu->stream);
         op_timer_mark(model->timer, "fp8 cast of a linear input (+ saved transpose)", gpu->stream);
@@ -361,13 +374,25 @@ static inline void linear_backward(GpuContext *gpu, LlamaModel *model, int layer
     LinearShape shape = linear_shape(model, which);
     bf16 *dweight = model_grad(model, linear_weight_kind(which), layer);
     const SavedTensor *saved = model_saved_tensor(model, layer, linear_input_activation(which));
+    cudaStream_t s = gpu->stream;
     if (!model->precision.fp8_gemms) {
         const bf16 *weight = model_param(model, linear_weight_kind(which), layer);
-        matmul_backward_weight(gpu, dweight, dy, (const bf16 *)saved->data, N, shape.in, shape.out, true);
+        if (saved->storage == STORE_BF16) {
+            matmul_backward_weight(gpu, dweight, dy, (const bf16 *)saved->data, N, shape.in, shape.out, true);
+        } else {
+            // The saved E4M3 transpose back in BF16, at the start of wide: its occupant then
+            // (d_swiglu before the down GEMM's dgrad writes it, or the dead d_swiglu / d_attn_out)
+            // is not read before this product is done.
+            bf16 *x_t = model->wide;
+            fp8_dequantize(x_t, (const uint8_t *)saved->data, linear_input_amax(model, layer, which),
+                           (size_t)N * shape.in, FP8_E4M3, s);
+            op_timer_mark(model->timer, "fp8 saved input back to BF16", s);
+            matmul_lt(gpu, matmul_output(dweight, DTYPE_BF16, shape.in), matmul_operand(dy, DTYPE_BF16, MATMUL_MN_MAJOR, shape.out, NULL),
+                      matmul_operand(x_t, DTYPE_BF16, MATMUL_K_MAJOR, N, NULL), shape.out, shape.in, N, true, false);
+        }
         matmul_backward_input(gpu, dx, dy, weight, N, shape.in, shape.out, false);
         return;
     }
-    cudaStream_t s = gpu->stream;
     bool fast = model->precision.fast_accumulation;
     Fp8Scale *grad_slot = model_fp8_scale(model, layer, FP8_SLOT_GRAD, which);
     Fp8Scale *in_slot = linear_input_amax(model, layer, which);
@@ -413,11 +438,12 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
     int B = model->B, T = model->T, N = B * T, H = m->dim, I = m->ffn_dim, hd = model_head_dim(m), L = m->n_layers;
     float eps = m->norm_eps;
     cudaStream_t s = gpu->stream;
-    if (model->precision.fp8_gemms) {
-        if (!model->fp8_weights_current) TIMED("fp8 cast of the weights (once per step)", model_cast_weights(model, s));
+    if (model->precision.fp8_gemms && !model->fp8_weights_current)
+        TIMED("fp8 cast of the weights (once per step)", model_cast_weights(model, s));
+    if (model->working_layout.fp8_scales_bytes) {
         // Every activation and gradient amax starts from zero; the weights' entries are kept.
         for (int l = 0; l < L; l++)
-            cudaCheck(cudaMemsetAsync(model_fp8_scale(model, l, FP8_SLOT_INPUT, LINEAR_QKV), 0,
+            cudaCheck(cudaMemsetAsync(model->fp8_scales + (size_t)l * FP8_SCALES_PER_LAYER, 0,
                                       FP8_SLOT_WEIGHT * sizeof(Fp8Scale), s));
     }
 

@@ -249,6 +249,8 @@ static void test_memory_plan_matches_allocation(GpuContext *gpu) {
         {"coat", PRECISION_COAT, ACTS_AUTO, STATES_AUTO},
         {"coat, fp32 states", PRECISION_COAT, ACTS_AUTO, STATES_FP32},
         {"coat GEMMs, fp8 activations", PRECISION_COAT, ACTS_FP8, STATES_AUTO},
+        {"bf16 GEMMs, coat activations", PRECISION_BF16, ACTS_COAT, STATES_FP8_DRE},
+        {"bf16 GEMMs, fp8 activations", PRECISION_BF16, ACTS_FP8, STATES_AUTO},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         c->precision = cases[i].precision;
@@ -287,6 +289,8 @@ int main(int argc, char **argv) {
         {"fp8", {1, ACTS_FP8, 0}, 0.02, 0.10, 0.25, 0.03},
         {"coat", {1, ACTS_COAT, 0}, 0.02, 0.10, 0.25, 0.03},
         {"coat, fast accumulation", {1, ACTS_COAT, 1}, 0.02, 0.10, 0.25, 0.03},
+        {"bf16 GEMMs, fp8 activations", {0, ACTS_FP8, 0}, 0.02, 0.10, 0.25, 0.03},
+        {"bf16 GEMMs, coat activations", {0, ACTS_COAT, 0}, 0.02, 0.10, 0.25, 0.03},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
         test_against_pytorch(&gpu, argc > 1 ? argv[1] : "build/debug_state.bin", &cases[i]);

@@ -815,6 +815,35 @@ static void test_crafted_groups(Fixture *fx) {
     check(all_448, "DRE: the largest element of every group is stored as +-448");
 }
 
+// A gradient of 1e30 (no clipping) makes v = (1 - b2) g^2 overflow to inf. The group's DRE
+// scalars stay finite (the infinity is stored as FLT_MAX) and its other values come back finite
+// and positive; before, c became inf and every scale of the group NaN.
+static void test_infinite_moment(Fixture *fx) {
+    memset(fx->grads_host, 0, fx->total * 2);
+    for (int i = 0; i < 128; i++) fx->grads_host[i] = bf16_from_float(i == 5 ? 1e30f : 1e-3f * (float)(1 + i % 7));
+    cudaCheck(cudaMemcpy(fx->grads, fx->grads_host, fx->total * 2, cudaMemcpyHostToDevice));
+    AdamW opt;
+    gpu_create(&opt, fx, OPT_STATES_FP8_DRE, 0, fx->total);
+    adamw_step(&opt, fx->params, fx->grads, 1e-3f, 1.0f, fx->stream);
+    cudaCheck(cudaStreamSynchronize(fx->stream));
+    unsigned char *state = download_state(&opt);
+    size_t n = fx->total, groups = n / 128;
+    const float *m_scalars = (const float *)(state + 6 * n), *v_scalars = m_scalars + groups * 3;
+    float m_back[128], v_back[128];
+    cpu_dequantize_group(1, state + 4 * n, m_scalars, m_back);
+    cpu_dequantize_group(1, state + 5 * n, v_scalars, v_back);
+    int scalars_finite = 1, values_ok = 1, master_finite = 1;
+    for (int j = 0; j < 3; j++) scalars_finite &= isfinite(m_scalars[j]) && isfinite(v_scalars[j]);
+    for (int i = 0; i < 128; i++) values_ok &= isfinite(m_back[i]) && isfinite(v_back[i]) && (i == 5 || v_back[i] > 0.0f);
+    const float *master = (const float *)state;
+    for (size_t i = 0; i < n; i++) master_finite &= isfinite(master[i]);
+    check(scalars_finite && values_ok && master_finite,
+          "an infinite v (g = 1e30): the group's scale, k, c stay finite (v: %g, %g, %g), its values finite and "
+          "positive, every master weight finite", (double)v_scalars[0], (double)v_scalars[1], (double)v_scalars[2]);
+    free(state);
+    adamw_free(&opt);
+}
+
 // m/sqrt(v) after a quantize-dequantize round trip of both moments, MSE against the unquantized.
 static double ratio_mse(const float *m, const float *v, size_t n, int dre_m, int dre_v) {
     double sum = 0;
@@ -1007,6 +1036,7 @@ int main(void) {
     test_shard(&fx, OPT_STATES_FP8_DRE);
     test_shard_past_model();
     test_crafted_groups(&fx);
+    test_infinite_moment(&fx);
     test_fp8_long_run(&fx);
     test_grad_norm();
     fixture_free(&fx);

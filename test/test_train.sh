@@ -23,9 +23,11 @@ common=(configs/models/tiny.conf --train_data="$tmp/train_*.bin" --val_data="$tm
         --seq_len=64 --max_steps=20 --warmup_steps=5 --learning_rate=3e-3 --val_every=5 --val_batches=4
         --checkpoint_every=10 --checkpoints_keep=5)
 losses() { grep -o '"step": [0-9]*, "\(train\|val\)_loss": [0-9.]*' "$1"; }
-# Every precision: 20 steps straight against 10 + resume + 10, bit for bit; the loss falls.
-for precision in bf16 fp8 coat; do
+# Every precision (and BF16 GEMMs over COAT's activations and optimizer): 20 steps straight
+# against 10 + resume + 10, bit for bit; the loss falls.
+for precision in bf16 fp8 coat bf16-gemms-coat-activations; do
     run=(--precision=$precision)
+    [ "$precision" = bf16-gemms-coat-activations ] && run=(--precision=bf16 --activations=coat --optimizer_states=fp8_dre)
     # out_dir's parent does not exist yet: it is created like mkdir -p.
     ./train_llama "${common[@]}" "${run[@]}" --out_dir="$tmp/runs/straight-$precision" > "$tmp/straight.out" 2>&1
     check "$precision: 20 steps straight run" $? "$(tail -3 "$tmp/straight.out")"
@@ -47,7 +49,7 @@ for precision in bf16 fp8 coat; do
 done
 # The FP8 modes follow bf16 closely on this short run: final validation losses within 2%.
 bf16_last=$(grep -o '"val_loss": [0-9.]*' "$tmp/runs/straight-bf16/log.jsonl" | tail -1 | cut -d' ' -f2)
-for precision in fp8 coat; do
+for precision in fp8 coat bf16-gemms-coat-activations; do
     last=$(grep -o '"val_loss": [0-9.]*' "$tmp/runs/straight-$precision/log.jsonl" | tail -1 | cut -d' ' -f2)
     check "$precision: final validation loss $last within 2% of bf16's $bf16_last" \
         "$(awk -v a="$bf16_last" -v b="$last" 'BEGIN { d = (b - a) / a; exit !(d < 0.02 && d > -0.02) }'; echo $?)"
