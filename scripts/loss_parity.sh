@@ -7,7 +7,10 @@
 # Table 1 on its optimizer states (scripts/optimizer_state_mse.py) is appended to parity.md.
 # Usage: scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]
 #   DATA_DIR (default data/parity): train_*.bin and val_*.bin shards; *.bin.xz files without their
-#            .bin are decompressed there first (xz -dk).
+#            .bin are decompressed there first (xz -dk). When it holds no shards, it is made from
+#            the local corpus (data/corpus/llama2, scripts/fetch_corpus.sh): 366 chunks of one
+#            batch (64 x 1025 tokens) spread evenly over the training tokens, and the whole
+#            validation shard; `xz -6` of them is what a GPU machine without the corpus is sent.
 #   OUT_DIR  (default out/parity): one folder per precision (log.jsonl, train.log, the final
 #            checkpoint) and parity.md; each run's old log and checkpoints are removed first.
 # Each run is bounded by RUN_TIMEOUT_S seconds (default 155) and the Table 1 script by MSE_TIMEOUT_S
@@ -34,10 +37,6 @@ if [ ! -x "$ROOT/train_llama" ]; then
     echo "error: $ROOT/train_llama is not built (make train_llama)" >&2
     exit 1
 fi
-if [ ! -d "$DATA" ]; then
-    echo "error: $DATA: no such data directory" >&2
-    exit 1
-fi
 
 # Decompresses every shard that is present only as .bin.xz.
 decompress_shards() {
@@ -49,6 +48,29 @@ decompress_shards() {
             xz -dk -T0 "$packed"
         fi
     done
+}
+
+# The subset of the local corpus described at the top, in llm.c's shard format.
+make_parity_data() {
+    local corpus=$ROOT/data/corpus/llama2
+    if [ ! -e "$corpus/val_000000.bin" ]; then
+        echo "error: $DATA holds no shards and $corpus no corpus to make them from (run scripts/fetch_corpus.sh)" >&2
+        exit 1
+    fi
+    echo "loss_parity: making $DATA from $corpus"
+    python3 - "$corpus" "$DATA" <<'PYTHON'
+import glob, os, shutil, struct, sys
+corpus, out = sys.argv[1], sys.argv[2]
+CHUNKS, CHUNK = 366, 64 * 1025  # tokens: one micro-batch of 64 sequences of 1024 + 1
+tokens = b"".join(open(path, "rb").read()[1024:] for path in sorted(glob.glob(f"{corpus}/train_*.bin")))
+count = len(tokens) // 2
+picked = b"".join(tokens[2 * (k * (count - CHUNK) // (CHUNKS - 1)):][:2 * CHUNK] for k in range(CHUNKS))
+os.makedirs(out, exist_ok=True)
+with open(f"{out}/train_000000.bin", "wb") as f:
+    f.write(struct.pack("<256i", 20240520, 1, CHUNKS * CHUNK, *([0] * 253)))
+    f.write(picked)
+shutil.copyfile(f"{corpus}/val_000000.bin", f"{out}/val_000000.bin")
+PYTHON
 }
 
 # Trains one precision into $OUT/<precision>; returns train_llama's exit status (124: timed out).
@@ -132,6 +154,7 @@ PYTHON
 
 mkdir -p "$OUT"
 decompress_shards
+compgen -G "$DATA/train_*.bin" > /dev/null || make_parity_data
 results=()
 for precision in "${PRECISIONS[@]}"; do
     status=0
