@@ -23,6 +23,12 @@ static inline void cublas_check(cublasStatus_t status, const char *call, const c
 }
 #define cublasCheck(call) cublas_check((call), #call, __FILE__, __LINE__)
 
+// "error: WHERE: WHAT" and exit: how a launcher reports arguments it cannot run with.
+static inline void fail_with(const char *where, const char *what) {
+    fprintf(stderr, "error: %s: %s\n", where, what);
+    exit(EXIT_FAILURE);
+}
+
 // Checks the last kernel launch (launch errors only; execution errors surface at the next sync).
 #define cudaCheckLaunch() cuda_check(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
 

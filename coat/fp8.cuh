@@ -195,9 +195,7 @@ __global__ void __launch_bounds__(FP8_THREADS)
 }
 
 static inline void fp8_check(const char *launcher, bool ok, const char *what) {
-    if (ok) return;
-    fprintf(stderr, "error: %s: %s\n", launcher, what);
-    exit(EXIT_FAILURE);
+    if (!ok) fail_with(launcher, what);
 }
 
 // slot->amax = max(slot->amax, max |in|) over n BF16 values (n a multiple of 8): for tensors

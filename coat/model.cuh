@@ -162,10 +162,7 @@ static inline void model_create(LlamaModel *model, const ModelShape *shape, int 
     model->B = B;
     model->T = T;
     const char *unsupported = model_precision_unsupported(shape, B, T, precision);
-    if (unsupported != NULL) {
-        fprintf(stderr, "error: model_create: %s\n", unsupported);
-        exit(EXIT_FAILURE);
-    }
+    if (unsupported != NULL) fail_with("model_create", unsupported);
     param_layout_init(&model->layout, shape);
     size_t N = (size_t)B * T, L = (size_t)shape->n_layers;
     model->params = (bf16 *)model_alloc(2 * model->layout.total_padded, "parameters");
@@ -178,10 +175,7 @@ static inline void model_create(LlamaModel *model, const ModelShape *shape, int 
     model->activations_bytes = L * per_layer + final_activation_bytes(shape, N);
     model->activations = (char *)model_alloc(model->activations_bytes, "activations");
     model->saved = (SavedTensor *)calloc(L * ACT_LAYER_KINDS, sizeof(SavedTensor));
-    if (model->saved == NULL) {
-        fprintf(stderr, "error: out of host memory (activation table)\n");
-        exit(EXIT_FAILURE);
-    }
+    if (model->saved == NULL) fail_with("model_create", "out of host memory (activation table)");
     char *at = model->activations;
     for (size_t l = 0; l < L; l++)
         for (int k = 0; k < ACT_LAYER_KINDS; k++) {
@@ -225,10 +219,8 @@ static inline void model_create(LlamaModel *model, const ModelShape *shape, int 
     if (precision.activations == ACTS_COAT && !precision.fp8_gemms) model->gate_up_working = model->wide;
     if (precision.activations == ACTS_COAT && precision.fp8_gemms) {
         model->gate_up_working = (bf16 *)model->fp8_grad;
-        if (w->fp8_grad_t + w->fp8_grad_bytes - w->fp8_grad < sizeof(bf16) * N * 2 * (size_t)shape->ffn_dim) {
-            fprintf(stderr, "error: model_create: the output-gradient buffers cannot hold the forward's gate_up\n");
-            exit(EXIT_FAILURE);
-        }
+        if (w->fp8_grad_t + w->fp8_grad_bytes - w->fp8_grad < sizeof(bf16) * N * 2 * (size_t)shape->ffn_dim)
+            fail_with("model_create", "the output-gradient buffers cannot hold the forward's gate_up");
     }
     model->mean_loss = (float *)(model->working + w->small);
     model->grad_norm_squared = model->mean_loss + 1;
@@ -236,10 +228,7 @@ static inline void model_create(LlamaModel *model, const ModelShape *shape, int 
 
     size_t table_elems = (size_t)T * model_head_dim(shape) / 2;
     float *cos_host = (float *)malloc(table_elems * sizeof(float)), *sin_host = (float *)malloc(table_elems * sizeof(float));
-    if (cos_host == NULL || sin_host == NULL) {
-        fprintf(stderr, "error: out of host memory (RoPE tables)\n");
-        exit(EXIT_FAILURE);
-    }
+    if (cos_host == NULL || sin_host == NULL) fail_with("model_create", "out of host memory (RoPE tables)");
     rope_table_init(cos_host, sin_host, T, shape);
     cudaCheck(cudaMemcpy(model->rope_cos, cos_host, table_elems * sizeof(float), cudaMemcpyHostToDevice));
     cudaCheck(cudaMemcpy(model->rope_sin, sin_host, table_elems * sizeof(float), cudaMemcpyHostToDevice));
@@ -312,7 +301,7 @@ static inline bf16 *linear_input_bf16(const LlamaModel *model, int layer, Linear
     return model->branch;  // the norm outputs: the norm reads branch's row before writing it
 }
 
-// The slot that gathers the amax of a linear layer's input (NULL with BF16 GEMMs).
+// The slot that gathers the amax of a linear layer's input (NULL when it is never cast to FP8).
 static inline Fp8Scale *linear_input_amax(const LlamaModel *model, int layer, Linear which) {
     return model_fp8_scale(model, layer, FP8_SLOT_INPUT, which);
 }
@@ -423,8 +412,8 @@ static inline void linear_backward(GpuContext *gpu, LlamaModel *model, int layer
         op_timer_mark(model->timer, name, s);                 \
     } while (0)
 
-// The residual stream around layer l: BF16 where the next op reads it (COAT: one working
-// buffer, updated in place), and its saved 1x16 copy (codes NULL when saved in BF16).
+// The BF16 residual stream at layer l's `kind` (RESIDUAL_IN or RESIDUAL_MID): the saved tensor,
+// or with COAT activations the one working buffer, updated in place (its 1x16 copies are saved).
 static inline bf16 *model_residual(const LlamaModel *model, int layer, LayerActivation kind) {
     return model->residual != NULL ? model->residual : model_saved(model, layer, kind);
 }

@@ -406,10 +406,7 @@ __global__ void adamw_params_to_master_kernel(float *master, const bf16 *params,
 
 // ---- host side --------------------------------------------------------------------------
 
-static inline void adamw_die(const char *what, const char *detail) {
-    fprintf(stderr, "error: %s: %s\n", what, detail);
-    exit(EXIT_FAILURE);
-}
+static inline void adamw_die(const char *what, const char *detail) { fail_with(what, detail); }
 
 static inline void adamw_check_aligned(const void *pointer, const char *what) {
     if ((uintptr_t)pointer % 16 != 0) adamw_die(what, "pointer is not 16-byte aligned");

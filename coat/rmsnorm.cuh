@@ -261,10 +261,7 @@ static inline void residual_rmsnorm_forward(bf16 *residual_out, bf16 *norm_out, 
                                             Fp8Scale *norm_amax = NULL) {
     require_vector_rows("residual_rmsnorm_forward", "C", C);
     bool group16 = residual_copy.codes != NULL, amax = norm_amax != NULL;
-    if (group16 && C % FP8_GROUP != 0) {
-        fprintf(stderr, "error: residual_rmsnorm_forward: C = %d must be a multiple of 16 for 1x16 groups\n", C);
-        exit(EXIT_FAILURE);
-    }
+    if (group16 && C % FP8_GROUP != 0) fail_with("residual_rmsnorm_forward", "C must be a multiple of 16 for 1x16 groups");
     int rows_per_block = RMSNORM_FORWARD_THREADS / 32;
     dim3 grid(ceil_div(N, rows_per_block));
     if (group16 && amax)
@@ -317,10 +314,7 @@ static inline void rmsnorm_backward(bf16 *din, bf16 *dweight, float *scratch, co
         fprintf(stderr, "error: rmsnorm_backward: C = %d is above the supported %d\n", C, 8 * max_vecs);
         exit(EXIT_FAILURE);
     }
-    if (in_groups.codes != NULL && C % FP8_GROUP != 0) {
-        fprintf(stderr, "error: rmsnorm_backward: C = %d must be a multiple of 16 for 1x16 groups\n", C);
-        exit(EXIT_FAILURE);
-    }
+    if (in_groups.codes != NULL && C % FP8_GROUP != 0) fail_with("rmsnorm_backward", "C must be a multiple of 16 for 1x16 groups");
     int blocks = ceil_div(N, RMSNORM_BACKWARD_ROWS_PER_BLOCK);
     if (vecs_per_row <= RMSNORM_BACKWARD_MAX_THREADS)
         rmsnorm_backward_launch<1>(blocks, ceil_div(vecs_per_row, 32) * 32, stream, din, scratch, din_amax, dout, in,

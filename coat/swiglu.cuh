@@ -150,10 +150,7 @@ struct SwigluGradSource {
 
 static inline void swiglu_check(const char *launcher, int I, bool group16) {
     require_vector_rows(launcher, "I", I);
-    if (group16 && I % FP8_GROUP != 0) {
-        fprintf(stderr, "error: %s: I = %d must be a multiple of 16 for 1x16 groups\n", launcher, I);
-        exit(EXIT_FAILURE);
-    }
+    if (group16 && I % FP8_GROUP != 0) fail_with(launcher, "I must be a multiple of 16 for 1x16 groups");
 }
 
 // out[N, I] = silu(gate) * up (out may be NULL). Optional: gate_up_copy.codes, the 1x16 E4M3

@@ -29,7 +29,20 @@ expect_error "bad override" "command line: unknown key 'bogus'" configs/models/t
 printf 'include = b.conf\n' > "$tmp/a.conf"; printf 'include = a.conf\n' > "$tmp/b.conf"
 expect_error "include cycle" "include cycle" "$tmp/a.conf"
 
-for precision in bf16 coat; do
+# Precision combinations: any mix of GEMMs, activation storage and optimizer states is planned;
+# what cannot run is refused by dry_run with its reason, naming the key.
+expect_error "fast accumulation without FP8 GEMMs" "command line: fp8_fast_accum applies to FP8 GEMMs only" \
+    configs/models/tiny.conf --dry_run=1 --fp8_fast_accum=1
+expect_error "FP8 with a token count that is not a multiple of 16" "command line: precision FP8 transposes" \
+    configs/models/tiny.conf --dry_run=1 --precision=coat --micro_batch_size=3 --seq_len=5
+expect_error "BF16 GEMMs over FP8 activations with ffn_dim < dim" "command line: activations BF16 GEMMs with FP8-saved inputs" \
+    configs/models/tiny.conf --dry_run=1 --activations=fp8 --ffn_dim=64
+out=$(./train_llama configs/models/llama-1b.conf --dry_run=1 --micro_batch_size=16 --activations=coat --optimizer_states=fp8_dre 2>&1); rc=$?
+check "dry_run plans BF16 GEMMs over COAT activations and FP8+DRE states" \
+    "$([ $rc -eq 0 ] && printf '%s\n' "$out" | grep -q 'precision bf16, optimizer states fp8_dre, activations coat'; echo $?)" "$out"
+check "dry_run prints saved activations per layer in U beside the paper's" \
+    "$(printf '%s\n' "$out" | grep -q "^saved per layer: 9.13U .*COAT 13.33U"; echo $?)" "$(printf '%s\n' "$out" | tail -2)"
+for precision in bf16 fp8 coat; do
     out=$(./train_llama configs/models/llama-1b.conf --dry_run=1 --micro_batch_size=16 --precision=$precision 2>&1); rc=$?
     check "dry_run llama-1b $precision exits 0" $rc "$out"
     check "dry_run llama-1b $precision prints the memory plan" \
