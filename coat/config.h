@@ -302,12 +302,20 @@ static inline int config_assign(ConfigParser *parser, const char *name, const ch
 
 static inline int config_load_file(ConfigParser *parser, const char *path, char *error, size_t error_size);
 
-// One line of a config file: blank, comment, `include = path` or `key = value`.
+// One line of a config file: blank, comment, `include = path` or `key = value`. A comment starts
+// at a '#' at the start of the line or after a blank; a '#' glued to text would silently cut a
+// value (`out_dir = runs/a#2`), so it is refused. first_line[key] is the line of this file that
+// set the key (0: none): a key set twice in one file is refused, later files may override it.
 static inline int config_parse_line(ConfigParser *parser, const char *path, int line_number, char *line,
-                                    char *error, size_t error_size) {
+                                    int first_line[CONFIG_KEY_COUNT], char *error, size_t error_size) {
     char where[CONFIG_STRING_MAX];
     snprintf(where, sizeof(where), "%s:%d", path, line_number);
     char *hash = strchr(line, '#');
+    if (hash && hash > line && !isspace((unsigned char)hash[-1])) {
+        snprintf(error, error_size, "%s: '#' inside a value starts a comment and would cut it; put a blank before a comment",
+                 where);
+        return -1;
+    }
     if (hash) *hash = '\0';
     char *text = config_trim(line);
     if (*text == '\0') return 0;
@@ -322,7 +330,16 @@ static inline int config_parse_line(ConfigParser *parser, const char *path, int 
         snprintf(error, error_size, "%s: missing key before '='", where);
         return -1;
     }
-    if (strcmp(name, "include") != 0) return config_assign(parser, name, value, where, error, error_size);
+    if (strcmp(name, "include") != 0) {
+        const ConfigKey *key = config_find_key(name);
+        if (key != NULL && first_line[key - config_keys] != 0) {
+            snprintf(error, error_size, "%s: %s is set twice in this file (first at line %d)", where, name,
+                     first_line[key - config_keys]);
+            return -1;
+        }
+        if (key != NULL) first_line[key - config_keys] = line_number;
+        return config_assign(parser, name, value, where, error, error_size);
+    }
     // Includes are relative to the including file's directory.
     char include_path[PATH_MAX];
     const char *slash = strrchr(path, '/');
@@ -359,15 +376,26 @@ static inline int config_load_file(ConfigParser *parser, const char *path, char 
     }
     snprintf(parser->include_stack[parser->include_depth++], PATH_MAX, "%s", resolved);
     char line[4096];
-    int line_number = 0, status = 0;
-    while (status == 0 && fgets(line, sizeof(line), file)) {
+    int line_number = 0, status = 0, at_end = 0;
+    int first_line[CONFIG_KEY_COUNT] = {0};
+    while (status == 0 && !at_end) {
+        // A line at a time by hand: fgets cannot tell a NUL byte (a binary file) from the line's end.
+        size_t length = 0;
+        int ch = 0;
+        while ((ch = getc(file)) != EOF && ch != '\n' && ch != '\0' && length < sizeof(line) - 1) line[length++] = (char)ch;
+        line[length] = '\0';
+        at_end = ch == EOF;
+        if (at_end && length == 0) break;
         line_number++;
-        if (!strchr(line, '\n') && !feof(file)) {
-            snprintf(error, error_size, "%s:%d: line longer than %zu characters", path, line_number, sizeof(line) - 2);
+        if (ch == '\0') {
+            snprintf(error, error_size, "%s:%d: a NUL byte: not a text config file", path, line_number);
             status = -1;
-            break;
+        } else if (ch != '\n' && ch != EOF) {
+            snprintf(error, error_size, "%s:%d: line longer than %zu characters", path, line_number, sizeof(line) - 1);
+            status = -1;
+        } else {
+            status = config_parse_line(parser, path, line_number, line, first_line, error, error_size);
         }
-        status = config_parse_line(parser, path, line_number, line, error, error_size);
     }
     if (status == 0 && ferror(file)) {
         snprintf(error, error_size, "%s: read error", path);
@@ -396,18 +424,30 @@ static inline const char *config_source(const ConfigParser *parser, const char *
     return key ? parser->source[key - config_keys] : "?";
 }
 
+static inline int config_is_default(const ConfigParser *parser, const char *name) {
+    return strcmp(config_source(parser, name), "default") == 0;
+}
+
+// Where a check of two keys points: the later key's line, or the other's when the later one is
+// a default (a check must not point at "default" when a file set the other key).
+static inline const char *config_source_of_pair(const ConfigParser *parser, const char *first, const char *later) {
+    return config_is_default(parser, later) ? config_source(parser, first) : config_source(parser, later);
+}
+
 // Checks that involve several keys; the message names where the offending key was set.
 static inline int config_validate(ConfigParser *parser, char *error, size_t error_size) {
     TrainConfig *c = &parser->values;
     ModelShape *m = &c->model;
     if (c->seq_len == 0) c->seq_len = m->max_seq_len;
     if (m->dim % m->n_heads != 0) {
-        snprintf(error, error_size, "%s: dim %d is not a multiple of n_heads %d", config_source(parser, "n_heads"), m->dim, m->n_heads);
+        snprintf(error, error_size, "%s: dim %d is not a multiple of n_heads %d%s", config_source_of_pair(parser, "dim", "n_heads"),
+                 m->dim, m->n_heads, config_is_default(parser, "n_heads") ? " (default)" : "");
         return -1;
     }
     if (m->n_heads % m->n_kv_heads != 0) {
-        snprintf(error, error_size, "%s: n_heads %d is not a multiple of n_kv_heads %d", config_source(parser, "n_kv_heads"),
-                 m->n_heads, m->n_kv_heads);
+        snprintf(error, error_size, "%s: n_heads %d is not a multiple of n_kv_heads %d%s",
+                 config_source_of_pair(parser, "n_heads", "n_kv_heads"), m->n_heads, m->n_kv_heads,
+                 config_is_default(parser, "n_kv_heads") ? " (default)" : "");
         return -1;
     }
     if (model_head_dim(m) != 64 && model_head_dim(m) != 128) {

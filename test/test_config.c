@@ -89,6 +89,60 @@ static void test_errors(ConfigParser *p) {
           strstr(error, "batch.conf:4: total_batch_tokens 1000 is not a multiple"), "a batch that does not divide is refused (%s)", error);
 }
 
+// Input that is almost certainly a mistake, and the parser's limits at their bounds.
+static void test_suspicious_input(ConfigParser *p) {
+    char error[CONFIG_ERROR_MAX];
+    const char *nul = write_file("nul.conf", "dim = 256\n");
+    FILE *f = fopen(nul, "ab");
+    fputs("n_heads = 4", f);
+    fputc('\0', f);
+    fputs("junk\n", f);
+    fclose(f);
+    check(load(p, nul, error) != 0 && strstr(error, "nul.conf:2: a NUL byte: not a text config file"),
+          "a NUL byte is named as such, not as a long line (%s)", error);
+    const char *twice = write_file("twice.conf", "learning_rate = 1e-3\ndim = 256\nlearning_rate = 3e-4\n");
+    check(load(p, twice, error) != 0 && strstr(error, "twice.conf:3: learning_rate is set twice in this file (first at line 1)"),
+          "a key set twice in one file is refused (%s)", error);
+    write_file("base.conf", "learning_rate = 1e-3\n");
+    const char *over = write_file("over.conf", "include = base.conf\nlearning_rate = 3e-4\n");
+    check(load(p, over, error) == 0 && fabsf(p->values.learning_rate - 3e-4f) < 1e-9f,
+          "a file may override a key its include set (%s)", error);
+    const char *glued = write_file("glued.conf", "out_dir = runs/a#2\n");
+    check(load(p, glued, error) != 0 && strstr(error, "glued.conf:1: '#' inside a value"),
+          "a '#' glued to a value is refused rather than cutting it (%s)", error);
+    const char *spaced = write_file("spaced.conf", "out_dir = runs/a #2\n#whole line\n");
+    check(load(p, spaced, error) == 0 && strcmp(p->values.out_dir, "runs/a") == 0,
+          "a comment after a blank and a comment line are comments (%s)", error);
+    const char *dim_only = write_file("dim_only.conf", "learning_rate = 1e-3\ndim = 200\n");
+    check(load(p, dim_only, error) != 0 && strstr(error, "dim_only.conf:2: dim 200 is not a multiple of n_heads 12 (default)"),
+          "a check of two keys names the line that set one, not 'default' (%s)", error);
+    char long_line[4200];
+    memset(long_line, ' ', sizeof(long_line));
+    memcpy(long_line, "learning_rate = 1e-3", 20);
+    long_line[4095] = '\n';
+    long_line[4096] = '\0';
+    check(load(p, write_file("long_ok.conf", long_line), error) == 0, "a line of 4095 characters is read (%s)", error);
+    long_line[4095] = ' ';
+    long_line[4096] = '\n';
+    long_line[4097] = '\0';
+    check(load(p, write_file("long.conf", long_line), error) != 0 && strstr(error, "long.conf:1: line longer than 4095"),
+          "a line of 4096 characters is refused (%s)", error);
+    // Includes nested CONFIG_INCLUDE_DEPTH_MAX deep are read; one more is refused.
+    char name[32], text[64];
+    for (int depth = CONFIG_INCLUDE_DEPTH_MAX + 1; depth >= 1; depth--) {
+        snprintf(name, sizeof(name), "depth%d.conf", depth);
+        if (depth == CONFIG_INCLUDE_DEPTH_MAX + 1) snprintf(text, sizeof(text), "learning_rate = 1e-3\n");
+        else snprintf(text, sizeof(text), "include = depth%d.conf\n", depth + 1);
+        write_file(name, text);
+    }
+    char path[PATH_MAX];
+    snprintf(path, sizeof(path), "%s/depth2.conf", temp_dir);
+    check(load(p, path, error) == 0, "includes nested %d files deep are read (%s)", CONFIG_INCLUDE_DEPTH_MAX, error);
+    snprintf(path, sizeof(path), "%s/depth1.conf", temp_dir);
+    check(load(p, path, error) != 0 && strstr(error, "includes nested deeper than"),
+          "includes nested %d files deep are refused (%s)", CONFIG_INCLUDE_DEPTH_MAX + 1, error);
+}
+
 static void test_params(ConfigParser *p) {
     struct { const char *file; double params; } shapes[] = {
         {"configs/models/llama-125m.conf", 125e6}, {"configs/models/llama-1b.conf", 853e6},
@@ -203,6 +257,7 @@ int main(void) {
     test_errors(parser);
     test_params(parser);
     test_memory_plan(parser);
+    test_suspicious_input(parser);
     test_schedule(parser);
     free(parser);
     char command[PATH_MAX + 16];
