@@ -116,21 +116,31 @@ static void check_gpu(const ConfigParser *parser, GpuContext *gpu) {
         fail_config(parser, "precision", "needs FP8 tensor cores (compute capability 8.9 or 9.0); this GPU has less");
 }
 
-// Refuses a micro-batch whose plan exceeds the free GPU memory, naming the largest that fits.
-static void check_memory_fits(const ConfigParser *parser, int ranks) {
+// Refuses (exit 2) a micro-batch whose plan exceeds budget_bytes (what the budget is: "free GPU
+// memory", "gpu_memory_gib"), naming the largest that fits, or saying that none does.
+static void refuse_unless_fits(const ConfigParser *parser, int ranks, size_t budget_bytes, const char *budget_name) {
     const TrainConfig *c = &parser->values;
+    MemoryPlan plan;
+    memory_plan_compute(&plan, c, ranks, c->micro_batch_size);
+    if (plan.total_bytes <= budget_bytes) return;
+    int largest = memory_plan_largest_micro_batch(c, ranks, budget_bytes);
+    char verdict[160];
+    if (largest > 0) snprintf(verdict, sizeof(verdict), "the largest that fits is %d", largest);
+    else snprintf(verdict, sizeof(verdict), "not even micro_batch_size 1 fits (more ranks, ZeRO or another precision would)");
+    fprintf(stderr, "error: %s: micro_batch_size %d needs %.2f GiB, more than the %.2f GiB of %s; %s\n",
+            config_source(parser, "micro_batch_size"), c->micro_batch_size, gib(plan.total_bytes), gib(budget_bytes),
+            budget_name, verdict);
+    exit(EXIT_CONFIG_ERROR);
+}
+
+// The GPU's free memory (capped by gpu_memory_gib when set), less a margin for the allocator's
+// granularity and the CUDA runtime's own buffers.
+static size_t gpu_memory_budget(const TrainConfig *c) {
     size_t free_bytes = 0, total_bytes = 0;
     cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
     size_t budget = c->gpu_memory_gib > 0 ? (size_t)(c->gpu_memory_gib * 1073741824.0) : free_bytes;
     if (budget > free_bytes) budget = free_bytes;
-    budget -= budget / 50;  // allocator granularity and the CUDA runtime's own buffers
-    MemoryPlan plan;
-    memory_plan_compute(&plan, c, ranks, c->micro_batch_size);
-    if (plan.total_bytes <= budget) return;
-    fprintf(stderr, "error: %s: micro_batch_size %d needs %.2f GiB but %.2f GiB of GPU memory are free; the largest that fits is %d\n",
-            config_source(parser, "micro_batch_size"), c->micro_batch_size, gib(plan.total_bytes), gib(budget),
-            memory_plan_largest_micro_batch(c, ranks, budget));
-    exit(EXIT_CONFIG_ERROR);
+    return budget - budget / 50;
 }
 
 static void open_loader(Dataloader *loader, const char *pattern, const TrainConfig *c, int shuffle) {
@@ -245,12 +255,7 @@ static int dry_run(const ConfigParser *parser, int ranks) {
     print_activation_table(c);
     if (c->gpu_memory_gib > 0) {
         size_t budget = (size_t)(c->gpu_memory_gib * 1024.0 * 1024.0 * 1024.0);
-        if (plan.total_bytes > budget) {
-            fprintf(stderr, "error: %s: micro_batch_size %d needs %.2f GiB, more than gpu_memory_gib %.2f; the largest that fits is %d\n",
-                    config_source(parser, "micro_batch_size"), c->micro_batch_size, gib(plan.total_bytes),
-                    (double)c->gpu_memory_gib, memory_plan_largest_micro_batch(c, ranks, budget));
-            return EXIT_CONFIG_ERROR;
-        }
+        refuse_unless_fits(parser, ranks, budget, "gpu_memory_gib");
         printf("fits in %.1f GiB (largest micro-batch that fits: %d)\n", (double)c->gpu_memory_gib,
                memory_plan_largest_micro_batch(c, ranks, budget));
     }
@@ -478,7 +483,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, int ranks) {
         fail_config(parser, "tokenizer", "is empty: sampling needs the tokenizer");
     check_precision(parser);
     check_gpu(parser, &t->gpu);
-    check_memory_fits(parser, ranks);
+    refuse_unless_fits(parser, ranks, gpu_memory_budget(c), "free GPU memory");
 
     model_create(&t->model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c));
     AdamWConfig ac;

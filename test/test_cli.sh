@@ -50,6 +50,9 @@ for precision in bf16 fp8 coat; do
            printf '%s\n' "$out" | grep -q '^  optimizer states' && printf '%s\n' "$out" | grep -q '^  total'; echo $?)"
 done
 out=$(./train_llama configs/models/llama2-7b.conf --dry_run=1 --micro_batch_size=64 --gpu_memory_gib=141 2>&1); rc=$?
+out2=$(./train_llama configs/models/llama2-7b.conf --dry_run=1 --micro_batch_size=1 --gpu_memory_gib=20 2>&1); rc2=$?
+check "dry_run says that no micro-batch fits rather than 'the largest is 0'" \
+    "$([ $rc2 -eq 2 ] && printf '%s' "$out2" | grep -q 'not even micro_batch_size 1 fits' && ! printf '%s' "$out2" | grep -q 'is 0'; echo $?)" "$out2"
 check "dry_run refuses a micro-batch that does not fit, naming the largest that does" \
     "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q 'the largest that fits is [0-9]'; echo $?)" "$out"
 
