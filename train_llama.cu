@@ -106,6 +106,19 @@ static void check_precision(const ConfigParser *parser) {
     if (reason != NULL) fail_config(parser, c->activations != ACTS_AUTO ? "activations" : "precision", reason);
 }
 
+// A fresh run (resume = 0) into an out_dir that holds an earlier run would prune its own first
+// checkpoint in favour of the older ones, truncate their log, and a later resume would continue
+// the old run: refused unless overwrite = 1, which removes them (at the start of training).
+static void check_out_dir(const ConfigParser *parser) {
+    const TrainConfig *c = &parser->values;
+    char what[256];
+    if (c->resume || c->generate || c->overwrite || !run_dir_describe(c->out_dir, what, sizeof(what))) return;
+    char message[512];
+    snprintf(message, sizeof(message), "'%s' holds an earlier run (%s): resume = 1 continues it, overwrite = 1 removes it "
+             "and starts over", c->out_dir, what);
+    fail_config(parser, "out_dir", message);
+}
+
 // A GPU is there, and one that runs the precision asked for.
 static void check_gpu(const ConfigParser *parser, GpuContext *gpu) {
     int count = 0;
@@ -244,6 +257,7 @@ static int dry_run(const ConfigParser *parser, int ranks) {
         return EXIT_CONFIG_ERROR;
     }
     check_precision(parser);
+    check_out_dir(parser);
     validate_inputs(parser);
     print_model_summary(c);
     printf("batch: %d x %d tokens per micro-step x %d rank(s) x %d accumulation step(s) = %lld tokens per step\n",
@@ -590,9 +604,15 @@ static void log_validation(Trainer *t) {
 static int train(ConfigParser *parser, int ranks) {
     const TrainConfig *c = &parser->values;
     char error[1024];
+    check_out_dir(parser);
     if (shard_make_directories(c->out_dir, error, sizeof(error)) != 0) {
         fprintf(stderr, "%s\n", error);
         return EXIT_FAILURE;
+    }
+    char earlier[256];
+    if (c->overwrite && !c->resume && !c->generate && run_dir_describe(c->out_dir, earlier, sizeof(earlier))) {
+        if (run_dir_clear(c->out_dir, error, sizeof(error)) != 0) fail(error);
+        printf("overwrite = 1: removed the earlier run in %s (%s)\n", c->out_dir, earlier);
     }
     print_model_summary(c);
     MemoryPlan plan;

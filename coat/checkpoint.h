@@ -146,6 +146,49 @@ static inline void checkpoint_prune(const char *dir, int keep) {
     }
 }
 
+static inline int checkpoint_is_run_file(const char *name) {
+    return strncmp(name, "ckpt_", 5) == 0 || strcmp(name, "log.jsonl") == 0;
+}
+
+// What DIR holds of an earlier run (checkpoints, finished or not, and the log), as "N
+// checkpoint file(s), the newest ckpt_<step>.bin, log.jsonl" in `what`; 0 when nothing.
+static inline int run_dir_describe(const char *dir, char *what, size_t size) {
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    int files = 0, log = 0;
+    struct dirent *entry;
+    while ((entry = readdir(d)) != NULL) {
+        if (!checkpoint_is_run_file(entry->d_name)) continue;
+        if (strcmp(entry->d_name, "log.jsonl") == 0) log = 1;
+        else files++;
+    }
+    closedir(d);
+    long long newest = checkpoint_find_newest(dir);
+    char newest_text[64] = "";
+    if (newest >= 0) snprintf(newest_text, sizeof(newest_text), ", the newest ckpt_%08lld.bin", newest);
+    snprintf(what, size, "%d checkpoint file(s)%s%s", files, newest_text, log ? ", log.jsonl" : "");
+    return files > 0 || log;
+}
+
+// Removes an earlier run's checkpoints and log from DIR (nothing else); 0, or -1 with `error`.
+static inline int run_dir_clear(const char *dir, char *error, size_t size) {
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    struct dirent *entry;
+    int status = 0;
+    while ((entry = readdir(d)) != NULL && status == 0) {
+        if (!checkpoint_is_run_file(entry->d_name)) continue;
+        char path[4096];
+        snprintf(path, sizeof(path), "%s/%s", dir, entry->d_name);
+        if (remove(path) != 0) {
+            snprintf(error, size, "%s: cannot remove: %s", path, strerror(errno));
+            status = -1;
+        }
+    }
+    closedir(d);
+    return status;
+}
+
 // Starts DIR/ckpt_<step>.bin.tmp and writes the header; the caller writes the sections in order
 // (master weights, optimizer state, trainer state) and then calls checkpoint_commit.
 static inline FILE *checkpoint_begin(const char *dir, const CheckpointHeader *h, char *error, size_t error_size) {

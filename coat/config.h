@@ -35,6 +35,7 @@ typedef struct {
     char tokenizer[CONFIG_STRING_MAX];
     char out_dir[CONFIG_STRING_MAX];
     int resume;
+    int overwrite;
     char init_from[CONFIG_STRING_MAX];
     int generate;
     char logits_out[CONFIG_STRING_MAX];
@@ -117,6 +118,8 @@ static const ConfigKey config_keys[] = {
     {"tokenizer", KEY_STRING, CFG(tokenizer), "", 0, 0, NULL, "HF tokenizer.json (for sampling)"},
     {"out_dir", KEY_STRING, CFG(out_dir), "out", 0, 0, NULL, "logs and checkpoints go here"},
     {"resume", KEY_INT, CFG(resume), "0", 0, 1, NULL, "continue from the newest checkpoint in out_dir"},
+    {"overwrite", KEY_INT, CFG(overwrite), "0", 0, 1, NULL,
+     "with resume = 0: remove an earlier run's checkpoints and log from out_dir and start over"},
     {"init_from", KEY_STRING, CFG(init_from), "", 0, 0, NULL, "checkpoint file whose weights start the run (fresh optimizer)"},
     {"generate", KEY_INT, CFG(generate), "0", 0, 1, NULL,
      "sample sample_tokens after sample_prompt from the newest checkpoint in out_dir (or init_from), then exit"},

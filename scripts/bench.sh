@@ -126,6 +126,7 @@ if [ -n "${OUT:-}" ]; then cp "$dir/results.md" "$OUT/bench.md"; fi
 if [ "$profile" = 1 ]; then
     {
         echo "== train_llama llama-1b 16x2048 =="
+        rm -rf "$dir/profile-run"
         ./train_llama configs/models/llama-1b.conf --train_data="$dir/train_*.bin" --micro_batch_size=16 --seq_len=2048 \
             --max_steps=8 --warmup_steps=1 --val_every=0 --out_dir="$dir/profile-run" --profile=1 2>&1 |
             sed -n '/^profile:/,$p'

@@ -15,6 +15,11 @@ if ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
     echo "On a GPU machine, run: scripts/quickstart.sh"
     exit 0
 fi
+# The plot at the end needs matplotlib: say so now, not after ten minutes of training.
+if ! python3 -c 'import matplotlib' 2>/dev/null; then
+    echo "error: scripts/plot_curves.py needs matplotlib for the curves (apt-get install python3-matplotlib, or pip install matplotlib)" >&2
+    exit 1
+fi
 ./train_llama "$config" "$@"
 out_dir=$(sed -n 's/^out_dir *= *//p' "$config")
 python3 scripts/plot_curves.py "$out_dir/curves.png" "$out_dir:llama-125m bf16"

@@ -29,6 +29,20 @@ expect_error "bad override" "command line: unknown key 'bogus'" configs/models/t
 printf 'include = b.conf\n' > "$tmp/a.conf"; printf 'include = a.conf\n' > "$tmp/b.conf"
 expect_error "include cycle" "include cycle" "$tmp/a.conf"
 
+# A fresh run into an out_dir that holds an earlier one is refused, naming what is there and the
+# keys that allow it; overwrite = 1 passes (dry_run removes nothing).
+mkdir -p "$tmp/run"
+touch "$tmp/run/ckpt_00000010.bin" "$tmp/run/ckpt_00000010.done" "$tmp/run/log.jsonl"
+expect_error "a fresh run into an earlier run's out_dir" \
+    "out_dir '$tmp/run' holds an earlier run (2 checkpoint file(s), the newest ckpt_00000010.bin, log.jsonl): resume = 1 continues it, overwrite = 1" \
+    configs/models/tiny.conf --dry_run=1 --out_dir="$tmp/run"
+out=$(./train_llama configs/models/tiny.conf --dry_run=1 --out_dir="$tmp/run" --overwrite=1 2>&1); rc=$?
+check "overwrite = 1 lets dry_run pass and removes nothing" \
+    "$([ $rc -eq 0 ] && [ -e "$tmp/run/ckpt_00000010.bin" ] && [ -e "$tmp/run/log.jsonl" ]; echo $?)" "$out"
+mkdir -p "$tmp/other"; touch "$tmp/other/notes.txt"
+out=$(./train_llama configs/models/tiny.conf --dry_run=1 --out_dir="$tmp/other" 2>&1); rc=$?
+check "an out_dir with other files only is no earlier run" $rc "$out"
+
 # Precision combinations: any mix of GEMMs, activation storage and optimizer states is planned;
 # what cannot run is refused by dry_run with its reason, naming the key.
 expect_error "fast accumulation without FP8 GEMMs" "command line: fp8_fast_accum applies to FP8 GEMMs only" \

@@ -69,6 +69,12 @@ check "NaN losses: the steps are skipped, then the run stops after max_nonfinite
        printf '%s' "$out" | grep -q '2 steps in a row with a non-finite' && [ "$(grep -c '"skipped"' "$tmp/nan/log.jsonl")" = 2 ]; echo $?)" \
     "$(printf '%s' "$out" | tail -3)"
 
+# overwrite = 1 over a finished run: its checkpoints and log go, the new run's stay.
+out=$(./train_llama "${common[@]}" --out_dir="$tmp/runs/straight-fp8" --overwrite=1 --max_steps=2 --val_every=0 2>&1); rc=$?
+check "overwrite = 1 removes the earlier run and starts over" \
+    "$([ $rc -eq 0 ] && [ ! -e "$tmp/runs/straight-fp8/ckpt_00000020.bin" ] && [ -e "$tmp/runs/straight-fp8/ckpt_00000002.bin" ] &&
+       [ "$(grep -c '"train_loss"' "$tmp/runs/straight-fp8/log.jsonl")" = 2 ]; echo $?)" "$(printf '%s' "$out" | tail -2)"
+
 head -c 100000 "$tmp/runs/straight-bf16/ckpt_00000020.bin" > "$tmp/cut.bin"
 out=$(./train_llama "${common[@]}" --out_dir="$tmp/cut" --init_from="$tmp/cut.bin" 2>&1); rc=$?
 check "a truncated checkpoint is refused, naming the file" \
