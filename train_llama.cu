@@ -166,6 +166,7 @@ static void open_loader(Dataloader *loader, const char *pattern, const TrainConf
     dc.world_size = 1;
     dc.shuffle = shuffle;
     dc.seed = c->seed;
+    dc.vocab_size = c->model.vocab_size;
     if (dataloader_open(loader, &dc, error, sizeof(error)) != 0) {
         fprintf(stderr, "%s\n", error);
         exit(EXIT_FAILURE);

@@ -40,6 +40,7 @@ typedef struct {
     int world_size;       // W
     int shuffle;          // 1 for training order, 0 for validation order
     uint64_t seed;        // decides the training order
+    int64_t vocab_size;   // every token of a batch read must be below it (0: not checked)
 } DataloaderConfig;
 
 // One entry of the cache of open shard files.
@@ -241,7 +242,8 @@ static inline Shard *dataloader_open_shard(Dataloader *loader, int64_t shard, ch
     return &slot->shard;
 }
 
-// Reads this rank's next batch into inputs and targets (B*T int32 each) and advances the position.
+// Reads this rank's next batch into inputs and targets (B*T int32 each) and advances the position;
+// with config.vocab_size, a token at or past it is an error naming the shard and its position.
 static inline int dataloader_next_batch(Dataloader *loader, int *inputs, int *targets, char *error,
                                         size_t error_size) {
     DataloaderPosition *position = &loader->position;
@@ -254,6 +256,12 @@ static inline int dataloader_next_batch(Dataloader *loader, int *inputs, int *ta
     int64_t first_token = (batch - loader->shard_first_batch[shard_id]) * loader->tokens_per_batch;
     if (shard_read_tokens(shard, first_token, loader->tokens_per_batch, loader->rows, error, error_size) != 0)
         return -1;
+    // A damaged shard's id past the vocabulary would index the embedding out of bounds on the GPU.
+    int64_t vocab_size = loader->config.vocab_size;
+    for (int64_t i = 0; vocab_size > 0 && i < loader->tokens_per_batch; i++)
+        if (loader->rows[i] < 0 || loader->rows[i] >= vocab_size)
+            return shard_fail(error, error_size, shard->path, "token id %lld >= vocab_size %lld at position %lld",
+                              (long long)(uint32_t)loader->rows[i], (long long)vocab_size, (long long)(first_token + i));
     int batch_size = loader->config.batch_size, seq_len = loader->config.seq_len;
     for (int b = 0; b < batch_size; b++) {
         const int32_t *row = loader->rows + (int64_t)b * (seq_len + 1);

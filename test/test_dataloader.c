@@ -254,6 +254,7 @@ static int open_loader(Dataloader *loader, const char *pattern, int B, int T, in
     config.world_size = world;
     config.shuffle = shuffle;
     config.seed = seed;
+    config.vocab_size = 0;
     char error[SHARD_ERROR_SIZE];
     int status = dataloader_open(loader, &config, error, sizeof(error));
     if (status != 0) check(0, "open loader %s: %s", pattern, error);
@@ -608,7 +609,7 @@ static void test_open_files(void) {
 static void test_loader_errors(const char *pattern) {
     char error[SHARD_ERROR_SIZE];
     Dataloader loader;
-    DataloaderConfig config = {pattern, B, T, 0, WORLD, 1, 1};
+    DataloaderConfig config = {pattern, B, T, 0, WORLD, 1, 1, 0};
     char none[256];
     snprintf(none, sizeof(none), "%s/nothing_*.bin", temp_dir);
     config.pattern = none;
@@ -645,6 +646,32 @@ static void test_loader_errors(const char *pattern) {
     int status = dataloader_validate_tokens(&loader, 4 << POSITION_BITS, error, sizeof(error));
     check(status == 0, "all tokens below a large enough vocab: %s", status ? error : "ok");
     dataloader_close(&loader);
+
+    // Every batch is checked as it is read: an id at vocab_size stops the read naming shard and
+    // position; one below it passes.
+    // The largest id any batch holds: the last token of the last batch of the last usable shard
+    // (shard s holds ids from s << POSITION_BITS). One rank: an epoch reads every batch.
+    config.world_size = 1;
+    int64_t largest_id = -1;
+    if (dataloader_open(&loader, &config, error, sizeof(error)) == 0) {
+        int64_t last = loader.shard_count - 1;
+        int64_t batches = loader.shard_first_batch[last + 1] - loader.shard_first_batch[last];
+        largest_id = (last << POSITION_BITS) + batches * loader.tokens_per_batch - 1;
+        dataloader_close(&loader);
+    }
+    config.vocab_size = 2 << POSITION_BITS;
+    if (dataloader_open(&loader, &config, error, sizeof(error)) == 0) {
+        check_error("a batch with an id at vocab_size", read_until_error(&loader, (int)loader.steps_per_epoch, error,
+                    sizeof(error)), error, temp_path("train_000002.bin"), ">= vocab_size 2097152 at position");
+        dataloader_close(&loader);
+    }
+    config.vocab_size = largest_id + 1;
+    if (dataloader_open(&loader, &config, error, sizeof(error)) == 0) {
+        status = read_until_error(&loader, (int)loader.steps_per_epoch, error, sizeof(error));
+        check(status == 0, "batches whose largest id is vocab_size - 1 (%lld) are read: %s", (long long)largest_id,
+              status ? error : "ok");
+        dataloader_close(&loader);
+    }
 }
 
 // A shard that changes, disappears or shrinks after the loader opened: the read fails naming it.
