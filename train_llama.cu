@@ -119,14 +119,23 @@ static void check_out_dir(const ConfigParser *parser) {
     fail_config(parser, "out_dir", message);
 }
 
-// A GPU is there, and one that runs the precision asked for.
-static void check_gpu(const ConfigParser *parser, GpuContext *gpu) {
+// A GPU is there, and one that this build's kernels run on.
+static void check_gpu(GpuContext *gpu) {
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
         fail("no CUDA GPU found: training needs one (dry_run = 1 checks a config without a GPU)");
     gpu_context_create(gpu, 0);
-    if (parser->values.precision != PRECISION_BF16 && gpu->compute_capability < 89)
-        fail_config(parser, "precision", "needs FP8 tensor cores (compute capability 8.9 or 9.0); this GPU has less");
+    // The kernels are built for one architecture (GPU_ARCH, Hopper by default: TMA and wgmma):
+    // another GPU would fail at its first kernel, so say which GPU and what the build is for.
+    cudaFuncAttributes attributes;
+    if (cudaFuncGetAttributes(&attributes, embedding_iota_kernel) != cudaSuccess) {
+        cudaDeviceProp prop;
+        cudaCheck(cudaGetDeviceProperties(&prop, gpu->device));
+        fprintf(stderr, "error: %s has compute capability %d.%d; this build's kernels are for %s (make GPU_ARCH=...): "
+                        "the attention kernels need Hopper (9.0)\n",
+                prop.name, prop.major, prop.minor, TRAIN_LLAMA_GPU_ARCH);
+        exit(EXIT_FAILURE);
+    }
 }
 
 // Refuses (exit 2) a micro-batch whose plan exceeds budget_bytes (what the budget is: "free GPU
@@ -497,7 +506,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, int ranks) {
     if ((c->sample_every > 0 || c->generate) && c->tokenizer[0] == '\0')
         fail_config(parser, "tokenizer", "is empty: sampling needs the tokenizer");
     check_precision(parser);
-    check_gpu(parser, &t->gpu);
+    check_gpu(&t->gpu);
     refuse_unless_fits(parser, ranks, gpu_memory_budget(c), "free GPU memory");
 
     model_create(&t->model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c));
@@ -690,6 +699,7 @@ static int train(ConfigParser *parser, int ranks) {
 }
 
 int main(int argc, char **argv) {
+    setvbuf(stdout, NULL, _IOLBF, 0);  // progress reaches a log file line by line, as under a scheduler or nohup
     if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
         config_print_help(stdout);
         return 0;
