@@ -30,7 +30,7 @@ if [ ! -f "$TOKENIZER" ]; then
 fi
 if [ ! -f "$SHARDS/summary.txt" ]; then
     make tokenize
-    ./tokenize shards -t "$TOKENIZER" -o "$SHARDS" --separator '<|endoftext|>' --val-fraction 0.005 \
+    ./tokenize shards -t "$TOKENIZER" -o "$SHARDS" --overwrite --separator '<|endoftext|>' --val-fraction 0.005 \
         "${THREADS[@]}" "$TEXT" > "$SHARDS.summary.partial"
     mv "$SHARDS.summary.partial" "$SHARDS/summary.txt"
 fi

@@ -3,7 +3,8 @@
 # 256, EOS 257), so that the shards can be decoded back and compared with the documents: the
 # llm.c header, the document split (separator, blank lines, JSONL "text"), BOS/EOS, the evenly
 # spread validation split, identical output for 1, 2 and 4 threads, uint32 shards for a
-# vocabulary over 65536 ids, errors naming file:line, no temporary file left behind.
+# vocabulary over 65536 ids, errors naming file:line, no temporary file left behind, and an output
+# folder that is never overwritten silently nor left half-written.
 cd "$(dirname "$0")/.." || exit 1
 source test/check.sh
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -139,10 +140,32 @@ for name in ('train', 'val'):
 check "--blank-lines splits at blank lines, --val-docs 1 takes the last of 3" \
     "$([ "$got" = "$(printf 'train |one| two\nthree\nval |four')" ]; echo $?)" "got: $got"
 
-# Fewer shards than before: the stale ones of the earlier run are removed.
-run_shards "$tmp/out1" "${options[@]:0:5}" --shard-tokens 100000000 "$tmp/in"
-check "a rerun with larger shards removes the stale shards" \
-    "$([ "$(ls "$tmp/out1")" = "$(printf 'train_000000.bin\nval_000000.bin')" ]; echo $?)" "$(ls "$tmp/out1" | tr '\n' ' ')"
+# An output folder that holds shards is never overwritten silently; --overwrite replaces them all
+# (fewer shards than before: none of the earlier run's stay). The run writes DIR.partial and
+# renames it at the end, so a run that fails halfway leaves the earlier shards as they were.
+cp -r "$tmp/out1" "$tmp/out1.before"
+run_shards "$tmp/out1" "${options[@]:0:5}" --shard-tokens 100000000 "$tmp/in"; rc=$?
+check "a rerun into a folder of shards is refused without --overwrite, naming the folder" \
+    "$([ $rc -ne 0 ] && grep -q "error: $tmp/out1: the output directory is not empty (12 entries" "$tmp/out1.log" &&
+       diff -r "$tmp/out1" "$tmp/out1.before" > /dev/null; echo $?)" "$(cat "$tmp/out1.log")"
+printf '{"text": "ok"}\n{"txt": "no"}\n' > "$tmp/late_error.jsonl"
+run_shards "$tmp/out1" --overwrite --shard-tokens 1000 "$tmp/in" "$tmp/late_error.jsonl"; rc=$?
+check "a run that fails after writing shards leaves the earlier ones as they were, and no partial folder" \
+    "$([ $rc -ne 0 ] && diff -r "$tmp/out1" "$tmp/out1.before" > /dev/null && [ ! -e "$tmp/out1.partial" ]; echo $?)" \
+    "$(tail -1 "$tmp/out1.log"; ls "$tmp" | tr '\n' ' ')"
+run_shards "$tmp/out1" "${options[@]:0:5}" --shard-tokens 100000000 --overwrite "$tmp/in"
+check "--overwrite replaces the shards, the earlier run's extra ones included" \
+    "$([ "$(ls "$tmp/out1")" = "$(printf 'train_000000.bin\nval_000000.bin')" ] && [ ! -e "$tmp/out1.partial" ] &&
+       [ ! -e "$tmp/out1.replaced" ]; echo $?)" "$(ls "$tmp/out1" | tr '\n' ' ')"
+mkdir -p "$tmp/mixed"; cp "$tmp/out1/train_000000.bin" "$tmp/mixed/"; echo notes > "$tmp/mixed/README"
+run_shards "$tmp/mixed" --overwrite "$tmp/in"; rc=$?
+check "--overwrite refuses a folder that holds more than shards" \
+    "$([ $rc -ne 0 ] && grep -q "holds README, which is not a shard" "$tmp/mixed.log" && [ -e "$tmp/mixed/README" ]; echo $?)" \
+    "$(cat "$tmp/mixed.log")"
+mkdir -p "$tmp/self"; cp "$tmp/in/a.txt" "$tmp/self/"
+run_shards "$tmp/self" --overwrite "$tmp/self"; rc=$?
+check "an input inside the output folder is refused" \
+    "$([ $rc -ne 0 ] && grep -q "an input inside the output directory" "$tmp/self.log"; echo $?)" "$(cat "$tmp/self.log")"
 
 expect_error() {  # expect_error NAME EXPECTED-TEXT INPUT
     out=$(./tokenize shards -t "$tmp/tokenizer.json" -o "$tmp/bad" "$3" 2>&1); rc=$?

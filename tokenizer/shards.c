@@ -10,6 +10,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "shards.h"
 
+#include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
 #include <math.h>
@@ -45,6 +46,7 @@ typedef struct {
     int64_t val_docs;  // -1: not given
     int64_t shard_tokens;
     int threads;
+    int overwrite;     // replace an output folder that holds shards
     char **inputs;
     int input_count;
 } ShardsOptions;
@@ -625,17 +627,12 @@ static int series_append(ShardSeries *series, const uint32_t *ids, size_t count,
     return 0;
 }
 
-// Completes the last shard and removes shards of this series left by an earlier, longer run.
+// Completes the last shard.
 static int series_finish(ShardSeries *series, char *error) {
     if (series->writer_open) {
         series->writer_open = 0;
         if (shard_writer_close(&series->writer, error, SHARDS_ERROR_SIZE) != 0) return -1;
         series->shards_written++;
-    }
-    char path[4096];
-    for (int64_t index = series->shards_written;; index++) {
-        series_path(series, index, path, sizeof(path));
-        if (remove(path) != 0) break;
     }
     return 0;
 }
@@ -643,6 +640,96 @@ static int series_finish(ShardSeries *series, char *error) {
 static void series_abort(ShardSeries *series) {
     if (series->writer_open) shard_writer_abort(&series->writer);
     series->writer_open = 0;
+}
+
+// ---- the output folder: written beside it, renamed into place at the end -------------------
+// The shards go to DIR.partial; only a complete run renames it to DIR, so a run that fails or is
+// killed leaves DIR as it was (and a DIR.partial that the next run replaces). A DIR that holds
+// anything is refused unless --overwrite, which replaces a folder of shards and nothing else.
+
+static int is_shard_file_name(const char *name) {
+    const char *rest = strncmp(name, "train_", 6) == 0 ? name + 6 : strncmp(name, "val_", 4) == 0 ? name + 4 : NULL;
+    if (!rest || !isdigit((unsigned char)*rest)) return 0;
+    while (isdigit((unsigned char)*rest)) rest++;
+    return strcmp(rest, ".bin") == 0 || strcmp(rest, ".bin.tmp") == 0;
+}
+
+// The entries of DIR other than "." and "..": how many, the first name, and the first that is not
+// a shard (empty when all are). 0 when DIR does not exist.
+static int scan_output_dir(const char *dir, int *entries, char *first, char *stranger, char *error) {
+    *entries = 0;
+    first[0] = stranger[0] = '\0';
+    DIR *d = opendir(dir);
+    if (!d) return errno == ENOENT ? 0 : fail(error, "error: %s: %s", dir, strerror(errno));
+    struct dirent *entry;
+    while ((entry = readdir(d)) != NULL) {
+        if (strcmp(entry->d_name, ".") == 0 || strcmp(entry->d_name, "..") == 0) continue;
+        if ((*entries)++ == 0) snprintf(first, 256, "%s", entry->d_name);
+        if (!stranger[0] && !is_shard_file_name(entry->d_name)) snprintf(stranger, 256, "%s", entry->d_name);
+    }
+    closedir(d);
+    return 0;
+}
+
+// Removes a folder of shards (shard files only; anything else makes the rmdir fail, named).
+static int remove_shard_dir(const char *dir, char *error) {
+    DIR *d = opendir(dir);
+    if (!d) return errno == ENOENT ? 0 : fail(error, "error: %s: %s", dir, strerror(errno));
+    struct dirent *entry;
+    int status = 0;
+    while (status == 0 && (entry = readdir(d)) != NULL) {
+        if (!is_shard_file_name(entry->d_name)) continue;
+        char path[4096];
+        snprintf(path, sizeof(path), "%s/%s", dir, entry->d_name);
+        if (remove(path) != 0) status = fail(error, "error: %s: cannot remove: %s", path, strerror(errno));
+    }
+    closedir(d);
+    if (status == 0 && rmdir(dir) != 0) status = fail(error, "error: %s: cannot remove: %s", dir, strerror(errno));
+    return status;
+}
+
+// The output folder may be written: empty, missing, or shards with --overwrite; no input lies in
+// it or in the partial folder (the run would read its own output). Prepares an empty partial.
+static int prepare_output(const ShardsOptions *options, const FileList *files, const char *partial, char *error) {
+    const char *dir = options->output_dir;
+    int entries;
+    char first[256], stranger[256];
+    struct stat info;
+    if (stat(dir, &info) == 0 && !S_ISDIR(info.st_mode)) return fail(error, "error: %s: the output is not a directory", dir);
+    const char *folders[2] = {dir, partial};
+    for (int k = 0; k < 2; k++) {
+        char resolved[PATH_MAX];
+        if (!realpath(folders[k], resolved)) continue;
+        size_t length = strlen(resolved);
+        for (size_t i = 0; i < files->count; i++) {
+            char input[PATH_MAX];
+            if (realpath(files->paths[i], input) && strncmp(input, resolved, length) == 0 && input[length] == '/')
+                return fail(error, "error: %s: an input inside the output directory %s (the run would read its own shards)",
+                            files->paths[i], folders[k]);
+        }
+    }
+    if (scan_output_dir(dir, &entries, first, stranger, error) != 0) return -1;
+    if (entries > 0 && !options->overwrite)
+        return fail(error, "error: %s: the output directory is not empty (%d entries, e.g. %s): --overwrite replaces its shards",
+                    dir, entries, first);
+    if (entries > 0 && stranger[0])
+        return fail(error, "error: %s: holds %s, which is not a shard: --overwrite replaces a folder of shards only", dir,
+                    stranger);
+    if (scan_output_dir(partial, &entries, first, stranger, error) != 0) return -1;
+    if (stranger[0]) return fail(error, "error: %s: holds %s, not a shard of an unfinished run: remove it", partial, stranger);
+    if (remove_shard_dir(partial, error) != 0) return -1;
+    return shard_make_directories(partial, error, SHARDS_ERROR_SIZE);
+}
+
+// The complete partial folder becomes the output folder; a replaced one goes afterwards.
+static int publish_output(const char *dir, const char *partial, char *error) {
+    char replaced[4200];
+    snprintf(replaced, sizeof(replaced), "%s.replaced", dir);
+    if (remove_shard_dir(replaced, error) != 0) return -1;
+    int had_output = rename(dir, replaced) == 0;
+    if (!had_output && errno != ENOENT) return fail(error, "error: %s: cannot move aside: %s", dir, strerror(errno));
+    if (rename(partial, dir) != 0) return fail(error, "error: %s: cannot rename to %s: %s", partial, dir, strerror(errno));
+    return had_output ? remove_shard_dir(replaced, error) : 0;
 }
 
 // ---- the run: reader, workers, writer ---------------------------------------------------
@@ -874,8 +961,12 @@ static int run_shards(const ShardsOptions *options, char *error) {
     if (options->append_eos && run.eos_id < 0)
         status = fail(error, "error: %s: --eos given but the tokenizer has no EOS token", options->tokenizer_path);
     int token_bytes = shard_token_bytes_for_vocab(tokenizer_vocab_size(tokenizer));
-    ShardSeries train = {options->output_dir, "train", token_bytes, options->shard_tokens, {0}, 0, 0, 0};
-    ShardSeries val = {options->output_dir, "val", token_bytes, options->shard_tokens, {0}, 0, 0, 0};
+    char partial[4200];
+    size_t dir_length = strlen(options->output_dir);
+    while (dir_length > 1 && options->output_dir[dir_length - 1] == '/') dir_length--;
+    snprintf(partial, sizeof(partial), "%.*s.partial", (int)dir_length, options->output_dir);
+    ShardSeries train = {partial, "train", token_bytes, options->shard_tokens, {0}, 0, 0, 0};
+    ShardSeries val = {partial, "val", token_bytes, options->shard_tokens, {0}, 0, 0, 0};
     run.train = train;
     run.val = val;
     run.input_bytes_total = files.total_bytes;
@@ -885,7 +976,7 @@ static int run_shards(const ShardsOptions *options, char *error) {
     run.start_seconds = seconds_now();
     if (status == 0 && !run.chunks) status = fail(error, "error: out of memory");
     if (status == 0 && options->val_docs >= 0) status = count_documents(options, &files, &run.total_documents, error);
-    if (status == 0) status = shard_make_directories(options->output_dir, error, SHARDS_ERROR_SIZE);
+    if (status == 0) status = prepare_output(options, &files, partial, error);
     pthread_mutex_init(&run.lock, NULL);
     pthread_cond_init(&run.work_ready, NULL);
     pthread_cond_init(&run.work_done, NULL);
@@ -896,9 +987,12 @@ static int run_shards(const ShardsOptions *options, char *error) {
     if (status == 0) status = series_finish(&run.val, error);
     if (run.progress_shown) show_progress(&run, 1);
     if (status == 0 && run.documents == 0) status = fail(error, "error: no documents in the inputs");
-    if (status == 0) print_summary(&run);
     series_abort(&run.train);
     series_abort(&run.val);
+    char partial_error[SHARDS_ERROR_SIZE];
+    if (status == 0) status = publish_output(options->output_dir, partial, error);
+    else remove_shard_dir(partial, partial_error);  // the output folder stays as it was
+    if (status == 0) print_summary(&run);
     pthread_cond_destroy(&run.work_done);
     pthread_cond_destroy(&run.work_ready);
     pthread_mutex_destroy(&run.lock);
@@ -919,7 +1013,8 @@ static void print_usage(FILE *out) {
             "\"text\" field), or directories, walked recursively in sorted order (skipping names that start\n"
             "with '.').\n"
             "  -t, --tokenizer PATH   tokenizer.json\n"
-            "  -o, --output DIR       output directory (created when missing)\n"
+            "  -o, --output DIR       output directory: created, or empty (written as DIR.partial, renamed at the end)\n"
+            "  --overwrite            replace the shards of an output directory that holds some\n"
             "  --separator STRING     split text files into documents at STRING, e.g. '<|endoftext|>'\n"
             "  --blank-lines          split text files into documents at blank lines\n"
             "  --eos                  end every document with EOS (every document starts with BOS)\n"
@@ -971,6 +1066,8 @@ static int parse_options(int argc, char **argv, ShardsOptions *options, char *er
             options->separator = value;
         } else if (strcmp(arg, "--blank-lines") == 0) {
             options->split_mode = SPLIT_BLANK_LINES;
+        } else if (strcmp(arg, "--overwrite") == 0) {
+            options->overwrite = 1;
         } else if (strcmp(arg, "--eos") == 0) {
             options->append_eos = 1;
         } else if (strcmp(arg, "--val-fraction") == 0) {
