@@ -228,22 +228,43 @@ static FILE *open_checkpoint_or_exit(const TrainConfig *c, const char *path, Che
 
 // Opens and checks every input the config names (shards with every token against the
 // vocabulary, the tokenizer, the checkpoint to start from); exits naming the file on a problem.
+// The validation set is no part of the training set, and holds val_batches distinct batches
+// (more would repeat batches and weigh them twice). For dry_run and training alike.
+static void check_validation_set(const ConfigParser *parser, const Dataloader *train, const Dataloader *val) {
+    const TrainConfig *c = &parser->values;
+    char message[4400];
+    for (int64_t v = 0; train != NULL && v < val->shard_count; v++)
+        for (int64_t t = 0; t < train->shard_count; t++)
+            if (strcmp(val->shard_paths[v], train->shard_paths[t]) == 0) {
+                snprintf(message, sizeof(message), "matches %s, which train_data (%s) trains on", val->shard_paths[v],
+                         config_source(parser, "train_data"));
+                fail_config(parser, "val_data", message);
+            }
+    if (c->val_batches > dataloader_steps_per_epoch(val)) {
+        snprintf(message, sizeof(message), "%d is more than the %lld batches of %d x %d tokens that val_data holds",
+                 c->val_batches, (long long)dataloader_steps_per_epoch(val), c->micro_batch_size, c->seq_len + 1);
+        fail_config(parser, "val_batches", message);
+    }
+}
+
 static void validate_inputs(const ConfigParser *parser) {
     const TrainConfig *c = &parser->values;
     char error[1024];
     const char *patterns[2] = {c->train_data, c->val_data};
+    Dataloader loaders[2];
     for (int i = 0; i < 2; i++) {
         if (patterns[i][0] == '\0') continue;
-        Dataloader loader;
-        open_loader(&loader, patterns[i], c, i == 0);
-        if (dataloader_validate_tokens(&loader, c->model.vocab_size, error, sizeof(error)) != 0) {
+        open_loader(&loaders[i], patterns[i], c, i == 0);
+        if (dataloader_validate_tokens(&loaders[i], c->model.vocab_size, error, sizeof(error)) != 0) {
             fprintf(stderr, "%s\n", error);
             exit(EXIT_FAILURE);
         }
         printf("%s: %lld shard(s), %lld micro-batches per epoch, every token below vocab_size\n", patterns[i],
-               (long long)loader.shard_count, (long long)dataloader_steps_per_epoch(&loader));
-        dataloader_close(&loader);
+               (long long)loaders[i].shard_count, (long long)dataloader_steps_per_epoch(&loaders[i]));
     }
+    if (c->val_data[0]) check_validation_set(parser, c->train_data[0] ? &loaders[0] : NULL, &loaders[1]);
+    for (int i = 0; i < 2; i++)
+        if (patterns[i][0]) dataloader_close(&loaders[i]);
     if (c->tokenizer[0]) {
         Tokenizer *tok = load_tokenizer_or_exit(parser);
         printf("%s: %d tokens\n", c->tokenizer, tokenizer_vocab_size(tok));
@@ -520,7 +541,10 @@ static void trainer_create(Trainer *t, ConfigParser *parser, int ranks) {
                  t->model.layout.total_padded, t->gpu.stream);
     if (!c->generate) open_loader(&t->train_loader, c->train_data, c, 1);
     t->have_val = c->val_data[0] != '\0' && !c->generate;
-    if (t->have_val) open_loader(&t->val_loader, c->val_data, c, 0);
+    if (t->have_val) {
+        open_loader(&t->val_loader, c->val_data, c, 0);
+        check_validation_set(parser, &t->train_loader, &t->val_loader);
+    }
     if (c->tokenizer[0]) t->tokenizer = load_tokenizer_or_exit(parser);
     size_t N = (size_t)c->micro_batch_size * c->seq_len;
     cudaCheck(cudaMallocHost(&t->host_inputs, N * sizeof(int)));

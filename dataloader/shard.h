@@ -263,6 +263,12 @@ static inline void shard_close(Shard *shard) {
 // Opens a shard and checks its header (magic, version, count) against the file size.
 static inline int shard_open(const char *path, Shard *shard, char *error, size_t error_size) {
     memset(shard, 0, sizeof(*shard));
+    // A directory, a FIFO or a device (/dev/zero) is no shard: refused before it is opened, which
+    // would block on a FIFO or read without end.
+    struct stat info;
+    if (stat(path, &info) == 0 && !S_ISREG(info.st_mode))
+        return shard_fail(error, error_size, path, "not a regular file (%s)",
+                          S_ISDIR(info.st_mode) ? "a directory" : S_ISFIFO(info.st_mode) ? "a FIFO" : "a device or other special file");
     shard->path = shard_copy_string(path);
     if (!shard->path) return shard_fail(error, error_size, path, "out of memory");
     shard->file = fopen(path, "rb");

@@ -43,6 +43,31 @@ mkdir -p "$tmp/other"; touch "$tmp/other/notes.txt"
 out=$(./train_llama configs/models/tiny.conf --dry_run=1 --out_dir="$tmp/other" 2>&1); rc=$?
 check "an out_dir with other files only is no earlier run" $rc "$out"
 
+# The validation set: not part of the training data, and at least val_batches batches (2600
+# tokens hold exactly 10 batches of 4 x 65).
+mkdir -p "$tmp/data"
+python3 - "$tmp/data" <<'PY'
+import struct, sys
+for name, count in (("train_000000.bin", 26000), ("val_000000.bin", 2600)):
+    with open(f"{sys.argv[1]}/{name}", "wb") as f:
+        f.write(struct.pack("<256i", 20240520, 1, count, *([0] * 253)))
+        f.write(struct.pack(f"<{count}H", *((i * 7) % 1000 for i in range(count))))
+PY
+data=(configs/models/tiny.conf --dry_run=1 --micro_batch_size=4 --seq_len=64 --out_dir="$tmp/valrun"
+      --train_data="$tmp/data/train_*.bin" --val_data="$tmp/data/val_*.bin")
+expect_stderr() {  # expect_stderr NAME EXPECTED-TEXT ARGS...: exit code 2, one error line (stdout aside)
+    local name=$1 text=$2; shift 2
+    err=$(./train_llama "$@" 2>&1 > /dev/null); rc=$?
+    check "$name: exit code 2 and one line naming the problem" \
+        "$([ $rc -eq 2 ] && [ "$(printf '%s\n' "$err" | wc -l)" -eq 1 ] && printf '%s' "$err" | grep -qF -- "$text"; echo $?)" "got $rc: $err"
+}
+expect_stderr "validation data that is training data" "val_data matches $tmp/data/train_000000.bin, which train_data (command line) trains on" \
+    "${data[@]}" --val_data="$tmp/data/*.bin"
+out=$(./train_llama "${data[@]}" --val_batches=10 2>&1); rc=$?
+check "val_batches equal to the batches of the validation set passes" $rc "$out"
+expect_stderr "val_batches past the validation set" "command line: val_batches 11 is more than the 10 batches of 4 x 65 tokens" \
+    "${data[@]}" --val_batches=11
+
 # Precision combinations: any mix of GEMMs, activation storage and optimizer states is planned;
 # what cannot run is refused by dry_run with its reason, naming the key.
 expect_error "fast accumulation without FP8 GEMMs" "command line: fp8_fast_accum applies to FP8 GEMMs only" \

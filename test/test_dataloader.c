@@ -157,6 +157,16 @@ static void test_errors(void) {
 
     const char *missing = temp_path("missing.bin");
     check_error("missing file", shard_open(missing, &shard, error, sizeof(error)), error, missing, "cannot open");
+    check_error("a directory as a shard", shard_open(temp_dir, &shard, error, sizeof(error)), error, temp_dir,
+                "not a regular file (a directory)");
+    check_error("/dev/zero as a shard", shard_open("/dev/zero", &shard, error, sizeof(error)), error, "/dev/zero",
+                "not a regular file (a device or other special file)");
+    const char *fifo = temp_path("fifo.bin");
+    if (mkfifo(fifo, 0600) == 0) {
+        check_error("a FIFO as a shard (refused without blocking)", shard_open(fifo, &shard, error, sizeof(error)), error,
+                    fifo, "not a regular file (a FIFO)");
+        remove(fifo);
+    }
 
     const char *truncated = temp_path("truncated.bin");
     write_bytes(truncated, bytes, 100);

@@ -353,6 +353,25 @@ static void test_bad_files(const char *llama2_path) {
     snprintf(json, sizeof(json), "{%s, \"model\": {\"type\": \"BPE\", \"dropout\": 0.1, \"vocab\": {}, \"merges\": []}}",
              decoder);
     expect_load_error("BPE dropout", json, strlen(json), "unsupported: BPE dropout");
+    // A byte order mark before the JSON is skipped: the error is the document's own, not "invalid number".
+    snprintf(json, sizeof(json), "\xef\xbb\xbf[1, 2]");
+    expect_load_error("UTF-8 BOM", json, strlen(json), "not a tokenizer.json: the top level is not an object");
+    real = read_all(llama2_path);  // the first copy was freed above
+    if (real.data) {
+        char path[] = "/tmp/test_tokenizer_bom_XXXXXX";
+        int fd = mkstemp(path);
+        int written = fd >= 0 && write(fd, "\xef\xbb\xbf", 3) == 3 && write(fd, real.data, real.len) == (ssize_t)real.len;
+        if (fd >= 0) close(fd);
+        Tokenizer *bom = written ? tokenizer_load(path, error, sizeof(error)) : NULL;
+        check(bom != NULL, "the Llama 2 tokenizer.json behind a UTF-8 BOM loads (%s)", bom ? "ok" : error);
+        tokenizer_free(bom);
+        unlink(path);
+        free(real.data);
+    }
+    tok = tokenizer_load("/dev/zero", error, sizeof(error));
+    check(!tok && strstr(error, "/dev/zero: not a regular file"), "/dev/zero as a tokenizer is refused at once: \"%s\"", error);
+    tok = tokenizer_load("test", error, sizeof(error));
+    check(!tok && strstr(error, "test: not a regular file (a directory)"), "a directory as a tokenizer: \"%s\"", error);
 }
 
 int main(void) {

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "bpe.h"
 #include "json.h"
@@ -90,7 +91,13 @@ static int load_error(LoadContext *ctx, const char *fmt, ...) {
     return -1;
 }
 
+// The whole file, a regular one only (a FIFO would block and /dev/zero never end).
 static char *read_file(LoadContext *ctx, size_t *len) {
+    struct stat info;
+    if (stat(ctx->path, &info) == 0 && !S_ISREG(info.st_mode)) {
+        load_error(ctx, "not a regular file (%s)", S_ISDIR(info.st_mode) ? "a directory" : S_ISFIFO(info.st_mode) ? "a FIFO" : "a device or other special file");
+        return NULL;
+    }
     FILE *f = fopen(ctx->path, "rb");
     if (!f) { load_error(ctx, "cannot open: %s", strerror(errno)); return NULL; }
     size_t capacity = 1 << 20, used = 0;
@@ -665,7 +672,9 @@ Tokenizer *tokenizer_load(const char *path, char *error, size_t error_size) {
     char *text = read_file(&ctx, &len);
     if (!text) return NULL;
     char json_error[256];
-    JsonDocument *doc = json_parse(text, len, json_error, sizeof(json_error));
+    // A UTF-8 byte order mark (some editors write one) is not JSON; it is skipped, not taken for a number.
+    size_t bom = len >= 3 && memcmp(text, "\xef\xbb\xbf", 3) == 0 ? 3 : 0;
+    JsonDocument *doc = json_parse(text + bom, len - bom, json_error, sizeof(json_error));
     free(text);
     if (!doc) { load_error(&ctx, "invalid JSON: %s", json_error); return NULL; }
     Tokenizer *tok = (Tokenizer *)calloc(1, sizeof(Tokenizer));
