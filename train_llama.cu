@@ -75,7 +75,7 @@ typedef struct {
     LlamaModel model;
     AdamW opt;
     Dataloader train_loader, val_loader;
-    int have_val;
+    int have_val, val_batches;  // batches a validation pass reads
     Tokenizer *tokenizer;
     int *host_inputs, *host_targets;  // pinned, one micro-batch
     float *host_scalar;               // pinned
@@ -229,8 +229,9 @@ static FILE *open_checkpoint_or_exit(const TrainConfig *c, const char *path, Che
 // Opens and checks every input the config names (shards with every token against the
 // vocabulary, the tokenizer, the checkpoint to start from); exits naming the file on a problem.
 // The validation set is no part of the training set, and holds val_batches distinct batches
-// (more would repeat batches and weigh them twice). For dry_run and training alike.
-static void check_validation_set(const ConfigParser *parser, const Dataloader *train, const Dataloader *val) {
+// (more would repeat batches and weigh them twice): a val_batches set past it is refused, the
+// default is cut to it. Returns the batches a validation pass reads. For dry_run and training.
+static int validation_batches(const ConfigParser *parser, const Dataloader *train, const Dataloader *val) {
     const TrainConfig *c = &parser->values;
     char message[4400];
     for (int64_t v = 0; train != NULL && v < val->shard_count; v++)
@@ -240,11 +241,17 @@ static void check_validation_set(const ConfigParser *parser, const Dataloader *t
                          config_source(parser, "train_data"));
                 fail_config(parser, "val_data", message);
             }
-    if (c->val_batches > dataloader_steps_per_epoch(val)) {
-        snprintf(message, sizeof(message), "%d is more than the %lld batches of %d x %d tokens that val_data holds",
-                 c->val_batches, (long long)dataloader_steps_per_epoch(val), c->micro_batch_size, c->seq_len + 1);
-        fail_config(parser, "val_batches", message);
+    int64_t available = dataloader_steps_per_epoch(val);
+    if (c->val_batches <= available) return c->val_batches;
+    if (config_is_default(parser, "val_batches")) {
+        printf("val_batches: the validation set holds %lld batches, fewer than the default %d: a pass reads %lld\n",
+               (long long)available, c->val_batches, (long long)available);
+        return (int)available;
     }
+    snprintf(message, sizeof(message), "%d is more than the %lld batches of %d x %d tokens that val_data holds",
+             c->val_batches, (long long)available, c->micro_batch_size, c->seq_len + 1);
+    fail_config(parser, "val_batches", message);
+    return 0;
 }
 
 static void validate_inputs(const ConfigParser *parser) {
@@ -262,7 +269,7 @@ static void validate_inputs(const ConfigParser *parser) {
         printf("%s: %lld shard(s), %lld micro-batches per epoch, every token below vocab_size\n", patterns[i],
                (long long)loaders[i].shard_count, (long long)dataloader_steps_per_epoch(&loaders[i]));
     }
-    if (c->val_data[0]) check_validation_set(parser, c->train_data[0] ? &loaders[0] : NULL, &loaders[1]);
+    if (c->val_data[0]) validation_batches(parser, c->train_data[0] ? &loaders[0] : NULL, &loaders[1]);
     for (int i = 0; i < 2; i++)
         if (patterns[i][0]) dataloader_close(&loaders[i]);
     if (c->tokenizer[0]) {
@@ -389,7 +396,7 @@ static float validation_loss(Trainer *t) {
     double total = 0.0;
     int N = t->model.B * t->model.T;
     dataloader_reset(&t->val_loader);
-    for (int i = 0; i < t->c->val_batches; i++) {
+    for (int i = 0; i < t->val_batches; i++) {
         load_batch(t, &t->val_loader);
         model_forward(&t->gpu, &t->model, 0, 0.0f);
         classifier_mean_loss(&t->gpu, t->model.mean_loss, t->model.losses, N);
@@ -397,7 +404,7 @@ static float validation_loss(Trainer *t) {
         cudaCheck(cudaStreamSynchronize(t->gpu.stream));
         total += *t->host_scalar;
     }
-    return (float)(total / t->c->val_batches);
+    return (float)(total / t->val_batches);
 }
 
 // Index drawn from the smallest set of most likely tokens whose mass reaches top_p (greedy when
@@ -543,7 +550,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, int ranks) {
     t->have_val = c->val_data[0] != '\0' && !c->generate;
     if (t->have_val) {
         open_loader(&t->val_loader, c->val_data, c, 0);
-        check_validation_set(parser, &t->train_loader, &t->val_loader);
+        t->val_batches = validation_batches(parser, &t->train_loader, &t->val_loader);
     }
     if (c->tokenizer[0]) t->tokenizer = load_tokenizer_or_exit(parser);
     size_t N = (size_t)c->micro_batch_size * c->seq_len;

@@ -67,6 +67,9 @@ out=$(./train_llama "${data[@]}" --val_batches=10 2>&1); rc=$?
 check "val_batches equal to the batches of the validation set passes" $rc "$out"
 expect_stderr "val_batches past the validation set" "command line: val_batches 11 is more than the 10 batches of 4 x 65 tokens" \
     "${data[@]}" --val_batches=11
+out=$(./train_llama "${data[@]}" 2>&1); rc=$?
+check "the default val_batches (20) is cut to the 10 batches the validation set holds" \
+    "$([ $rc -eq 0 ] && printf '%s' "$out" | grep -q 'fewer than the default 20: a pass reads 10'; echo $?)" "$out"
 
 # Precision combinations: any mix of GEMMs, activation storage and optimizer states is planned;
 # what cannot run is refused by dry_run with its reason, naming the key.
