@@ -223,6 +223,13 @@ static FILE *open_checkpoint_or_exit(const TrainConfig *c, const char *path, Che
         fprintf(stderr, "error: %s: %s differs between the checkpoint and the config\n", path, mismatch);
         exit(EXIT_CONFIG_ERROR);
     }
+    ParamLayout layout;
+    param_layout_init(&layout, &c->model);
+    if (h->total_padded != layout.total_padded) {
+        fprintf(stderr, "error: %s: %zu parameters (padded), the config's model has %zu\n", path, h->total_padded,
+                layout.total_padded);
+        exit(EXIT_CONFIG_ERROR);
+    }
     return f;
 }
 
@@ -323,7 +330,6 @@ static void load_checkpoint(Trainer *t, const char *path, int resume) {
     CheckpointHeader h;
     char error[1024];
     FILE *f = open_checkpoint_or_exit(t->c, path, &h);
-    if (h.total_padded != t->model.layout.total_padded) fail("checkpoint parameter count differs from the model's");
     float *master = (float *)malloc(4 * h.total_padded);
     if (!master) fail("out of host memory reading the checkpoint");
     if (fread(master, 4, h.total_padded, f) != h.total_padded) {

@@ -86,10 +86,16 @@ static inline int checkpoint_decode_header(const char in[CHECKPOINT_HEADER_BYTES
         snprintf(error, error_size, "corrupt header (negative sizes)");
         return -1;
     }
+    // Bounds far past any model (2^40 parameters, 2^50-byte sections) keep the size sums from wrapping.
+    if (f[CK_TOTAL_PADDED] > (int64_t)1 << 40 || f[CK_OPTIMIZER_BYTES] > (int64_t)1 << 50 || f[CK_TRAINER_BYTES] > (int64_t)1 << 50) {
+        snprintf(error, error_size, "corrupt header (sizes past 2^40 parameters or 2^50 bytes)");
+        return -1;
+    }
     return 0;
 }
 
-// Names the first model-shape field where the checkpoint and the config disagree, or returns NULL.
+// Names the first model-shape key where the checkpoint and the config disagree, or returns NULL.
+// max_seq_len is left out: a checkpoint may continue at another sequence length.
 static inline const char *checkpoint_shape_mismatch(const ModelShape *a, const ModelShape *b) {
     if (a->vocab_size != b->vocab_size) return "vocab_size";
     if (a->dim != b->dim) return "dim";
@@ -97,6 +103,15 @@ static inline const char *checkpoint_shape_mismatch(const ModelShape *a, const M
     if (a->n_heads != b->n_heads) return "n_heads";
     if (a->n_kv_heads != b->n_kv_heads) return "n_kv_heads";
     if (a->ffn_dim != b->ffn_dim) return "ffn_dim";
+    // The weights were trained with these: another RoPE or norm would silently change the model.
+    if (a->rope_theta != b->rope_theta) return "rope_theta";
+    if (a->norm_eps != b->norm_eps) return "norm_eps";
+    if (a->rope_scaling_factor != b->rope_scaling_factor) return "rope_scaling_factor";
+    if (a->rope_scaling_factor > 0) {  // the other scaling keys matter only with scaling on
+        if (a->rope_low_freq_factor != b->rope_low_freq_factor) return "rope_low_freq_factor";
+        if (a->rope_high_freq_factor != b->rope_high_freq_factor) return "rope_high_freq_factor";
+        if (a->rope_original_max_seq_len != b->rope_original_max_seq_len) return "rope_original_max_seq_len";
+    }
     return NULL;
 }
 

@@ -15,6 +15,7 @@
 
 #define CONFIG_STRING_MAX 512
 #define CONFIG_INCLUDE_DEPTH_MAX 16
+#define CONFIG_MAX_ACCUMULATION_STEPS (1 << 20)  // micro-batches per optimizer step
 #define CONFIG_ERROR_MAX 1024
 
 typedef enum { PRECISION_BF16, PRECISION_FP8, PRECISION_COAT } Precision;
@@ -497,7 +498,13 @@ static inline int config_grad_accum_steps(const ConfigParser *parser, int ranks,
                  config_source(parser, "total_batch_tokens"), c->total_batch_tokens, per_micro_step);
         return -1;
     }
-    return (int)(c->total_batch_tokens / per_micro_step);
+    long long steps = c->total_batch_tokens / per_micro_step;
+    if (steps > CONFIG_MAX_ACCUMULATION_STEPS) {
+        snprintf(error, error_size, "%s: total_batch_tokens %lld means %lld micro-batches per optimizer step, more than %d",
+                 config_source(parser, "total_batch_tokens"), c->total_batch_tokens, steps, CONFIG_MAX_ACCUMULATION_STEPS);
+        return -1;
+    }
+    return (int)steps;
 }
 
 // The resolved storage choices (auto follows precision).

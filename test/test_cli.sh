@@ -71,6 +71,46 @@ out=$(./train_llama "${data[@]}" 2>&1); rc=$?
 check "the default val_batches (20) is cut to the 10 batches the validation set holds" \
     "$([ $rc -eq 0 ] && printf '%s' "$out" | grep -q 'fewer than the default 20: a pass reads 10'; echo $?)" "$out"
 
+# A checkpoint whose model differs from the config in any key, or whose header announces sizes
+# past any model, is refused by dry_run with the key's name (the file's sections are zeros).
+make_checkpoint() {  # make_checkpoint PATH KEY=VALUE...: tiny.conf's model unless overridden
+    python3 - "$@" <<'PY'
+import struct, sys
+fields = dict(version=1, vocab=1000, dim=128, layers=2, heads=2, kv=1, ffn=352, seq=128, theta=10000.0, eps=1e-5,
+              scaling=0.0, low=1.0, high=4.0, original=8192, step=0, padded=0, optimizer=0, trainer=0)
+for arg in sys.argv[2:]:
+    key, value = arg.split("=")
+    fields[key] = float(value) if key in ("theta", "eps", "scaling", "low", "high") else int(value)
+double = lambda x: struct.unpack("<q", struct.pack("<d", struct.unpack("<f", struct.pack("<f", x))[0]))[0]
+values = [fields["version"], fields["vocab"], fields["dim"], fields["layers"], fields["heads"], fields["kv"], fields["ffn"],
+          fields["seq"], double(fields["theta"]), double(fields["eps"]), double(fields["scaling"]), double(fields["low"]),
+          double(fields["high"]), fields["original"], fields["step"], fields["padded"], 0, fields["optimizer"], fields["trainer"]]
+with open(sys.argv[1], "wb") as f:
+    f.write(b"LLAMACK1" + struct.pack("<63q", *(values + [0] * (63 - len(values)))))
+    if fields["padded"] < 1 << 30:
+        f.write(bytes(4 * fields["padded"]))
+PY
+}
+padded=$(python3 -c "
+import sys; sys.path.insert(0, 'scripts')
+from llama_layout import ModelShape, ParamLayout
+print(ParamLayout(ModelShape(vocab_size=1000, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=352, max_seq_len=128)).total_padded)" 2>/dev/null || echo 0)
+make_checkpoint "$tmp/same.bin" padded="$padded"
+out=$(./train_llama configs/models/tiny.conf --dry_run=1 --init_from="$tmp/same.bin" 2>&1); rc=$?
+check "a checkpoint of the config's model passes dry_run" "$([ $rc -eq 0 ] && printf '%s' "$out" | grep -q 'checkpoint of step 0'; echo $?)" "$out"
+for change in "theta=500000:rope_theta" "eps=1e-6:norm_eps" "scaling=8:rope_scaling_factor" "ffn=384:ffn_dim"; do
+    make_checkpoint "$tmp/other.bin" padded="$padded" "${change%%:*}"
+    expect_stderr "a checkpoint whose ${change##*:} differs" "$tmp/other.bin: ${change##*:} differs between the checkpoint and the config" \
+        configs/models/tiny.conf --dry_run=1 --init_from="$tmp/other.bin"
+done
+make_checkpoint "$tmp/count.bin" padded=128
+expect_stderr "a checkpoint with another parameter count" "$tmp/count.bin: 128 parameters (padded), the config's model has $padded" \
+    configs/models/tiny.conf --dry_run=1 --init_from="$tmp/count.bin"
+make_checkpoint "$tmp/huge.bin" padded=$((1 << 41))
+err=$(./train_llama configs/models/tiny.conf --dry_run=1 --init_from="$tmp/huge.bin" 2>&1 > /dev/null); rc=$?
+check "a header announcing 2^41 parameters is refused as corrupt, not wrapped" \
+    "$([ $rc -ne 0 ] && [ "$err" = "error: $tmp/huge.bin: corrupt header (sizes past 2^40 parameters or 2^50 bytes)" ]; echo $?)" "$err"
+
 # Precision combinations: any mix of GEMMs, activation storage and optimizer states is planned;
 # what cannot run is refused by dry_run with its reason, naming the key.
 expect_error "fast accumulation without FP8 GEMMs" "command line: fp8_fast_accum applies to FP8 GEMMs only" \

@@ -84,6 +84,17 @@ static void test_errors(ConfigParser *p) {
     config_defaults(p);
     check(config_parse_argument(p, "--dim", error, sizeof(error)) != 0 && strstr(error, "expected --key=value"),
           "an argument without '=' is refused (%s)", error);
+    // Micro-batches per optimizer step: 2^20 is the most (16 tokens each), one more is refused.
+    const char *many = write_file("many.conf", "micro_batch_size = 1\nseq_len = 16\nmax_seq_len = 16\ntotal_batch_tokens = 16777216\n");
+    check(load(p, many, error) == 0 && config_grad_accum_steps(p, 1, error, sizeof(error)) == 1 << 20,
+          "2^20 micro-batches per step are accepted (%s)", error);
+    const char *too_many = write_file("too_many.conf", "micro_batch_size = 1\nseq_len = 16\nmax_seq_len = 16\ntotal_batch_tokens = 16777232\n");
+    check(load(p, too_many, error) == 0 && config_grad_accum_steps(p, 1, error, sizeof(error)) < 0 &&
+              strstr(error, "too_many.conf:4: total_batch_tokens 16777232 means 1048577 micro-batches per optimizer step"),
+          "2^20 + 1 micro-batches per step are refused, not wrapped (%s)", error);
+    const char *huge = write_file("huge.conf", "micro_batch_size = 1\nseq_len = 16\nmax_seq_len = 16\ntotal_batch_tokens = 1e15\n");
+    check(load(p, huge, error) == 0 && config_grad_accum_steps(p, 1, error, sizeof(error)) < 0,
+          "total_batch_tokens 1e15 is refused (%s)", error);
     const char *batch = write_file("batch.conf", "micro_batch_size = 3\nseq_len = 100\nmax_seq_len = 100\ntotal_batch_tokens = 1000\n");
     check(load(p, batch, error) == 0 && config_grad_accum_steps(p, 1, error, sizeof(error)) < 0 &&
           strstr(error, "batch.conf:4: total_batch_tokens 1000 is not a multiple"), "a batch that does not divide is refused (%s)", error);
