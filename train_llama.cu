@@ -724,7 +724,7 @@ static int train(ConfigParser *parser, int ranks) {
         int last = step == c->max_steps;
         if (t->have_val && c->val_every > 0 && (step % c->val_every == 0 || last)) log_validation(t);
         if (c->sample_every > 0 && (step % c->sample_every == 0 || last)) print_sample(t);
-        if (last || (c->checkpoint_every > 0 && step % c->checkpoint_every == 0)) save_checkpoint(t);
+        if ((last && c->checkpoint_final) || (c->checkpoint_every > 0 && step % c->checkpoint_every == 0)) save_checkpoint(t);
     }
     run_log_close(&t->log);
     if (t->timer) op_timer_print(stdout, t->timer);

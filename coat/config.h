@@ -41,6 +41,7 @@ typedef struct {
     int generate;
     char logits_out[CONFIG_STRING_MAX];
     int checkpoint_every;
+    int checkpoint_final;
     int checkpoints_keep;
     // batch and schedule
     int micro_batch_size;
@@ -127,6 +128,8 @@ static const ConfigKey config_keys[] = {
     {"logits_out", KEY_STRING, CFG(logits_out), "", 0, 0, NULL,
      "with generate: also write the prompt's logits here (int32 count, vocab, ids; float32 [count, vocab])"},
     {"checkpoint_every", KEY_INT, CFG(checkpoint_every), "0", 0, INT_MAX, NULL, "steps between checkpoints (0: only at the end)"},
+    {"checkpoint_final", KEY_INT, CFG(checkpoint_final), "1", 0, 1, NULL,
+     "write a checkpoint after the last step (0: none, for benchmarks: a 7B model's is 42-81 GB)"},
     {"checkpoints_keep", KEY_INT, CFG(checkpoints_keep), "2", 1, 1000, NULL, "newest checkpoints kept"},
     // batch and schedule
     {"micro_batch_size", KEY_INT, CFG(micro_batch_size), "16", 1, 1 << 20, NULL, "sequences per GPU per forward"},

@@ -40,7 +40,7 @@ ours() {  # ours NAME CONFIG B T [PRECISION]
     local precision=${5:-bf16} out="$dir/$1-${5:-bf16}"
     rm -rf "$out"
     ./train_llama "configs/models/$2.conf" --train_data="$dir/train_*.bin" --micro_batch_size="$3" --seq_len="$4" \
-        --precision="$precision" --max_steps="$steps" --warmup_steps=1 --val_every=0 --checkpoint_every=0 \
+        --precision="$precision" --max_steps="$steps" --warmup_steps=1 --val_every=0 --checkpoint_final=0 \
         --checkpoints_keep=1 --out_dir="$out" > "$out.log" 2>&1 ||
         { tail -5 "$out.log" >&2; echo "{\"impl\": \"train_llama $precision\", \"error\": \"failed\"}"; return; }
     python3 - "$out/log.jsonl" "$out.log" "$precision" <<'PY'
@@ -128,7 +128,7 @@ if [ "$profile" = 1 ]; then
         echo "== train_llama llama-1b 16x2048 =="
         rm -rf "$dir/profile-run"
         ./train_llama configs/models/llama-1b.conf --train_data="$dir/train_*.bin" --micro_batch_size=16 --seq_len=2048 \
-            --max_steps=8 --warmup_steps=1 --val_every=0 --out_dir="$dir/profile-run" --profile=1 2>&1 |
+            --max_steps=8 --warmup_steps=1 --val_every=0 --checkpoint_final=0 --out_dir="$dir/profile-run" --profile=1 2>&1 |
             sed -n '/^profile:/,$p'
         echo "== PyTorch (torch.compile) llama-1b 16x2048 =="
         python3 scripts/train_llama.py --bench --compile --config configs/models/llama-1b.conf --batch 16 --seq 2048 \
