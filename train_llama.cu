@@ -578,13 +578,9 @@ static void trainer_create(Trainer *t, ConfigParser *parser, int ranks) {
         fprintf(stderr, "error: %s: no checkpoint to generate from (set init_from)\n", c->out_dir);
         exit(EXIT_FAILURE);
     } else {
-        float *init = (float *)malloc(4 * t->model.layout.total_padded);
-        if (!init) fail("out of host memory for the initial weights");
-        param_init_weights(&t->model.layout, init, c->seed);
-        adamw_set_master_from_host(&t->opt, init, t->gpu.stream);
+        adamw_init_master(&t->opt, &t->model.layout, c->seed, t->gpu.stream);
         adamw_write_params(&t->opt, t->model.params, t->gpu.stream);
         model_weights_changed(&t->model);
-        free(init);
     }
 }
 

@@ -488,6 +488,43 @@ static inline void adamw_set_master_from_host(AdamW *opt, const float *params_fp
     cudaCheck(cudaStreamSynchronize(stream));
 }
 
+// master[i] = value * (normal ? random_normal_at(seed, first + i) : 1) for count elements: one
+// tensor's part of the shard, element e of the buffer at index first + i = e (params.h's rule).
+__global__ void adamw_init_kernel(float *master, unsigned long long seed, size_t first, size_t count, float value,
+                                  int normal) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < count) master[i] = normal ? value * random_normal_at(seed, first + i) : value;
+}
+
+typedef struct {
+    AdamW *opt;
+    const ParamLayout *layout;
+    unsigned long long seed;
+    cudaStream_t stream;
+} AdamWInit;
+
+static inline void adamw_init_visit(void *context, ParamKind kind, int layer) {
+    const AdamWInit *init = (const AdamWInit *)context;
+    const AdamW *opt = init->opt;
+    size_t offset = param_offset(init->layout, kind, layer), n = param_numel(init->layout, kind);
+    size_t begin = offset > opt->shard_begin ? offset : opt->shard_begin;
+    size_t end = offset + n < opt->shard_end ? offset + n : opt->shard_end;
+    if (begin >= end) return;
+    int normal = param_kind_is_matrix(kind);
+    float value = normal ? param_init_std(init->layout, kind) : 1.0f;
+    adamw_init_kernel<<<(unsigned)ceil_div_size(end - begin, 256), 256, 0, init->stream>>>(
+        opt->master + (begin - opt->shard_begin), init->seed, begin, end - begin, value, normal);
+    cudaCheckLaunch();
+}
+
+// Master weights of the shard from a fresh initialisation, computed on the GPU: the same bits as
+// param_init_weights on the host, in a fraction of a second at any size (no host buffer).
+static inline void adamw_init_master(AdamW *opt, const ParamLayout *layout, unsigned long long seed, cudaStream_t stream) {
+    cudaCheck(cudaMemsetAsync(opt->master, 0, 4 * opt->n, stream));  // padding
+    AdamWInit init = {opt, layout, seed, stream};
+    param_for_each_tensor(layout, adamw_init_visit, &init);
+}
+
 // Master weights from the BF16 parameters (whole buffer on the device), exactly.
 static inline void adamw_set_master_from_params(AdamW *opt, const bf16 *params, cudaStream_t stream) {
     adamw_check_aligned(params, "adamw_set_master_from_params: params");

@@ -99,28 +99,50 @@ static inline size_t param_count_non_embedding(const ParamLayout *layout) {
 
 static inline int param_kind_is_matrix(ParamKind kind) { return kind != PARAM_ATTN_NORM && kind != PARAM_MLP_NORM && kind != PARAM_FINAL_NORM; }
 
-// Initialisation from scratch, in FP32 on the host: norms = 1, matrices ~ N(0, 0.02),
-// output projections (wo, w_down) scaled by 1/sqrt(2 * n_layers); padding = 0.
-// Tensors are drawn in buffer order from one stream, so the result depends only on the seed.
-static inline void param_init_tensor(const ParamLayout *layout, float *params, ParamKind kind, int layer, Random *rng) {
-    float *t = params + param_offset(layout, kind, layer);
-    size_t n = param_numel(layout, kind);
+// Initialisation from scratch, in FP32: norms = 1, matrices std * random_normal_at(seed, e) for
+// element e of the padded buffer, std = 0.02, output projections (wo, w_down) scaled by
+// 1/sqrt(2 * n_layers); padding = 0. Each element depends only on the seed and its offset, so
+// the GPU (adamw_init_master) computes the same bits in parallel; this is the host's copy.
+static inline float param_init_std(const ParamLayout *layout, ParamKind kind) {
+    double std = 0.02;
+    if (kind == PARAM_WO || kind == PARAM_W_DOWN) std /= sqrt(2.0 * layout->shape.n_layers);
+    return (float)std;
+}
+
+static inline void param_init_tensor(const ParamLayout *layout, float *params, ParamKind kind, int layer,
+                                     unsigned long long seed) {
+    size_t offset = param_offset(layout, kind, layer), n = param_numel(layout, kind);
+    float *t = params + offset;
     if (!param_kind_is_matrix(kind)) {
         for (size_t i = 0; i < n; i++) t[i] = 1.0f;
         return;
     }
-    double std = 0.02;
-    if (kind == PARAM_WO || kind == PARAM_W_DOWN) std /= sqrt(2.0 * layout->shape.n_layers);
-    for (size_t i = 0; i < n; i++) t[i] = (float)(std * random_normal(rng));
+    float std = param_init_std(layout, kind);
+    for (size_t i = 0; i < n; i++) t[i] = std * random_normal_at(seed, offset + i);
+}
+
+// Calls visit(context, kind, layer) for every tensor, in buffer order (layer 0 for the others).
+static inline void param_for_each_tensor(const ParamLayout *layout, void (*visit)(void *, ParamKind, int), void *context) {
+    visit(context, PARAM_EMBEDDING, 0);
+    for (int l = 0; l < layout->shape.n_layers; l++)
+        for (int k = PARAM_ATTN_NORM; k <= PARAM_W_DOWN; k++) visit(context, (ParamKind)k, l);
+    visit(context, PARAM_FINAL_NORM, 0);
+    visit(context, PARAM_LM_HEAD, 0);
+}
+
+typedef struct {
+    const ParamLayout *layout;
+    float *params;
+    unsigned long long seed;
+} ParamInit;
+
+static inline void param_init_visit(void *context, ParamKind kind, int layer) {
+    const ParamInit *init = (const ParamInit *)context;
+    param_init_tensor(init->layout, init->params, kind, layer, init->seed);
 }
 
 static inline void param_init_weights(const ParamLayout *layout, float *params, unsigned long long seed) {
-    Random rng;
-    random_seed(&rng, seed);
     for (size_t i = 0; i < layout->total_padded; i++) params[i] = 0.0f;
-    param_init_tensor(layout, params, PARAM_EMBEDDING, 0, &rng);
-    for (int l = 0; l < layout->shape.n_layers; l++)
-        for (int k = PARAM_ATTN_NORM; k <= PARAM_W_DOWN; k++) param_init_tensor(layout, params, (ParamKind)k, l, &rng);
-    param_init_tensor(layout, params, PARAM_FINAL_NORM, 0, &rng);
-    param_init_tensor(layout, params, PARAM_LM_HEAD, 0, &rng);
+    ParamInit init = {layout, params, seed};
+    param_for_each_tensor(layout, param_init_visit, &init);
 }

@@ -190,6 +190,21 @@ static void test_params(ConfigParser *p) {
     param_init_weights(&layout, a, 7);
     param_init_weights(&layout, b, 7);
     check(memcmp(a, b, layout.total_padded * sizeof(float)) == 0, "initialisation depends only on the seed");
+    // The counter-based normal: moments of a standard normal (Irwin-Hall 12: kurtosis 2.9), within
+    // +-6, no correlation between neighbours, another seed another stream.
+    enum { SAMPLES = 1000000 };
+    double moments[3] = {0, 0, 0}, neighbours = 0, seeds = 0, largest = 0;
+    for (uint64_t i = 0; i < SAMPLES; i++) {
+        double z = random_normal_at(7, i), next = random_normal_at(7, i + 1), other = random_normal_at(8, i);
+        moments[0] += z; moments[1] += z * z; moments[2] += z * z * z * z; neighbours += z * next; seeds += z * other;
+        if (fabs(z) > largest) largest = fabs(z);
+    }
+    double mean = moments[0] / SAMPLES, variance = moments[1] / SAMPLES - mean * mean;
+    double kurtosis = moments[2] / SAMPLES / (variance * variance);
+    check(fabs(mean) < 0.005 && fabs(variance - 1.0) < 0.01 && fabs(kurtosis - 2.9) < 0.03 && largest <= 6.0,
+          "random_normal_at: mean %.4f, variance %.4f, kurtosis %.3f, max |z| %.2f", mean, variance, kurtosis, largest);
+    check(fabs(neighbours / SAMPLES) < 0.005 && fabs(seeds / SAMPLES) < 0.005,
+          "random_normal_at: correlation %.4f with the next index, %.4f with another seed", neighbours / SAMPLES, seeds / SAMPLES);
     double sum2 = 0;
     const float *wq = a + param_offset(&layout, PARAM_WQ, 1);
     for (size_t i = 0; i < param_numel(&layout, PARAM_WQ); i++) sum2 += (double)wq[i] * wq[i];
