@@ -69,11 +69,11 @@ check "NaN losses: the steps are skipped, then the run stops after max_nonfinite
        printf '%s' "$out" | grep -q '2 steps in a row with a non-finite' && [ "$(grep -c '"skipped"' "$tmp/nan/log.jsonl")" = 2 ]; echo $?)" \
     "$(printf '%s' "$out" | tail -3)"
 
-out=$(./train_llama "${common[@]}" --out_dir="$tmp/no_final" --max_steps=2 --val_every=0 --checkpoint_final=0 2>&1); rc=$?
+out=$(./train_llama "${common[@]}" --out_dir="$tmp/no_final" --max_steps=2 --warmup_steps=1 --val_every=0 --checkpoint_final=0 2>&1); rc=$?
 check "checkpoint_final = 0 writes no checkpoint" "$([ $rc -eq 0 ] && [ -z "$(ls "$tmp/no_final" | grep ckpt_)" ]; echo $?)" "$(ls "$tmp/no_final")"
 
 # overwrite = 1 over a finished run: its checkpoints and log go, the new run's stay.
-out=$(./train_llama "${common[@]}" --out_dir="$tmp/runs/straight-fp8" --overwrite=1 --max_steps=2 --val_every=0 2>&1); rc=$?
+out=$(./train_llama "${common[@]}" --out_dir="$tmp/runs/straight-fp8" --overwrite=1 --max_steps=2 --warmup_steps=1 --val_every=0 2>&1); rc=$?
 check "overwrite = 1 removes the earlier run and starts over" \
     "$([ $rc -eq 0 ] && [ ! -e "$tmp/runs/straight-fp8/ckpt_00000020.bin" ] && [ -e "$tmp/runs/straight-fp8/ckpt_00000002.bin" ] &&
        [ "$(grep -c '"train_loss"' "$tmp/runs/straight-fp8/log.jsonl")" = 2 ]; echo $?)" "$(printf '%s' "$out" | tail -2)"
