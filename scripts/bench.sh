@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Benchmarks beside PyTorch, measured in the same call on the same GPU:
-#  1. training throughput of train_llama against the PyTorch reference (torch.compile, BF16
-#     autocast, fused AdamW) on random tokens: tokens/s, MFU and peak memory for llama-125m and
-#     llama-1b at the ANCHORS.md micro-batches; then llama-1b 4x2048's peak memory beside PyTorch
-#     (eager) with SDPA and with attention written out (what storing the probabilities costs);
+#  1. training throughput of train_llama in bf16, fp8 and coat against the PyTorch reference
+#     (torch.compile, BF16 autocast, fused AdamW) on random tokens: tokens/s, MFU and peak memory
+#     for llama-125m and llama-1b at the ANCHORS.md micro-batches; llama2-7b at the largest
+#     micro-batch each precision fits; then llama-1b 4x2048's peak memory beside PyTorch (eager)
+#     with SDPA and with attention written out (what storing the probabilities costs);
 #  2. our flash attention (build/test_attention's timings) against PyTorch SDPA's flash and cuDNN
 #     backends (scripts/bench_attention.py) at the ANCHORS.md shapes.
 #  3. with --profile, where the time of a llama-1b step goes: train_llama's per-op GPU times
@@ -82,6 +83,30 @@ PY
     done
     echo
     echo "train_llama peak = its memory plan (all it allocates); in use = the GPU's used memory during the run (cudaMemGetInfo: the plan, the CUDA context and the allocator's rounding); PyTorch peak = torch.cuda.max_memory_allocated()."
+    echo
+    # llama2-7b at the largest micro-batch of 2048 tokens that each precision fits in the free
+    # memory (the trainer keeps 2% of it), 10 steps each.
+    echo "| llama2-7b | micro-batch | implementation | tokens/s | MFU | peak GiB | GiB in use | tokens/s vs bf16 |"
+    echo "|---|---|---|---|---|---|---|---|"
+    free_gib=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits | head -1 | awk '{printf "%.2f", $1 / 1024 * 0.98}')
+    rows=()
+    for precision in bf16 fp8 coat; do
+        b=$(./train_llama configs/models/llama2-7b.conf --dry_run=1 --precision=$precision --micro_batch_size=1 \
+            --seq_len=2048 --gpu_memory_gib="$free_gib" 2>/dev/null | sed -n 's/.*largest micro-batch that fits: \([0-9]*\)).*/\1/p')
+        rows+=("${b:-0}" "$(steps=10 ours llama2-7b llama2-7b "${b:-1}" 2048 $precision)")
+    done
+    python3 - "${rows[@]}" <<'PY'
+import json, sys
+runs = [(sys.argv[i], json.loads(sys.argv[i + 1])) for i in range(1, len(sys.argv), 2)]
+base = runs[0][1].get("tokens_per_s")
+for batch, r in runs:
+    if "error" in r:
+        print(f"| llama2-7b | {batch}x2048 | {r.get('impl')} | {r['error']} | | | | |")
+        continue
+    ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
+    print(f"| llama2-7b | {batch}x2048 | {r['impl']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
+          f"{r['peak_gib']:.1f} | {r['used_gib']:.1f} | {ratio} |")
+PY
     echo
     [ "$training_only" = 1 ] && exit 0
     # What flash attention saves: the same model in PyTorch (eager) with SDPA and with attention written
