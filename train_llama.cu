@@ -119,6 +119,16 @@ static void check_out_dir(const ConfigParser *parser) {
     fail_config(parser, "out_dir", message);
 }
 
+// Every refusal of a config that needs no file or GPU, for dry_run and training alike (dry_run
+// also plans a model config that names no data: training refuses an empty train_data itself).
+static void check_run_config(const ConfigParser *parser) {
+    const TrainConfig *c = &parser->values;
+    if ((c->sample_every > 0 || c->generate) && c->tokenizer[0] == '\0')
+        fail_config(parser, "tokenizer", "is empty: sampling needs the tokenizer");
+    check_precision(parser);
+    check_out_dir(parser);
+}
+
 // A GPU is there, and one that this build's kernels run on.
 static void check_gpu(GpuContext *gpu) {
     int count = 0;
@@ -199,6 +209,11 @@ static int start_checkpoint(const TrainConfig *c, char *path, size_t size, int *
     return 1;
 }
 
+static void fail_no_checkpoint_to_generate(const TrainConfig *c) {
+    fprintf(stderr, "error: %s: no checkpoint to generate from (set init_from)\n", c->out_dir);
+    exit(EXIT_FAILURE);
+}
+
 // The config's tokenizer, refused when it has more tokens than the model's vocabulary.
 static Tokenizer *load_tokenizer_or_exit(const ConfigParser *parser) {
     const TrainConfig *c = &parser->values;
@@ -214,7 +229,7 @@ static Tokenizer *load_tokenizer_or_exit(const ConfigParser *parser) {
 }
 
 // Opens a checkpoint whose model shape is the config's; positioned after the header.
-static FILE *open_checkpoint_or_exit(const TrainConfig *c, const char *path, CheckpointHeader *h) {
+static FILE *open_checkpoint_or_exit(const TrainConfig *c, const char *path, CheckpointHeader *h, int resuming) {
     char error[1024];
     FILE *f = checkpoint_open(path, h, error, sizeof(error));
     if (!f) fail(error);
@@ -229,6 +244,15 @@ static FILE *open_checkpoint_or_exit(const TrainConfig *c, const char *path, Che
         fprintf(stderr, "error: %s: %zu parameters (padded), the config's model has %zu\n", path, h->total_padded,
                 layout.total_padded);
         exit(EXIT_CONFIG_ERROR);
+    }
+    if (resuming && !h->has_optimizer_state) {
+        fprintf(stderr, "error: %s: holds weights only, no optimizer state to resume from (use init_from)\n", path);
+        exit(EXIT_FAILURE);
+    }
+    if (resuming && h->trainer_state_bytes != sizeof(TrainerState)) {
+        fprintf(stderr, "error: %s: trainer state of %zu bytes, this build writes %zu (another version's checkpoint: use init_from)\n",
+                path, h->trainer_state_bytes, sizeof(TrainerState));
+        exit(EXIT_FAILURE);
     }
     return f;
 }
@@ -286,9 +310,12 @@ static void validate_inputs(const ConfigParser *parser) {
     }
     char path[4096];
     int resuming;
-    if (!start_checkpoint(c, path, sizeof(path), &resuming)) return;
+    if (!start_checkpoint(c, path, sizeof(path), &resuming)) {
+        if (c->generate) fail_no_checkpoint_to_generate(c);
+        return;
+    }
     CheckpointHeader h;
-    fclose(open_checkpoint_or_exit(c, path, &h));
+    fclose(open_checkpoint_or_exit(c, path, &h, resuming));
     printf("%s: checkpoint of step %lld\n", path, h.step);
 }
 
@@ -301,8 +328,7 @@ static int dry_run(const ConfigParser *parser, int ranks) {
         fprintf(stderr, "error: %s\n", error);
         return EXIT_CONFIG_ERROR;
     }
-    check_precision(parser);
-    check_out_dir(parser);
+    check_run_config(parser);
     validate_inputs(parser);
     print_model_summary(c);
     printf("batch: %d x %d tokens per micro-step x %d rank(s) x %d accumulation step(s) = %lld tokens per step\n",
@@ -329,7 +355,7 @@ static int dry_run(const ConfigParser *parser, int ranks) {
 static void load_checkpoint(Trainer *t, const char *path, int resume) {
     CheckpointHeader h;
     char error[1024];
-    FILE *f = open_checkpoint_or_exit(t->c, path, &h);
+    FILE *f = open_checkpoint_or_exit(t->c, path, &h, resume);
     float *master = (float *)malloc(4 * h.total_padded);
     if (!master) fail("out of host memory reading the checkpoint");
     if (fread(master, 4, h.total_padded, f) != h.total_padded) {
@@ -341,15 +367,6 @@ static void load_checkpoint(Trainer *t, const char *path, int resume) {
     model_weights_changed(&t->model);
     free(master);
     if (resume) {
-        if (!h.has_optimizer_state) {
-            fprintf(stderr, "error: %s: holds weights only, no optimizer state to resume from (use init_from)\n", path);
-            exit(EXIT_FAILURE);
-        }
-        if (h.trainer_state_bytes != sizeof(TrainerState)) {
-            fprintf(stderr, "error: %s: trainer state of %zu bytes, this build writes %zu (another version's checkpoint: use init_from)\n",
-                    path, h.trainer_state_bytes, sizeof(TrainerState));
-            exit(EXIT_FAILURE);
-        }
         adamw_load(&t->opt, f, path, t->gpu.stream);
         if (fread(&t->state, sizeof(TrainerState), 1, f) != 1) {
             fprintf(stderr, "error: %s: truncated trainer state\n", path);
@@ -536,10 +553,6 @@ static void trainer_create(Trainer *t, ConfigParser *parser, int ranks) {
     const TrainConfig *c = t->c;
     t->grad_accum = config_grad_accum_steps(parser, ranks, error, sizeof(error));
     if (t->grad_accum < 0) { fprintf(stderr, "error: %s\n", error); exit(EXIT_CONFIG_ERROR); }
-    if (!c->generate && c->train_data[0] == '\0') fail_config(parser, "train_data", "is empty: name the training shards");
-    if ((c->sample_every > 0 || c->generate) && c->tokenizer[0] == '\0')
-        fail_config(parser, "tokenizer", "is empty: sampling needs the tokenizer");
-    check_precision(parser);
     check_gpu(&t->gpu);
     refuse_unless_fits(parser, ranks, gpu_memory_budget(c), "free GPU memory");
 
@@ -575,8 +588,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, int ranks) {
         load_checkpoint(t, path, resuming);
         printf("%s %s\n", resuming ? "resumed from" : "weights from", path);
     } else if (c->generate) {
-        fprintf(stderr, "error: %s: no checkpoint to generate from (set init_from)\n", c->out_dir);
-        exit(EXIT_FAILURE);
+        fail_no_checkpoint_to_generate(c);
     } else {
         adamw_init_master(&t->opt, &t->model.layout, c->seed, t->gpu.stream);
         adamw_write_params(&t->opt, t->model.params, t->gpu.stream);
@@ -647,15 +659,11 @@ static void log_validation(Trainer *t) {
 static int train(ConfigParser *parser, int ranks) {
     const TrainConfig *c = &parser->values;
     char error[1024];
-    check_out_dir(parser);
+    if (!c->generate && c->train_data[0] == '\0') fail_config(parser, "train_data", "is empty: name the training shards");
+    check_run_config(parser);
     if (shard_make_directories(c->out_dir, error, sizeof(error)) != 0) {
         fprintf(stderr, "%s\n", error);
         return EXIT_FAILURE;
-    }
-    char earlier[256];
-    if (c->overwrite && !c->resume && !c->generate && run_dir_describe(c->out_dir, earlier, sizeof(earlier))) {
-        if (run_dir_clear(c->out_dir, error, sizeof(error)) != 0) fail(error);
-        printf("overwrite = 1: removed the earlier run in %s (%s)\n", c->out_dir, earlier);
     }
     print_model_summary(c);
     MemoryPlan plan;
@@ -670,6 +678,12 @@ static int train(ConfigParser *parser, int ranks) {
         trainer_free(t);
         free(t);
         return 0;
+    }
+    // Only now, with every input checked and the start checkpoint read, does overwrite remove anything.
+    char earlier[256];
+    if (c->overwrite && !c->resume && run_dir_describe(c->out_dir, earlier, sizeof(earlier))) {
+        if (run_dir_clear(c->out_dir, error, sizeof(error)) != 0) fail(error);
+        printf("overwrite = 1: removed the earlier run in %s (%s)\n", c->out_dir, earlier);
     }
     if (run_log_open(&t->log, c->out_dir, t->state.step, c->resume, error, sizeof(error)) != 0) fail(error);
     long long tokens_per_step = (long long)c->micro_batch_size * c->seq_len * ranks * t->grad_accum;

@@ -77,18 +77,19 @@ make_checkpoint() {  # make_checkpoint PATH KEY=VALUE...: tiny.conf's model unle
     python3 - "$@" <<'PY'
 import struct, sys
 fields = dict(version=1, vocab=1000, dim=128, layers=2, heads=2, kv=1, ffn=352, seq=128, theta=10000.0, eps=1e-5,
-              scaling=0.0, low=1.0, high=4.0, original=8192, step=0, padded=0, optimizer=0, trainer=0)
+              scaling=0.0, low=1.0, high=4.0, original=8192, step=0, padded=0, hasopt=0, optimizer=0, trainer=0)
 for arg in sys.argv[2:]:
     key, value = arg.split("=")
     fields[key] = float(value) if key in ("theta", "eps", "scaling", "low", "high") else int(value)
 double = lambda x: struct.unpack("<q", struct.pack("<d", struct.unpack("<f", struct.pack("<f", x))[0]))[0]
 values = [fields["version"], fields["vocab"], fields["dim"], fields["layers"], fields["heads"], fields["kv"], fields["ffn"],
           fields["seq"], double(fields["theta"]), double(fields["eps"]), double(fields["scaling"]), double(fields["low"]),
-          double(fields["high"]), fields["original"], fields["step"], fields["padded"], 0, fields["optimizer"], fields["trainer"]]
+          double(fields["high"]), fields["original"], fields["step"], fields["padded"], fields["hasopt"], fields["optimizer"],
+          fields["trainer"]]
 with open(sys.argv[1], "wb") as f:
     f.write(b"LLAMACK1" + struct.pack("<63q", *(values + [0] * (63 - len(values)))))
     if fields["padded"] < 1 << 30:
-        f.write(bytes(4 * fields["padded"]))
+        f.write(bytes(4 * fields["padded"] + fields["optimizer"] + fields["trainer"]))
 PY
 }
 padded=$(python3 -c "
@@ -110,6 +111,24 @@ make_checkpoint "$tmp/huge.bin" padded=$((1 << 41))
 err=$(./train_llama configs/models/tiny.conf --dry_run=1 --init_from="$tmp/huge.bin" 2>&1 > /dev/null); rc=$?
 check "a header announcing 2^41 parameters is refused as corrupt, not wrapped" \
     "$([ $rc -ne 0 ] && [ "$err" = "error: $tmp/huge.bin: corrupt header (sizes past 2^40 parameters or 2^50 bytes)" ]; echo $?)" "$err"
+
+# The trainer's start-up refusals, made by dry_run too (one function, the same messages).
+expect_error "samples without a tokenizer" "command line: tokenizer is empty: sampling needs the tokenizer" \
+    "${data[@]}" --sample_every=10 --tokenizer=
+err=$(./train_llama configs/models/llama-125m.conf --dry_run=1 --generate=1 --out_dir="$tmp/empty_run" \
+      --tokenizer=data/tokenizers/llama2/tokenizer.json 2>&1 >/dev/null); rc=$?
+check "generate without a checkpoint is refused by dry_run" \
+    "$([ $rc -ne 0 ] && [ "$err" = "error: $tmp/empty_run: no checkpoint to generate from (set init_from)" ]; echo $?)" "$err"
+mkdir -p "$tmp/weights_only"
+make_checkpoint "$tmp/weights_only/ckpt_00000005.bin" padded="$padded" && touch "$tmp/weights_only/ckpt_00000005.done"
+err=$(./train_llama "${data[@]}" --out_dir="$tmp/weights_only" --resume=1 2>&1 >/dev/null); rc=$?
+check "resume from a weights-only checkpoint is refused by dry_run" \
+    "$([ $rc -ne 0 ] && printf '%s' "$err" | grep -q "ckpt_00000005.bin: holds weights only, no optimizer state to resume from"; echo $?)" "$err"
+mkdir -p "$tmp/old_state"
+make_checkpoint "$tmp/old_state/ckpt_00000005.bin" padded="$padded" hasopt=1 trainer=7 && touch "$tmp/old_state/ckpt_00000005.done"
+err=$(./train_llama "${data[@]}" --out_dir="$tmp/old_state" --resume=1 2>&1 >/dev/null); rc=$?
+check "resume from another version's trainer state is refused by dry_run" \
+    "$([ $rc -ne 0 ] && printf '%s' "$err" | grep -q "ckpt_00000005.bin: trainer state of 7 bytes, this build writes"; echo $?)" "$err"
 
 # Precision combinations: any mix of GEMMs, activation storage and optimizer states is planned;
 # what cannot run is refused by dry_run with its reason, naming the key.
