@@ -181,4 +181,25 @@ check "a failed run leaves no temporary shard" "$([ -z "$(ls "$tmp/bad" 2>/dev/n
 out=$(./tokenize shards -t "$tmp/tokenizer.json" "$tmp/in" 2>&1); rc=$?
 check "missing -o is an error" "$([ $rc -ne 0 ] && printf '%s' "$out" | grep -q 'give -o DIR'; echo $?)" "got: $out"
 
+# --val-docs: one document fewer than the inputs hold leaves one for training; all of them none.
+run_shards "$tmp/val_all" --blank-lines --val-docs 3 "$tmp/blank.txt"; rc=$?
+check "--val-docs taking every document is refused" \
+    "$([ $rc -ne 0 ] && grep -q 'error: --val-docs 3 takes all 3 documents of the inputs: none is left for training' "$tmp/val_all.log" &&
+       [ ! -e "$tmp/val_all" ]; echo $?)" "$(cat "$tmp/val_all.log")"
+run_shards "$tmp/val_most" --blank-lines --val-docs 2 "$tmp/blank.txt"
+check "--val-docs one below the document count leaves one for training" $? "$(cat "$tmp/val_most.log")"
+
+# ./tokenize decode: ids up to the last one of the vocabulary; past it, however many digits, the
+# message says so rather than "not a token id".
+out=$(printf '72 105 257' | ./tokenize decode -t "$tmp/tokenizer.json" 2>&1); rc=$?
+check "decode takes ids up to vocab_size - 1" "$([ $rc -eq 0 ] && [ "$(printf '%s' "$out" | head -c 2)" = "Hi" ]; echo $?)" "$out"
+for id in 258 99999999999999999999999999; do
+    out=$(printf '72 %s' "$id" | ./tokenize decode -t "$tmp/tokenizer.json" 2>&1); rc=$?
+    check "decode refuses id $id as outside the vocabulary" \
+        "$([ $rc -ne 0 ] && [ "$out" = "error: stdin: token id $id is outside the vocabulary (size 258)" ]; echo $?)" "$out"
+done
+out=$(printf '72 1x' | ./tokenize decode -t "$tmp/tokenizer.json" 2>&1); rc=$?
+check "decode refuses text that is no number" \
+    "$([ $rc -ne 0 ] && [ "$out" = "error: stdin: not a token id at byte 3" ]; echo $?)" "$out"
+
 check_summary test_shards

@@ -976,6 +976,9 @@ static int run_shards(const ShardsOptions *options, char *error) {
     run.start_seconds = seconds_now();
     if (status == 0 && !run.chunks) status = fail(error, "error: out of memory");
     if (status == 0 && options->val_docs >= 0) status = count_documents(options, &files, &run.total_documents, error);
+    if (status == 0 && options->val_docs > 0 && options->val_docs >= run.total_documents)
+        status = fail(error, "error: --val-docs %lld takes all %lld documents of the inputs: none is left for training",
+                      (long long)options->val_docs, (long long)run.total_documents);
     if (status == 0) status = prepare_output(options, &files, partial, error);
     pthread_mutex_init(&run.lock, NULL);
     pthread_cond_init(&run.work_ready, NULL);

@@ -103,8 +103,13 @@ static int decode_command(const Tokenizer *tok) {
         char *end;
         errno = 0;
         unsigned long long id = (*p >= '0' && *p <= '9') ? strtoull(p, &end, 10) : 0;
-        if (!(*p >= '0' && *p <= '9') || errno || (*end && *end != ' ' && *end != '\n' && *end != '\t' && *end != '\r')) {
+        int separated = !*end || *end == ' ' || *end == '\n' || *end == '\t' || *end == '\r';
+        if (!(*p >= '0' && *p <= '9') || !separated || (errno && errno != ERANGE)) {
             fprintf(stderr, "error: stdin: not a token id at byte %zu\n", (size_t)(p - text));
+            status = 1;
+        } else if (errno == ERANGE) {  // a number of more digits than 64 bits hold is still a number
+            fprintf(stderr, "error: stdin: token id %.*s is outside the vocabulary (size %d)\n", (int)(end - p), p,
+                    tokenizer_vocab_size(tok));
             status = 1;
         } else if (id >= (unsigned long long)tokenizer_vocab_size(tok)) {
             fprintf(stderr, "error: stdin: token id %llu is outside the vocabulary (size %d)\n", id, tokenizer_vocab_size(tok));
