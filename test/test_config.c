@@ -100,6 +100,48 @@ static void test_errors(ConfigParser *p) {
           strstr(error, "batch.conf:4: total_batch_tokens 1000 is not a multiple"), "a batch that does not divide is refused (%s)", error);
 }
 
+// Every numeric key takes its range's bounds (inclusive) and refuses the next value past them.
+static void test_key_bounds(void) {
+    int bounds_taken = 1, past_refused = 1;
+    char first_failure[256] = "";
+    for (size_t i = 0; i < CONFIG_KEY_COUNT; i++) {
+        const ConfigKey *key = &config_keys[i];
+        if (key->type != KEY_INT && key->type != KEY_INT64 && key->type != KEY_FLOAT) continue;
+        double ends[2] = {key->min, key->max};
+        for (int e = 0; e < 2; e++) {
+            if (key->type != KEY_FLOAT && fabs(ends[e]) >= 9007199254740992.0) continue;  // past 2^53: no integer neighbour
+            char text[64], error[CONFIG_ERROR_MAX];
+            TrainConfig values;
+            memset(&values, 0, sizeof(values));
+            double past = key->type == KEY_FLOAT ? (e ? ends[e] * (1 + 1e-6) + 1e-30 : ends[e] - fabs(ends[e]) * 1e-6 - 1e-30)
+                                                 : ends[e] + (e ? 1 : -1);
+            snprintf(text, sizeof(text), key->type == KEY_FLOAT ? "%.17g" : "%.0f", ends[e]);
+            if (config_set_value(&values, key, text, error, sizeof(error)) != 0) {
+                if (bounds_taken) snprintf(first_failure, sizeof(first_failure), "%s = %s refused: %s", key->name, text, error);
+                bounds_taken = 0;
+            }
+            snprintf(text, sizeof(text), key->type == KEY_FLOAT ? "%.17g" : "%.0f", past);
+            if (config_set_value(&values, key, text, error, sizeof(error)) == 0) {
+                if (past_refused) snprintf(first_failure, sizeof(first_failure), "%s = %s accepted", key->name, text);
+                past_refused = 0;
+            }
+        }
+    }
+    check(bounds_taken, "every numeric key takes the bounds of its range %s", first_failure);
+    check(past_refused, "every numeric key refuses the value just past its range %s", first_failure);
+}
+
+// Optimizer states per setting, exactly: m and v, their scalars per 128-group, the decay table.
+static void test_state_bytes(void) {
+    size_t n = 128 * 1000, groups = n / 128;
+    const struct { StatesChoice states; size_t bytes; const char *name; } cases[] = {
+        {STATES_FP32, 8 * n + groups, "fp32"}, {STATES_BF16, 4 * n + groups, "bf16"},
+        {STATES_FP8, 2 * n + 2 * 4 * groups + groups, "fp8"}, {STATES_FP8_DRE, 2 * n + 2 * 12 * groups + groups, "fp8_dre"}};
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
+        check(optimizer_state_bytes(cases[i].states, n) == cases[i].bytes, "%s states of %zu elements: %zu bytes (got %zu)",
+              cases[i].name, n, cases[i].bytes, optimizer_state_bytes(cases[i].states, n));
+}
+
 // Input that is almost certainly a mistake, and the parser's limits at their bounds.
 static void test_suspicious_input(ConfigParser *p) {
     char error[CONFIG_ERROR_MAX];
@@ -121,6 +163,9 @@ static void test_suspicious_input(ConfigParser *p) {
     const char *glued = write_file("glued.conf", "out_dir = runs/a#2\n");
     check(load(p, glued, error) != 0 && strstr(error, "glued.conf:1: '#' inside a value"),
           "a '#' glued to a value is refused rather than cutting it (%s)", error);
+    const char *second = write_file("second.conf", "x#y = 1\n");
+    check(load(p, second, error) != 0 && strstr(error, "second.conf:1: '#' inside a value"),
+          "a '#' glued to the first character is refused too (%s)", error);
     const char *spaced = write_file("spaced.conf", "out_dir = runs/a #2\n#whole line\n");
     check(load(p, spaced, error) == 0 && strcmp(p->values.out_dir, "runs/a") == 0,
           "a comment after a blank and a comment line are comments (%s)", error);
@@ -284,6 +329,8 @@ int main(void) {
     test_params(parser);
     test_memory_plan(parser);
     test_suspicious_input(parser);
+    test_key_bounds();
+    test_state_bytes();
     test_schedule(parser);
     free(parser);
     char command[PATH_MAX + 16];

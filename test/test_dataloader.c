@@ -188,6 +188,36 @@ static void test_errors(void) {
     check_error("version of uint32 with the uint16 magic", shard_open(wrong_version, &shard, error, sizeof(error)),
                 error, wrong_version, "version 2 does not match magic 20240520");
 
+    // Every magic with every version: only 20240520 v1 (uint16) and 20240801 v2 (uint32) open.
+    const int32_t magics[2] = {SHARD_MAGIC_UINT16, SHARD_MAGIC_UINT32};
+    for (int m = 0; m < 2; m++)
+        for (int32_t version = 0; version <= 3; version++) {
+            const char *combo = temp_path("combo.bin");
+            memcpy(copy, bytes, size);
+            shard_store_int32_le(copy, (uint32_t)magics[m]);
+            shard_store_int32_le(copy + 4, (uint32_t)version);
+            size_t combo_size = size;
+            if (magics[m] == SHARD_MAGIC_UINT32) {  // the same 16 tokens as uint32
+                int32_t count = 16;
+                combo_size = SHARD_HEADER_BYTES + 4 * (size_t)count;
+                unsigned char *wide = (unsigned char *)calloc(combo_size, 1);
+                memcpy(wide, copy, SHARD_HEADER_BYTES);
+                for (int t = 0; t < count; t++)
+                    shard_store_int32_le(wide + SHARD_HEADER_BYTES + 4 * t, shard_load_token(bytes + SHARD_HEADER_BYTES + 2 * t, 2));
+                write_bytes(combo, wide, combo_size);
+                free(wide);
+            } else {
+                write_bytes(combo, copy, combo_size);
+            }
+            int valid = (m == 0 && version == SHARD_VERSION_UINT16) || (m == 1 && version == SHARD_VERSION_UINT32);
+            int status = shard_open(combo, &shard, error, sizeof(error));
+            if (status == 0) shard_close(&shard);
+            check(valid ? status == 0 : status != 0 && strstr(error, "does not match magic") != NULL,
+                  "magic %d with version %d: %s (%s)", magics[m], version, valid ? "opens" : "refused",
+                  status ? error : "opened");
+        }
+    remove(temp_path("combo.bin"));  // later tests glob the folder
+
     const char *cut = temp_path("cut.bin");
     write_bytes(cut, bytes, size - 2);
     check_error("one token missing", shard_open(cut, &shard, error, sizeof(error)), error, cut,
@@ -669,10 +699,13 @@ static void test_loader_errors(const char *pattern) {
         largest_id = (last << POSITION_BITS) + batches * loader.tokens_per_batch - 1;
         dataloader_close(&loader);
     }
-    config.vocab_size = 2 << POSITION_BITS;
+    config.vocab_size = largest_id;  // only the largest id, in the last batch of train_000003.bin, is past it
     if (dataloader_open(&loader, &config, error, sizeof(error)) == 0) {
-        check_error("a batch with an id at vocab_size", read_until_error(&loader, (int)loader.steps_per_epoch, error,
-                    sizeof(error)), error, temp_path("train_000002.bin"), ">= vocab_size 2097152 at position");
+        char expected[96];
+        snprintf(expected, sizeof(expected), "token id %lld >= vocab_size %lld at position", (long long)largest_id,
+                 (long long)largest_id);
+        check_error("a batch with an id equal to vocab_size", read_until_error(&loader, (int)loader.steps_per_epoch, error,
+                    sizeof(error)), error, temp_path("train_000003.bin"), expected);
         dataloader_close(&loader);
     }
     config.vocab_size = largest_id + 1;

@@ -157,6 +157,11 @@ run_shards "$tmp/out1" "${options[@]:0:5}" --shard-tokens 100000000 --overwrite 
 check "--overwrite replaces the shards, the earlier run's extra ones included" \
     "$([ "$(ls "$tmp/out1")" = "$(printf 'train_000000.bin\nval_000000.bin')" ] && [ ! -e "$tmp/out1.partial" ] &&
        [ ! -e "$tmp/out1.replaced" ]; echo $?)" "$(ls "$tmp/out1" | tr '\n' ' ')"
+mkdir -p "$tmp/one"; cp "$tmp/out1/val_000000.bin" "$tmp/one/"
+run_shards "$tmp/one" "$tmp/in"; rc=$?
+check "a folder holding a single shard is refused too" \
+    "$([ $rc -ne 0 ] && grep -q "the output directory is not empty (1 entries, e.g. val_000000.bin)" "$tmp/one.log"; echo $?)" \
+    "$(cat "$tmp/one.log")"
 mkdir -p "$tmp/mixed"; cp "$tmp/out1/train_000000.bin" "$tmp/mixed/"; echo notes > "$tmp/mixed/README"
 run_shards "$tmp/mixed" --overwrite "$tmp/in"; rc=$?
 check "--overwrite refuses a folder that holds more than shards" \
