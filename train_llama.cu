@@ -92,6 +92,13 @@ static void fail(const char *message) {
     exit(EXIT_FAILURE);
 }
 
+// An input file's error ("error: PATH: what") with the config key and line that named the file.
+static void fail_input(const ConfigParser *parser, const char *key, const char *error) {
+    fprintf(stderr, "%s%s (%s, set at %s)\n", strncmp(error, "error: ", 7) == 0 ? "" : "error: ", error, key,
+            config_source(parser, key));
+    exit(EXIT_FAILURE);
+}
+
 static void fail_config(const ConfigParser *parser, const char *key, const char *what) {
     fprintf(stderr, "error: %s: %s %s\n", config_source(parser, key), key, what);
     exit(EXIT_CONFIG_ERROR);
@@ -175,10 +182,12 @@ static size_t gpu_memory_budget(const TrainConfig *c) {
     return budget - budget / 50;
 }
 
-static void open_loader(Dataloader *loader, const char *pattern, const TrainConfig *c, int shuffle) {
+// Opens the shards that `key` (train_data or val_data) names; training order when shuffle.
+static void open_loader(Dataloader *loader, const ConfigParser *parser, const char *key, int shuffle) {
+    const TrainConfig *c = &parser->values;
     DataloaderConfig dc;
     char error[1024];
-    dc.pattern = pattern;
+    dc.pattern = strcmp(key, "train_data") == 0 ? c->train_data : c->val_data;
     dc.batch_size = c->micro_batch_size;
     dc.seq_len = c->seq_len;
     dc.rank = 0;
@@ -186,10 +195,7 @@ static void open_loader(Dataloader *loader, const char *pattern, const TrainConf
     dc.shuffle = shuffle;
     dc.seed = c->seed;
     dc.vocab_size = c->model.vocab_size;
-    if (dataloader_open(loader, &dc, error, sizeof(error)) != 0) {
-        fprintf(stderr, "%s\n", error);
-        exit(EXIT_FAILURE);
-    }
+    if (dataloader_open(loader, &dc, error, sizeof(error)) != 0) fail_input(parser, key, error);
 }
 
 // ---- inputs and the dry run ----------------------------------------------------------
@@ -209,6 +215,11 @@ static int start_checkpoint(const TrainConfig *c, char *path, size_t size, int *
     return 1;
 }
 
+// The config key that named the start checkpoint: init_from, or out_dir (its newest).
+static const char *start_checkpoint_key(const TrainConfig *c, const char *path) {
+    return c->init_from[0] && strcmp(path, c->init_from) == 0 ? "init_from" : "out_dir";
+}
+
 static void fail_no_checkpoint_to_generate(const TrainConfig *c) {
     fprintf(stderr, "error: %s: no checkpoint to generate from (set init_from)\n", c->out_dir);
     exit(EXIT_FAILURE);
@@ -219,7 +230,11 @@ static Tokenizer *load_tokenizer_or_exit(const ConfigParser *parser) {
     const TrainConfig *c = &parser->values;
     char error[1024];
     Tokenizer *tok = tokenizer_load(c->tokenizer, error, sizeof(error));
-    if (!tok) fail(error);
+    if (!tok) fail_input(parser, "tokenizer", error);
+    int first_missing, missing = tokenizer_missing_ids(tok, &first_missing);
+    if (missing > 0)
+        fprintf(stderr, "warning: %s: %d of the %d ids have no token (the first: %d): a gap in the vocabulary\n", c->tokenizer,
+                missing, tokenizer_vocab_size(tok), first_missing);
     if (tokenizer_vocab_size(tok) > c->model.vocab_size) {
         fprintf(stderr, "error: %s: %d tokens, more than vocab_size %d (%s)\n", c->tokenizer, tokenizer_vocab_size(tok),
                 c->model.vocab_size, config_source(parser, "vocab_size"));
@@ -229,10 +244,13 @@ static Tokenizer *load_tokenizer_or_exit(const ConfigParser *parser) {
 }
 
 // Opens a checkpoint whose model shape is the config's; positioned after the header.
-static FILE *open_checkpoint_or_exit(const TrainConfig *c, const char *path, CheckpointHeader *h, int resuming) {
+// `key` is the config key that led to the file: init_from, or out_dir for its newest checkpoint.
+static FILE *open_checkpoint_or_exit(const ConfigParser *parser, const char *key, const char *path, CheckpointHeader *h,
+                                     int resuming) {
+    const TrainConfig *c = &parser->values;
     char error[1024];
     FILE *f = checkpoint_open(path, h, error, sizeof(error));
-    if (!f) fail(error);
+    if (!f) fail_input(parser, key, error);
     const char *mismatch = checkpoint_shape_mismatch(&h->shape, &c->model);
     if (mismatch) {
         fprintf(stderr, "error: %s: %s differs between the checkpoint and the config\n", path, mismatch);
@@ -292,11 +310,10 @@ static void validate_inputs(const ConfigParser *parser) {
     Dataloader loaders[2];
     for (int i = 0; i < 2; i++) {
         if (patterns[i][0] == '\0') continue;
-        open_loader(&loaders[i], patterns[i], c, i == 0);
-        if (dataloader_validate_tokens(&loaders[i], c->model.vocab_size, error, sizeof(error)) != 0) {
-            fprintf(stderr, "%s\n", error);
-            exit(EXIT_FAILURE);
-        }
+        const char *key = i == 0 ? "train_data" : "val_data";
+        open_loader(&loaders[i], parser, key, i == 0);
+        if (dataloader_validate_tokens(&loaders[i], c->model.vocab_size, error, sizeof(error)) != 0)
+            fail_input(parser, key, error);
         printf("%s: %lld shard(s), %lld micro-batches per epoch, every token below vocab_size\n", patterns[i],
                (long long)loaders[i].shard_count, (long long)dataloader_steps_per_epoch(&loaders[i]));
     }
@@ -315,7 +332,7 @@ static void validate_inputs(const ConfigParser *parser) {
         return;
     }
     CheckpointHeader h;
-    fclose(open_checkpoint_or_exit(c, path, &h, resuming));
+    fclose(open_checkpoint_or_exit(parser, start_checkpoint_key(c, path), path, &h, resuming));
     printf("%s: checkpoint of step %lld\n", path, h.step);
 }
 
@@ -355,7 +372,7 @@ static int dry_run(const ConfigParser *parser, int ranks) {
 static void load_checkpoint(Trainer *t, const char *path, int resume) {
     CheckpointHeader h;
     char error[1024];
-    FILE *f = open_checkpoint_or_exit(t->c, path, &h, resume);
+    FILE *f = open_checkpoint_or_exit(t->parser, start_checkpoint_key(t->c, path), path, &h, resume);
     float *master = (float *)malloc(4 * h.total_padded);
     if (!master) fail("out of host memory reading the checkpoint");
     if (fread(master, 4, h.total_padded, f) != h.total_padded) {
@@ -409,7 +426,8 @@ static void save_checkpoint(Trainer *t) {
 static void load_batch(Trainer *t, Dataloader *loader) {
     char error[1024];
     size_t N = (size_t)t->model.B * t->model.T;
-    if (dataloader_next_batch(loader, t->host_inputs, t->host_targets, error, sizeof(error)) != 0) fail(error);
+    if (dataloader_next_batch(loader, t->host_inputs, t->host_targets, error, sizeof(error)) != 0)
+        fail_input(t->parser, loader == &t->train_loader ? "train_data" : "val_data", error);
     cudaCheck(cudaMemcpyAsync(t->model.tokens, t->host_inputs, N * sizeof(int), cudaMemcpyHostToDevice, t->gpu.stream));
     cudaCheck(cudaMemcpyAsync(t->model.targets, t->host_targets, N * sizeof(int), cudaMemcpyHostToDevice, t->gpu.stream));
 }
@@ -565,10 +583,10 @@ static void trainer_create(Trainer *t, ConfigParser *parser, int ranks) {
     ac.weight_decay_all = c->weight_decay_all;
     adamw_create(&t->opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &t->model.layout, 0,
                  t->model.layout.total_padded, t->gpu.stream);
-    if (!c->generate) open_loader(&t->train_loader, c->train_data, c, 1);
+    if (!c->generate) open_loader(&t->train_loader, parser, "train_data", 1);
     t->have_val = c->val_data[0] != '\0' && !c->generate;
     if (t->have_val) {
-        open_loader(&t->val_loader, c->val_data, c, 0);
+        open_loader(&t->val_loader, parser, "val_data", 0);
         t->val_batches = validation_batches(parser, &t->train_loader, &t->val_loader);
     }
     if (c->tokenizer[0]) t->tokenizer = load_tokenizer_or_exit(parser);

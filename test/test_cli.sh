@@ -110,7 +110,17 @@ expect_stderr "a checkpoint with another parameter count" "$tmp/count.bin: 128 p
 make_checkpoint "$tmp/huge.bin" padded=$((1 << 41))
 err=$(./train_llama configs/models/tiny.conf --dry_run=1 --init_from="$tmp/huge.bin" 2>&1 > /dev/null); rc=$?
 check "a header announcing 2^41 parameters is refused as corrupt, not wrapped" \
-    "$([ $rc -ne 0 ] && [ "$err" = "error: $tmp/huge.bin: corrupt header (sizes past 2^40 parameters or 2^50 bytes)" ]; echo $?)" "$err"
+    "$([ $rc -ne 0 ] && [ "$err" = "error: $tmp/huge.bin: corrupt header (sizes past 2^40 parameters or 2^50 bytes) (init_from, set at command line)" ]; echo $?)" "$err"
+
+# A data, tokenizer or checkpoint error names the config line that named the file.
+printf 'include = %s/configs/models/tiny.conf\ntrain_data = %s/nothing_*.bin\n' "$PWD" "$tmp" > "$tmp/data_line.conf"
+err=$(./train_llama "$tmp/data_line.conf" --dry_run=1 2>&1 >/dev/null); rc=$?
+check "a shard error names the config line that set train_data" \
+    "$([ $rc -ne 0 ] && printf '%s' "$err" | grep -q "no file matches.*(train_data, set at $tmp/data_line.conf:2)"; echo $?)" "$err"
+printf 'include = %s/configs/models/tiny.conf\ntokenizer = %s/none.json\n' "$PWD" "$tmp" > "$tmp/tokenizer_line.conf"
+err=$(./train_llama "$tmp/tokenizer_line.conf" --dry_run=1 2>&1 >/dev/null); rc=$?
+check "a tokenizer error names the config line that set tokenizer" \
+    "$([ $rc -ne 0 ] && [ "$err" = "error: $tmp/none.json: cannot open: No such file or directory (tokenizer, set at $tmp/tokenizer_line.conf:2)" ]; echo $?)" "$err"
 
 # The trainer's start-up refusals, made by dry_run too (one function, the same messages).
 expect_error "samples without a tokenizer" "command line: tokenizer is empty: sampling needs the tokenizer" \

@@ -125,6 +125,10 @@ check "uint16 shards decode to BOS + document + EOS in input order (files sorted
 
 ./tokenize shards -t "$tmp/tokenizer_large.json" -o "$tmp/large" "${options[@]}" "$tmp/in" > "$tmp/large.log" 2>&1
 check "a vocabulary of 70001 ids exits 0" $? "$(cat "$tmp/large.log")"
+check "a vocabulary with a gap (ids 258 to 69999) is warned about" \
+    "$(grep -q "warning: $tmp/tokenizer_large.json: 69742 of the 70001 ids have no token (the first: 258)" "$tmp/large.log"; echo $?)" \
+    "$(head -3 "$tmp/large.log")"
+check "a vocabulary without gaps is not" "$(! grep -q 'have no token' "$tmp/out1.log"; echo $?)" "$(head -3 "$tmp/out1.log")"
 detail=$(verify "$tmp/large" 20240801 400000); rc=$?
 check "vocabulary over 65536 ids gives uint32 shards (magic 20240801, version 2)" $rc "$detail"
 

@@ -368,6 +368,19 @@ static void test_bad_files(const char *llama2_path) {
         unlink(path);
         free(real.data);
     }
+    snprintf(json, sizeof(json), "{%s, \"model\": {\"type\": \"BPE\", \"unk_token\": \"a\", \"vocab\": {\"a\": 0, \"b\": 3}, \"merges\": []}}",
+             decoder);
+    char gap_path[] = "/tmp/test_tokenizer_gap_XXXXXX";
+    int gap_fd = mkstemp(gap_path);
+    if (gap_fd >= 0 && write(gap_fd, json, strlen(json)) == (ssize_t)strlen(json)) {
+        close(gap_fd);
+        Tokenizer *gap = tokenizer_load(gap_path, error, sizeof(error));
+        int first = 0, missing = gap ? tokenizer_missing_ids(gap, &first) : -1;
+        check(missing == 2 && first == 1, "ids 1 and 2 without a token are counted as a gap (%d missing, first %d; %s)", missing,
+              first, gap ? "loaded" : error);
+        tokenizer_free(gap);
+    }
+    unlink(gap_path);
     tok = tokenizer_load("/dev/zero", error, sizeof(error));
     check(!tok && strstr(error, "/dev/zero: not a regular file"), "/dev/zero as a tokenizer is refused at once: \"%s\"", error);
     tok = tokenizer_load("test", error, sizeof(error));
@@ -394,6 +407,9 @@ int main(void) {
     check(tokenizer_vocab_size(llama2) == 32000 && tokenizer_bos_id(llama2) == 1 && tokenizer_eos_id(llama2) == 2,
           "llama2: vocab 32000, BOS 1, EOS 2 (got %d, %d, %d)", tokenizer_vocab_size(llama2), tokenizer_bos_id(llama2),
           tokenizer_eos_id(llama2));
+    int first3, first2, missing3 = tokenizer_missing_ids(llama3, &first3), missing2 = tokenizer_missing_ids(llama2, &first2);
+    check(missing3 == 0 && missing2 == 0 && first3 == -1 && first2 == -1,
+          "llama3 and llama2 have a token for every id (missing %d and %d)", missing3, missing2);
 
     static char texts[MAX_TEXTS][128];
     int text_count = list_texts(texts);

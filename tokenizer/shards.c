@@ -958,6 +958,10 @@ static int run_shards(const ShardsOptions *options, char *error) {
     if (run.bos_id < 0)
         fprintf(stderr, "warning: %s: the tokenizer has no BOS token: documents start without one\n",
                 options->tokenizer_path);
+    int first_missing, missing = tokenizer_missing_ids(tokenizer, &first_missing);
+    if (missing > 0)
+        fprintf(stderr, "warning: %s: %d of the %d ids have no token (the first: %d): a gap in the vocabulary\n",
+                options->tokenizer_path, missing, tokenizer_vocab_size(tokenizer), first_missing);
     if (options->append_eos && run.eos_id < 0)
         status = fail(error, "error: %s: --eos given but the tokenizer has no EOS token", options->tokenizer_path);
     int token_bytes = shard_token_bytes_for_vocab(tokenizer_vocab_size(tokenizer));

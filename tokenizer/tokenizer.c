@@ -705,6 +705,14 @@ void tokenizer_free(Tokenizer *tok) {
 }
 
 int tokenizer_vocab_size(const Tokenizer *tok) { return (int)tok->vocab_size; }
+
+int tokenizer_missing_ids(const Tokenizer *tok, int *first_missing) {
+    int missing = 0;
+    *first_missing = -1;
+    for (uint32_t id = 0; id < tok->vocab_size; id++)
+        if (!tok->id_present[id] && missing++ == 0) *first_missing = (int)id;
+    return missing;
+}
 int tokenizer_bos_id(const Tokenizer *tok) { return tok->bos_id; }
 int tokenizer_eos_id(const Tokenizer *tok) { return tok->eos_id; }
 

@@ -44,6 +44,8 @@ void tokenizer_free(Tokenizer *tok);
 
 // Number of ids, including added/special tokens (largest id + 1).
 int tokenizer_vocab_size(const Tokenizer *tok);
+// Ids below tokenizer_vocab_size that no token has (a gap in the vocabulary), and the first.
+int tokenizer_missing_ids(const Tokenizer *tok, int *first_missing);
 // Ids of the beginning/end-of-text special tokens ("<|begin_of_text|>"/"<|end_of_text|>" or
 // "<s>"/"</s>"), or -1 when the tokenizer has none.
 int tokenizer_bos_id(const Tokenizer *tok);
