@@ -198,6 +198,15 @@ check "--val-docs taking every document is refused" \
 run_shards "$tmp/val_most" --blank-lines --val-docs 2 "$tmp/blank.txt"
 check "--val-docs one below the document count leaves one for training" $? "$(cat "$tmp/val_most.log")"
 
+# One document past 16 MB is warned about (its encoding needs about 40 bytes per byte); smaller
+# ones are not.
+python3 -c "import sys; open(sys.argv[1], 'w').write('word ' * (17 << 18))" "$tmp/big.txt"  # 22 MB
+run_shards "$tmp/big_out" --threads 1 "$tmp/big.txt"
+check "a document of 22 MB is warned about, with the memory it takes" \
+    "$(grep -q "warning: $tmp/big.txt: a document of 22 MB; encoding one takes about 0.9 GB of memory per thread" "$tmp/big_out.log"; echo $?)" \
+    "$(head -2 "$tmp/big_out.log")"
+check "documents below 16 MB are not" "$(! grep -q 'a document of' "$tmp/out1.log"; echo $?)"
+
 # ./tokenize decode: ids up to the last one of the vocabulary; past it, however many digits, the
 # message says so rather than "not a token id".
 out=$(printf '72 105 257' | ./tokenize decode -t "$tmp/tokenizer.json" 2>&1); rc=$?

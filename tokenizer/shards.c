@@ -31,6 +31,7 @@ enum {
     CHUNK_TEXT_BYTES = 1 << 20,  // documents per tokenizing task: large enough to amortise locking
     READ_BLOCK_BYTES = 1 << 20,
     SHARDS_ERROR_SIZE = 2048,
+    LARGE_DOCUMENT_BYTES = 16 << 20,  // a document past it is warned about: its encoding takes ~40x its size
 };
 static const int64_t default_shard_tokens = 100000000;
 
@@ -750,6 +751,7 @@ typedef struct {
     int worker_count;
     ShardSeries train, val;
     int64_t documents, val_documents, total_documents;
+    int large_document_warned;
     uint64_t input_bytes_total, input_bytes_done;
     double start_seconds, last_progress_seconds;
     int show_progress, progress_shown;
@@ -876,6 +878,13 @@ static int produce_chunks(ShardsRun *run, const FileList *files, char *error) {
             if (got < 0) {
                 status = -1;
                 break;
+            }
+            if (length > LARGE_DOCUMENT_BYTES && !run->large_document_warned) {
+                // One document is encoded by one thread at once: about 40 bytes of memory per byte.
+                fprintf(stderr, "warning: %s: a document of %.0f MB; encoding one takes about %.1f GB of memory per thread "
+                                "(split such files with --separator or --blank-lines, or use fewer --threads)\n",
+                        files->paths[f], length / 1e6, 40.0 * length / 1e9);
+                run->large_document_warned = 1;
             }
             int is_val = is_validation_document(run, run->documents);
             run->documents++;
