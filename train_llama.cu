@@ -674,9 +674,24 @@ static void log_validation(Trainer *t) {
     run_log_val(&t->log, t->state.step, val);
 }
 
+// Launched as one of several processes (mpirun, srun, torchrun-style variables): this trainer
+// runs one process, so N copies would train N independent models into the same out_dir.
+static void refuse_multi_process_launch(void) {
+    const char *variables[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS", "WORLD_SIZE"};
+    for (size_t i = 0; i < sizeof(variables) / sizeof(variables[0]); i++) {
+        const char *value = getenv(variables[i]);
+        if (value != NULL && atoi(value) > 1) {
+            fprintf(stderr, "error: launched as one of %d processes (%s=%s), but this build trains in one process: "
+                            "multi-GPU training is not built yet; start one process\n", atoi(value), variables[i], value);
+            exit(EXIT_FAILURE);
+        }
+    }
+}
+
 static int train(ConfigParser *parser, int ranks) {
     const TrainConfig *c = &parser->values;
     char error[1024];
+    refuse_multi_process_launch();
     if (!c->generate && c->train_data[0] == '\0') fail_config(parser, "train_data", "is empty: name the training shards");
     check_run_config(parser);
     if (shard_make_directories(c->out_dir, error, sizeof(error)) != 0) {

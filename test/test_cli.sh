@@ -122,6 +122,22 @@ err=$(./train_llama "$tmp/tokenizer_line.conf" --dry_run=1 2>&1 >/dev/null); rc=
 check "a tokenizer error names the config line that set tokenizer" \
     "$([ $rc -ne 0 ] && [ "$err" = "error: $tmp/none.json: cannot open: No such file or directory (tokenizer, set at $tmp/tokenizer_line.conf:2)" ]; echo $?)" "$err"
 
+# Launched as several processes (mpirun, srun), a one-process build refuses instead of training
+# N independent copies into one out_dir; one process is fine.
+for variable in OMPI_COMM_WORLD_SIZE SLURM_NTASKS WORLD_SIZE; do
+    err=$(env "$variable=2" ./train_llama "${data[@]}" --dry_run=0 2>&1 >/dev/null); rc=$?
+    check "$variable=2: refused as a multi-process launch" \
+        "$([ $rc -ne 0 ] && printf '%s' "$err" | grep -q "launched as one of 2 processes ($variable=2)"; echo $?)" "$err"
+done
+if command -v mpirun > /dev/null; then
+    out=$(timeout 60 mpirun --allow-run-as-root --oversubscribe -np 2 ./train_llama "${data[@]}" --dry_run=0 2>&1)
+    check "mpirun -np 2: both processes refuse" \
+        "$([ "$(printf '%s\n' "$out" | grep -c 'launched as one of 2 processes (OMPI_COMM_WORLD_SIZE=2)')" = 2 ]; echo $?)" \
+        "$(printf '%s\n' "$out" | head -3)"
+fi
+err=$(OMPI_COMM_WORLD_SIZE=1 ./train_llama "${data[@]}" --dry_run=0 2>&1 >/dev/null)
+check "OMPI_COMM_WORLD_SIZE=1 is one process" "$(! printf '%s' "$err" | grep -q 'launched as one of'; echo $?)" "$err"
+
 # The trainer's start-up refusals, made by dry_run too (one function, the same messages).
 expect_error "samples without a tokenizer" "command line: tokenizer is empty: sampling needs the tokenizer" \
     "${data[@]}" --sample_every=10 --tokenizer=
