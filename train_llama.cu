@@ -115,7 +115,8 @@ static void check_precision(const ConfigParser *parser) {
 
 // A fresh run (resume = 0) into an out_dir that holds an earlier run would prune its own first
 // checkpoint in favour of the older ones, truncate their log, and a later resume would continue
-// the old run: refused unless overwrite = 1, which removes them (at the start of training).
+// the old run: refused unless overwrite = 1, which removes them once training has checked every
+// input and read its start checkpoint.
 static void check_out_dir(const ConfigParser *parser) {
     const TrainConfig *c = &parser->values;
     char what[256];
