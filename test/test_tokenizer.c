@@ -294,6 +294,18 @@ static void test_json(void) {
               b->items[5].type == JSON_OBJECT && b->items[6].type == JSON_ARRAY,
           "json: array of numbers, literals, empty object and array");
     json_free(doc);
+    // Every escape JSON has, each to its one byte; a lone surrogate becomes U+FFFD.
+    const char *escapes = "[\"\\\" \\\\ \\/ \\b \\f \\n \\r \\t \\u0041 \\ud800!\"]";
+    doc = json_parse(escapes, strlen(escapes), error, sizeof(error));
+    const JsonValue *e = doc ? &json_root(doc)->items[0] : NULL;
+    const char expected[] = "\" \\ / \b \f \n \r \t A \xEF\xBF\xBD!";
+    check(e && e->type == JSON_STRING && e->count == sizeof(expected) - 1 && memcmp(e->string, expected, e->count) == 0,
+          "json: \\\" \\\\ \\/ \\b \\f \\n \\r \\t \\u0041 and a lone surrogate decode exactly (%s)",
+          doc ? "parsed" : error);
+    json_free(doc);
+    doc = json_parse("\"\\u12\"", 6, error, sizeof(error));
+    check(!doc && strstr(error, "truncated \\u escape"), "json: a \\u escape cut to 3 characters is truncated (%s)", error);
+    json_free(doc);
     static const char *const bad[] = {"{\"a\": }", "[1, 2", "{\"a\" 1}", "\"abc", "[01]", "{} x", "[\"\\q\"]", ""};
     int rejected = 0;
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
