@@ -155,6 +155,7 @@ static void test_errors(void) {
     size_t size;
     unsigned char *bytes = read_bytes(good, &size);
 
+    unsigned char header_only_bytes[SHARD_HEADER_BYTES];
     const char *missing = temp_path("missing.bin");
     check_error("missing file", shard_open(missing, &shard, error, sizeof(error)), error, missing, "cannot open");
     check_error("a directory as a shard", shard_open(temp_dir, &shard, error, sizeof(error)), error, temp_dir,
@@ -167,6 +168,21 @@ static void test_errors(void) {
                     fifo, "not a regular file (a FIFO)");
         remove(fifo);
     }
+
+    const char *empty_file = temp_path("empty_file.bin");
+    write_bytes(empty_file, bytes, 0);
+    check_error("an empty file", shard_open(empty_file, &shard, error, sizeof(error)), error, empty_file,
+                "truncated: 0 bytes, shorter than the 1024-byte header");
+    const char *header_only = temp_path("header_only.bin");  // a valid shard of no tokens
+    memcpy(header_only_bytes, bytes, SHARD_HEADER_BYTES);
+    shard_store_int32_le(header_only_bytes + 8, 0);
+    write_bytes(header_only, header_only_bytes, SHARD_HEADER_BYTES);
+    int empty_status = shard_open(header_only, &shard, error, sizeof(error));
+    check(empty_status == 0 && shard.token_count == 0, "a shard of 0 tokens (header only) opens: %s",
+          empty_status ? error : "ok");
+    if (empty_status == 0) shard_close(&shard);
+    remove(empty_file);
+    remove(header_only);
 
     const char *truncated = temp_path("truncated.bin");
     write_bytes(truncated, bytes, 100);
@@ -663,7 +679,30 @@ static void test_loader_errors(const char *pattern) {
     config.rank = WORLD;
     check_error("rank outside the world", dataloader_open(&loader, &config, error, sizeof(error)), error, pattern,
                 "invalid loader settings");
+    config.rank = -1;
+    check_error("a negative rank", dataloader_open(&loader, &config, error, sizeof(error)), error, pattern,
+                "invalid loader settings");
     config.rank = 0;
+    const char *zero_names[3] = {"batch_size 0", "seq_len 0", "world_size 0"};
+    for (int z = 0; z < 3; z++) {
+        DataloaderConfig bad = config;
+        if (z == 0) bad.batch_size = 0;
+        if (z == 1) bad.seq_len = 0;
+        if (z == 2) bad.world_size = 0;
+        check_error(zero_names[z], dataloader_open(&loader, &bad, error, sizeof(error)), error, pattern,
+                    "invalid loader settings");
+    }
+    // As many batches as ranks: every rank reads one per epoch.
+    const char *exact = temp_path("exact_000000.bin");
+    write_position_shard(exact, 0, 3 * BATCH_TOKENS);
+    DataloaderConfig three = config;
+    three.pattern = exact;
+    three.world_size = 3;
+    int exact_status = dataloader_open(&loader, &three, error, sizeof(error));
+    check(exact_status == 0 && dataloader_steps_per_epoch(&loader) == 1, "3 batches for 3 ranks: one step per epoch (%s)",
+          exact_status ? error : "ok");
+    if (exact_status == 0) dataloader_close(&loader);
+    remove(exact);
     const char *small = temp_path("train_000003.bin");
     config.pattern = small;
     check_error("fewer batches than ranks", dataloader_open(&loader, &config, error, sizeof(error)), error, small,
