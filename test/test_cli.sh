@@ -12,6 +12,8 @@ for key in $(sed -n 's/^    {"\([a-z0-9_]*\)", KEY_.*/\1/p' coat/config.h); do
     printf '%s\n' "$help" | grep -q "^  $key " || missing_keys="$missing_keys $key"
 done
 check "--help lists every key with its default" "$([ -z "$missing_keys" ]; echo $?)" "missing:$missing_keys"
+check "--help lists a choice key's choices" "$(printf '%s\n' "$help" | grep -q '^  precision .*\[bf16|fp8|coat\]'; echo $?)" \
+    "$(printf '%s\n' "$help" | grep '^  precision')"
 
 expect_error() {  # expect_error NAME EXPECTED-TEXT ARGS...
     local name=$1 text=$2; shift 2

@@ -131,6 +131,40 @@ static void test_key_bounds(void) {
     check(past_refused, "every numeric key refuses the value just past its range %s", first_failure);
 }
 
+// Edges of the parser that a flipped comparison would break: values that are empty, as long as a
+// string may be, 64-bit, on the last line without a newline; choices by index; ranges whose ends
+// meet (warmup = max_steps, RoPE high = low frequency factor).
+static void test_parser_edges(ConfigParser *p) {
+    char error[CONFIG_ERROR_MAX];
+    check(load(p, write_file("empty_value.conf", "n_layers =\n"), error) != 0 && strstr(error, "'' is not an integer"),
+          "an empty integer value is refused (%s)", error);
+    check(load(p, write_file("last_line.conf", "learning_rate = 2e-3"), error) == 0 && fabsf(p->values.learning_rate - 2e-3f) < 1e-9f,
+          "the last line is read without a newline after it (%s)", error);
+    check(load(p, write_file("big_seed.conf", "seed = 4611686018427387905\n"), error) == 0 &&
+              p->values.seed == 4611686018427387905ll,
+          "a 64-bit key keeps all 64 bits (%lld)", (long long)p->values.seed);
+    char longest[CONFIG_STRING_MAX + 64];
+    config_defaults(p);
+    snprintf(longest, sizeof(longest), "--out_dir=%0*d", CONFIG_STRING_MAX - 1, 0);
+    check(config_parse_argument(p, longest, error, sizeof(error)) == 0 && strlen(p->values.out_dir) == CONFIG_STRING_MAX - 1,
+          "a string of %d characters is taken", CONFIG_STRING_MAX - 1);
+    snprintf(longest, sizeof(longest), "--out_dir=%0*d", CONFIG_STRING_MAX, 0);
+    check(config_parse_argument(p, longest, error, sizeof(error)) != 0 && strstr(error, "value longer than"),
+          "a string of %d characters is refused (%s)", CONFIG_STRING_MAX, error);
+    char name[32];
+    check(strcmp(config_choice_name("bf16|fp8|coat", 0, name, sizeof(name)), "bf16") == 0 &&
+              strcmp(config_choice_name("bf16|fp8|coat", 2, name, sizeof(name)), "coat") == 0,
+          "choices are named by index (2: %s)", config_choice_name("bf16|fp8|coat", 2, name, sizeof(name)));
+    check(load(p, write_file("warmup.conf", "max_steps = 50\nwarmup_steps = 50\n"), error) == 0,
+          "warmup_steps equal to max_steps is taken (%s)", error);
+    check(load(p, write_file("warmup_past.conf", "max_steps = 50\nwarmup_steps = 51\n"), error) != 0,
+          "warmup_steps past max_steps is refused");
+    check(load(p, write_file("rope_equal.conf", "rope_scaling_factor = 8\nrope_low_freq_factor = 2\nrope_high_freq_factor = 2\n"), error) != 0,
+          "RoPE scaling with high = low frequency factor is refused");
+    check(load(p, write_file("rope_off.conf", "rope_scaling_factor = 0\nrope_low_freq_factor = 2\nrope_high_freq_factor = 2\n"), error) == 0,
+          "without RoPE scaling the frequency factors are not checked (%s)", error);
+}
+
 // Optimizer states per setting, exactly: m and v, their scalars per 128-group, the decay table.
 static void test_state_bytes(void) {
     size_t n = 128 * 1000, groups = n / 128;
@@ -330,6 +364,7 @@ int main(void) {
     test_memory_plan(parser);
     test_suspicious_input(parser);
     test_key_bounds();
+    test_parser_edges(parser);
     test_state_bytes();
     test_schedule(parser);
     free(parser);
