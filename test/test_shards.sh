@@ -190,6 +190,21 @@ check "a failed run leaves no temporary shard" "$([ -z "$(ls "$tmp/bad" 2>/dev/n
 out=$(./tokenize shards -t "$tmp/tokenizer.json" "$tmp/in" 2>&1); rc=$?
 check "missing -o is an error" "$([ $rc -ne 0 ] && printf '%s' "$out" | grep -q 'give -o DIR'; echo $?)" "got: $out"
 
+# JSONL "text" escapes at their edges: hex digits a-f and A-F, UTF-8 lengths at 0x7f/0x80,
+# 0x7ff/0x800, 0xffff/0x10000 (a surrogate pair, first and last), an escaped quote and backslash.
+printf '%s\n' '{"text": "\u007f\u0080\u07ff\u0800\uffff\ud800\udc00\udbff\udfff \u00aF\u00Fa\u00e9 q\"b\\s\/e\nf\tt"}' > "$tmp/escapes.jsonl"
+run_shards "$tmp/escapes" "$tmp/escapes.jsonl"
+got=$(python3 - "$tmp/escapes/train_000000.bin" "$tmp/escapes.jsonl" <<'PYTHON'
+import json, struct, sys
+data = open(sys.argv[1], "rb").read()
+ids = list(struct.unpack("<%dH" % ((len(data) - 1024) // 2), data[1024:]))
+expected = [256] + list(json.loads(open(sys.argv[2]).read())["text"].encode("utf-8"))
+print("ok" if ids == expected else "got %s, expected %s" % (ids, expected))
+PYTHON
+)
+check "JSONL escapes decode to the UTF-8 bytes of the text (hex case, UTF-8 length edges, surrogate pairs)" \
+    "$([ "$got" = ok ]; echo $?)" "$got $(cat "$tmp/escapes.log")"
+
 # --val-docs: one document fewer than the inputs hold leaves one for training; all of them none.
 run_shards "$tmp/val_all" --blank-lines --val-docs 3 "$tmp/blank.txt"; rc=$?
 check "--val-docs taking every document is refused" \
