@@ -192,7 +192,7 @@ check "missing -o is an error" "$([ $rc -ne 0 ] && printf '%s' "$out" | grep -q 
 
 # JSONL "text" escapes at their edges: hex digits a-f and A-F, UTF-8 lengths at 0x7f/0x80,
 # 0x7ff/0x800, 0xffff/0x10000 (a surrogate pair, first and last), an escaped quote and backslash.
-printf '%s\n' '{"text": "\u007f\u0080\u07ff\u0800\uffff\ud800\udc00\udbff\udfff \u00aF\u00Fa\u00e9 q\"b\\s\/e\nf\tt"}' > "$tmp/escapes.jsonl"
+printf '%s\n' '{"text": "\u007f\u0080\u07ff\u0800\uffff\ud800\udc00\udbff\udfff \u00aF\u00Fa\u00A9\u00e9 q\"b\\s\/e\nf\tt"}' > "$tmp/escapes.jsonl"
 run_shards "$tmp/escapes" "$tmp/escapes.jsonl"
 got=$(python3 - "$tmp/escapes/train_000000.bin" "$tmp/escapes.jsonl" <<'PYTHON'
 import json, struct, sys
