@@ -412,11 +412,30 @@ static inline void adamw_check_aligned(const void *pointer, const char *what) {
     if ((uintptr_t)pointer % 16 != 0) adamw_die(what, "pointer is not 16-byte aligned");
 }
 
-static inline void adamw_mark_decay(unsigned char *table, size_t shard_begin, size_t shard_end, size_t offset,
-                                    size_t padded, int decay) {
-    size_t begin = offset > shard_begin ? offset : shard_begin;
-    size_t end = offset + padded < shard_end ? offset + padded : shard_end;
-    for (size_t e = begin; e < end; e += ADAMW_GROUP) table[(e - shard_begin) / ADAMW_GROUP] = (unsigned char)decay;
+// The part [*begin, *end) of the elements [offset, offset + count) in the shard [shard_begin,
+// shard_end); 0 when they do not meet.
+static inline int adamw_shard_part(size_t shard_begin, size_t shard_end, size_t offset, size_t count, size_t *begin,
+                                   size_t *end) {
+    *begin = offset > shard_begin ? offset : shard_begin;
+    *end = offset + count < shard_end ? offset + count : shard_end;
+    return *begin < *end;
+}
+
+typedef struct {
+    unsigned char *table;
+    const ParamLayout *layout;
+    size_t shard_begin, shard_end;
+    int decay_all;
+} AdamWDecayTable;
+
+static inline void adamw_decay_visit(void *context, ParamKind kind, int layer) {
+    const AdamWDecayTable *t = (const AdamWDecayTable *)context;
+    size_t begin, end;
+    if (!adamw_shard_part(t->shard_begin, t->shard_end, param_offset(t->layout, kind, layer), t->layout->padded[kind],
+                          &begin, &end))
+        return;
+    int decay = t->decay_all || param_kind_is_matrix(kind);
+    for (size_t e = begin; e < end; e += ADAMW_GROUP) t->table[(e - t->shard_begin) / ADAMW_GROUP] = (unsigned char)decay;
 }
 
 // One byte per group of the shard: 1 where the tensor is decayed. Groups past the model (the
@@ -424,13 +443,8 @@ static inline void adamw_mark_decay(unsigned char *table, size_t shard_begin, si
 static inline void adamw_build_decay_table(unsigned char *table, const ParamLayout *layout, size_t shard_begin,
                                            size_t shard_end, int decay_all) {
     memset(table, 0, (shard_end - shard_begin) / ADAMW_GROUP);
-    for (int kind = 0; kind < PARAM_KINDS; kind++) {
-        int decay = decay_all || param_kind_is_matrix((ParamKind)kind);
-        int copies = param_kind_is_per_layer((ParamKind)kind) ? layout->shape.n_layers : 1;
-        for (int layer = 0; layer < copies; layer++)
-            adamw_mark_decay(table, shard_begin, shard_end, param_offset(layout, (ParamKind)kind, layer),
-                             layout->padded[kind], decay);
-    }
+    AdamWDecayTable context = {table, layout, shard_begin, shard_end, decay_all};
+    param_for_each_tensor(layout, adamw_decay_visit, &context);
 }
 
 // Allocates the state of the shard [shard_begin, shard_end): moments zero (FP8 groups as an
@@ -506,10 +520,10 @@ typedef struct {
 static inline void adamw_init_visit(void *context, ParamKind kind, int layer) {
     const AdamWInit *init = (const AdamWInit *)context;
     const AdamW *opt = init->opt;
-    size_t offset = param_offset(init->layout, kind, layer), n = param_numel(init->layout, kind);
-    size_t begin = offset > opt->shard_begin ? offset : opt->shard_begin;
-    size_t end = offset + n < opt->shard_end ? offset + n : opt->shard_end;
-    if (begin >= end) return;
+    size_t begin, end;
+    if (!adamw_shard_part(opt->shard_begin, opt->shard_end, param_offset(init->layout, kind, layer),
+                          param_numel(init->layout, kind), &begin, &end))
+        return;
     int normal = param_kind_is_matrix(kind);
     float value = normal ? param_init_std(init->layout, kind) : 1.0f;
     adamw_init_kernel<<<(unsigned)ceil_div_size(end - begin, 256), 256, 0, init->stream>>>(
