@@ -20,40 +20,6 @@
 #define RMSNORM_DWEIGHT_COLUMNS 32             // dw reduction block: 32 columns x 16 slices
 #define RMSNORM_DWEIGHT_SLICES 16
 
-// One warp per row; the first pass sums squares, the second re-reads the row (now in L1)
-// and writes it normalized, so nothing of the row has to stay in registers.
-__global__ void __launch_bounds__(RMSNORM_FORWARD_THREADS)
-    rmsnorm_forward_kernel(bf16 *out, float *rstd, const bf16 *in, const bf16 *weight, int N, int C, float eps) {
-    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    int lane = threadIdx.x % 32;
-    if (row >= N) return;  // the whole warp leaves together
-    const bf16 *x = in + (size_t)row * C;
-    bf16 *y = out + (size_t)row * C;
-
-    float sum_squares = 0.0f;
-#pragma unroll 4
-    for (int c = lane * 8; c < C; c += 32 * 8) {
-        Vec16<bf16> v = load16(x + c);
-        for (int k = 0; k < 8; k++) {
-            float f = __bfloat162float(v[k]);
-            sum_squares += f * f;
-        }
-    }
-    sum_squares = warp_sum(sum_squares);
-    float row_rstd = 1.0f / sqrtf(sum_squares / (float)C + eps);
-    if (lane == 0) rstd[row] = row_rstd;
-
-#pragma unroll 4
-    for (int c = lane * 8; c < C; c += 32 * 8) {
-        Vec16<bf16> v = load16(x + c);
-        Vec16<bf16> w = load16(weight + c);
-        Vec16<bf16> o;
-        for (int k = 0; k < 8; k++)
-            o[k] = __float2bfloat16(__bfloat162float(v[k]) * row_rstd * __bfloat162float(w[k]));
-        store16(y + c, o);
-    }
-}
-
 // residual_out = bf16(residual_in + branch), then RMSNorm of the ROUNDED sum: the backward
 // pass only sees the stored residual, so the forward must normalize exactly that. With GROUP16
 // the stored residual is its 1x16 E4M3 copy (residual_copy), and the norm reads the copy back.
@@ -242,16 +208,6 @@ __global__ void __launch_bounds__(RMSNORM_DWEIGHT_COLUMNS * RMSNORM_DWEIGHT_SLIC
     dweight[column] = __float2bfloat16(__bfloat162float(dweight[column]) + total);
 }
 
-// out[N, C] = rmsnorm(in) * weight; rstd[N] is kept for the backward pass.
-static inline void rmsnorm_forward(bf16 *out, float *rstd, const bf16 *in, const bf16 *weight, int N, int C,
-                                   float eps, cudaStream_t stream) {
-    require_vector_rows("rmsnorm_forward", "C", C);
-    int rows_per_block = RMSNORM_FORWARD_THREADS / 32;
-    rmsnorm_forward_kernel<<<ceil_div(N, rows_per_block), RMSNORM_FORWARD_THREADS, 0, stream>>>(out, rstd, in, weight,
-                                                                                              N, C, eps);
-    cudaCheckLaunch();
-}
-
 // residual_out = residual_in + branch (rounded to BF16; branch NULL: no add, residual_out
 // unused); norm_out = rmsnorm(residual) * weight. Optional: residual_copy.codes, the residual's
 // 1x16 E4M3 copy (C a multiple of 16), which the norm then reads; norm_amax, max |norm_out|.
@@ -277,6 +233,12 @@ static inline void residual_rmsnorm_forward(bf16 *residual_out, bf16 *norm_out, 
         residual_rmsnorm_forward_kernel<false, false><<<grid, RMSNORM_FORWARD_THREADS, 0, stream>>>(
             residual_out, residual_copy, norm_out, rstd, norm_amax, residual_in, branch, weight, N, C, eps);
     cudaCheckLaunch();
+}
+
+// out[N, C] = rmsnorm(in) * weight; rstd[N] is kept for the backward pass (the fused kernel, no add).
+static inline void rmsnorm_forward(bf16 *out, float *rstd, const bf16 *in, const bf16 *weight, int N, int C,
+                                   float eps, cudaStream_t stream) {
+    residual_rmsnorm_forward(NULL, out, rstd, in, NULL, weight, N, C, eps, stream);
 }
 
 // FP32 dw partials, one row of C per block of RMSNORM_BACKWARD_ROWS_PER_BLOCK rows.
