@@ -202,9 +202,10 @@ static inline void fp8_check(const char *launcher, bool ok, const char *what) {
 // whose producer does not gather it (attention's output, RoPE's backward, weights).
 static inline void fp8_amax(Fp8Scale *slot, const bf16 *in, size_t n, cudaStream_t stream) {
     fp8_check("fp8_amax", n % 8 == 0 && ((uintptr_t)in & 15u) == 0, "n must be a multiple of 8 and in 16-byte aligned");
-    size_t vecs = n / 8;
-    unsigned blocks = (unsigned)(ceil_div_size(vecs, FP8_THREADS) < 1024 ? ceil_div_size(vecs, FP8_THREADS) : 1024);
-    fp8_amax_kernel<<<blocks ? blocks : 1, FP8_THREADS, 0, stream>>>(slot, in, vecs);
+    size_t vecs = n / 8, blocks = ceil_div_size(vecs, FP8_THREADS);  // a grid-stride loop past 1024 blocks
+    if (blocks > 1024) blocks = 1024;
+    if (blocks == 0) blocks = 1;
+    fp8_amax_kernel<<<(unsigned)blocks, FP8_THREADS, 0, stream>>>(slot, in, vecs);
     cudaCheckLaunch();
 }
 
