@@ -56,6 +56,14 @@ __device__ __forceinline__ void attention_dq_row_statistics(float (&row_lse_log2
     }
 }
 
+// Folds a warp's maxima, as float bits of |x| (a NaN's exceed every other), into *amax: one atomic
+// max per warp, so the result does not depend on the order (the FP8 amax of the output). Every
+// lane of the warp must call it.
+__device__ __forceinline__ void attention_fold_amax(float *amax, uint32_t bits, int lane) {
+    bits = __reduce_max_sync(0xffffffffu, bits);
+    if (lane == 0 && bits > 0) atomicMax(reinterpret_cast<unsigned *>(amax), bits);
+}
+
 // ---- backward: D ---------------------------------------------------------------------------------
 
 // D[b, h, t] = sum_d dout[b, t, h, d] * out[b, t, h, d] in FP32; HEAD_DIM / 8 lanes per row.
@@ -142,14 +150,16 @@ static void attention_backward_delta_launch(float *delta, const bf16 *dout, cons
 }
 
 // out [B, T, NH, head_dim] and lse [B, NH, T] from the packed qkv [B, T, (NH + 2 NKV) head_dim].
+// out_amax (optional): max |out| as stored is folded into it (the FP8 cast of the output reads it).
 static inline void attention_forward(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH, int NKV,
-                                     int head_dim, cudaStream_t stream) {
+                                     int head_dim, cudaStream_t stream, float *out_amax = NULL) {
     const void *pointers[] = {out, lse, qkv};
     attention_check_args("attention_forward", pointers, 3, B, T, NH, NKV, head_dim);
     if (head_dim == 64)
-        attention_forward_tma_launch<64, AttentionDefaults<64>::forward>(out, lse, qkv, B, T, NH, NKV, stream);
+        attention_forward_tma_launch<64, AttentionDefaults<64>::forward>(out, lse, qkv, B, T, NH, NKV, stream, out_amax);
     else
-        attention_forward_tma_launch<128, AttentionDefaults<128>::forward>(out, lse, qkv, B, T, NH, NKV, stream);
+        attention_forward_tma_launch<128, AttentionDefaults<128>::forward>(out, lse, qkv, B, T, NH, NKV, stream,
+                                                                           out_amax);
 }
 
 // Bytes of device scratch attention_backward needs: D, one float per (batch, head, position).

@@ -405,7 +405,7 @@ struct AttentionTmaForwardSmem {
 template <int HEAD_DIM, int KV, int CONSUMERS, int STAGES, bool OVERLAP>
 __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     attention_forward_tma_kernel(const __grid_constant__ CUtensorMap qkv_map, bf16 *out, float *lse, int T, int NH,
-                                 int NKV, float softmax_scale) {
+                                 int NKV, float softmax_scale, float *out_amax) {
     typedef AttentionTmaForwardSmem<HEAD_DIM, KV, CONSUMERS, STAGES> Smem;
     constexpr int Q_ROWS = Smem::q_rows, S_REGS = KV / 2, O_REGS = HEAD_DIM / 2;
     static_assert(HEAD_DIM % 64 == 0 && KV % 64 == 0 && (KV == 64 || KV == 128), "whole 64 x 64 boxes; wgmma n64/n128");
@@ -583,15 +583,21 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
         if (lane % 4 == 0 && row < T) lse[((size_t)b * NH + h) * T + row] = (row_max[r] + log2f(sum)) * ATTENTION_LN2;
     }
     bf16 *out_head = out + ((size_t)b * T * NH + h) * HEAD_DIM;
+    uint32_t amax_bits = 0;  // of |out| as stored: a BF16's bits, shifted, are its float's
 #pragma unroll
     for (int n8 = 0; n8 < HEAD_DIM / 8; n8++)
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const int row = row_lo + 8 * r;
-            if (row < T)
-                *reinterpret_cast<__nv_bfloat162 *>(out_head + (size_t)row * NH * HEAD_DIM + 8 * n8 + c) =
-                    __floats2bfloat162_rn(o_acc[4 * n8 + 2 * r] * inv_sum[r], o_acc[4 * n8 + 2 * r + 1] * inv_sum[r]);
+            const __nv_bfloat162 pair =
+                __floats2bfloat162_rn(o_acc[4 * n8 + 2 * r] * inv_sum[r], o_acc[4 * n8 + 2 * r + 1] * inv_sum[r]);
+            if (row < T) {
+                *reinterpret_cast<__nv_bfloat162 *>(out_head + (size_t)row * NH * HEAD_DIM + 8 * n8 + c) = pair;
+                const uint32_t bits = *reinterpret_cast<const uint32_t *>(&pair);
+                amax_bits = max(amax_bits, max((bits & 0x7fffu) << 16, bits & 0x7fff0000u));
+            }
         }
+    if (out_amax != NULL) attention_fold_amax(out_amax, amax_bits, lane);
 }
 
 typedef CUresult (*TensorMapEncodeTiled)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
@@ -637,7 +643,7 @@ static CUtensorMap attention_qkv_tensor_map(const bf16 *qkv, int B, int T, int N
 
 template <int HEAD_DIM, class Config>
 static void attention_forward_tma_launch(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH, int NKV,
-                                         cudaStream_t stream) {
+                                         cudaStream_t stream, float *out_amax = NULL) {
     typedef AttentionTmaForwardSmem<HEAD_DIM, Config::kv_tile, Config::consumers, Config::stages> Smem;
     static_assert(Smem::bytes <= ATTENTION_MAX_SMEM_BYTES, "TMA forward tiles exceed shared memory");
     const CUtensorMap map = attention_qkv_tensor_map(qkv, B, T, NH, NKV, HEAD_DIM);
@@ -646,7 +652,7 @@ static void attention_forward_tma_launch(bf16 *out, float *lse, const bf16 *qkv,
     attention_launch_setup(kernel, Smem::bytes);
     dim3 grid(ceil_div(T, Config::q_tile), NH, B);
     kernel<<<grid, Config::threads, Smem::bytes, stream>>>(map, out, lse, T, NH, NKV,
-                                                           attention_softmax_scale(HEAD_DIM));
+                                                           attention_softmax_scale(HEAD_DIM), out_amax);
     cudaCheckLaunch();
 }
 

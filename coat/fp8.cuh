@@ -55,6 +55,28 @@ static __host__ __device__ __forceinline__ float fp8_decode(uint8_t code, Fp8For
     return __half2float(__half(__nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)code, format == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2)));
 }
 
+// a * b rounded on its own: nvcc would otherwise fuse it into a following add (an FMA rounds
+// once), which a host compiler for baseline x86-64 never does.
+static __host__ __device__ __forceinline__ float mul_unfused(float a, float b) {
+#ifdef __CUDA_ARCH__
+    return __fmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+
+// x / s for s > 0 from inverse = 1 / s: a product and one FMA correction, the division's own
+// fast path without its range checks. Equal to the correctly rounded quotient whenever x and
+// the quotient are normal; a tiny x (below 2^-100) may differ in the last bit, but in the casts
+// its quotient is under 2^-51 (every scale is at least 1e-10 / 57344) and encodes as 0 either
+// way. As the division: zeros keep their sign, an overflow is infinite (and saturates), an
+// infinite s gives +-0 and NaN from an infinite x, a NaN stays NaN.
+static __host__ __device__ __forceinline__ float fp8_divide(float x, float s, float inverse) {
+    float q = mul_unfused(x, inverse);
+    float corrected = fmaf(fmaf(-q, s, x), inverse, q);
+    return fabsf(q) <= 3.40282347e38f && inverse != 0.0f ? copysignf(corrected, x) : q;
+}
+
 // Folds max |x| of one value per thread into slot->amax: a block reduction, then one atomic.
 // Non-negative floats order like their bit patterns as ints, and a NaN's bits (sign cleared)
 // exceed every other value's, so a NaN anywhere makes the amax, and the scale, NaN: the loss
@@ -94,10 +116,10 @@ __device__ __forceinline__ uint2 fp8_quantize_half_group(const float x[8], bf16 
     for (int j = 0; j < 8; j++) m = fp8_abs_max(m, x[j]);
     m = fp8_abs_max(m, __shfl_xor_sync(0xffffffffu, m, 1));
     bf16 stored = __float2bfloat16_rn(fp8_scale_from_amax(m, FP8_E4M3));  // NaN when the group holds one
-    float scale = __bfloat162float(stored);
+    float scale = __bfloat162float(stored), inverse = 1.0f / scale;
     uint2 codes = make_uint2(0u, 0u);
     for (int j = 0; j < 8; j++) {
-        uint32_t code = (uint32_t)fp8_encode(x[j] / scale, FP8_E4M3) << (8 * (j % 4));
+        uint32_t code = (uint32_t)fp8_encode(fp8_divide(x[j], scale, inverse), FP8_E4M3) << (8 * (j % 4));
         if (j < 4) codes.x |= code; else codes.y |= code;
     }
     *group_scale = stored;
@@ -149,7 +171,7 @@ __global__ void __launch_bounds__(FP8_THREADS)
     fp8_quantize_kernel(uint8_t *out, uint8_t *out_t, Fp8Scale *slot, Source source, int R, int C) {
     constexpr int PLANES = Source::PLANES;
     __shared__ __align__(16) uint8_t tile_t[PLANES][FP8_TILE][FP8_TILE_PITCH];  // [plane][column][row] of the tile
-    float scale = fp8_scale_from_amax(slot->amax, FORMAT);
+    float scale = fp8_scale_from_amax(slot->amax, FORMAT), inverse = 1.0f / scale;
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) slot->scale = scale;
     int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE, out_columns = PLANES * C;
     int tile_row = threadIdx.x / 8, tile_col = (threadIdx.x % 8) * 8;
@@ -160,7 +182,7 @@ __global__ void __launch_bounds__(FP8_THREADS)
         source.load(r, c, v);
         for (int p = 0; p < PLANES; p++) {
             uint8_t codes[8];
-            for (int j = 0; j < 8; j++) codes[j] = fp8_encode(v[p][j] / scale, FORMAT);
+            for (int j = 0; j < 8; j++) codes[j] = fp8_encode(fp8_divide(v[p][j], scale, inverse), FORMAT);
             if (out != NULL) {
                 uint2 packed;
                 packed.x = codes[0] | codes[1] << 8 | codes[2] << 16 | (uint32_t)codes[3] << 24;
@@ -199,7 +221,7 @@ static inline void fp8_check(const char *launcher, bool ok, const char *what) {
 }
 
 // slot->amax = max(slot->amax, max |in|) over n BF16 values (n a multiple of 8): for tensors
-// whose producer does not gather it (attention's output, RoPE's backward, weights).
+// whose producer does not gather it (the weights, once per step).
 static inline void fp8_amax(Fp8Scale *slot, const bf16 *in, size_t n, cudaStream_t stream) {
     fp8_check("fp8_amax", n % 8 == 0 && ((uintptr_t)in & 15u) == 0, "n must be a multiple of 8 and in 16-byte aligned");
     size_t vecs = n / 8, blocks = ceil_div_size(vecs, FP8_THREADS);  // a grid-stride loop past 1024 blocks

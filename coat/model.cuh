@@ -447,11 +447,10 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
         bf16 *qkv = model_saved(model, l, ACT_QKV), *attn_out = model_saved(model, l, ACT_ATTN_OUT);
         TIMED("matmul qkv forward", linear_forward(gpu, model, l, LINEAR_QKV, qkv));
         TIMED("rope forward", rope_forward(qkv, model->rope_cos, model->rope_sin, B, T, m->n_heads, m->n_kv_heads, hd, s));
+        // With FP8 GEMMs the kernel also gathers the amax of its output for the out-projection's cast.
         TIMED("attention forward", attention_forward(attn_out, model_saved_f32(model, l, ACT_ATTN_LSE), qkv, B, T,
-                                                     m->n_heads, m->n_kv_heads, hd, s));
-        if (model->precision.fp8_gemms)
-            TIMED("fp8 amax of the attention output",
-                  fp8_amax(linear_input_amax(model, l, LINEAR_OUT), attn_out, (size_t)N * m->n_heads * hd, s));
+                                                     m->n_heads, m->n_kv_heads, hd, s,
+                                                     model->precision.fp8_gemms ? &linear_input_amax(model, l, LINEAR_OUT)->amax : NULL));
         TIMED("matmul attention output forward", linear_forward(gpu, model, l, LINEAR_OUT, model->branch));
         TIMED("residual + rmsnorm forward",
               residual_rmsnorm_forward(model_residual(model, l, ACT_RESIDUAL_MID), linear_input_bf16(model, l, LINEAR_GATE_UP),
@@ -493,7 +492,7 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
 static inline void model_backward(GpuContext *gpu, LlamaModel *model) {
     const ModelShape *m = &model->shape;
     int B = model->B, T = model->T, N = B * T, H = m->dim, I = m->ffn_dim, hd = model_head_dim(m);
-    int QKV = model_qkv_dim(m), A = m->n_heads * hd, L = m->n_layers, V = m->vocab_size;
+    int A = m->n_heads * hd, L = m->n_layers, V = m->vocab_size;
     cudaStream_t s = gpu->stream;
     float *scratch = (float *)model->kernel_scratch;
     bf16 *d_norm = model->branch;  // the classifier left d(final norm output) here
@@ -528,10 +527,9 @@ static inline void model_backward(GpuContext *gpu, LlamaModel *model) {
         TIMED("attention backward",
               attention_backward(d_qkv, scratch, d_attn_out, model_saved(model, l, ACT_QKV), model_saved(model, l, ACT_ATTN_OUT),
                                  model_saved_f32(model, l, ACT_ATTN_LSE), B, T, m->n_heads, m->n_kv_heads, hd, s));
-        TIMED("rope backward", rope_backward(d_qkv, model->rope_cos, model->rope_sin, B, T, m->n_heads, m->n_kv_heads, hd, s));
-        if (model->precision.fp8_gemms)
-            TIMED("fp8 amax of the qkv gradient",
-                  fp8_amax(model_fp8_scale(model, l, FP8_SLOT_GRAD, LINEAR_QKV), d_qkv, (size_t)N * QKV, s));
+        // With FP8 GEMMs RoPE's backward also gathers the amax of the whole qkv gradient for its cast.
+        TIMED("rope backward", rope_backward(d_qkv, model->rope_cos, model->rope_sin, B, T, m->n_heads, m->n_kv_heads, hd, s,
+                                             model->precision.fp8_gemms ? model_fp8_scale(model, l, FP8_SLOT_GRAD, LINEAR_QKV) : NULL));
         TIMED("matmul qkv backward", linear_backward(gpu, model, l, LINEAR_QKV, d_norm, d_qkv));
         TIMED("rmsnorm backward",
               rmsnorm_backward(d_residual, model_grad(model, PARAM_ATTN_NORM, l), scratch, d_norm,

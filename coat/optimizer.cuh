@@ -5,8 +5,9 @@
 // One step, all in FP32, g = grad * grad_scale, t counted from 1, decoupled weight decay:
 //   m = b1 m + (1-b1) g;   v = b2 v + (1-b2) g^2
 //   p = p - lr ((m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps) + wd p)
-// using the new m and v before they are stored back in their kind; the master p is kept in FP32
-// and the BF16 parameter is written as p rounded to nearest even.
+// using the new m and v before they are stored back in their kind (the bias corrections as
+// products with 1 / (1-b^t), rounded from double); the master p is kept in FP32 and the BF16
+// parameter is written as p rounded to nearest even.
 //
 // FP8 states, per 128-group and per moment x (the group of a new x is quantized as a whole):
 //   fp8:     s = max|x| / 448,  q = e4m3(x / s);                 back: x = q s
@@ -14,6 +15,12 @@
 //            k = 1 if R <= 1 + 1e-6, else floor(16 log2(448^2 / 2) / log2 R) / 16,
 //            c = sqrt(Mx) sqrt(Mn),  s = (Mx / c)^k / 448,  q = e4m3(sign(x) (|x| / c)^k / s);
 //            back: x = sign(q s) |q s|^(1/k) c.   An all-zero group stores q = 0, s = k = c = 1.
+//   The powers are taken in the log domain, one exp2 per value and direction:
+//            q = e4m3(sign(x) 448 2^(k (log2(|x| / c) - log2(Mx / c)))),  x = 0 stays 0;
+//            back: x = sign(q) c 2^((log2|q| + log2 s) / k),  log2|q| from a table of the 126 codes.
+//   |x| / c keeps the log's absolute error near 1e-7 for any group, which is all the round trip
+//   needs: an error d in that log moves the stored value by 2^d, whatever k is. So the values'
+//   logs come from a short table-driven log2 (dre_log2_fast), each |x| / c from 1 / c.
 // e4m3 rounds to nearest even and saturates to +-448. The powers use log2 and exp2 written below
 // from correctly rounded operations only, and every product that feeds a sum is rounded on its own
 // (no FMA contraction), so a plain C program reproduces the FP8 states bit for bit.
@@ -129,16 +136,6 @@ static inline size_t adamw_state_bytes(OptimizerStateKind kind, size_t n) {
 
 // ---- arithmetic that rounds identically on the host and the device ----------------------
 
-// a * b rounded on its own: nvcc would otherwise fuse it into a following add (an FMA rounds
-// once), which a host compiler for baseline x86-64 never does.
-static __host__ __device__ __forceinline__ float mul_unfused(float a, float b) {
-#ifdef __CUDA_ARCH__
-    return __fmul_rn(a, b);
-#else
-    return a * b;
-#endif
-}
-
 static __host__ __device__ __forceinline__ uint32_t dre_float_bits(float x) {
 #ifdef __CUDA_ARCH__
     return __float_as_uint(x);
@@ -163,19 +160,13 @@ static __host__ __device__ __forceinline__ float dre_bits_float(uint32_t bits) {
 // ln f = 2 atanh(s) = 2 (s + s^3/3 + ... + s^11/11) with s = (f - 1) / (f + 1), |s| < 0.172.
 // f - 1 is exact, so log2 stays accurate relative to itself near x = 1, where DRE needs it.
 static __host__ __device__ inline float dre_log2(float x) {
-    if (!(x <= 3.40282347e38f)) return x;  // infinity and NaN
-    int exponent = 0;
-    if (x < 1.17549435e-38f) {  // subnormal: scale by 2^24 (exact)
-        x = mul_unfused(x, 16777216.0f);
-        exponent = -24;
-    }
-    uint32_t bits = dre_float_bits(x);
-    exponent += (int)(bits >> 23) - 127;
+    bool subnormal = x < 1.17549435e-38f;  // scaled by 2^24 (exact)
+    uint32_t bits = dre_float_bits(subnormal ? mul_unfused(x, 16777216.0f) : x);
+    int exponent = (int)(bits >> 23) - 127 - (subnormal ? 24 : 0);
     float f = dre_bits_float((bits & 0x007fffffu) | 0x3f800000u);  // [1, 2)
-    if (f > 1.41421356f) {
-        f = mul_unfused(f, 0.5f);
-        exponent += 1;
-    }
+    bool upper = f > 1.41421356f;
+    f = upper ? mul_unfused(f, 0.5f) : f;
+    exponent += upper;
     float s = (f - 1.0f) / (f + 1.0f);
     float s2 = mul_unfused(s, s);
     float series = fmaf(s2, 0.0909090936f, 0.111111112f);  // 1/11, 1/9
@@ -184,15 +175,17 @@ static __host__ __device__ inline float dre_log2(float x) {
     series = fmaf(s2, series, 0.333333343f);                // 1/3
     float two_s = 2.0f * s;
     float ln_f = fmaf(mul_unfused(two_s, s2), series, two_s);
-    return fmaf(ln_f, 1.44269502f, (float)exponent);        // log2(e)
+    float result = fmaf(ln_f, 1.44269502f, (float)exponent);  // log2(e)
+    return x <= 3.40282347e38f ? result : x;                 // infinity and NaN pass through
 }
 
 // 2^t within a few ulp: t = n + r with n = rint(t), |r| <= 1/2 (exact), 2^r = e^(r ln 2) by its
 // Taylor series to degree 7, then times 2^n in two exact-or-once-rounded steps (subnormal results).
 static __host__ __device__ inline float dre_exp2(float t) {
-    if (t != t) return t;  // NaN
-    if (t >= 128.0f) return dre_bits_float(0x7f800000u);  // +infinity
-    if (t < -151.0f) return 0.0f;
+    // Without branches (a select per special case): the kernel calls it in every lane.
+    bool special = !(t >= -151.0f && t < 128.0f);  // NaN, +infinity, 0
+    float special_value = t != t ? t : t >= 128.0f ? dre_bits_float(0x7f800000u) : 0.0f;
+    t = special ? 0.0f : t;
     float n = rintf(t);
     float u = mul_unfused(t - n, 0.693147182f);  // ln 2
     float p = fmaf(u, 1.98412701e-4f, 1.38888892e-3f);  // 1/5040, 1/720
@@ -203,9 +196,12 @@ static __host__ __device__ inline float dre_exp2(float t) {
     p = fmaf(u, p, 1.0f);
     p = fmaf(u, p, 1.0f);  // in [0.70, 1.42]
     int e = (int)n;
-    if (e > 127) return mul_unfused(mul_unfused(p, dre_bits_float(254u << 23)), 2.0f);
-    if (e >= -126) return mul_unfused(p, dre_bits_float((uint32_t)(e + 127) << 23));
-    return mul_unfused(mul_unfused(p, dre_bits_float((uint32_t)(e + 64 + 127) << 23)), dre_bits_float(63u << 23));  // 2^(e+64) 2^-64
+    // 2^e as two factors, each a power of two: (2^127, 2) above the normal range, (2^(e+64), 2^-64)
+    // below it; a factor of 1 changes nothing.
+    uint32_t first = e > 127 ? 254u : e >= -126 ? (uint32_t)(e + 127) : (uint32_t)(e + 64 + 127);
+    float second = e > 127 ? 2.0f : e >= -126 ? 1.0f : dre_bits_float(63u << 23);
+    float result = mul_unfused(mul_unfused(p, dre_bits_float(first << 23)), second);
+    return special ? special_value : result;
 }
 
 // y^p for y >= 0: 0 stays 0 and p = 1 returns y itself.
@@ -214,13 +210,59 @@ static __host__ __device__ inline float dre_pow(float y, float p) {
     return dre_exp2(mul_unfused(p, dre_log2(y)));
 }
 
+// log2 of a group's values relative to its center, |x| / c, where the absolute error is what
+// matters (about 1e-7; see the header) and a division is too slow: x = 2^e f, the top 6 mantissa
+// bits pick a point F of [0.75, 1.5) (F = 1 for the two intervals beside 1, so that log2 stays
+// accurate there relative to itself), r = f / F - 1 (|r| < 1/64) from the tabulated 1 / F by one
+// FMA, and log2(1 + r) by its series to r^5 (truncated at 4e-12). NaN stays NaN, infinity is
+// never passed. The table: 1 / F[j] at j, log2 F[j] at 64 + j, j = 0..63.
+#define DRE_LOG2_TABLE 128
+static __host__ __device__ inline float dre_log2_table_entry(int i) {
+    int j = i % 64;
+    float f = j == 0 || j == 63 ? 1.0f : mul_unfused(1.0f + (j + 0.5f) / 64.0f, j >= 32 ? 0.5f : 1.0f);
+    return i < 64 ? 1.0f / f : dre_log2(f);
+}
+
+// |x| / c as (|x| s) / (c s), s = 2^64 for a subnormal c (else 1; both products exact), from the
+// reciprocal of c s by fp8_divide: exact like the division, without one per value.
+typedef struct {
+    float scale, c, inverse;
+} DreCenter;
+
+static __host__ __device__ inline DreCenter dre_center(float c) {
+    DreCenter center;
+    center.scale = c < 1.17549435e-38f ? 18446744073709551616.0f : 1.0f;
+    center.c = mul_unfused(c, center.scale);
+    center.inverse = 1.0f / center.c;
+    return center;
+}
+
+static __host__ __device__ inline float dre_centered(float a, DreCenter center) {
+    return fp8_divide(mul_unfused(a, center.scale), center.c, center.inverse);
+}
+
+static __host__ __device__ inline float dre_log2_fast(float x, const float *table) {
+    bool subnormal = x < 1.17549435e-38f;  // scaled by 2^24 (exact)
+    uint32_t bits = dre_float_bits(subnormal ? mul_unfused(x, 16777216.0f) : x);
+    int j = (int)((bits >> 17) & 63u), upper = j >= 32;  // upper: f in [1.5, 2) is taken as 2 (f / 2)
+    int exponent = (int)(bits >> 23) - 127 - (subnormal ? 24 : 0) + upper;
+    float f = dre_bits_float((bits & 0x007fffffu) | (upper ? 0x3f000000u : 0x3f800000u));
+    float r = fmaf(f, table[j], -1.0f);
+    float series = fmaf(r, 0.288539007f, -0.360673760f);  // log2(e) / 5, -log2(e) / 4
+    series = fmaf(r, series, 0.480898347f);               // log2(e) / 3
+    series = fmaf(r, series, -0.721347511f);              // -log2(e) / 2
+    series = fmaf(r, series, 1.44269502f);                // log2(e)
+    float result = fmaf(r, series, table[64 + j]) + (float)exponent;
+    return x != x ? x : result;
+}
+
 // ---- the step kernel ----------------------------------------------------------------------
 
 // What every element of one step shares; computed on the host.
 typedef struct {
     float lr, grad_scale;
     float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay;
-    float bias_correction1, bias_correction2;  // 1 - b^t, from double
+    float inverse_bias_correction1, inverse_bias_correction2;  // 1 / (1 - b^t), from double
 } AdamWStepScalars;
 
 // The shard as the kernel sees it; every pointer starts at the shard's first element.
@@ -268,16 +310,34 @@ __device__ __forceinline__ float adamw_group_min(float x) {
 }
 
 
+// The tables of DRE, in shared memory, filled by the block's first threads before a barrier:
+// log2 |decode(code)| of the 128 E4M3 magnitudes (0 and the NaN code included, never read as
+// such), then dre_log2_fast's.
+typedef struct {
+    float code_log2[128];
+    float log2[DRE_LOG2_TABLE];
+} DreTables;
+
+__device__ __forceinline__ void dre_fill_tables(DreTables *t) {
+    if (threadIdx.x < 128) t->code_log2[threadIdx.x] = dre_log2(fp8_decode((uint8_t)threadIdx.x, FP8_E4M3));
+    if (threadIdx.x < DRE_LOG2_TABLE) t->log2[threadIdx.x] = dre_log2_table_entry(threadIdx.x);
+    __syncthreads();
+}
+
 // This thread's 8 values of a moment from its E4M3 codes and the group's scalars.
 template <bool DRE>
-__device__ __forceinline__ void dequantize8_e4m3(float out[ADAMW_VEC], uint2 codes, const float *group) {
+__device__ __forceinline__ void dequantize8_e4m3(float out[ADAMW_VEC], uint2 codes, const float *group, const DreTables *tables) {
     float scale = group[0];
+    float log2_scale = DRE ? dre_log2(scale) : 0.0f, inverse_k = DRE ? 1.0f / group[1] : 1.0f, c = DRE ? group[2] : 1.0f;
     for (int j = 0; j < ADAMW_VEC; j++) {
-        uint32_t word = j < 4 ? codes.x : codes.y;
-        float y = mul_unfused(fp8_decode((uint8_t)((word >> (8 * (j % 4))) & 0xffu), FP8_E4M3), scale);
+        uint32_t code = ((j < 4 ? codes.x : codes.y) >> (8 * (j % 4))) & 0xffu;
+        float y;
         if (DRE) {
-            float k = group[1], c = group[2];
-            y = copysignf(mul_unfused(dre_pow(fabsf(y), 1.0f / k), c), y);
+            float magnitude = mul_unfused(dre_exp2(mul_unfused(tables->code_log2[code & 0x7fu] + log2_scale, inverse_k)), c);
+            magnitude = (code & 0x7fu) == 0 ? 0.0f : magnitude;
+            y = code & 0x80u ? -magnitude : magnitude;
+        } else {
+            y = mul_unfused(fp8_decode((uint8_t)code, FP8_E4M3), scale);
         }
         out[j] = y;
     }
@@ -289,7 +349,7 @@ __device__ __forceinline__ void dequantize8_e4m3(float out[ADAMW_VEC], uint2 cod
 template <bool DRE>
 // An infinite moment (v overflows past FLT_MAX when |g| > 1.8e19 without clipping) is stored
 // as +-FLT_MAX: an infinity in a group would make c infinite and every scale of the group NaN.
-__device__ __forceinline__ uint2 quantize8_e4m3(const float moment[ADAMW_VEC], float *group, bool active) {
+__device__ __forceinline__ uint2 quantize8_e4m3(const float moment[ADAMW_VEC], float *group, bool active, const DreTables *tables) {
     float x[ADAMW_VEC];
     for (int j = 0; j < ADAMW_VEC; j++) x[j] = isinf(moment[j]) ? copysignf(3.40282347e38f, moment[j]) : moment[j];
     float local_max = 0.0f, local_min = dre_bits_float(0x7f800000u);
@@ -299,7 +359,8 @@ __device__ __forceinline__ uint2 quantize8_e4m3(const float moment[ADAMW_VEC], f
         if (a > 0.0f) local_min = fminf(local_min, a);
     }
     float max_abs = adamw_group_max(local_max), min_abs = adamw_group_min(local_min);
-    float scale = 1.0f, k = 1.0f, c = 1.0f;
+    float scale = 1.0f, k = 1.0f, c = 1.0f, log2_max = 0.0f;
+    DreCenter center = dre_center(1.0f);
     if (max_abs > 0.0f) {
         if (DRE) {
             float ratio = max_abs / min_abs;
@@ -309,6 +370,8 @@ __device__ __forceinline__ uint2 quantize8_e4m3(const float moment[ADAMW_VEC], f
                 k = fmaxf(floorf(DRE_K_NUMERATOR / log2_ratio), 1.0f) * 0.0625f;
             }
             c = mul_unfused(sqrtf(max_abs), sqrtf(min_abs));
+            center = dre_center(c);
+            log2_max = dre_log2_fast(dre_centered(max_abs, center), tables->log2);
             scale = dre_pow(max_abs / c, k) / DRE_E4M3_MAX;
         } else {
             scale = max_abs / DRE_E4M3_MAX;
@@ -316,7 +379,16 @@ __device__ __forceinline__ uint2 quantize8_e4m3(const float moment[ADAMW_VEC], f
     }
     uint2 codes = make_uint2(0u, 0u);
     for (int j = 0; j < ADAMW_VEC; j++) {
-        float y = DRE ? copysignf(dre_pow(fabsf(x[j]) / c, k), x[j]) / scale : x[j] / scale;
+        float y;
+        if (DRE) {
+            float a = fabsf(x[j]);
+            float expanded = mul_unfused(dre_exp2(mul_unfused(k, dre_log2_fast(dre_centered(a, center), tables->log2) - log2_max)),
+                                         DRE_E4M3_MAX);
+            expanded = a == 0.0f ? 0.0f : expanded;
+            y = copysignf(expanded, x[j]);
+        } else {
+            y = x[j] / scale;
+        }
         uint32_t code = (uint32_t)fp8_encode(y, FP8_E4M3) << (8 * (j % 4));
         if (j < 4) codes.x |= code; else codes.y |= code;
     }
@@ -337,6 +409,8 @@ __global__ void __launch_bounds__(ADAMW_THREADS) adamw_step_kernel(AdamWShard sh
     bool active = i < shard.n;  // n is a multiple of 128: whole groups are in or out
     if (!FP8 && !active) return;
     size_t group = i / ADAMW_GROUP;
+    __shared__ DreTables tables;
+    if constexpr (DRE) dre_fill_tables(&tables);  // FP8 kinds keep every thread to the end
 
     float p[ADAMW_VEC] = {0}, g[ADAMW_VEC] = {0}, m[ADAMW_VEC] = {0}, v[ADAMW_VEC] = {0};
     if (active) {
@@ -350,15 +424,15 @@ __global__ void __launch_bounds__(ADAMW_THREADS) adamw_step_kernel(AdamWShard sh
             adamw_load8((const bf16 *)shard.m + i, m);
             adamw_load8((const bf16 *)shard.v + i, v);
         } else {
-            dequantize8_e4m3<DRE>(m, *(const uint2 *)((const unsigned char *)shard.m + i), shard.m_group + group * SCALARS);
-            dequantize8_e4m3<DRE>(v, *(const uint2 *)((const unsigned char *)shard.v + i), shard.v_group + group * SCALARS);
+            dequantize8_e4m3<DRE>(m, *(const uint2 *)((const unsigned char *)shard.m + i), shard.m_group + group * SCALARS, &tables);
+            dequantize8_e4m3<DRE>(v, *(const uint2 *)((const unsigned char *)shard.v + i), shard.v_group + group * SCALARS, &tables);
         }
         float decay = shard.decay_group[group] ? sc.weight_decay : 0.0f;
         for (int j = 0; j < ADAMW_VEC; j++) {
             m[j] = fmaf(sc.beta1, m[j], mul_unfused(sc.one_minus_beta1, g[j]));
             v[j] = fmaf(sc.beta2, v[j], mul_unfused(mul_unfused(sc.one_minus_beta2, g[j]), g[j]));
-            float m_hat = m[j] / sc.bias_correction1;
-            float v_hat = v[j] / sc.bias_correction2;
+            float m_hat = mul_unfused(m[j], sc.inverse_bias_correction1);
+            float v_hat = mul_unfused(v[j], sc.inverse_bias_correction2);
             float update = fmaf(decay, p[j], m_hat / (sqrtf(v_hat) + sc.eps));
             p[j] = fmaf(-sc.lr, update, p[j]);
         }
@@ -373,8 +447,8 @@ __global__ void __launch_bounds__(ADAMW_THREADS) adamw_step_kernel(AdamWShard sh
         }
     }
     if constexpr (FP8) {  // every lane takes part in the group reductions
-        uint2 m_codes = quantize8_e4m3<DRE>(m, shard.m_group + group * SCALARS, active);
-        uint2 v_codes = quantize8_e4m3<DRE>(v, shard.v_group + group * SCALARS, active);
+        uint2 m_codes = quantize8_e4m3<DRE>(m, shard.m_group + group * SCALARS, active, &tables);
+        uint2 v_codes = quantize8_e4m3<DRE>(v, shard.v_group + group * SCALARS, active, &tables);
         if (active) {
             *(uint2 *)((unsigned char *)shard.m + i) = m_codes;
             *(uint2 *)((unsigned char *)shard.v + i) = v_codes;
@@ -580,8 +654,8 @@ static inline void adamw_step(AdamW *opt, bf16 *params, const bf16 *grads_shard,
     sc.one_minus_beta2 = 1.0f - c->beta2;
     sc.eps = c->eps;
     sc.weight_decay = c->weight_decay;
-    sc.bias_correction1 = (float)(1.0 - pow((double)c->beta1, (double)opt->step));
-    sc.bias_correction2 = (float)(1.0 - pow((double)c->beta2, (double)opt->step));
+    sc.inverse_bias_correction1 = (float)(1.0 / (1.0 - pow((double)c->beta1, (double)opt->step)));
+    sc.inverse_bias_correction2 = (float)(1.0 / (1.0 - pow((double)c->beta2, (double)opt->step)));
     AdamWShard shard;
     shard.params = params + opt->shard_begin;
     shard.grads = grads_shard;

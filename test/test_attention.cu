@@ -141,8 +141,13 @@ static void test_shape(AttnShape s, Random *rng) {
     // Forward.
     guarded_poison(&out_buf);
     guarded_poison(&lse_buf);
-    attention_forward((bf16 *)out_buf.data, (float *)lse_buf.data, d_qkv, B, T, NH, NKV, hd, 0);
+    float *d_amax, out_amax;
+    cudaCheck(cudaMalloc(&d_amax, sizeof(float)));
+    cudaCheck(cudaMemset(d_amax, 0, sizeof(float)));
+    attention_forward((bf16 *)out_buf.data, (float *)lse_buf.data, d_qkv, B, T, NH, NKV, hd, 0, d_amax);
     cudaCheck(cudaDeviceSynchronize());
+    cudaCheck(cudaMemcpy(&out_amax, d_amax, sizeof(float), cudaMemcpyDeviceToHost));
+    cudaCheck(cudaFree(d_amax));
     bf16 *out_h = host_bf16s(n_q);
     float *lse_h = host_floats(n_lse);
     int guards_intact = guarded_fetch(&out_buf, out_h);
@@ -153,6 +158,10 @@ static void test_shape(AttnShape s, Random *rng) {
     char what[160];
     snprintf(what, sizeof what, "%s: forward out", label);
     check_close(what, out_f, ref_out, n_q, 2e-2, 2e-2);
+    float expected_amax = 0.0f;
+    for (size_t i = 0; i < n_q; i++) expected_amax = fmaxf(expected_amax, fabsf(out_f[i]));
+    check(out_amax == expected_amax, "%s: forward amax %g = max |out| %g as stored", label, (double)out_amax,
+          (double)expected_amax);
     snprintf(what, sizeof what, "%s: forward lse", label);
     check_close(what, lse_h, ref_lse, n_lse, 1e-3, 1e-4);
 

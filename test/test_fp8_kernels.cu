@@ -38,7 +38,7 @@ extern "C" {
 #define SEED 20241029ull
 #define RMS_EPS 1e-5f
 // The kernels round their FP32 result once to BF16 (at most 2^-8 of it); their FP32 rstd, product
-// and expf differ from the double reference by ~1e-7 of it: one BF16 ulp, 2^-7, covers both.
+// and exponential differ from the double reference by ~1e-6 of it: one BF16 ulp, 2^-7, covers both.
 #define ONE_BF16_ULP 0x1p-7
 #define TINY_ATOL 1e-30
 #define RSTD_RTOL 1e-5  // FP32 sum of at most ~10^4 squares against a double sum

@@ -325,6 +325,8 @@ static void test_rope(int B, int T, int n_heads, int n_kv_heads, int head_dim, i
     float *q = host_floats(q_size), *q_ref = host_floats(q_size), *q_got = host_floats(q_size);
     float *k = host_floats(kv_size), *k_ref = host_floats(kv_size), *k_got = host_floats(kv_size);
     fill_normal_bf16_values(&rng, qkv, packed, 0.0, 1.0);
+    // The largest magnitude in a v head of the last row: the backward's amax must cover v too.
+    qkv[packed - 3] = -9.0f;
     convert_floats_to_bf16(qkv_bits, qkv, packed);
 
     float *d_cos = (float *)device_alloc(half_table * sizeof(float));
@@ -333,12 +335,16 @@ static void test_rope(int B, int T, int n_heads, int n_kv_heads, int head_dim, i
     cudaCheck(cudaMemcpy(d_sin, sin_table, half_table * sizeof(float), cudaMemcpyHostToDevice));
     bf16 *d_qkv = (bf16 *)device_alloc(packed * sizeof(bf16));
     bf16 *runs[2] = {result_bits, repeat_bits};
-    for (int run = 0; run < 2; run++) {
+    Fp8Scale *d_amax = (Fp8Scale *)device_alloc(sizeof(Fp8Scale)), amax;
+    cudaCheck(cudaMemset(d_amax, 0, sizeof(Fp8Scale)));
+    for (int run = 0; run < 2; run++) {  // the backward's second run also gathers the amax
         cudaCheck(cudaMemcpy(d_qkv, qkv_bits, packed * sizeof(bf16), cudaMemcpyHostToDevice));
-        if (backward) rope_backward(d_qkv, d_cos, d_sin, B, T, n_heads, n_kv_heads, head_dim, 0);
+        if (backward) rope_backward(d_qkv, d_cos, d_sin, B, T, n_heads, n_kv_heads, head_dim, 0, run ? d_amax : NULL);
         else rope_forward(d_qkv, d_cos, d_sin, B, T, n_heads, n_kv_heads, head_dim, 0);
         download_bf16(runs[run], d_qkv, packed);
     }
+    cudaCheck(cudaMemcpy(&amax, d_amax, sizeof(amax), cudaMemcpyDeviceToHost));
+    cudaCheck(cudaFree(d_amax));
     convert_bf16_to_floats(got, result_bits, packed);
 
     gather_heads(q, qkv, rows, total_heads, 0, n_heads, head_dim);
@@ -370,10 +376,16 @@ static void test_rope(int B, int T, int n_heads, int n_kv_heads, int head_dim, i
                           (row_width - v_begin) * sizeof(bf16));
     check(v_kept, "%s B=%d T=%d heads=%d/%d head_dim=%d: v heads are untouched", direction, B, T, n_heads, n_kv_heads,
           head_dim);
-    if (backward)
+    if (backward) {
         check(!memcmp(result_bits, repeat_bits, packed * sizeof(bf16)),
-              "%s B=%d T=%d heads=%d/%d head_dim=%d: two runs are bitwise equal", direction, B, T, n_heads,
-              n_kv_heads, head_dim);
+              "%s B=%d T=%d heads=%d/%d head_dim=%d: two runs (one gathering the amax) are bitwise equal", direction,
+              B, T, n_heads, n_kv_heads, head_dim);
+        float expected_amax = 0.0f;
+        for (size_t i = 0; i < packed; i++) expected_amax = fmaxf(expected_amax, fabsf(got[i]));
+        check(amax.amax == expected_amax && expected_amax == 9.0f,
+              "%s B=%d T=%d heads=%d/%d head_dim=%d: amax %g = max |result| %g over every head, v included",
+              direction, B, T, n_heads, n_kv_heads, head_dim, (double)amax.amax, (double)expected_amax);
+    }
 
     cudaCheck(cudaFree(d_cos));
     cudaCheck(cudaFree(d_sin));

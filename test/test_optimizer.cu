@@ -270,15 +270,23 @@ static void cpu_quantize_group(int dre, const float *x, uint8_t *codes, float *s
         if (a > mx) mx = a;
         if (a > 0.0f && a < mn) mn = a;
     }
-    float s = 1.0f, k = 1.0f, c = 1.0f;
+    float table[DRE_LOG2_TABLE];
+    for (int i = 0; i < DRE_LOG2_TABLE; i++) table[i] = dre_log2_table_entry(i);
+    float s = 1.0f, k = 1.0f, c = 1.0f, log2_max = 0.0f;
+    DreCenter center = dre_center(1.0f);
     if (mx > 0.0f && !dre) s = mx / 448.0f;
     if (mx > 0.0f && dre) {
         k = cpu_dre_k(mx, mn);
         c = sqrtf(mx) * sqrtf(mn);
+        center = dre_center(c);
+        log2_max = dre_log2_fast(dre_centered(mx, center), table);
         s = dre_pow(mx / c, k) / 448.0f;
     }
     for (int i = 0; i < 128; i++) {
-        float y = dre ? copysignf(dre_pow(fabsf(x[i]) / c, k), x[i]) / s : x[i] / s;
+        // (|x|/c)^k / s = 448 (|x|/Mx)^k, taken in the log domain as the kernel does
+        float a = fabsf(x[i]);
+        float expanded = a == 0.0f ? 0.0f : dre_exp2(k * (dre_log2_fast(dre_centered(a, center), table) - log2_max)) * 448.0f;
+        float y = !dre ? x[i] / s : copysignf(expanded, x[i]);
         codes[i] = e4m3_from_float(y);
     }
     scalars[0] = s;
@@ -286,9 +294,11 @@ static void cpu_quantize_group(int dre, const float *x, uint8_t *codes, float *s
 }
 
 static void cpu_dequantize_group(int dre, const uint8_t *codes, const float *scalars, float *x) {
+    // |q s|^(1/k) c = c 2^((log2|q| + log2 s) / k)
+    float log2_scale = dre_log2(scalars[0]), inverse_k = dre ? 1.0f / scalars[1] : 1.0f;
     for (int i = 0; i < 128; i++) {
-        float y = float_from_e4m3(codes[i]) * scalars[0];
-        if (dre) y = copysignf(dre_pow(fabsf(y), 1.0f / scalars[1]) * scalars[2], y);
+        float q = float_from_e4m3(codes[i]), y = q * scalars[0];
+        if (dre) y = q == 0.0f ? q : copysignf(dre_exp2((dre_log2(fabsf(q)) + log2_scale) * inverse_k) * scalars[2], q);
         x[i] = y;
     }
 }
@@ -318,8 +328,8 @@ static void cpu_store_moment(const CpuAdamW *s, unsigned char *store, float *gro
 static void cpu_step(CpuAdamW *s, const AdamWConfig *c, const uint16_t *grads, uint16_t *params,
                      const unsigned char *flags, float lr, float grad_scale) {
     s->step++;
-    float bias_correction1 = (float)(1.0 - pow((double)c->beta1, (double)s->step));
-    float bias_correction2 = (float)(1.0 - pow((double)c->beta2, (double)s->step));
+    float inverse_bias_correction1 = (float)(1.0 / (1.0 - pow((double)c->beta1, (double)s->step)));
+    float inverse_bias_correction2 = (float)(1.0 / (1.0 - pow((double)c->beta2, (double)s->step)));
     float one_minus_beta1 = 1.0f - c->beta1, one_minus_beta2 = 1.0f - c->beta2;
     float m[128], v[128];
     for (size_t g = 0; g < s->groups; g++) {
@@ -332,7 +342,7 @@ static void cpu_step(CpuAdamW *s, const AdamWConfig *c, const uint16_t *grads, u
             float p = s->master[local];
             m[j] = fmaf(c->beta1, m[j], one_minus_beta1 * grad);
             v[j] = fmaf(c->beta2, v[j], (one_minus_beta2 * grad) * grad);
-            float m_hat = m[j] / bias_correction1, v_hat = v[j] / bias_correction2;
+            float m_hat = m[j] * inverse_bias_correction1, v_hat = v[j] * inverse_bias_correction2;
             float update = fmaf(decay, p, m_hat / (sqrtf(v_hat) + c->eps));
             p = fmaf(-lr, update, p);
             s->master[local] = p;
@@ -429,6 +439,30 @@ static void test_dre_math(void) {
         worst_near_one = fmax(worst_near_one, fabs(dre_log2(x) / log2((double)x) - 1.0));
         worst_near_one = fmax(worst_near_one, fabs(dre_log2(x_below) / log2((double)x_below) - 1.0));
     }
+    // dre_log2_fast: the same bounds, near 1 from both sides too; dre_centered: the division.
+    float table[DRE_LOG2_TABLE];
+    for (int i = 0; i < DRE_LOG2_TABLE; i++) table[i] = dre_log2_table_entry(i);
+    double worst_fast = 0, worst_fast_near_one = 0;
+    long centered_differ = 0;
+    for (int i = 0; i < 200000; i++) {
+        float x = (float)exp2(-149.0 + 277.0 * random_uniform(&rng));
+        if (x == 0.0f || isinf(x)) continue;
+        double exact = log2((double)x);
+        worst_fast = fmax(worst_fast, fabs(dre_log2_fast(x, table) - exact) / fmax(fabs(exact), 1.0));
+        // every fourth c subnormal (scaled by 2^64 inside), with a from 2^-149 up
+        double log2_c = i % 4 ? -100.0 + 200.0 * random_uniform(&rng) : -146.0 + 19.0 * random_uniform(&rng);
+        float c = (float)exp2(log2_c), a = (float)exp2(fmax(log2_c + 40.0 * (random_uniform(&rng) - 0.5), -149.0));
+        centered_differ += dre_centered(a, dre_center(c)) != a / c;
+    }
+    for (int i = 1; i < 2000; i++) {
+        float x = 1.0f + (float)i * 1.1920929e-7f, x_below = 1.0f - (float)i * 5.9604645e-8f;
+        worst_fast_near_one = fmax(worst_fast_near_one, fabs(dre_log2_fast(x, table) / log2((double)x) - 1.0));
+        worst_fast_near_one = fmax(worst_fast_near_one, fabs(dre_log2_fast(x_below, table) / log2((double)x_below) - 1.0));
+    }
+    check(worst_fast < 4e-7, "dre_log2_fast vs libm: max error %.2e (relative, or absolute below 1)", worst_fast);
+    check(worst_fast_near_one < 1e-6, "dre_log2_fast near 1: max relative error %.2e", worst_fast_near_one);
+    check(dre_log2_fast(1.0f, table) == 0.0f && isnan(dre_log2_fast(NAN, table)), "dre_log2_fast: log2 1 = 0, NaN stays NaN");
+    check(centered_differ == 0, "dre_centered(a, c) = a / c bit for bit (a / c normal; c normal or subnormal): %ld of 200000 differ", centered_differ);
     check(worst_log < 4e-7, "dre_log2 vs libm: max error %.2e (relative, or absolute below 1)", worst_log);
     check(worst_exp < 4e-7, "dre_exp2 vs libm: max relative error %.2e", worst_exp);
     // The exponent t = p log2 y is rounded to float: 2^t carries ~|t| 2^-24 relative error.
