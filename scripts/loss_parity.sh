@@ -5,7 +5,8 @@
 # difference relative to bf16, the median tokens/s and the peak GPU memory, printed and written to
 # OUT_DIR/parity.md. When the bf16 run (FP32 AdamW moments) left a checkpoint, the COAT paper's
 # Table 1 on its optimizer states (scripts/optimizer_state_mse.py) is appended to parity.md.
-# Usage: scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]
+# Usage: [SEED=N] scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]   (SEED: another initialisation and
+#        data order than the config's, for the seed-to-seed spread)
 #   DATA_DIR (default data/parity): train_*.bin and val_*.bin shards; *.bin.xz files without their
 #            .bin are decompressed there first (xz -dk). When it holds no shards, it is made from
 #            the local corpus (data/corpus/llama2, scripts/fetch_corpus.sh): 366 chunks of one
@@ -85,7 +86,7 @@ run_precision() {
     # stdbuf: line-buffered output, so that a run killed by the timeout keeps its last step lines.
     timeout --kill-after="$KILL_AFTER_S" "$RUN_TIMEOUT_S" stdbuf -oL "$ROOT/train_llama" "$CONFIG" \
         --precision="$precision" --out_dir="$dir" --train_data="$DATA/train_*.bin" --val_data="$DATA/val_*.bin" \
-        >"$dir/train.log" 2>&1 || status=$?
+        ${SEED:+--seed="$SEED"} >"$dir/train.log" 2>&1 || status=$?
     if [ "$status" -eq 0 ]; then
         echo "loss_parity: $precision: done in $((SECONDS - start)) s"
     else
