@@ -127,10 +127,10 @@ static void check_out_dir(const ConfigParser *parser) {
     fail_config(parser, "out_dir", message);
 }
 
-// Every refusal of a config that needs no file or GPU, for dry_run and training alike (dry_run
-// also plans a model config that names no data: training refuses an empty train_data itself).
+// Every refusal of a config that needs no file or GPU, for dry_run and training alike.
 static void check_run_config(const ConfigParser *parser) {
     const TrainConfig *c = &parser->values;
+    if (!c->generate && c->train_data[0] == '\0') fail_config(parser, "train_data", "is empty: name the training shards");
     if ((c->sample_every > 0 || c->generate) && c->tokenizer[0] == '\0')
         fail_config(parser, "tokenizer", "is empty: sampling needs the tokenizer");
     check_precision(parser);
@@ -693,7 +693,6 @@ static int train(ConfigParser *parser, int ranks) {
     const TrainConfig *c = &parser->values;
     char error[1024];
     refuse_multi_process_launch();
-    if (!c->generate && c->train_data[0] == '\0') fail_config(parser, "train_data", "is empty: name the training shards");
     check_run_config(parser);
     if (shard_make_directories(c->out_dir, error, sizeof(error)) != 0) {
         fprintf(stderr, "%s\n", error);

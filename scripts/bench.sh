@@ -93,7 +93,7 @@ PY
     free_gib=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits | head -1 | awk '{printf "%.2f", $1 / 1024 * 0.98}')
     rows=()
     for precision in bf16 fp8 coat; do
-        b=$(./train_llama configs/models/llama2-7b.conf --dry_run=1 --precision=$precision --micro_batch_size=1 \
+        b=$(./train_llama configs/models/llama2-7b.conf --dry_run=1 --train_data="$dir/train_*.bin" --precision=$precision --micro_batch_size=1 \
             --seq_len=2048 --gpu_memory_gib="$free_gib" 2>/dev/null | sed -n 's/.*largest micro-batch that fits: \([0-9]*\)).*/\1/p')
         r=$(steps=10 ours llama2-7b llama2-7b "${b:-1}" 2048 $precision)
         fit=$(sed -n 's/.*the largest that fits is \([0-9]*\)$/\1/p' "$dir/llama2-7b-$precision.log" | head -1)

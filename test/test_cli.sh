@@ -4,6 +4,17 @@
 cd "$(dirname "$0")/.." || exit 1
 source test/check.sh
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+# Shards for the dry runs that plan a model: dry_run refuses an empty train_data as training does.
+# 140,000 tokens: one micro-batch of 64 x 2049 fits.
+mkdir -p "$tmp/plan"
+python3 - "$tmp/plan/train_000000.bin" <<'PY'
+import struct, sys
+count = 140000
+with open(sys.argv[1], "wb") as f:
+    f.write(struct.pack("<256i", 20240520, 1, count, *([0] * 253)))
+    f.write(struct.pack(f"<{count}H", *((i * 7) % 1000 for i in range(count))))
+PY
+plan_data="--train_data=$tmp/plan/train_*.bin"
 
 help=$(./train_llama --help); rc=$?
 check "--help exits 0" $rc
@@ -37,12 +48,12 @@ mkdir -p "$tmp/run"
 touch "$tmp/run/ckpt_00000010.bin" "$tmp/run/ckpt_00000010.done" "$tmp/run/log.jsonl"
 expect_error "a fresh run into an earlier run's out_dir" \
     "out_dir '$tmp/run' holds an earlier run (2 checkpoint file(s), the newest ckpt_00000010.bin, log.jsonl): resume = 1 continues it, overwrite = 1" \
-    configs/models/tiny.conf --dry_run=1 --out_dir="$tmp/run"
-out=$(./train_llama configs/models/tiny.conf --dry_run=1 --out_dir="$tmp/run" --overwrite=1 2>&1); rc=$?
+    configs/models/tiny.conf --dry_run=1 "$plan_data" --out_dir="$tmp/run"
+out=$(./train_llama configs/models/tiny.conf --dry_run=1 "$plan_data" --out_dir="$tmp/run" --overwrite=1 2>&1); rc=$?
 check "overwrite = 1 lets dry_run pass and removes nothing" \
     "$([ $rc -eq 0 ] && [ -e "$tmp/run/ckpt_00000010.bin" ] && [ -e "$tmp/run/log.jsonl" ]; echo $?)" "$out"
 mkdir -p "$tmp/other"; touch "$tmp/other/notes.txt"
-out=$(./train_llama configs/models/tiny.conf --dry_run=1 --out_dir="$tmp/other" 2>&1); rc=$?
+out=$(./train_llama configs/models/tiny.conf --dry_run=1 "$plan_data" --out_dir="$tmp/other" 2>&1); rc=$?
 check "an out_dir with other files only is no earlier run" $rc "$out"
 
 # The validation set: not part of the training data, and at least val_batches batches (2600
@@ -55,7 +66,7 @@ for name, count in (("train_000000.bin", 26000), ("val_000000.bin", 2600)):
         f.write(struct.pack("<256i", 20240520, 1, count, *([0] * 253)))
         f.write(struct.pack(f"<{count}H", *((i * 7) % 1000 for i in range(count))))
 PY
-data=(configs/models/tiny.conf --dry_run=1 --micro_batch_size=4 --seq_len=64 --out_dir="$tmp/valrun"
+data=(configs/models/tiny.conf --dry_run=1 "$plan_data" --micro_batch_size=4 --seq_len=64 --out_dir="$tmp/valrun"
       --train_data="$tmp/data/train_*.bin" --val_data="$tmp/data/val_*.bin")
 expect_stderr() {  # expect_stderr NAME EXPECTED-TEXT ARGS...: exit code 2, one error line (stdout aside)
     local name=$1 text=$2; shift 2
@@ -99,18 +110,18 @@ import sys; sys.path.insert(0, 'scripts')
 from llama_layout import ModelShape, ParamLayout
 print(ParamLayout(ModelShape(vocab_size=1000, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=352, max_seq_len=128)).total_padded)" 2>/dev/null || echo 0)
 make_checkpoint "$tmp/same.bin" padded="$padded"
-out=$(./train_llama configs/models/tiny.conf --dry_run=1 --init_from="$tmp/same.bin" 2>&1); rc=$?
+out=$(./train_llama configs/models/tiny.conf --dry_run=1 "$plan_data" --init_from="$tmp/same.bin" 2>&1); rc=$?
 check "a checkpoint of the config's model passes dry_run" "$([ $rc -eq 0 ] && printf '%s' "$out" | grep -q 'checkpoint of step 0'; echo $?)" "$out"
 for change in "theta=500000:rope_theta" "eps=1e-6:norm_eps" "scaling=8:rope_scaling_factor" "ffn=384:ffn_dim"; do
     make_checkpoint "$tmp/other.bin" padded="$padded" "${change%%:*}"
     expect_stderr "a checkpoint whose ${change##*:} differs" "$tmp/other.bin: ${change##*:} differs between the checkpoint and the config" \
-        configs/models/tiny.conf --dry_run=1 --init_from="$tmp/other.bin"
+        configs/models/tiny.conf --dry_run=1 "$plan_data" --init_from="$tmp/other.bin"
 done
 make_checkpoint "$tmp/count.bin" padded=128
 expect_stderr "a checkpoint with another parameter count" "$tmp/count.bin: 128 parameters (padded), the config's model has $padded" \
-    configs/models/tiny.conf --dry_run=1 --init_from="$tmp/count.bin"
+    configs/models/tiny.conf --dry_run=1 "$plan_data" --init_from="$tmp/count.bin"
 make_checkpoint "$tmp/huge.bin" padded=$((1 << 41))
-err=$(./train_llama configs/models/tiny.conf --dry_run=1 --init_from="$tmp/huge.bin" 2>&1 > /dev/null); rc=$?
+err=$(./train_llama configs/models/tiny.conf --dry_run=1 "$plan_data" --init_from="$tmp/huge.bin" 2>&1 > /dev/null); rc=$?
 check "a header announcing 2^41 parameters is refused as corrupt, not wrapped" \
     "$([ $rc -ne 0 ] && [ "$err" = "error: $tmp/huge.bin: corrupt header (sizes past 2^40 parameters or 2^50 bytes) (init_from, set at command line)" ]; echo $?)" "$err"
 
@@ -120,7 +131,7 @@ err=$(./train_llama "$tmp/data_line.conf" --dry_run=1 2>&1 >/dev/null); rc=$?
 check "a shard error names the config line that set train_data" \
     "$([ $rc -ne 0 ] && printf '%s' "$err" | grep -q "no file matches.*(train_data, set at $tmp/data_line.conf:2)"; echo $?)" "$err"
 printf 'include = %s/configs/models/tiny.conf\ntokenizer = %s/none.json\n' "$PWD" "$tmp" > "$tmp/tokenizer_line.conf"
-err=$(./train_llama "$tmp/tokenizer_line.conf" --dry_run=1 2>&1 >/dev/null); rc=$?
+err=$(./train_llama "$tmp/tokenizer_line.conf" --dry_run=1 "$plan_data" 2>&1 >/dev/null); rc=$?
 check "a tokenizer error names the config line that set tokenizer" \
     "$([ $rc -ne 0 ] && [ "$err" = "error: $tmp/none.json: cannot open: No such file or directory (tokenizer, set at $tmp/tokenizer_line.conf:2)" ]; echo $?)" "$err"
 
@@ -141,9 +152,11 @@ err=$(OMPI_COMM_WORLD_SIZE=1 ./train_llama "${data[@]}" --dry_run=0 2>&1 >/dev/n
 check "OMPI_COMM_WORLD_SIZE=1 is one process" "$(! printf '%s' "$err" | grep -q 'launched as one of'; echo $?)" "$err"
 
 # The trainer's start-up refusals, made by dry_run too (one function, the same messages).
+expect_error "dry_run without train_data" "default: train_data is empty: name the training shards" \
+    configs/models/tiny.conf --dry_run=1
 expect_error "samples without a tokenizer" "command line: tokenizer is empty: sampling needs the tokenizer" \
     "${data[@]}" --sample_every=10 --tokenizer=
-err=$(./train_llama configs/models/llama-125m.conf --dry_run=1 --generate=1 --out_dir="$tmp/empty_run" \
+err=$(./train_llama configs/models/llama-125m.conf --dry_run=1 "$plan_data" --generate=1 --out_dir="$tmp/empty_run" \
       --tokenizer=data/tokenizers/llama2/tokenizer.json 2>&1 >/dev/null); rc=$?
 check "generate without a checkpoint is refused by dry_run" \
     "$([ $rc -ne 0 ] && [ "$err" = "error: $tmp/empty_run: no checkpoint to generate from (set init_from)" ]; echo $?)" "$err"
@@ -161,25 +174,25 @@ check "resume from another version's trainer state is refused by dry_run" \
 # Precision combinations: any mix of GEMMs, activation storage and optimizer states is planned;
 # what cannot run is refused by dry_run with its reason, naming the key.
 expect_error "fast accumulation without FP8 GEMMs" "command line: fp8_fast_accum applies to FP8 GEMMs only" \
-    configs/models/tiny.conf --dry_run=1 --fp8_fast_accum=1
+    configs/models/tiny.conf --dry_run=1 "$plan_data" --fp8_fast_accum=1
 expect_error "FP8 with a token count that is not a multiple of 16" "command line: precision FP8 transposes" \
-    configs/models/tiny.conf --dry_run=1 --precision=coat --micro_batch_size=3 --seq_len=5
+    configs/models/tiny.conf --dry_run=1 "$plan_data" --precision=coat --micro_batch_size=3 --seq_len=5
 expect_error "BF16 GEMMs over FP8 activations with ffn_dim < dim" "command line: activations BF16 GEMMs with FP8-saved inputs" \
-    configs/models/tiny.conf --dry_run=1 --activations=fp8 --ffn_dim=64
-out=$(./train_llama configs/models/llama-1b.conf --dry_run=1 --micro_batch_size=16 --activations=coat --optimizer_states=fp8_dre 2>&1); rc=$?
+    configs/models/tiny.conf --dry_run=1 "$plan_data" --activations=fp8 --ffn_dim=64
+out=$(./train_llama configs/models/llama-1b.conf --dry_run=1 "$plan_data" --micro_batch_size=16 --activations=coat --optimizer_states=fp8_dre 2>&1); rc=$?
 check "dry_run plans BF16 GEMMs over COAT activations and FP8+DRE states" \
     "$([ $rc -eq 0 ] && printf '%s\n' "$out" | grep -q 'precision bf16, optimizer states fp8_dre, activations coat'; echo $?)" "$out"
 check "dry_run prints saved activations per layer in U beside the paper's" \
     "$(printf '%s\n' "$out" | grep -q "^saved per layer: 9.13U .*COAT 13.33U"; echo $?)" "$(printf '%s\n' "$out" | tail -2)"
 for precision in bf16 fp8 coat; do
-    out=$(./train_llama configs/models/llama-1b.conf --dry_run=1 --micro_batch_size=16 --precision=$precision 2>&1); rc=$?
+    out=$(./train_llama configs/models/llama-1b.conf --dry_run=1 "$plan_data" --micro_batch_size=16 --precision=$precision 2>&1); rc=$?
     check "dry_run llama-1b $precision exits 0" $rc "$out"
     check "dry_run llama-1b $precision prints the memory plan" \
         "$(printf '%s\n' "$out" | grep -q "memory plan per rank: precision $precision" &&
            printf '%s\n' "$out" | grep -q '^  optimizer states' && printf '%s\n' "$out" | grep -q '^  total'; echo $?)"
 done
-out=$(./train_llama configs/models/llama2-7b.conf --dry_run=1 --micro_batch_size=64 --gpu_memory_gib=141 2>&1); rc=$?
-out2=$(./train_llama configs/models/llama2-7b.conf --dry_run=1 --micro_batch_size=1 --gpu_memory_gib=20 2>&1); rc2=$?
+out=$(./train_llama configs/models/llama2-7b.conf --dry_run=1 "$plan_data" --micro_batch_size=64 --seq_len=2048 --gpu_memory_gib=141 2>&1); rc=$?
+out2=$(./train_llama configs/models/llama2-7b.conf --dry_run=1 "$plan_data" --micro_batch_size=1 --gpu_memory_gib=20 2>&1); rc2=$?
 check "dry_run says that no micro-batch fits rather than 'the largest is 0'" \
     "$([ $rc2 -eq 2 ] && printf '%s' "$out2" | grep -q 'not even micro_batch_size 1 fits' && ! printf '%s' "$out2" | grep -q 'is 0'; echo $?)" "$out2"
 check "dry_run refuses a micro-batch that does not fit, naming the largest that does" \
@@ -210,7 +223,7 @@ write_shard(f"{tmp}/big_000000.bin", [i % 1000 for i in range(20000)] + [1500])
 write_shard(f"{tmp}/cut_000000.bin", [i % 1000 for i in range(20000)], cut=10)
 open(f"{tmp}/tokenizer.json", "w").write('{"model": {"type": "Unigram", "vocab": []}}')
 PY
-tiny=(configs/models/tiny.conf --dry_run=1 --micro_batch_size=2 --seq_len=64 --warmup_steps=0 --out_dir="$tmp/none")
+tiny=(configs/models/tiny.conf --dry_run=1 "$plan_data" --micro_batch_size=2 --seq_len=64 --warmup_steps=0 --out_dir="$tmp/none")
 expect_fail() {  # expect_fail NAME EXPECTED-TEXT ARGS...
     local name=$1 text=$2; shift 2
     out=$(./train_llama "${tiny[@]}" "$@" 2>&1); rc=$?

@@ -71,6 +71,14 @@ check "the C layout printer builds against coat/params.h" $rc "$out"
 # The standard shapes need no padding (every size is a multiple of 128); odd.conf does.
 printf 'include = %s/configs/models/tiny.conf\nvocab_size = 1001\ndim = 192\nn_heads = 3\nn_kv_heads = 1\nffn_dim = 208\nn_layers = 3\n' \
     "$PWD" > "$tmp/odd.conf"
+# dry_run needs training shards (it refuses an empty train_data as training does): one of 1,100
+# tokens, every id below the smallest vocabulary here.
+python3 - "$tmp/plan.bin" <<'PY'
+import struct, sys
+with open(sys.argv[1], "wb") as f:
+    f.write(struct.pack("<256i", 20240520, 1, 1100, *([0] * 253)))
+    f.write(struct.pack("<1100H", *(i % 1000 for i in range(1100))))
+PY
 for conf in configs/models/*.conf "$tmp/odd.conf"; do
     name=$(basename "$conf" .conf)
     shape=$("$PYTHON" "$tmp/layout.py" "$conf" --shape 2>&1)
@@ -82,7 +90,8 @@ for conf in configs/models/*.conf "$tmp/odd.conf"; do
     check "$name: every offset and size equals coat/params.h" "$([ -n "$c_table" ] && [ -z "$difference" ]; echo $?)" \
         "expected (C) vs got (Python): $difference"
     if [ -x ./train_llama ]; then
-        expected=$(./train_llama "$conf" --dry_run=1 2>&1 | sed -n 's/^parameters: \([0-9]*\) .*/\1/p')
+        expected=$(./train_llama "$conf" --dry_run=1 --train_data="$tmp/plan.bin" --micro_batch_size=1 --seq_len=64 2>&1 |
+            sed -n 's/^parameters: \([0-9]*\) .*/\1/p')
         got=$(printf '%s\n' "$python_table" | sed -n 's/^total_params //p')
         check "$name: total parameters equal ./train_llama --dry_run=1" "$([ -n "$expected" ] && [ "$expected" = "$got" ]; echo $?)" \
             "expected $expected, got $got"
