@@ -355,6 +355,11 @@ static int dry_run(const ConfigParser *parser, int ranks) {
     MemoryPlan plan;
     memory_plan_compute(&plan, c, ranks, c->micro_batch_size);
     memory_plan_print(stdout, &plan, c);
+    ParamLayout layout;
+    param_layout_init(&layout, &c->model);
+    ZeroPlan zero;
+    zero_plan_init(&zero, &layout, ranks, c->zero_stage);
+    zero_print(stdout, &zero, &layout, grad_accum, c->precision != PRECISION_BF16);
     print_activation_table(c);
     if (c->gpu_memory_gib > 0) {
         size_t budget = (size_t)(c->gpu_memory_gib * 1024.0 * 1024.0 * 1024.0);

@@ -8,6 +8,7 @@
 #include "activations.h"
 #include "config.h"
 #include "params.h"
+#include "zero.h"
 
 #define CUBLASLT_WORKSPACE_BYTES (32u << 20)
 #define CLASSIFIER_CHUNK_ROWS 4096  // logits rows per lm_head + cross-entropy chunk (4096 x 32000 BF16: 250 MB)
@@ -97,7 +98,7 @@ typedef struct {
     size_t params_padded;      // elements in the parameter buffer
     size_t shard_elems;        // elements of that buffer this rank's optimizer owns
     size_t params_bytes;       // BF16 working weights
-    size_t grads_bytes;        // BF16 gradients (a shard plus one layer's bucket with ZeRO-2)
+    size_t grads_bytes;        // gradients (coat/zero.h: BF16, or with ZeRO-2 an FP32 shard and two buckets)
     size_t master_bytes;       // FP32 master weights
     size_t states_bytes;       // AdamW m and v
     size_t activations_bytes;  // saved for backward, all layers
@@ -125,25 +126,23 @@ static inline size_t optimizer_state_bytes(StatesChoice states, size_t n) {
     return 2 * (element * n + 4 * scalars * groups) + groups;
 }
 
-static inline size_t memory_plan_shard_elems(size_t padded, int ranks) {
-    return round_up_size((padded + (size_t)ranks - 1) / (size_t)ranks, PARAM_ALIGN_ELEMS);
-}
-
 static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, int ranks, int micro_batch_size) {
     ParamLayout layout;
     const ModelShape *m = &c->model;
     param_layout_init(&layout, m);
     size_t tokens = (size_t)micro_batch_size * (size_t)c->seq_len;
     ActivationsChoice acts = config_activations(c);
-    int sharded = c->zero_stage >= 1 && ranks > 1;
+    ZeroPlan zero;
+    zero_plan_init(&zero, &layout, ranks, ranks > 1 ? c->zero_stage : 0);
 
     plan->ranks = ranks;
     plan->micro_batch_size = micro_batch_size;
     plan->params_padded = layout.total_padded;
-    plan->shard_elems = sharded ? memory_plan_shard_elems(layout.total_padded, ranks) : layout.total_padded;
-    plan->params_bytes = 2 * layout.total_padded;
-    plan->grads_bytes = (c->zero_stage >= 2 && ranks > 1) ? 2 * (plan->shard_elems + layout.layer_stride)
-                                                          : 2 * layout.total_padded;
+    plan->shard_elems = zero.shard_elems;
+    plan->params_bytes = 2 * zero.padded_elems;
+    // ZeRO-2: the shard's FP32 accumulator and two BF16 buffers of the largest bucket (one fills
+    // while the other is reduced); otherwise the whole BF16 gradient.
+    plan->grads_bytes = zero.stage == 2 ? 4 * zero.shard_elems + 2 * 2 * zero.largest_bucket_elems : 2 * zero.padded_elems;
     plan->master_bytes = 4 * plan->shard_elems;
     plan->states_bytes = optimizer_state_bytes(config_optimizer_states(c), plan->shard_elems);
 
@@ -181,7 +180,7 @@ static inline void memory_plan_print(FILE *out, const MemoryPlan *plan, const Tr
                  "micro-batch %d x %d tokens, %d rank(s), ZeRO stage %d\n",
             precision, states, acts, plan->micro_batch_size, c->seq_len, plan->ranks, c->zero_stage);
     fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param)\n", "parameters (bf16)", gib(plan->params_bytes), plan->params_bytes / p);
-    fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param)\n", "gradients (bf16)", gib(plan->grads_bytes), plan->grads_bytes / p);
+    fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param)\n", "gradients", gib(plan->grads_bytes), plan->grads_bytes / p);
     fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param)\n", "master weights (fp32)", gib(plan->master_bytes), plan->master_bytes / p);
     fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param)\n", "optimizer states", gib(plan->states_bytes), plan->states_bytes / p);
     fprintf(out, "  %-22s %9.3f GiB\n", "activations (saved)", gib(plan->activations_bytes));

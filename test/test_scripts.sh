@@ -369,4 +369,14 @@ else
     echo "SKIP plot_curves.py (matplotlib is not installed)"
 fi
 
+# The multi-GPU prediction reads dry_run's per-rank traffic: a row per model and size, and
+# gathering E4M3 weights never sends more than BF16.
+if [ -x ./train_llama ]; then
+    out=$("$PYTHON" scripts/predict_scaling.py 2>&1); rc=$?
+    rows=$(printf '%s\n' "$out" | grep -c '^| llama')
+    fp8_less=$(printf '%s\n' "$out" | awk -F'|' '/^[|] llama/ && $6 ~ / \/ / { split($6, g, " / "); if (g[2] + 0 >= g[1] + 0) bad = 1 } END { print bad ? 1 : 0 }')
+    check "predict_scaling.py prints 12 rows (3 models x 1, 8, 64, 512 GPUs), e4m3 weights sending less" \
+        "$([ $rc -eq 0 ] && [ "$rows" -eq 12 ] && [ "$fp8_less" -eq 0 ]; echo $?)" "$out"
+fi
+
 check_summary test_scripts
