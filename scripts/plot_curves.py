@@ -2,7 +2,11 @@
 """Plots the loss curves of training runs: train loss (thin line) and validation loss (markers)
 of every run against the step, with a tokens axis on top when the logs count tokens.
 
-  plot_curves.py OUT.png RUN_DIR[:label] [RUN_DIR[:label] ...]
+  plot_curves.py [--reference LABEL [--spread LABEL]] OUT.png RUN_DIR[:label] [RUN_DIR[:label] ...]
+
+With --reference, a second panel shows each other run's validation loss relative to the
+reference run's at the same steps (in %), and with --spread the difference of that run (the
+reference's recipe from another seed) as a grey band of +-its size: the seed-to-seed spread.
 
 Reads RUN_DIR/log.jsonl, one JSON object a line: training records {"step", "train_loss", "lr",
 "grad_norm", "ms", "tokens_per_s", "mfu", "gpu_mem_gib"[, "tokens"]} and validation records
@@ -12,7 +16,7 @@ import json
 import math
 import os
 import sys
-from typing import List, NamedTuple, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import matplotlib
 matplotlib.use("Agg")  # files only, no display
@@ -74,8 +78,41 @@ def loss_axis_top(runs: List[Run]) -> float:
     return max(tops)
 
 
-def plot(out_path: str, runs: List[Run]) -> None:
-    figure, axis = plt.subplots(figsize=(10, 6))
+def relative_val(run: Run, reference: Run) -> List[Tuple[int, float]]:
+    """(step, 100 (val / reference val - 1)) at the steps both runs validated."""
+    reference_val = dict(reference.val)
+    return [(step, 100.0 * (loss / reference_val[step] - 1.0)) for step, loss in run.val if reference_val.get(step)]
+
+
+def plot_relative(axis, runs: List[Run], reference: Run, spread: Optional[Run]) -> None:
+    if spread is not None:
+        band = relative_val(spread, reference)
+        if band:
+            steps, values = zip(*band)
+            size = [abs(v) for v in values]
+            axis.fill_between(steps, [-v for v in size], size, color="0.85",
+                              label=f"seed spread (|{spread.label} - {reference.label}|)")
+    for index, run in enumerate(runs):
+        if run is reference or run is spread:
+            continue
+        points = relative_val(run, reference)
+        if points:
+            axis.plot(*zip(*points), color=f"C{index % 10}", marker="o", markersize=3, linewidth=1.2,
+                      label=f"{run.label} vs {reference.label}")
+    axis.axhline(0.0, color="0.4", linewidth=0.8)
+    axis.set_xlabel("step")
+    axis.set_ylabel("val loss vs reference (%)")
+    axis.grid(True, alpha=0.3)
+    axis.legend()
+
+
+def plot(out_path: str, runs: List[Run], reference: Optional[Run] = None, spread: Optional[Run] = None) -> None:
+    if reference is None:
+        figure, axis = plt.subplots(figsize=(10, 6))
+    else:
+        figure, (axis, relative_axis) = plt.subplots(2, 1, figsize=(10, 9), sharex=True,
+                                                     gridspec_kw={"height_ratios": [2, 1]})
+        plot_relative(relative_axis, runs, reference, spread)
     for index, run in enumerate(runs):
         color = f"C{index % 10}"
         if run.train:
@@ -86,7 +123,8 @@ def plot(out_path: str, runs: List[Run]) -> None:
     bottom, top = min(all_losses), loss_axis_top(runs)
     margin = 0.02 * (top - bottom) or 0.1
     axis.set_ylim(bottom - margin, top + margin)
-    axis.set_xlabel("step")
+    if reference is None:
+        axis.set_xlabel("step")
     axis.set_ylabel("loss")
     axis.grid(True, alpha=0.3)
     axis.legend()
@@ -105,13 +143,29 @@ def plot(out_path: str, runs: List[Run]) -> None:
         raise SystemExit(f"error: {out_path}: cannot write: {e.strerror}")
 
 
+def find_run(runs: List[Run], label: Optional[str], option: str) -> Optional[Run]:
+    if label is None:
+        return None
+    for run in runs:
+        if run.label == label:
+            return run
+    raise SystemExit(f"error: {option} {label}: no run has that label ({', '.join(run.label for run in runs)})")
+
+
 def main() -> int:
-    if len(sys.argv) < 3:
+    arguments = sys.argv[1:]
+    options = {"--reference": None, "--spread": None}
+    while arguments and arguments[0] in options:
+        if len(arguments) < 2:
+            raise SystemExit(f"error: {arguments[0]} needs a run label")
+        options[arguments[0]] = arguments[1]
+        arguments = arguments[2:]
+    if len(arguments) < 2 or (options["--spread"] and not options["--reference"]):
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
-    out_path = sys.argv[1]
-    runs = [read_run(*parse_run_argument(argument)) for argument in sys.argv[2:]]
-    plot(out_path, runs)
+    out_path = arguments[0]
+    runs = [read_run(*parse_run_argument(argument)) for argument in arguments[1:]]
+    plot(out_path, runs, find_run(runs, options["--reference"], "--reference"), find_run(runs, options["--spread"], "--spread"))
     for run in runs:
         last_train = f"train {run.train[-1][1]:.4f} at step {run.train[-1][0]}" if run.train else "no train records"
         last_val = f", val {run.val[-1][1]:.4f} at step {run.val[-1][0]}" if run.val else ""

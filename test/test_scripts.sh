@@ -369,6 +369,61 @@ else
     echo "SKIP plot_curves.py (matplotlib is not installed)"
 fi
 
+# reproduce_curves.sh without a GPU: pack cuts the shards into pieces and parts, unpack restores
+# the same tokens (and names what has not arrived or is damaged), report tabulates the runs' logs.
+curves=$tmp/curves
+mkdir -p "$curves/corpus"
+"$PYTHON" - "$curves/corpus" <<'PY'
+import struct, sys
+for name, count in (("train_000000.bin", 5000), ("train_000001.bin", 1200), ("val_000000.bin", 700)):
+    with open(f"{sys.argv[1]}/{name}", "wb") as f:
+        f.write(struct.pack("<256i", 20240520, 1, count, *([0] * 253)))
+        f.write(struct.pack(f"<{count}H", *((i * 7919) % 32000 for i in range(count))))
+PY
+export_curves=(env CORPUS="$curves/corpus" PACK="$curves/pack" DATA="$curves/data" OUT="$curves/out" RESULTS="$curves/results"
+               PIECE_TOKENS=2000 PART_BYTES=6000)
+out=$("${export_curves[@]}" scripts/reproduce_curves.sh pack 2>&1); rc=$?
+parts=$(ls -d "$curves"/pack/part_* 2>/dev/null | wc -l)
+check "reproduce_curves.sh pack: 5 pieces of at most 2000 tokens in parts of at most 6000 bytes, each with the MANIFEST" \
+    "$([ $rc -eq 0 ] && [ "$parts" -ge 2 ] && [ "$(cat "$curves"/pack/part_*/MANIFEST | sort -u | wc -l)" -eq 5 ] &&
+       [ "$(ls "$curves"/pack/part_*/MANIFEST | wc -l)" -eq "$parts" ]; echo $?)" "$out"
+mv "$curves/pack/part_2" "$curves/part_2"
+out=$("${export_curves[@]}" scripts/reproduce_curves.sh unpack 2>&1); rc=$?
+check "unpack with a part still missing exits 1 naming its pieces" \
+    "$([ $rc -eq 1 ] && printf '%s' "$out" | grep -q 'not here yet: train_'; echo $?)" "$out"
+mv "$curves/part_2" "$curves/pack/part_2"
+out=$("${export_curves[@]}" scripts/reproduce_curves.sh unpack 2>&1); rc=$?
+same=$("$PYTHON" - "$curves" <<'PY'
+import glob, struct, sys
+def tokens(path):
+    data = open(path, "rb").read()
+    return list(struct.unpack(f"<{struct.unpack('<3i', data[:12])[2]}H", data[1024:]))
+root = sys.argv[1]
+for split in ("train", "val"):
+    original = sum((tokens(p) for p in sorted(glob.glob(f"{root}/corpus/{split}_*.bin"))), [])
+    pieces = sum((tokens(p) for p in sorted(glob.glob(f"{root}/data/{split}_*.bin"))), [])
+    if original != pieces:
+        sys.exit(1)
+PY
+); same_rc=$?
+check "unpack of every part gives the same tokens in the same order" "$([ $rc -eq 0 ] && [ $same_rc -eq 0 ]; echo $?)" "$out"
+printf 'x' >> "$curves/data/train_000001.bin"
+out=$("${export_curves[@]}" scripts/reproduce_curves.sh unpack 2>&1); rc=$?
+check "unpack finds a damaged piece, removes it and says so" \
+    "$([ $rc -eq 1 ] && printf '%s' "$out" | grep -q 'train_000001.bin differ from the MANIFEST' && [ ! -e "$curves/data/train_000001.bin" ]; echo $?)" "$out"
+for run in bf16 fp8 coat; do
+    mkdir -p "$curves/out/$run"
+    cp "configs/results/parity/$run.log.jsonl" "$curves/out/$run/log.jsonl"
+    echo 400 > "$curves/out/$run/gpu_seconds"
+done
+out=$("${export_curves[@]}" scripts/reproduce_curves.sh report 2>&1); rc=$?
+check "report tabulates each run's final val loss and its gap to bf16 from the logs" \
+    "$([ $rc -eq 0 ] && grep -q '^| fp8 | 300 | 19.7M | 5.0398 (step 300) | +0.96% | 715,678 | 17.99 | 6.7 min |$' "$curves/results/curves.md" &&
+       grep -q '^| coat | 300 | .* | +1.45% |' "$curves/results/curves.md"; echo $?)" "$out"
+out=$(scripts/reproduce_curves.sh run nonsense 2>&1); rc=$?
+check "reproduce_curves.sh run with an unknown name prints its usage, exit 2" \
+    "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q 'usage: scripts/reproduce_curves.sh'; echo $?)" "$out"
+
 # The multi-GPU prediction reads dry_run's per-rank traffic: a row per model and size, and
 # gathering E4M3 weights never sends more than BF16.
 if [ -x ./train_llama ]; then
