@@ -50,6 +50,7 @@ else ifeq ($(MPI_LINK),)
 $(info MPI: missing (mpicc --showme failed): single-process build)
 else
 $(info MPI: found (mpicc --showme))
+HAVE_MPI := 1
 NVCCFLAGS += -DUSE_MPI $(filter -I%,$(MPI_COMPILE))
 NVCC_LIBS += $(foreach flag,$(MPI_LINK),$(if $(filter -Wl%,$(flag)),-Xlinker $(subst -Wl$(comma),,$(flag)),$(flag)))
 endif
@@ -107,8 +108,18 @@ $(BUILD)/bench_attention_variants: test/bench_attention_variants.cu $(TEST_HEADE
 	@mkdir -p $(BUILD)
 	$(NVCC) $(NVCCFLAGS) $< -o $@ $(NVCC_LIBS)
 
+# The ranks test/test_comm.sh launches: comm_ranks with MPI when this build has it, and
+# comm_ranks_single, a build without MPI (its refusal of an MPI launch, the file rendezvous).
+COMM_PROGRAMS := $(BUILD)/comm_ranks $(BUILD)/comm_ranks_single
+$(BUILD)/comm_ranks: test/comm_ranks.c coat/comm.h
+	@mkdir -p $(BUILD)
+	$(CC) $(CFLAGS) $(if $(HAVE_MPI),-DUSE_MPI $(MPI_COMPILE)) $< -o $@ $(if $(HAVE_MPI),$(MPI_LINK))
+$(BUILD)/comm_ranks_single: test/comm_ranks.c coat/comm.h
+	@mkdir -p $(BUILD)
+	$(CC) $(CFLAGS) $< -o $@
+
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-CPU_SCRIPT_TESTS := test/test_cli.sh test/test_shards.sh test/test_scripts.sh test/test_corpus.sh
+CPU_SCRIPT_TESTS := test/test_cli.sh test/test_shards.sh test/test_scripts.sh test/test_corpus.sh test/test_comm.sh
 GPU_SCRIPT_TESTS := test/test_train.sh test/test_crash.sh test/test_hf.sh
 
 # The PyTorch reference's debug state that test_model compares against (needs python3 with
@@ -126,7 +137,7 @@ TOKENIZERS := data/tokenizers/llama3/tokenizer.json data/tokenizers/llama2/token
 $(TOKENIZERS):
 	scripts/fetch_tokenizers.sh
 
-test: all $(CPU_TESTS) $(GPU_TESTS) $(TOKENIZERS)
+test: all $(CPU_TESTS) $(GPU_TESTS) $(COMM_PROGRAMS) $(TOKENIZERS)
 ifeq ($(HAVE_GPU),0)
 	@echo "no GPU found (nvidia-smi -L): running the CPU tests only"
 	@test/run_tests.sh $(CPU_TESTS) $(CPU_SCRIPT_TESTS)
@@ -135,7 +146,7 @@ else
 	@test/run_tests.sh $(CPU_TESTS) $(CPU_SCRIPT_TESTS) $(GPU_TESTS) $(GPU_SCRIPT_TESTS)
 endif
 
-test-cpu: all $(CPU_TESTS) $(TOKENIZERS)
+test-cpu: all $(CPU_TESTS) $(COMM_PROGRAMS) $(TOKENIZERS)
 	@test/run_tests.sh $(CPU_TESTS) $(CPU_SCRIPT_TESTS)
 
 test-gpu: all $(GPU_TESTS)

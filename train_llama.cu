@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "coat/comm.h"
 #include "coat/checkpoint.h"
 #include "coat/config.h"
 #include "coat/log.h"
@@ -683,14 +684,12 @@ static void log_validation(Trainer *t) {
 // Launched as one of several processes (mpirun, srun, torchrun-style variables): this trainer
 // runs one process, so N copies would train N independent models into the same out_dir.
 static void refuse_multi_process_launch(void) {
-    const char *variables[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS", "WORLD_SIZE"};
-    for (size_t i = 0; i < sizeof(variables) / sizeof(variables[0]); i++) {
-        const char *value = getenv(variables[i]);
-        if (value != NULL && atoi(value) > 1) {
-            fprintf(stderr, "error: launched as one of %d processes (%s=%s), but this build trains in one process: "
-                            "multi-GPU training is not built yet; start one process\n", atoi(value), variables[i], value);
-            exit(EXIT_FAILURE);
-        }
+    int world = 1;
+    const char *variable = "";
+    if (comm_detect_launch(&world, &variable) != LAUNCH_SINGLE) {
+        fprintf(stderr, "error: launched as one of %d processes (%s=%d), but this build trains in one process: "
+                        "multi-GPU training is not built yet; start one process\n", world, variable, world);
+        exit(EXIT_FAILURE);
     }
 }
 

@@ -1,0 +1,267 @@
+// The ranks of a run, one process per GPU, and the collectives between them on host memory.
+// Launch: under mpirun (OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_SIZE or SLURM_NTASKS set) MPI gives
+// rank, world size and the node-local rank (the GPU a rank drives); under a launcher that sets
+// RANK, WORLD_SIZE and LOCAL_RANK instead (a shell loop, torchrun-like tools), the ranks meet
+// through a file in a shared folder (comm_rendezvous: rank 0 writes, the others read), which is
+// how they share what NCCL needs to connect. A build without MPI that finds itself launched by
+// mpirun as several processes refuses: N copies of one job must never run.
+// Collectives (MPI only; the GPU path is NCCL): sums of FP64 and of BF16, the latter rounded to
+// nearest even after every addition as NCCL's reductions are, in the order MPI picks (so a
+// multi-rank sum differs from a one-rank run by BF16 rounding noise); a max of ints; broadcast;
+// the reduce-scatter, all-gather and reduce-to-owner of BF16 buffers that ZeRO needs (coat/zero.h).
+#pragma once
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#ifdef USE_MPI
+#define OMPI_SKIP_MPICXX 1  // the C API only, also when compiled as C++ (nvcc)
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+#endif
+
+typedef enum { LAUNCH_SINGLE, LAUNCH_MPI, LAUNCH_ENV } LaunchKind;
+
+typedef struct {
+    LaunchKind launch;
+    int rank, world;  // this process, of world
+    int local_rank;   // among the ranks of its node: the GPU it drives
+    int mpi_started;  // MPI_Init was called here (comm_finish finalizes)
+} Comm;
+
+// The integer value of environment variable `name` (-1 when unset; -2 when not a number >= 0).
+static inline int comm_env_int(const char *name) {
+    const char *value = getenv(name);
+    if (value == NULL || *value == '\0') return -1;
+    char *end;
+    errno = 0;
+    long n = strtol(value, &end, 10);
+    if (errno != 0 || *end != '\0' || n < 0 || n > 1 << 24) return -2;
+    return (int)n;
+}
+
+// The launcher that started this process and the world size it announces (1 for none).
+static inline LaunchKind comm_detect_launch(int *world, const char **variable) {
+    const char *mpi_variables[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"};
+    for (size_t i = 0; i < sizeof(mpi_variables) / sizeof(mpi_variables[0]); i++) {
+        int n = comm_env_int(mpi_variables[i]);
+        if (n > 0) {
+            *world = n;
+            *variable = mpi_variables[i];
+            return n > 1 ? LAUNCH_MPI : LAUNCH_SINGLE;
+        }
+    }
+    int n = comm_env_int("WORLD_SIZE");
+    *world = n > 1 ? n : 1;
+    *variable = "WORLD_SIZE";
+    return n > 1 ? LAUNCH_ENV : LAUNCH_SINGLE;
+}
+
+// Fills `c` for this process. Returns 0, or -1 with a message (a launch this build cannot serve,
+// inconsistent launcher variables).
+static inline int comm_init(Comm *c, int *argc, char ***argv, char *error, size_t error_size) {
+    memset(c, 0, sizeof(*c));
+    c->world = 1;
+    int announced = 1;
+    const char *variable = "";
+    c->launch = comm_detect_launch(&announced, &variable);
+    if (c->launch == LAUNCH_SINGLE) return 0;
+    if (c->launch == LAUNCH_ENV) {
+        int rank = comm_env_int("RANK"), local = comm_env_int("LOCAL_RANK");
+        if (rank < 0 || rank >= announced) {
+            snprintf(error, error_size, "WORLD_SIZE=%d needs RANK set to 0..%d (got %s)", announced, announced - 1,
+                     getenv("RANK") ? getenv("RANK") : "nothing");
+            return -1;
+        }
+        c->rank = rank;
+        c->world = announced;
+        c->local_rank = local >= 0 ? local : rank;
+        return 0;
+    }
+#ifdef USE_MPI
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized) {
+        if (MPI_Init(argc, argv) != MPI_SUCCESS) {
+            snprintf(error, error_size, "MPI_Init failed (launched by mpirun as %d processes)", announced);
+            return -1;
+        }
+        c->mpi_started = 1;
+    }
+    MPI_Comm_rank(MPI_COMM_WORLD, &c->rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &c->world);
+    MPI_Comm node;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL, &node);
+    MPI_Comm_rank(node, &c->local_rank);
+    MPI_Comm_free(&node);
+    return 0;
+#else
+    (void)argc;
+    (void)argv;
+    snprintf(error, error_size, "launched by MPI as one of %d processes (%s=%d), but this build has no MPI: rebuild with "
+             "MPI (libopenmpi-dev) or start one process", announced, variable, announced);
+    return -1;
+#endif
+}
+
+static inline void comm_finish(Comm *c) {
+#ifdef USE_MPI
+    if (c->mpi_started) MPI_Finalize();
+#endif
+    c->mpi_started = 0;
+}
+
+// ---- rendezvous through a shared folder (no MPI) ------------------------------------------------
+
+// Rank 0 writes `bytes` (n of them) to DIR/NAME (through DIR/NAME.tmp and a rename, so that a
+// reader never sees a partial file); the other ranks wait for it up to timeout_s seconds and read
+// it. Returns 0, or -1 with a message. The caller picks a NAME unique to the run (a stale file of
+// another run would be read as this one's).
+static inline int comm_rendezvous(const Comm *c, const char *dir, const char *name, void *bytes, size_t n,
+                                  double timeout_s, char *error, size_t error_size) {
+    char path[4096], tmp[4200];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    snprintf(tmp, sizeof(tmp), "%s.tmp", path);
+    if (c->rank == 0) {
+        FILE *f = fopen(tmp, "wb");
+        if (!f || fwrite(bytes, 1, n, f) != n || fclose(f) != 0 || rename(tmp, path) != 0) {
+            snprintf(error, error_size, "%s: cannot write the rendezvous file: %s", path, strerror(errno));
+            return -1;
+        }
+        return 0;
+    }
+    struct timespec pause = {0, 10 * 1000 * 1000};
+    for (double waited = 0.0; waited < timeout_s; waited += 0.01) {
+        FILE *f = fopen(path, "rb");
+        if (f) {
+            size_t got = fread(bytes, 1, n, f);
+            fclose(f);
+            if (got == n) return 0;
+            snprintf(error, error_size, "%s: %zu bytes, expected %zu", path, got, n);
+            return -1;
+        }
+        nanosleep(&pause, NULL);
+    }
+    snprintf(error, error_size, "%s: rank 0 wrote nothing in %.0f s (is %s shared by every rank?)", path, timeout_s, dir);
+    return -1;
+}
+
+// ---- collectives over MPI ---------------------------------------------------------------------
+#ifdef USE_MPI
+
+static inline void mpiCheck(int status, const char *call, const char *file, int line) {
+    if (status == MPI_SUCCESS) return;
+    char message[MPI_MAX_ERROR_STRING];
+    int length = 0;
+    MPI_Error_string(status, message, &length);
+    fprintf(stderr, "error: %s failed at %s:%d: %s\n", call, file, line, message);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+}
+#define MPI_CHECK(call) mpiCheck((call), #call, __FILE__, __LINE__)
+
+static inline float comm_bf16_to_float(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float x;
+    memcpy(&x, &u, sizeof(x));
+    return x;
+}
+
+static inline uint16_t comm_float_to_bf16(float x) {  // round to nearest even; NaN stays NaN
+    uint32_t u;
+    memcpy(&u, &x, sizeof(u));
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static void comm_bf16_sum(void *in, void *inout, int *count, MPI_Datatype *type) {
+    (void)type;
+    const uint16_t *a = (const uint16_t *)in;
+    uint16_t *b = (uint16_t *)inout;
+    for (int i = 0; i < *count; i++) b[i] = comm_float_to_bf16(comm_bf16_to_float(a[i]) + comm_bf16_to_float(b[i]));
+}
+
+static inline MPI_Op comm_bf16_sum_op(void) {
+    static MPI_Op op = MPI_OP_NULL;
+    if (op == MPI_OP_NULL) MPI_CHECK(MPI_Op_create(comm_bf16_sum, 1, &op));
+    return op;
+}
+
+// MPI counts are ints: large buffers go in pieces of at most 2^30 elements.
+#define COMM_PIECE ((size_t)1 << 30)
+
+static inline void comm_all_reduce_sum_f64(const Comm *c, double *values, int n) {
+    if (c->world > 1) MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values, n, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+}
+
+static inline void comm_all_reduce_max_int(const Comm *c, int *values, int n) {
+    if (c->world > 1) MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values, n, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
+}
+
+static inline void comm_broadcast(const Comm *c, void *bytes, size_t n, int root) {
+    for (size_t done = 0; c->world > 1 && done < n; done += COMM_PIECE) {
+        size_t piece = n - done < COMM_PIECE ? n - done : COMM_PIECE;
+        MPI_CHECK(MPI_Bcast((char *)bytes + done, (int)piece, MPI_BYTE, root, MPI_COMM_WORLD));
+    }
+}
+
+// data[n] BF16 summed over the ranks, in place on every rank (ZeRO stage 0).
+static inline void comm_all_reduce_sum_bf16(const Comm *c, uint16_t *data, size_t n) {
+    for (size_t done = 0; c->world > 1 && done < n; done += COMM_PIECE) {
+        size_t piece = n - done < COMM_PIECE ? n - done : COMM_PIECE;
+        MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data + done, (int)piece, MPI_UINT16_T, comm_bf16_sum_op(), MPI_COMM_WORLD));
+    }
+}
+
+// data[world * shard] BF16 summed over the ranks; rank r receives the sum of elements
+// [r shard, (r + 1) shard) in out[shard], which must not overlap data (ZeRO stage 1's gradients).
+static inline void comm_reduce_scatter_sum_bf16(const Comm *c, const uint16_t *data, uint16_t *out, size_t shard) {
+    if (c->world == 1) {
+        if (out != data) memmove(out, data, 2 * shard);
+        return;
+    }
+    if (shard > (size_t)INT32_MAX) {
+        fprintf(stderr, "error: comm_reduce_scatter_sum_bf16: a shard of %zu elements exceeds MPI's int counts\n", shard);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    MPI_CHECK(MPI_Reduce_scatter_block(data, out, (int)shard, MPI_UINT16_T, comm_bf16_sum_op(), MPI_COMM_WORLD));
+}
+
+// Every rank's shard[shard] BF16 into out[world * shard], rank r's at r shard (ZeRO's parameters
+// after a step). shard may point into out, at this rank's place.
+static inline void comm_all_gather_bf16(const Comm *c, const uint16_t *shard_data, uint16_t *out, size_t shard) {
+    if (c->world == 1) {
+        if (out != shard_data) memmove(out, shard_data, 2 * shard);
+        return;
+    }
+    if (shard > (size_t)INT32_MAX) {
+        fprintf(stderr, "error: comm_all_gather_bf16: a shard of %zu elements exceeds MPI's int counts\n", shard);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    const void *send = shard_data == out + (size_t)c->rank * shard ? MPI_IN_PLACE : (const void *)shard_data;
+    MPI_CHECK(MPI_Allgather(send, (int)shard, MPI_UINT16_T, out, (int)shard, MPI_UINT16_T, MPI_COMM_WORLD));
+}
+
+// data[n] BF16 summed over the ranks into out[n] on rank `root` (ZeRO stage 2: a bucket's part
+// to its owner); out is only written on root.
+static inline void comm_reduce_sum_bf16(const Comm *c, const uint16_t *data, uint16_t *out, size_t n, int root) {
+    if (c->world == 1) {
+        if (out != data) memmove(out, data, 2 * n);
+        return;
+    }
+    for (size_t done = 0; done < n; done += COMM_PIECE) {
+        size_t piece = n - done < COMM_PIECE ? n - done : COMM_PIECE;
+        const void *send = c->rank == root && data == out ? MPI_IN_PLACE : (const void *)(data + done);
+        MPI_CHECK(MPI_Reduce(send, c->rank == root ? out + done : NULL, (int)piece, MPI_UINT16_T, comm_bf16_sum_op(),
+                             root, MPI_COMM_WORLD));
+    }
+}
+
+static inline void comm_barrier(const Comm *c) {
+    if (c->world > 1) MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
+}
+
+#endif  // USE_MPI

@@ -1,0 +1,97 @@
+// The program test/test_comm.sh launches as several ranks to test coat/comm.h:
+//   comm_ranks init         prints "rank R of W, local L" (or the error, exit 2)
+//   comm_ranks collectives  (MPI) every collective on inputs each rank can compute for all the
+//                           others, checked exactly: sums of multiples of 1/8 below 32 are exact in BF16
+//   comm_ranks rendezvous DIR NAME [TIMEOUT_S]   rank 0 shares 64 bytes through DIR/NAME (the others
+//                           wait up to TIMEOUT_S, default 20); prints them in hex
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "../coat/comm.h"
+
+#ifdef USE_MPI
+static float input_value(int rank, size_t i) { return (float)((rank * 5 + (int)(i % 17)) % 16) / 8.0f; }  // 0..1.875
+
+static int collectives(const Comm *c) {
+    int failures = 0;
+    size_t shard = 1000 + 3, n = (size_t)c->world * shard;
+    uint16_t *data = malloc(2 * n), *expected = malloc(2 * n), *out = malloc(2 * n);
+    for (size_t i = 0; i < n; i++) {
+        float sum = 0.0f;
+        for (int r = 0; r < c->world; r++) sum += input_value(r, i);
+        expected[i] = comm_float_to_bf16(sum);
+        data[i] = comm_float_to_bf16(input_value(c->rank, i));
+    }
+    comm_all_reduce_sum_bf16(c, data, n);
+    failures += memcmp(data, expected, 2 * n) != 0;
+    for (size_t i = 0; i < n; i++) data[i] = comm_float_to_bf16(input_value(c->rank, i));
+    comm_reduce_scatter_sum_bf16(c, data, out, shard);
+    failures += memcmp(out, expected + (size_t)c->rank * shard, 2 * shard) != 0;
+    // the all-gather of those shards in place (each rank's shard already at its place) gives every sum
+    memset(data, 0xff, 2 * n);
+    memcpy(data + (size_t)c->rank * shard, out, 2 * shard);
+    comm_all_gather_bf16(c, data + (size_t)c->rank * shard, data, shard);
+    failures += memcmp(data, expected, 2 * n) != 0;
+    for (int root = 0; root < c->world; root++) {  // a part of a bucket to each owner in turn
+        for (size_t i = 0; i < n; i++) data[i] = comm_float_to_bf16(input_value(c->rank, i));
+        memset(out, 0, 2 * n);
+        comm_reduce_sum_bf16(c, data + 7, out, 500, root);
+        if (c->rank == root) failures += memcmp(out, expected + 7, 2 * 500) != 0;
+    }
+    double values[2] = {c->rank + 0.5, 1.0};
+    comm_all_reduce_sum_f64(c, values, 2);
+    failures += values[0] != c->world * c->world / 2.0 || values[1] != c->world;
+    int flag = c->rank == c->world - 1 ? 7 : c->rank;
+    comm_all_reduce_max_int(c, &flag, 1);
+    failures += flag != (c->world - 2 > 7 ? c->world - 2 : 7);
+    char id[128];
+    for (int i = 0; i < 128; i++) id[i] = c->rank == 0 ? (char)(i * 3 + 1) : 0;
+    comm_broadcast(c, id, sizeof(id), 0);
+    for (int i = 0; i < 128; i++) failures += id[i] != (char)(i * 3 + 1);
+    comm_barrier(c);
+    free(data);
+    free(expected);
+    free(out);
+    if (failures) printf("rank %d of %d: %d collective(s) wrong\n", c->rank, c->world, failures);
+    else printf("rank %d of %d: collectives ok\n", c->rank, c->world);
+    return failures ? 1 : 0;
+}
+#endif
+
+int main(int argc, char **argv) {
+    char error[512];
+    Comm c;
+    if (comm_init(&c, &argc, &argv, error, sizeof(error)) != 0) {
+        fprintf(stderr, "error: %s\n", error);
+        return 2;
+    }
+    int status = 0;
+    if (argc >= 2 && strcmp(argv[1], "init") == 0) {
+        printf("rank %d of %d, local %d\n", c.rank, c.world, c.local_rank);
+    } else if (argc >= 2 && strcmp(argv[1], "collectives") == 0) {
+#ifdef USE_MPI
+        status = collectives(&c);
+#else
+        fprintf(stderr, "error: built without MPI\n");
+        status = 2;
+#endif
+    } else if ((argc == 4 || argc == 5) && strcmp(argv[1], "rendezvous") == 0) {
+        unsigned char bytes[64];
+        for (int i = 0; i < 64; i++) bytes[i] = c.rank == 0 ? (unsigned char)(i * 37 + 11) : 0;
+        double timeout_s = argc == 5 ? atof(argv[4]) : 20.0;
+        if (comm_rendezvous(&c, argv[2], argv[3], bytes, sizeof(bytes), timeout_s, error, sizeof(error)) != 0) {
+            fprintf(stderr, "error: %s\n", error);
+            status = 1;
+        } else {
+            printf("rank %d:", c.rank);
+            for (int i = 0; i < 64; i++) printf("%02x", bytes[i]);
+            printf("\n");
+        }
+    } else {
+        fprintf(stderr, "usage: comm_ranks init | collectives | rendezvous DIR NAME [TIMEOUT_S]\n");
+        status = 2;
+    }
+    comm_finish(&c);
+    return status;
+}
