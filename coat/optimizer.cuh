@@ -210,19 +210,6 @@ static __host__ __device__ inline float dre_pow(float y, float p) {
     return dre_exp2(mul_unfused(p, dre_log2(y)));
 }
 
-// log2 of a group's values relative to its center, |x| / c, where the absolute error is what
-// matters (about 1e-7; see the header) and a division is too slow: x = 2^e f, the top 6 mantissa
-// bits pick a point F of [0.75, 1.5) (F = 1 for the two intervals beside 1, so that log2 stays
-// accurate there relative to itself), r = f / F - 1 (|r| < 1/64) from the tabulated 1 / F by one
-// FMA, and log2(1 + r) by its series to r^5 (truncated at 4e-12). NaN stays NaN, infinity is
-// never passed. The table: 1 / F[j] at j, log2 F[j] at 64 + j, j = 0..63.
-#define DRE_LOG2_TABLE 128
-static __host__ __device__ inline float dre_log2_table_entry(int i) {
-    int j = i % 64;
-    float f = j == 0 || j == 63 ? 1.0f : mul_unfused(1.0f + (j + 0.5f) / 64.0f, j >= 32 ? 0.5f : 1.0f);
-    return i < 64 ? 1.0f / f : dre_log2(f);
-}
-
 // |x| / c as (|x| s) / (c s), s = 2^64 for a subnormal c (else 1; both products exact), from the
 // reciprocal of c s by fp8_divide: exact like the division, without one per value.
 typedef struct {
@@ -239,6 +226,19 @@ static __host__ __device__ inline DreCenter dre_center(float c) {
 
 static __host__ __device__ inline float dre_centered(float a, DreCenter center) {
     return fp8_divide(mul_unfused(a, center.scale), center.c, center.inverse);
+}
+
+// log2 of a group's values relative to its center, |x| / c, where the absolute error is what
+// matters (about 1e-7; see the header) and a division is too slow: x = 2^e f, the top 6 mantissa
+// bits pick a point F of [0.75, 1.5) (F = 1 for the two intervals beside 1, so that log2 stays
+// accurate there relative to itself), r = f / F - 1 (|r| < 1/64) from the tabulated 1 / F by one
+// FMA, and log2(1 + r) by its series to r^5 (truncated at 4e-12). NaN stays NaN, infinity is
+// never passed. The table: 1 / F[j] at j, log2 F[j] at 64 + j, j = 0..63.
+#define DRE_LOG2_TABLE 128
+static __host__ __device__ inline float dre_log2_table_entry(int i) {
+    int j = i % 64;
+    float f = j == 0 || j == 63 ? 1.0f : mul_unfused(1.0f + (j + 0.5f) / 64.0f, j >= 32 ? 0.5f : 1.0f);
+    return i < 64 ? 1.0f / f : dre_log2(f);
 }
 
 static __host__ __device__ inline float dre_log2_fast(float x, const float *table) {
