@@ -795,8 +795,13 @@ int main(int argc, char **argv) {
     ConfigParser *parser = (ConfigParser *)malloc(sizeof(ConfigParser));
     if (!parser) fail("out of host memory");
     load_config_or_exit(parser, argc, argv);
-    int ranks = parser->values.world_size > 0 ? parser->values.world_size : 1;
-    // world_size plans other world sizes in dry_run; a training run is one process here.
+    // dry_run plans world_size ranks, or those launched (mpirun -np N ... --dry_run=1: rank 0
+    // prints the plan, every rank checks its inputs); a training run is one process here.
+    int launched = 1;
+    const char *variable = "";
+    comm_detect_launch(&launched, &variable);
+    int ranks = parser->values.world_size > 0 ? parser->values.world_size : launched;
+    if (parser->values.dry_run && comm_env_rank() > 0 && freopen("/dev/null", "w", stdout) == NULL) fail("cannot silence stdout");
     int status = parser->values.dry_run ? dry_run(parser, ranks) : train(parser, 1);
     free(parser);
     return status;

@@ -43,6 +43,16 @@ static inline int comm_env_int(const char *name) {
     return (int)n;
 }
 
+// This process's rank as its launcher announces it (0 when none does), before any MPI call.
+static inline int comm_env_rank(void) {
+    const char *variables[] = {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID", "RANK"};
+    for (size_t i = 0; i < sizeof(variables) / sizeof(variables[0]); i++) {
+        int rank = comm_env_int(variables[i]);
+        if (rank >= 0) return rank;
+    }
+    return 0;
+}
+
 // The launcher that started this process and the world size it announces (1 for none).
 static inline LaunchKind comm_detect_launch(int *world, const char **variable) {
     const char *mpi_variables[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"};

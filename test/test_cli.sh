@@ -148,6 +148,17 @@ if command -v mpirun > /dev/null; then
         "$([ "$(printf '%s\n' "$out" | grep -c 'launched as one of 2 processes (OMPI_COMM_WORLD_SIZE=2)')" = 2 ]; echo $?)" \
         "$(printf '%s\n' "$out" | head -3)"
 fi
+# dry_run under a launcher plans the launched ranks (world_size = 0), printed once, by rank 0.
+if command -v mpirun > /dev/null; then
+    out=$(timeout 60 mpirun --allow-run-as-root --oversubscribe -np 2 ./train_llama "${data[@]}" 2>&1); rc=$?
+    check "mpirun -np 2 dry_run: one plan, for 2 ranks, from rank 0" \
+        "$([ $rc -eq 0 ] && [ "$(printf '%s\n' "$out" | grep -c 'configuration is valid')" = 1 ] &&
+           printf '%s' "$out" | grep -q 'micro-batch 4 x 64 tokens, 2 rank(s), ZeRO stage 1'; echo $?)" "$out"
+fi
+out=$(WORLD_SIZE=4 RANK=0 ./train_llama "${data[@]}" 2>&1); rc=$?
+out2=$(WORLD_SIZE=4 RANK=2 ./train_llama "${data[@]}" 2>&1); rc2=$?
+check "WORLD_SIZE=4: rank 0's dry_run plans 4 ranks, rank 2's checks silently" \
+    "$([ $rc -eq 0 ] && printf '%s' "$out" | grep -q ' 4 rank(s), ZeRO stage 1' && [ $rc2 -eq 0 ] && [ -z "$out2" ]; echo $?)" "$out2"
 err=$(OMPI_COMM_WORLD_SIZE=1 ./train_llama "${data[@]}" --dry_run=0 2>&1 >/dev/null)
 check "OMPI_COMM_WORLD_SIZE=1 is one process" "$(! printf '%s' "$err" | grep -q 'launched as one of'; echo $?)" "$err"
 
