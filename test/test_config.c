@@ -165,6 +165,65 @@ static void test_parser_edges(ConfigParser *p) {
           "without RoPE scaling the frequency factors are not checked (%s)", error);
 }
 
+// Limits that the table-driven bound test cannot reach: the float-notation end of the 64-bit
+// range, the exact message of a string too long, a diamond of includes (no cycle), the last
+// line of one character, a directory as a config file, an argument too long for the parser's
+// buffer (refused, never cut), RoPE scaling from the smallest factor, and total_batch_tokens 0.
+static void test_parser_limits(ConfigParser *p) {
+    char error[CONFIG_ERROR_MAX];
+    check(load(p, write_file("seed_max.conf", "seed = 9.2e18\n"), error) == 0 && p->values.seed == 9200000000000000000ull,
+          "seed = 9.2e18, the end of its range in float notation, is taken (%s)", error);
+    check(load(p, write_file("seed_past.conf", "seed = 9.3e18\n"), error) != 0 && strstr(error, "'9.3e18' is not an integer"),
+          "seed = 9.3e18 is refused (%s)", error);
+    char longest[CONFIG_STRING_MAX + 64];
+    config_defaults(p);
+    snprintf(longest, sizeof(longest), "--out_dir=%0*d", CONFIG_STRING_MAX, 0);
+    char limit[64];
+    snprintf(limit, sizeof(limit), "out_dir: value longer than %d characters", CONFIG_STRING_MAX - 1);
+    check(config_parse_argument(p, longest, error, sizeof(error)) != 0 && strstr(error, limit),
+          "a string of %d characters is refused naming the limit (%s)", CONFIG_STRING_MAX, error);
+
+    // top includes left and right, which both include base: base is read twice, no cycle.
+    write_file("diamond_base.conf", "dim = 256\n");
+    write_file("diamond_left.conf", "include = diamond_base.conf\nn_heads = 4\n");
+    write_file("diamond_right.conf", "include = diamond_base.conf\nn_kv_heads = 2\n");
+    const char *top = write_file("diamond_top.conf", "include = diamond_left.conf\ninclude = diamond_right.conf\n");
+    check(load(p, top, error) == 0 && p->values.model.dim == 256 && p->values.model.n_kv_heads == 2,
+          "two includes of one file (a diamond) are no cycle (%s)", error);
+    write_file("twice_base.conf", "learning_rate = 1e-3\n");
+    const char *twice = write_file("twice_include.conf", "include = twice_base.conf\ninclude = twice_base.conf\n");
+    check(load(p, twice, error) == 0, "one file included twice in a row is no cycle (%s)", error);
+
+    check(load(p, write_file("last_char.conf", "learning_rate = 1e-3\nx"), error) != 0 &&
+              strstr(error, "last_char.conf:2: expected 'key = value', got 'x'"),
+          "a last line of one character without a newline is read (%s)", error);
+    check(load(p, temp_dir, error) != 0 && strstr(error, "read error"), "a directory as a config file is a read error (%s)",
+          error);
+
+    // --max_steps=000...012 of every length up to past the parser's buffer: read whole as 12 or
+    // refused as too long, never cut to 1.
+    char argument[2 * CONFIG_STRING_MAX];
+    int whole = 0, refused = 0, cut = 0;
+    for (size_t length = CONFIG_STRING_MAX; length < sizeof(argument) - 1; length++) {
+        snprintf(argument, sizeof(argument), "--max_steps=%0*d", (int)(length - strlen("--max_steps=")), 12);
+        config_defaults(p);
+        int status = config_parse_argument(p, argument, error, sizeof(error));
+        if (status == 0 && p->values.max_steps == 12) whole++;
+        else if (status != 0 && strstr(error, "expected --key=value")) refused++;
+        else cut++;
+    }
+    check(whole > 0 && refused > 0 && cut == 0,
+          "arguments of %d to %zu characters are read whole (%d) or refused (%d), none cut (%d)", CONFIG_STRING_MAX,
+          sizeof(argument) - 2, whole, refused, cut);
+
+    check(load(p, write_file("rope_one.conf", "rope_scaling_factor = 1\nrope_low_freq_factor = 2\nrope_high_freq_factor = 2\n"), error) != 0 &&
+              strstr(error, "rope_high_freq_factor must exceed rope_low_freq_factor"),
+          "RoPE scaling factor 1 checks the frequency factors too (%s)", error);
+    check(load(p, write_file("one_micro.conf", "total_batch_tokens = 0\n"), error) == 0 &&
+              config_grad_accum_steps(p, 4, error, sizeof(error)) == 1,
+          "total_batch_tokens 0 means one micro-batch per rank: 1 accumulation step (%s)", error);
+}
+
 // Optimizer states per setting, exactly: m and v, their scalars per 128-group, the decay table.
 static void test_state_bytes(void) {
     size_t n = 128 * 1000, groups = n / 128;
@@ -355,6 +414,7 @@ int main(void) {
     test_suspicious_input(parser);
     test_key_bounds();
     test_parser_edges(parser);
+    test_parser_limits(parser);
     test_state_bytes();
     test_schedule(parser);
     free(parser);

@@ -276,6 +276,122 @@ static void test_errors(void) {
     free(extended);
 }
 
+// The edges of writing and reading: the largest uint16 id, the int32 count, a negative count in
+// the header, reads of zero tokens and up to the last one, and reads that write exactly the
+// tokens asked for.
+static void test_shard_edges(void) {
+    char error[SHARD_ERROR_SIZE];
+    Shard shard;
+    const uint32_t largest16[2] = {65535, 65536};
+    const char *edge16 = temp_path("edge16.bin");
+    int status = shard_write(edge16, largest16, 1, 2, error, sizeof(error));
+    int32_t got = -1;
+    if (status == 0 && shard_open(edge16, &shard, error, sizeof(error)) == 0) {
+        status = shard_read_tokens(&shard, 0, 1, &got, error, sizeof(error));
+        shard_close(&shard);
+    }
+    check(status == 0 && got == 65535, "id 65535 fits a uint16 shard and reads back (got %d; %s)", got,
+          status ? error : "ok");
+    remove(edge16);
+    status = shard_write(edge16, largest16 + 1, 1, 2, error, sizeof(error));
+    check_error("id 65536 in a uint16 shard", status, error, edge16, "token id 65536 does not fit a uint16 shard");
+
+    // A writer that holds INT32_MAX - 1 tokens (the count set directly: 4 GB are not written for a
+    // test) takes one more token, and refuses the next.
+    ShardWriter writer;
+    const char *full = temp_path("full.bin");
+    const uint32_t one = 1;
+    status = shard_writer_open(&writer, full, 2, error, sizeof(error));
+    int last_status = -1, past_status = 0;
+    if (status == 0) {
+        writer.token_count = INT32_MAX - 1;
+        last_status = shard_writer_append(&writer, &one, 1, error, sizeof(error));
+        past_status = shard_writer_append(&writer, &one, 1, error, sizeof(error));
+        shard_writer_abort(&writer);
+    }
+    check(status == 0 && last_status == 0, "token %d, the last an int32 count holds, is appended", INT32_MAX);
+    check_error("token INT32_MAX + 1", past_status, error, full, "more than 2147483647 tokens do not fit the int32 header");
+
+    // A header whose count is negative (a uint32 count past INT32_MAX read as int32).
+    uint32_t tokens[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    const char *negative = temp_path("negative.bin");
+    write_shard_or_exit(negative, tokens, 8, 2);
+    size_t size;
+    unsigned char *bytes = read_bytes(negative, &size);
+    shard_store_int32_le(bytes + 8, (uint32_t)-1);
+    write_bytes(negative, bytes, size);
+    free(bytes);
+    check_error("a negative count in the header", shard_open(negative, &shard, error, sizeof(error)), error, negative,
+                "negative token count -1 in the header");
+    remove(negative);
+
+    // Reads inside [0, count) succeed, ending at the last token or of no token at all; a read
+    // writes exactly the tokens it was asked for, over several conversion blocks too.
+    enum { COUNT = SHARD_TOKENS_PER_IO + 904, SENTINEL = -7 };
+    uint32_t *many = (uint32_t *)malloc(COUNT * sizeof(uint32_t));
+    int32_t *read = (int32_t *)malloc((COUNT + 1) * sizeof(int32_t));
+    for (int64_t i = 0; i < COUNT; i++) many[i] = (uint32_t)(i % 60000);
+    for (int token_bytes = 2; token_bytes <= 4; token_bytes += 2) {
+        const char *ranges = temp_path("ranges.bin");
+        write_shard_or_exit(ranges, many, COUNT, token_bytes);
+        if (shard_open(ranges, &shard, error, sizeof(error)) != 0) {
+            check(0, "open %s: %s", ranges, error);
+            continue;
+        }
+        int whole_ok = 1, empty_ok, last_ok;
+        for (int64_t first = 0; first <= 1; first++) {
+            for (int64_t i = 0; i <= COUNT; i++) read[i] = SENTINEL;
+            status = shard_read_tokens(&shard, first, COUNT - first, read, error, sizeof(error));
+            for (int64_t i = 0; i < COUNT - first && status == 0; i++) whole_ok &= read[i] == (int32_t)many[first + i];
+            whole_ok &= status == 0 && read[COUNT - first] == SENTINEL;
+        }
+        read[0] = SENTINEL;
+        empty_ok = shard_read_tokens(&shard, COUNT, 0, read, error, sizeof(error)) == 0 && read[0] == SENTINEL;
+        last_ok = shard_read_tokens(&shard, COUNT - 1, 1, read, error, sizeof(error)) == 0 &&
+                  read[0] == (int32_t)many[COUNT - 1];
+        check(whole_ok, "uint%d: reads of tokens [0, %d) and [1, %d) fill exactly those, not one past", token_bytes * 8,
+              COUNT, COUNT);
+        check(empty_ok && last_ok, "uint%d: a read of no token at the end and of the last token succeed", token_bytes * 8);
+        check_error("a read from a negative position", shard_read_tokens(&shard, -1, 1, read, error, sizeof(error)),
+                    error, ranges, "tokens [-1, 0) are outside");
+        check_error("a read of a negative count", shard_read_tokens(&shard, 2, -1, read, error, sizeof(error)), error,
+                    ranges, "tokens [2, 1) are outside");
+        shard_close(&shard);
+        remove(ranges);
+    }
+    free(many);
+    free(read);
+}
+
+// mkdir -p: creates the missing directories of a path, exactly those, and accepts existing ones;
+// a path that is a file, or lies under one, is refused.
+static void test_make_directories(void) {
+    char error[SHARD_ERROR_SIZE], nested[256], prefix[256], under_file[256];
+    snprintf(nested, sizeof(nested), "%s/abc/def/ghi", temp_dir);
+    snprintf(prefix, sizeof(prefix), "%s/a", temp_dir);  // a prefix of "abc" that is no component
+    int status = shard_make_directories(nested, error, sizeof(error));
+    struct stat info;
+    check(status == 0 && stat(nested, &info) == 0 && S_ISDIR(info.st_mode), "the directories of %s are made (%s)", nested,
+          status ? error : "ok");
+    check(!file_exists(prefix), "no directory is made for a part of a name (%s)", prefix);
+    status = shard_make_directories(nested, error, sizeof(error));
+    check(status == 0, "an existing directory is accepted (%s)", status ? error : "ok");
+    const char *file = temp_path("plain_file");
+    write_bytes(file, "x", 1);
+    check_error("a file as the directory", shard_make_directories(file, error, sizeof(error)), error, file,
+                "not a directory");
+    snprintf(under_file, sizeof(under_file), "%s/sub", file);
+    check_error("a directory under a file", shard_make_directories(under_file, error, sizeof(error)), error, under_file,
+                "cannot create the directory");
+    remove(file);
+    rmdir(prefix);
+    rmdir(nested);
+    snprintf(nested, sizeof(nested), "%s/abc/def", temp_dir);
+    rmdir(nested);
+    snprintf(nested, sizeof(nested), "%s/abc", temp_dir);
+    rmdir(nested);
+}
+
 typedef struct {
     int shard;
     int64_t first_position;
@@ -662,6 +778,130 @@ static void test_open_files(void) {
           free_after);
 }
 
+// The training order is a uniform permutation: over 600 epochs of 3 batches each of the 6 orders
+// comes about 100 times (a draw that leaves out the last swap, or one of Sattolo's cycles only,
+// gives some orders never).
+static void test_uniform_order(void) {
+    enum { EPOCHS = 600, ORDERS = 6 };
+    const char *three = temp_path("three_000000.bin");
+    write_position_shard(three, 0, 3 * BATCH_TOKENS);
+    Dataloader loader;
+    if (open_loader(&loader, three, B, T, 0, 1, 1, 2024) != 0) return;
+    int counts[ORDERS] = {0}, rows_ok = 1, status = 0;
+    BatchId ids[3];
+    for (int epoch = 0; epoch < EPOCHS && status == 0; epoch++) {
+        status = read_sequence(&loader, 3, ids, &rows_ok);
+        int a = (int)(ids[0].first_position / BATCH_TOKENS), b = (int)(ids[1].first_position / BATCH_TOKENS);
+        // The 6 orders of {0, 1, 2} by their first two batches.
+        int order = a * 2 + (b > a ? b - 1 : b);
+        if (a < 0 || a > 2 || b < 0 || b > 2 || a == b) status = -1;
+        else counts[order]++;
+    }
+    dataloader_close(&loader);
+    remove(three);
+    int least = EPOCHS, most = 0;
+    for (int i = 0; i < ORDERS; i++) {
+        if (counts[i] < least) least = counts[i];
+        if (counts[i] > most) most = counts[i];
+    }
+    check(status == 0 && least >= 55 && most <= 145,
+          "%d epochs of 3 batches: each of the 6 orders comes 55 to 145 times (expected 100): %d %d %d %d %d %d",
+          EPOCHS, counts[0], counts[1], counts[2], counts[3], counts[4], counts[5]);
+}
+
+// Rank r of W reads, at step k of epoch e, batch order_e[k*W + r], where order_e is the epoch's
+// permutation of all batches: the sequence one rank alone reads.
+static void test_rank_steps(const char *pattern) {
+    enum { EPOCHS = 2 };
+    BatchId alone[EPOCHS * TOTAL_BATCHES], ranked[WORLD][EPOCHS * TOTAL_BATCHES];
+    int rows_ok = 1;
+    Dataloader loader;
+    if (open_loader(&loader, pattern, B, T, 0, 1, 1, 99) != 0) return;
+    read_sequence(&loader, EPOCHS * TOTAL_BATCHES, alone, &rows_ok);
+    dataloader_close(&loader);
+    const int steps = TOTAL_BATCHES / WORLD;
+    for (int rank = 0; rank < WORLD; rank++) {
+        if (open_loader(&loader, pattern, B, T, rank, WORLD, 1, 99) != 0) return;
+        read_sequence(&loader, EPOCHS * steps, ranked[rank], &rows_ok);
+        dataloader_close(&loader);
+    }
+    int mismatches = 0, first_epoch = -1, first_step = -1, first_rank = -1;
+    for (int epoch = 0; epoch < EPOCHS; epoch++)
+        for (int k = 0; k < steps; k++)
+            for (int rank = 0; rank < WORLD; rank++)
+                if (!same_sequence(&ranked[rank][epoch * steps + k], &alone[epoch * TOTAL_BATCHES + k * WORLD + rank], 1) &&
+                    mismatches++ == 0) {
+                    first_epoch = epoch;
+                    first_step = k;
+                    first_rank = rank;
+                }
+    check(mismatches == 0 && rows_ok,
+          "rank r of %d at step k reads batch k*%d + r of the epoch's order (%d mismatches, first epoch %d step %d rank %d)",
+          WORLD, WORLD, mismatches, first_epoch, first_step, first_rank);
+}
+
+// The smallest batch, B = 1 and T = 1: one input and one target per batch.
+static void test_smallest_batch(void) {
+    const char *tiny = temp_path("tiny_000000.bin");
+    write_position_shard(tiny, 0, 4);
+    Dataloader loader;
+    if (open_loader(&loader, tiny, 1, 1, 0, 1, 0, 1) != 0) return;
+    int inputs[1], targets[1], got[4] = {-1, -1, -1, -1};
+    char error[SHARD_ERROR_SIZE];
+    int status = 0;
+    for (int i = 0; i < 2 && status == 0; i++) {
+        status = dataloader_next_batch(&loader, inputs, targets, error, sizeof(error));
+        got[2 * i] = inputs[0];
+        got[2 * i + 1] = targets[0];
+    }
+    int64_t steps = dataloader_steps_per_epoch(&loader);
+    dataloader_close(&loader);
+    remove(tiny);
+    check(status == 0 && steps == 2 && got[0] == 0 && got[1] == 1 && got[2] == 2 && got[3] == 3,
+          "B = 1, T = 1 over 4 tokens: 2 steps, (input, target) = (0, 1), (2, 3); got %lld steps, (%d, %d), (%d, %d) %s",
+          (long long)steps, got[0], got[1], got[2], got[3], status ? error : "");
+}
+
+// Reads what the loader prints on stderr while it opens pattern as rank `rank` of WORLD.
+static void stderr_of_open(const char *pattern, int rank, char *text, size_t size) {
+    const char *capture = temp_path("stderr.txt");
+    fflush(stderr);
+    int saved = dup(STDERR_FILENO);
+    FILE *file = fopen(capture, "w");
+    text[0] = '\0';
+    if (saved < 0 || !file) {
+        if (file) fclose(file);
+        if (saved >= 0) close(saved);
+        return;
+    }
+    dup2(fileno(file), STDERR_FILENO);
+    Dataloader loader;
+    int status = open_loader(&loader, pattern, B, T, rank, WORLD, 1, 1);
+    fflush(stderr);
+    dup2(saved, STDERR_FILENO);
+    close(saved);
+    fclose(file);
+    if (status == 0) dataloader_close(&loader);
+    size_t length;
+    unsigned char *bytes = read_bytes(capture, &length);
+    snprintf(text, size, "%.*s", (int)length, (const char *)bytes);
+    free(bytes);
+    remove(capture);
+}
+
+// A shard too small for a batch is named once, by rank 0, with its size and the batch's.
+static void test_skip_warning(const char *pattern) {
+    char rank0[1024], rank1[1024], expected[512];
+    stderr_of_open(pattern, 0, rank0, sizeof(rank0));
+    stderr_of_open(pattern, 1, rank1, sizeof(rank1));
+    snprintf(expected, sizeof(expected), "warning: %s: skipped: %d tokens hold no batch of %d x %d tokens",
+             temp_path("train_000004.bin"), BATCH_TOKENS - 1, B, T + 1);
+    size_t length = strlen(rank0);
+    if (length > 0 && rank0[length - 1] == '\n') rank0[length - 1] = '\0';  // one line
+    check(strcmp(rank0, expected) == 0, "rank 0 warns about the skipped shard: expected \"%s\", got \"%s\"", expected, rank0);
+    check(rank1[0] == '\0', "rank 1 prints nothing (got \"%s\")", rank1);
+}
+
 static void test_loader_errors(const char *pattern) {
     char error[SHARD_ERROR_SIZE];
     Dataloader loader;
@@ -754,6 +994,15 @@ static void test_loader_errors(const char *pattern) {
               status ? error : "ok");
         dataloader_close(&loader);
     }
+    // The smallest vocabulary checked: only id 0 is in it. File order: the first batch is shard 0's
+    // tokens 0, 1, ...
+    config.vocab_size = 1;
+    config.shuffle = 0;
+    if (dataloader_open(&loader, &config, error, sizeof(error)) == 0) {
+        check_error("vocab_size 1", read_until_error(&loader, 1, error, sizeof(error)), error, temp_path("train_000000.bin"),
+                    "token id 1 >= vocab_size 1 at position 1");
+        dataloader_close(&loader);
+    }
 }
 
 // A shard that changes, disappears or shrinks after the loader opened: the read fails naming it.
@@ -807,6 +1056,8 @@ int main(void) {
     }
     test_format();
     test_errors();
+    test_shard_edges();
+    test_make_directories();
     write_loader_shards();
     char pattern[256];
     snprintf(pattern, sizeof(pattern), "%s/train_*.bin", temp_dir);
@@ -816,6 +1067,10 @@ int main(void) {
     test_resume(pattern);
     test_validation(pattern);
     test_open_files();
+    test_uniform_order();
+    test_rank_steps(pattern);
+    test_smallest_batch();
+    test_skip_warning(pattern);
     test_loader_errors(pattern);
     test_read_errors();
     remove_test_files();

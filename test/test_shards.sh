@@ -185,8 +185,22 @@ printf '{"text": "ok"}\n{"txt": "no"}\n' > "$tmp/bad1.jsonl"
 expect_error "JSONL line without text" "error: $tmp/bad1.jsonl:2: no \"text\" field" "$tmp/bad1.jsonl"
 printf '{"text": "ok"}\n{"text": "cut\n' > "$tmp/bad2.jsonl"
 expect_error "JSONL line cut short" "error: $tmp/bad2.jsonl:2: the \"text\" field is not a valid string" "$tmp/bad2.jsonl"
+printf '{"text": "ok"}\n{"id": 1 "text": "no comma"}\n' > "$tmp/bad3.jsonl"
+expect_error "JSONL line without a comma between members" "error: $tmp/bad3.jsonl:2: malformed JSON" "$tmp/bad3.jsonl"
 expect_error "missing input" "error: $tmp/none.txt: No such file or directory" "$tmp/none.txt"
 check "a failed run leaves no temporary shard" "$([ -z "$(ls "$tmp/bad" 2>/dev/null | grep tmp)" ]; echo $?)"
+# The long forms of -t and -o, and an output folder given with a trailing slash: DIR.partial is
+# written beside DIR, not inside it.
+./tokenize shards --tokenizer "$tmp/tokenizer.json" --output "$tmp/long_opts/" "$tmp/blank.txt" > "$tmp/long_opts.log" 2>&1; rc=$?
+check "--tokenizer and --output DIR/ write DIR/train_000000.bin, leaving no partial folder" \
+    "$([ $rc -eq 0 ] && [ -f "$tmp/long_opts/train_000000.bin" ] && [ ! -e "$tmp/long_opts.partial" ] &&
+       [ ! -e "$tmp/long_opts/.partial" ]; echo $?)" "$(cat "$tmp/long_opts.log"; ls -a "$tmp/long_opts" | tr '\n' ' ')"
+out=$(./tokenize shards -t "$tmp/tokenizer.json" -o "$tmp/bad" --bogus "$tmp/blank.txt" 2>&1); rc=$?
+check "an unknown option is refused" \
+    "$([ $rc -ne 0 ] && printf '%s' "$out" | grep -q 'error: unknown option --bogus'; echo $?)" "got: $out"
+out=$(./tokenize shards -t "$tmp/tokenizer.json" -o "$tmp/bad" --val-fraction 0.5 --val-docs 0 "$tmp/blank.txt" 2>&1); rc=$?
+check "--val-fraction with --val-docs 0 is refused" \
+    "$([ $rc -ne 0 ] && printf '%s' "$out" | grep -q 'give --val-fraction or --val-docs, not both'; echo $?)" "got: $out"
 out=$(./tokenize shards -t "$tmp/tokenizer.json" "$tmp/in" 2>&1); rc=$?
 check "missing -o is an error" "$([ $rc -ne 0 ] && printf '%s' "$out" | grep -q 'give -o DIR'; echo $?)" "got: $out"
 
@@ -205,6 +219,29 @@ PYTHON
 check "JSONL escapes decode to the UTF-8 bytes of the text (hex case, UTF-8 length edges, surrogate pairs)" \
     "$([ "$got" = ok ]; echo $?)" "$got $(cat "$tmp/escapes.log")"
 
+# Separators at the edges of the search: one cut by the end of the first 1 MiB read block (6 of
+# its 7 bytes in it), and one at the end of the file right after a '<' that starts no separator.
+python3 - "$tmp/separators" <<'PYTHON'
+import os, sys
+os.makedirs(sys.argv[1])
+open(sys.argv[1] + '/a_block.txt', 'w').write('a' * ((1 << 20) - 6) + '<|sep|>' + 'b' * 10)
+open(sys.argv[1] + '/b_end.txt', 'w').write('one<|sep|>two<<|sep|>')
+PYTHON
+run_shards "$tmp/separators_out" --separator '<|sep|>' --eos "$tmp/separators"
+got=$(python3 - "$tmp/separators_out/train_000000.bin" <<'PYTHON'
+import struct, sys
+data = open(sys.argv[1], "rb").read()
+ids = list(struct.unpack("<%dH" % ((len(data) - 1024) // 2), data[1024:]))
+expected = []
+for document in [b'a' * ((1 << 20) - 6), b'b' * 10, b'one', b'two<']:
+    expected += [256] + list(document) + [257]
+print("ok" if ids == expected else "got %d ids, expected %d; first difference at %s" % (len(ids), len(expected),
+      next((i for i, (a, b) in enumerate(zip(ids, expected)) if a != b), min(len(ids), len(expected)))))
+PYTHON
+)
+check "a separator across the read block's end and one at the file's end after a '<' split the documents" \
+    "$([ "$got" = ok ]; echo $?)" "$got $(cat "$tmp/separators_out.log")"
+
 # --val-docs: one document fewer than the inputs hold leaves one for training; all of them none.
 run_shards "$tmp/val_all" --blank-lines --val-docs 3 "$tmp/blank.txt"; rc=$?
 check "--val-docs taking every document is refused" \
@@ -213,12 +250,12 @@ check "--val-docs taking every document is refused" \
 run_shards "$tmp/val_most" --blank-lines --val-docs 2 "$tmp/blank.txt"
 check "--val-docs one below the document count leaves one for training" $? "$(cat "$tmp/val_most.log")"
 
-# One document past 16 MB is warned about (its encoding needs about 40 bytes per byte); smaller
-# ones are not.
-python3 -c "import sys; open(sys.argv[1], 'w').write('word ' * (17 << 18))" "$tmp/big.txt"  # 22 MB
+# One document past 16 MiB is warned about (its encoding needs about 40 bytes per byte); smaller
+# ones are not. One byte past it: 16777217 bytes, printed as 17 MB and 40 x 16777217 B = 0.7 GB.
+python3 -c "import sys; open(sys.argv[1], 'w').write('word ' * ((16 << 20) // 5) + 'x' * ((16 << 20) % 5 + 1))" "$tmp/big.txt"
 run_shards "$tmp/big_out" --threads 1 "$tmp/big.txt"
-check "a document of 22 MB is warned about, with the memory it takes" \
-    "$(grep -q "warning: $tmp/big.txt: a document of 22 MB; encoding one takes about 0.9 GB of memory per thread" "$tmp/big_out.log"; echo $?)" \
+check "a document of 16 MiB + 1 byte is warned about, with the memory it takes" \
+    "$(grep -q "warning: $tmp/big.txt: a document of 17 MB; encoding one takes about 0.7 GB of memory per thread" "$tmp/big_out.log"; echo $?)" \
     "$(head -2 "$tmp/big_out.log")"
 check "documents below 16 MB are not" "$(! grep -q 'a document of' "$tmp/out1.log"; echo $?)"
 

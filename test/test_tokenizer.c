@@ -317,6 +317,174 @@ static void test_json(void) {
           rejected, sizeof(bad) / sizeof(bad[0]));
 }
 
+// Writes a readable form of a parsed value into out (for comparing two parses).
+static void describe_json(const JsonValue *v, char *out, size_t size) {
+    size_t used = strlen(out);
+    if (used + 64 >= size) return;
+    char *at = out + used;
+    switch (v->type) {
+    case JSON_NULL: snprintf(at, size - used, "null "); break;
+    case JSON_FALSE: snprintf(at, size - used, "false "); break;
+    case JSON_TRUE: snprintf(at, size - used, "true "); break;
+    case JSON_NUMBER: snprintf(at, size - used, "%.17g ", v->number); break;
+    case JSON_STRING: snprintf(at, size - used, "\"%.*s\" ", (int)v->count, v->string); break;
+    case JSON_ARRAY:
+    case JSON_OBJECT:
+        snprintf(at, size - used, "%c", v->type == JSON_ARRAY ? '[' : '{');
+        for (size_t i = 0; i < v->count; i++) {
+            if (v->type == JSON_OBJECT) {
+                used = strlen(out);
+                snprintf(out + used, size - used, "%.*s:", (int)v->members[i].key_len, v->members[i].key);
+            }
+            describe_json(v->type == JSON_ARRAY ? &v->items[i] : &v->members[i].value, out, size);
+        }
+        used = strlen(out);
+        snprintf(out + used, size - used, "%c", v->type == JSON_ARRAY ? ']' : '}');
+        break;
+    }
+}
+
+// The outcome of json_parse(text, len): the value described, or "error: ..." with its message.
+static void parse_outcome(const char *text, size_t len, char *out, size_t size) {
+    char error[256];
+    JsonDocument *doc = json_parse(text, len, error, sizeof(error));
+    out[0] = '\0';
+    if (doc) describe_json(json_root(doc), out, size);
+    else snprintf(out, size, "error: %s", error);
+    json_free(doc);
+}
+
+// Parses text and compares the one string it holds with expected[0..expected_len).
+static int parses_to_string(const char *text, const char *expected, size_t expected_len) {
+    char error[256];
+    JsonDocument *doc = json_parse(text, strlen(text), error, sizeof(error));
+    const JsonValue *v = doc ? json_root(doc) : NULL;
+    int same = v && v->type == JSON_STRING && v->count == expected_len && memcmp(v->string, expected, expected_len) == 0;
+    json_free(doc);
+    return same;
+}
+
+// The reader's edges: every hex digit case, the UTF-8 length boundaries, surrogates, exact error
+// positions, literals and numbers at the end of the input, the nesting limit, and input that is
+// only the first len bytes of a buffer (tokenizer_load passes a buffer with no NUL after it).
+static void test_json_edges(void) {
+    char error[256];
+    // U+007F/0080, 07FF/0800 and FFFF/10000 are where UTF-8 takes one more byte; U+10FFFF is the
+    // last code point; 'a' 'f' 'A' 'F' '9' are the ends of the hex digit ranges.
+    const char *edges = "\"\\u007f\\u0080\\u07ff\\u0800\\u20ac\\uffff\\ud800\\udc00\\udbff\\udfff\\u00aF\\u00fA\\u0039\"";
+    const char edges_utf8[] = "\x7f" "\xC2\x80" "\xDF\xBF" "\xE0\xA0\x80" "\xE2\x82\xAC" "\xEF\xBF\xBF" "\xF0\x90\x80\x80"
+                              "\xF4\x8F\xBF\xBF" "\xC2\xAF" "\xC3\xBA" "9";
+    check(parses_to_string(edges, edges_utf8, sizeof(edges_utf8) - 1),
+          "json: \\u escapes at the UTF-8 length edges, U+10000 and U+10FFFF as pairs, hex digits a f A F 9 decode exactly");
+    // Lone low surrogates at both ends of the range, and a high one followed by an escape that is
+    // no low surrogate: each U+FFFD, the next escape kept.
+    const char lone_utf8[] = "\xEF\xBF\xBD" "\xEF\xBF\xBD" "\xEF\xBF\xBD" "A";
+    check(parses_to_string("\"\\udc00\\udfff\\ud800\\u0041\"", lone_utf8, sizeof(lone_utf8) - 1),
+          "json: lone surrogates \\udc00 \\udfff and \\ud800 before \\u0041 become U+FFFD, the A kept");
+    // The characters just outside each hex digit range.
+    static const char not_hex[] = {'/', ':', '@', 'G', '`', 'g'};
+    int refused = 0;
+    for (size_t i = 0; i < sizeof(not_hex); i++) {
+        char text[16];
+        snprintf(text, sizeof(text), "\"\\u00%c0\"", not_hex[i]);
+        JsonDocument *doc = json_parse(text, strlen(text), error, sizeof(error));
+        refused += !doc && strstr(error, "bad hex digit in \\u escape") != NULL;
+        json_free(doc);
+    }
+    check(refused == (int)sizeof(not_hex), "json: / : @ G ` g are no hex digits (%d of %zu refused)", refused, sizeof(not_hex));
+    JsonDocument *doc = json_parse("\"\\u123\"", 7, error, sizeof(error));
+    check(!doc && strstr(error, "bad hex digit in \\u escape"),
+          "json: \\u123 before the closing quote has a bad 4th digit, not a truncation (%s)", doc ? "parsed" : error);
+    json_free(doc);
+
+    // Positions count from line 1, column 1, up to the offending character.
+    const char *misplaced = "{\n  \"a\": 1,\n  \"b\" 2\n}";
+    doc = json_parse(misplaced, strlen(misplaced), error, sizeof(error));
+    check(!doc && strcmp(error, "line 3 column 7: expected ':'") == 0, "json: a missing ':' is at line 3 column 7 (%s)",
+          doc ? "parsed" : error);
+    json_free(doc);
+    doc = json_parse("\"abc", 4, error, sizeof(error));
+    check(!doc && strcmp(error, "line 1 column 5: unterminated string") == 0,
+          "json: a string cut at the end of the input is unterminated at column 5 (%s)", doc ? "parsed" : error);
+    json_free(doc);
+
+    static const char *const literals[] = {"true", "false", "null"};
+    int literals_read = 0;
+    for (int i = 0; i < 3; i++) {
+        doc = json_parse(literals[i], strlen(literals[i]), error, sizeof(error));
+        literals_read += doc != NULL && (int)json_root(doc)->type == (i == 0 ? JSON_TRUE : i == 1 ? JSON_FALSE : JSON_NULL);
+        json_free(doc);
+    }
+    check(literals_read == 3, "json: true, false and null as the whole input (%d of 3 read)", literals_read);
+
+    // Numbers are copied into a 64-byte buffer: 63 characters fit, 64 are too long.
+    char number[80];
+    memset(number, '7', sizeof(number));
+    doc = json_parse(number, 63, error, sizeof(error));
+    check(doc && json_root(doc)->type == JSON_NUMBER && json_root(doc)->number > 7.7e62,
+          "json: a number of 63 digits is read (%s)", doc ? "ok" : error);
+    json_free(doc);
+    doc = json_parse(number, 64, error, sizeof(error));
+    check(!doc && strstr(error, "number too long"), "json: a number of 64 digits is too long (%s)", doc ? "parsed" : error);
+    json_free(doc);
+
+    // Containers nest at most 256 deep.
+    enum { MAX_DEPTH = 256 };
+    char nested[2 * (MAX_DEPTH + 1)];
+    for (int depth = MAX_DEPTH; depth <= MAX_DEPTH + 1; depth++) {
+        for (int i = 0; i < depth; i++) {
+            nested[i] = '[';
+            nested[depth + i] = ']';
+        }
+        doc = json_parse(nested, 2 * (size_t)depth, error, sizeof(error));
+        int ok = depth == MAX_DEPTH ? doc != NULL : !doc && strstr(error, "nesting too deep") != NULL;
+        check(ok, "json: arrays nested %d deep are %s (%s)", depth, depth == MAX_DEPTH ? "read" : "refused",
+              doc ? "parsed" : error);
+        json_free(doc);
+    }
+
+    // Strings are NUL-terminated in place, also one of 16 bytes that fills its arena slot.
+    doc = json_parse("[\"0123456789abcdef\", \"x\"]", 25, error, sizeof(error));
+    const JsonValue *strings = doc ? json_root(doc) : NULL;
+    check(strings && strings->items[0].count == 16 && strings->items[0].string[16] == '\0' &&
+              strcmp(strings->items[1].string, "x") == 0,
+          "json: a 16-byte string keeps its NUL after the next string is stored (%s)", doc ? "parsed" : error);
+    json_free(doc);
+
+    doc = json_parse("[{}, {\"a\": 1}]", 14, error, sizeof(error));
+    const JsonValue *objects = doc ? json_root(doc) : NULL;
+    check(objects && json_get(&objects->items[0], "a") == NULL && json_get(&objects->items[1], "b") == NULL &&
+              json_get(&objects->items[1], "a") != NULL,
+          "json: json_get finds no key in {} nor a missing key, and finds a present one");
+    json_free(doc);
+
+    // Every prefix of a buffer parses as that prefix alone (NUL-terminated copy): the reader
+    // looks at nothing past len, so the digit, quote or bracket that follows cannot change it.
+    static const char *const documents[] = {
+        "{\"a\": [1, -2.5e+3, 0.5E-2, true, false, null, {}, []], \"b\": {\"c\": \"x\\\"y\\u00e9\"}}", "-12.5e+37", "123 ",
+        "[\"\\ud83d\\ude00\", 10]", "0.125"};
+    int prefixes = 0, differ = 0;
+    char first_difference[512] = "";
+    for (size_t d = 0; d < sizeof(documents) / sizeof(documents[0]); d++) {
+        size_t len = strlen(documents[d]);
+        for (size_t k = 0; k <= len; k++) {
+            char *alone = (char *)malloc(k + 1);
+            memcpy(alone, documents[d], k);
+            alone[k] = '\0';
+            char in_buffer[512], by_itself[512];
+            parse_outcome(documents[d], k, in_buffer, sizeof(in_buffer));
+            parse_outcome(alone, k, by_itself, sizeof(by_itself));
+            free(alone);
+            prefixes++;
+            if (strcmp(in_buffer, by_itself) != 0 && differ++ == 0)
+                snprintf(first_difference, sizeof(first_difference), "; first: \"%.*s\" gave %s, alone %s", (int)k,
+                         documents[d], in_buffer, by_itself);
+        }
+    }
+    check(differ == 0, "json: %d prefixes of 5 documents parse as they do alone (%d differ%s)", prefixes, differ,
+          first_difference);
+}
+
 // Writes contents to a temporary file and loads it; checks the error names the path and
 // contains the expected words.
 static void expect_load_error(const char *what, const char *contents, size_t len, const char *expected) {
@@ -365,6 +533,27 @@ static void test_bad_files(const char *llama2_path) {
     snprintf(json, sizeof(json), "{%s, \"model\": {\"type\": \"BPE\", \"dropout\": 0.1, \"vocab\": {}, \"merges\": []}}",
              decoder);
     expect_load_error("BPE dropout", json, strlen(json), "unsupported: BPE dropout");
+    snprintf(json, sizeof(json), "{%s, \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": [1]}}", decoder);
+    expect_load_error("a merge that is a number", json, strlen(json), "merge 0 is neither \"a b\" nor [\"a\", \"b\"]");
+    snprintf(json, sizeof(json), "{%s, \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, \"merges\": [\"a b \"]}}",
+             decoder);
+    expect_load_error("a merge with a second space", json, strlen(json), "merge 0 is not two tokens separated by one space");
+    snprintf(json, sizeof(json), "{%s, \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, \"merges\": [\"a  b\"]}}",
+             decoder);
+    expect_load_error("a merge with two spaces in a row", json, strlen(json), "merge 0 is not two tokens separated by one space");
+    // Vocab tokens and merge halves are at most 4096 bytes.
+    enum { LONGEST = 4096 };
+    char *long_json = (char *)malloc(2 * LONGEST + 512), *token = (char *)malloc(LONGEST + 2);
+    memset(token, 'x', LONGEST + 1);
+    token[LONGEST + 1] = '\0';
+    snprintf(long_json, 2 * LONGEST + 512, "{%s, \"model\": {\"type\": \"BPE\", \"vocab\": {\"%s\": 0}, \"merges\": []}}", decoder,
+             token);
+    expect_load_error("a vocab token of 4097 bytes", long_json, strlen(long_json), "model vocab: token 0 longer than 4096 bytes");
+    snprintf(long_json, 2 * LONGEST + 512, "{%s, \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": [\"%s a\"]}}",
+             decoder, token);
+    expect_load_error("a merge half of 4097 bytes", long_json, strlen(long_json), "model merges: merge 0 too long");
+    free(long_json);
+    free(token);
     // A byte order mark before the JSON is skipped: the error is the document's own, not "invalid number".
     snprintf(json, sizeof(json), "\xef\xbb\xbf[1, 2]");
     expect_load_error("UTF-8 BOM", json, strlen(json), "not a tokenizer.json: the top level is not an object");
@@ -397,6 +586,74 @@ static void test_bad_files(const char *llama2_path) {
     check(!tok && strstr(error, "/dev/zero: not a regular file"), "/dev/zero as a tokenizer is refused at once: \"%s\"", error);
     tok = tokenizer_load("test", error, sizeof(error));
     check(!tok && strstr(error, "test: not a regular file (a directory)"), "a directory as a tokenizer: \"%s\"", error);
+}
+
+// Encodes text and compares the ids with expected[0..n).
+static int encodes_to(const Tokenizer *tok, const char *text, const uint32_t *expected, size_t n) {
+    uint32_t *ids = NULL;
+    size_t count = 0, capacity = 0;
+    int same = tokenizer_encode(tok, text, strlen(text), &ids, &count, &capacity) == 0 && count == n &&
+               memcmp(ids, expected, n * sizeof(uint32_t)) == 0;
+    free(ids);
+    return same;
+}
+
+// Decodes ids[0..n) and compares the text with expected.
+static int decodes_to(const Tokenizer *tok, const uint32_t *ids, size_t n, const char *expected) {
+    size_t len;
+    char *text = tokenizer_decode(tok, ids, n, &len);
+    int same = text && len == strlen(expected) && memcmp(text, expected, len) == 0;
+    free(text);
+    return same;
+}
+
+// A small character-level tokenizer (no pre-tokenizer, no byte fallback in the model): letters
+// a..q are ids 0..16, merge i joins letters i and i+1 into id 17 + i (16 merges: a power of two,
+// the most a merge table of 32 slots takes at half full), " " 33, byte tokens <0xC3> 34 and
+// <0xaf> 35 (lowercase hex), <unk> 36; added tokens <x>, <x>y, <x>yz (37..39, shortest first in
+// the file); decoder ByteFallback, Fuse, Strip of one trailing space.
+static void test_small_tokenizer(void) {
+    enum { LETTERS = 17, MERGES = LETTERS - 1, SPACE = 33, BYTE_C3 = 34, BYTE_AF = 35, UNK = 36, ADDED = 37 };
+    char json[8192], vocab[4096] = "", merges[2048] = "";
+    for (int i = 0; i < LETTERS; i++) {
+        size_t used = strlen(vocab);
+        snprintf(vocab + used, sizeof(vocab) - used, "\"%c\": %d, ", 'a' + i, i);
+    }
+    for (int i = 0; i < MERGES; i++) {
+        size_t used = strlen(vocab);
+        snprintf(vocab + used, sizeof(vocab) - used, "\"%c%c\": %d, ", 'a' + i, 'b' + i, LETTERS + i);
+        used = strlen(merges);
+        snprintf(merges + used, sizeof(merges) - used, "%s\"%c %c\"", i ? ", " : "", 'a' + i, 'b' + i);
+    }
+    snprintf(json, sizeof(json),
+             "{\"decoder\": {\"type\": \"Sequence\", \"decoders\": [{\"type\": \"ByteFallback\"}, {\"type\": \"Fuse\"}, "
+             "{\"type\": \"Strip\", \"content\": \" \", \"start\": 0, \"stop\": 1}]}, "
+             "\"model\": {\"type\": \"BPE\", \"unk_token\": \"<unk>\", \"vocab\": {%s\" \": %d, \"<0xC3>\": %d, "
+             "\"<0xaf>\": %d, \"<unk>\": %d}, \"merges\": [%s]}, "
+             "\"added_tokens\": [{\"id\": %d, \"content\": \"<x>\"}, {\"id\": %d, \"content\": \"<x>y\"}, "
+             "{\"id\": %d, \"content\": \"<x>yz\"}]}",
+             vocab, SPACE, BYTE_C3, BYTE_AF, UNK, merges, ADDED, ADDED + 1, ADDED + 2);
+    char path[] = "/tmp/test_tokenizer_small_XXXXXX";
+    int fd = mkstemp(path);
+    int written = fd >= 0 && write(fd, json, strlen(json)) == (ssize_t)strlen(json);
+    if (fd >= 0) close(fd);
+    char error[512] = "";
+    Tokenizer *tok = written ? tokenizer_load(path, error, sizeof(error)) : NULL;
+    unlink(path);
+    check(tok != NULL, "small tokenizer: loads, Strip with start 0 included (%s)", tok ? "ok" : error);
+    if (!tok) return;
+    const uint32_t ab_c[] = {LETTERS + 0, 2}, q_a[] = {16, 0}, unknown[] = {UNK, UNK};
+    check(encodes_to(tok, "abc", ab_c, 2), "small tokenizer: \"abc\" is the merge of a b (rank 0) and c");
+    check(encodes_to(tok, "qa", q_a, 2), "small tokenizer: \"qa\", a pair no merge joins, is its two letters");
+    check(encodes_to(tok, "zz", unknown, 2), "small tokenizer: characters outside the vocab are <unk> each (no fuse_unk)");
+    const uint32_t longest[] = {ADDED + 2}, middle[] = {ADDED + 1}, shortest[] = {ADDED, 0};
+    check(encodes_to(tok, "<x>yz", longest, 1) && encodes_to(tok, "<x>y", middle, 1) && encodes_to(tok, "<x>a", shortest, 2),
+          "small tokenizer: the longest added token at a position wins (<x>yz, <x>y, then <x> before a)");
+    const uint32_t i_diaeresis[] = {BYTE_C3, BYTE_AF}, b_space[] = {1, SPACE}, space[] = {SPACE}, spaces[] = {SPACE, SPACE};
+    check(decodes_to(tok, i_diaeresis, 2, "\xC3\xAF"), "small tokenizer: <0xC3> <0xaf> (lowercase hex) decode to the byte pair of U+00EF");
+    check(decodes_to(tok, b_space, 2, "b") && decodes_to(tok, space, 1, "") && decodes_to(tok, spaces, 2, " "),
+          "small tokenizer: Strip stop 1 removes one trailing space: \"b \" -> \"b\", \" \" -> \"\", \"  \" -> \" \"");
+    tokenizer_free(tok);
 }
 
 int main(void) {
@@ -434,7 +691,9 @@ int main(void) {
     test_threads(llama3, texts, text_count);
     test_small_cases(llama3);
     test_json();
+    test_json_edges();
     test_bad_files(llama2_path);
+    test_small_tokenizer();
     tokenizer_free(llama3);
     tokenizer_free(llama2);
     return check_summary("test_tokenizer");
