@@ -118,11 +118,29 @@ static void check_precision(const ConfigParser *parser) {
 // checkpoint in favour of the older ones, truncate their log, and a later resume would continue
 // the old run: refused unless overwrite = 1, which removes them once training has checked every
 // input and read its start checkpoint.
+// out_dir must also be a folder this process can write, or one it can create (mkdir -p): its
+// nearest existing ancestor a writable folder.
 static void check_out_dir(const ConfigParser *parser) {
     const TrainConfig *c = &parser->values;
+    char ancestor[4096], message[4608];
+    if (c->out_dir[0] == '\0') fail_config(parser, "out_dir", "is empty: name the run's folder");
+    snprintf(ancestor, sizeof(ancestor), "%s", c->out_dir);
+    struct stat info;
+    while (stat(ancestor, &info) != 0) {
+        char *slash = strrchr(ancestor, '/');
+        if (slash == NULL) snprintf(ancestor, sizeof(ancestor), ".");
+        else if (slash == ancestor) ancestor[1] = '\0';
+        else *slash = '\0';
+    }
+    int itself = strcmp(ancestor, c->out_dir) == 0;
+    if (!S_ISDIR(info.st_mode) || access(ancestor, W_OK | X_OK) != 0) {
+        if (itself) snprintf(message, sizeof(message), "'%s' is %s", c->out_dir, S_ISDIR(info.st_mode) ? "a folder this process cannot write" : "not a folder");
+        else snprintf(message, sizeof(message), "'%s' cannot be created: '%s' is %s", c->out_dir, ancestor,
+                      S_ISDIR(info.st_mode) ? "a folder this process cannot write" : "not a folder");
+        fail_config(parser, "out_dir", message);
+    }
     char what[256];
     if (c->resume || c->generate || c->overwrite || !run_dir_describe(c->out_dir, what, sizeof(what))) return;
-    char message[512];
     snprintf(message, sizeof(message), "'%s' holds an earlier run (%s): resume = 1 continues it, overwrite = 1 removes it "
              "and starts over", c->out_dir, what);
     fail_config(parser, "out_dir", message);

@@ -52,6 +52,12 @@ expect_error "a fresh run into an earlier run's out_dir" \
 out=$(./train_llama configs/models/tiny.conf --dry_run=1 "$plan_data" --out_dir="$tmp/run" --overwrite=1 2>&1); rc=$?
 check "overwrite = 1 lets dry_run pass and removes nothing" \
     "$([ $rc -eq 0 ] && [ -e "$tmp/run/ckpt_00000010.bin" ] && [ -e "$tmp/run/log.jsonl" ]; echo $?)" "$out"
+# An out_dir that is a file, or under one, or empty: refused by dry_run as by training.
+touch "$tmp/a_file"
+expect_error "out_dir a file" "out_dir '$tmp/a_file' is not a folder" configs/models/tiny.conf --dry_run=1 "$plan_data" --out_dir="$tmp/a_file"
+expect_error "out_dir under a file" "out_dir '$tmp/a_file/run' cannot be created: '$tmp/a_file' is not a folder" \
+    configs/models/tiny.conf --dry_run=1 "$plan_data" --out_dir="$tmp/a_file/run"
+expect_error "out_dir empty" "out_dir is empty: name the run's folder" configs/models/tiny.conf --dry_run=1 "$plan_data" --out_dir=
 mkdir -p "$tmp/other"; touch "$tmp/other/notes.txt"
 out=$(./train_llama configs/models/tiny.conf --dry_run=1 "$plan_data" --out_dir="$tmp/other" 2>&1); rc=$?
 check "an out_dir with other files only is no earlier run" $rc "$out"
@@ -222,6 +228,7 @@ def write_checkpoint(path, shape, total, cut=0):
     open(path, "wb").write(data[:len(data) - cut])
 write_checkpoint(f"{tmp}/good.bin", shape, layout.total_padded)
 write_checkpoint(f"{tmp}/cut.bin", shape, layout.total_padded, cut=1000)
+open(f"{tmp}/long.bin", "wb").write(open(f"{tmp}/good.bin", "rb").read() + bytes(4))
 other = model_shape_from_config("configs/models/tiny.conf")
 other.dim = 256
 write_checkpoint(f"{tmp}/other_dim.bin", other, ParamLayout(other).total_padded)
@@ -244,6 +251,9 @@ expect_fail() {  # expect_fail NAME EXPECTED-TEXT ARGS...
 out=$(./train_llama "${tiny[@]}" --init_from="$tmp/good.bin" --train_data="$tmp/ok_*.bin" 2>&1)
 check "dry_run accepts a good checkpoint and shard" "$(printf '%s' "$out" | grep -q 'checkpoint of step 5'; echo $?)" "$out"
 expect_fail "truncated checkpoint" "$tmp/cut.bin: size" --init_from="$tmp/cut.bin"
+good_size=$(stat -c %s "$tmp/good.bin")
+expect_fail "a checkpoint 4 bytes longer than its header announces" \
+    "$tmp/long.bin: size $((good_size + 4)) bytes, header announces $good_size" --init_from="$tmp/long.bin"
 expect_fail "not a checkpoint" "$tmp/magic.bin: not a train_llama checkpoint" --init_from="$tmp/magic.bin"
 expect_fail "checkpoint of another shape" "$tmp/other_dim.bin: dim differs" --init_from="$tmp/other_dim.bin"
 expect_fail "token beyond the vocabulary" "$tmp/big_000000.bin" --train_data="$tmp/big_*.bin"
