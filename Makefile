@@ -103,6 +103,11 @@ $(BUILD)/test_%: test/test_%.c $(TOKENIZER_LIB) $(REFERENCE_DOUBLE) $(TEST_HEADE
 $(BUILD)/test_%: test/test_%.cu $(REFERENCE_FLOAT) $(TEST_HEADERS) $(COAT_HEADERS)
 	$(NVCC) $(NVCCFLAGS) $< $(REFERENCE_FLOAT) -o $@ $(NVCC_LIBS)
 
+# Built for another architecture than the GPU's on purpose: the refusal of a GPU without code.
+$(BUILD)/test_gpu_arch: test/test_gpu_arch.cu $(TEST_HEADERS) coat/common.cuh
+	@mkdir -p $(BUILD)
+	$(NVCC) -std=c++17 -O2 --Werror all-warnings -Xcompiler $(NVCC_HOST_FLAGS) -gencode arch=compute_80,code=sm_80 $< -o $@ -lcublasLt
+
 # Not a test: checks and times the attention kernels' tile variants in one GPU run.
 $(BUILD)/bench_attention_variants: test/bench_attention_variants.cu $(TEST_HEADERS) $(COAT_HEADERS)
 	@mkdir -p $(BUILD)

@@ -164,15 +164,8 @@ static void check_gpu(GpuContext *gpu) {
     gpu_context_create(gpu, 0);
     // The kernels are built for one architecture (GPU_ARCH, Hopper by default: TMA and wgmma):
     // another GPU would fail at its first kernel, so say which GPU and what the build is for.
-    cudaFuncAttributes attributes;
-    if (cudaFuncGetAttributes(&attributes, embedding_iota_kernel) != cudaSuccess) {
-        cudaDeviceProp prop;
-        cudaCheck(cudaGetDeviceProperties(&prop, gpu->device));
-        fprintf(stderr, "error: %s has compute capability %d.%d; this build's kernels are for %s (make GPU_ARCH=...): "
-                        "the attention kernels need Hopper (9.0)\n",
-                prop.name, prop.major, prop.minor, TRAIN_LLAMA_GPU_ARCH);
-        exit(EXIT_FAILURE);
-    }
+    char message[512];
+    if (gpu_runs_kernel((const void *)embedding_iota_kernel, TRAIN_LLAMA_GPU_ARCH, message, sizeof(message)) != 0) fail(message);
 }
 
 // Refuses (exit 2) a micro-batch whose plan exceeds budget_bytes (what the budget is: "free GPU

@@ -23,6 +23,22 @@ static inline void cublas_check(cublasStatus_t status, const char *call, const c
 }
 #define cublasCheck(call) cublas_check((call), #call, __FILE__, __LINE__)
 
+// Whether this build's code runs on the current GPU, tried on one of its kernels: a build for one
+// architecture (GPU_ARCH, build_arch) fails at its first launch on another. Returns 0, or -1 with
+// the GPU's name and compute capability, and what the build is for, in message.
+static inline int gpu_runs_kernel(const void *kernel, const char *build_arch, char *message, size_t size) {
+    cudaFuncAttributes attributes;
+    if (cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess) return 0;
+    cudaGetLastError();  // not sticky: clear it
+    int device = 0;
+    cudaDeviceProp prop;
+    cudaCheck(cudaGetDevice(&device));
+    cudaCheck(cudaGetDeviceProperties(&prop, device));
+    snprintf(message, size, "%s has compute capability %d.%d; this build's kernels are for %s (make GPU_ARCH=...): "
+             "the attention kernels need Hopper (9.0)", prop.name, prop.major, prop.minor, build_arch);
+    return -1;
+}
+
 // "error: WHERE: WHAT" and exit: how a launcher reports arguments it cannot run with.
 static inline void fail_with(const char *where, const char *what) {
     fprintf(stderr, "error: %s: %s\n", where, what);
