@@ -114,18 +114,22 @@ $(BUILD)/bench_attention_variants: test/bench_attention_variants.cu $(TEST_HEADE
 	$(NVCC) $(NVCCFLAGS) $< -o $@ $(NVCC_LIBS)
 
 # The ranks test/test_comm.sh launches: comm_ranks with MPI when this build has it, and
-# comm_ranks_single, a build without MPI (its refusal of an MPI launch, the file rendezvous).
-COMM_PROGRAMS := $(BUILD)/comm_ranks $(BUILD)/comm_ranks_single
+# comm_ranks_single, a build without MPI (its refusal of an MPI launch, the file rendezvous)...
+COMM_PROGRAMS := $(BUILD)/comm_ranks $(BUILD)/comm_ranks_single $(BUILD)/zero_ranks
 $(BUILD)/comm_ranks: test/comm_ranks.c coat/comm.h
 	@mkdir -p $(BUILD)
 	$(CC) $(CFLAGS) $(if $(HAVE_MPI),-DUSE_MPI $(MPI_COMPILE)) $< -o $@ $(if $(HAVE_MPI),$(MPI_LINK))
 $(BUILD)/comm_ranks_single: test/comm_ranks.c coat/comm.h
 	@mkdir -p $(BUILD)
 	$(CC) $(CFLAGS) $< -o $@
+# ... and zero_ranks, which test/test_zero_gpu.sh launches: coat/zero.cuh on GPU buffers.
+$(BUILD)/zero_ranks: test/zero_ranks.cu coat/zero.cuh coat/comm.h coat/common.cuh
+	@mkdir -p $(BUILD)
+	$(NVCC) $(NVCCFLAGS) $< -o $@ $(NVCC_LIBS)
 
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 CPU_SCRIPT_TESTS := test/test_cli.sh test/test_shards.sh test/test_scripts.sh test/test_corpus.sh test/test_comm.sh
-GPU_SCRIPT_TESTS := test/test_train.sh test/test_crash.sh test/test_hf.sh
+GPU_SCRIPT_TESTS := test/test_train.sh test/test_crash.sh test/test_zero_gpu.sh test/test_hf.sh
 
 # The PyTorch reference's debug state that test_model compares against (needs python3 with
 # torch; without it test_model reports the comparison as failed).

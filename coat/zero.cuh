@@ -1,0 +1,218 @@
+// The collectives ZeRO runs on GPU buffers (coat/zero.h says which), on their own stream, ordered
+// with the compute stream by events in both directions: a collective waits for the work its
+// producer stream had queued, and a consumer stream waits for the collectives (zero_comm_join).
+// Backends:
+//   nccl: NCCL on the GPUs (one rank per GPU: NCCL refuses two ranks on one device). Rank 0 makes
+//         the unique id; MPI broadcasts it, or, for ranks started without MPI, a rendezvous file.
+//   mpi:  through pinned host memory: copy out, MPI's host collective (coat/comm.h), copy back,
+//         the host thread waiting in between; slow, but several ranks may share one GPU (tests),
+//         with the same call sites and the same numerics contract (BF16 sums rounded after each
+//         addition, in an order the library picks).
+// BF16 buffers are uint16-sized elements; n counts elements. Every rank calls every collective
+// in the same order with the same sizes.
+#pragma once
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include "comm.h"
+#include "common.cuh"
+#ifdef USE_NCCL
+#include <nccl.h>
+#endif
+
+typedef enum { ZERO_BACKEND_NCCL, ZERO_BACKEND_MPI } ZeroBackend;
+
+typedef struct {
+    const Comm *comm;
+    ZeroBackend backend;
+    cudaStream_t stream;
+    cudaEvent_t produced, finished;  // producer -> collectives, collectives -> consumer
+    uint16_t *host;                  // the MPI backend's pinned staging, host_elems elements
+    size_t host_elems;
+#ifdef USE_NCCL
+    ncclComm_t nccl;
+#endif
+} ZeroComm;
+
+#ifdef USE_NCCL
+static inline void nccl_check(ncclResult_t result, const char *call, const char *file, int line) {
+    if (result == ncclSuccess) return;
+    fprintf(stderr, "error: %s failed at %s:%d: %s\n", call, file, line, ncclGetErrorString(result));
+    exit(EXIT_FAILURE);
+}
+#define ncclCheck(call) nccl_check((call), #call, __FILE__, __LINE__)
+#endif
+
+// Sets up the backend on the current device for collectives of at most max_elems BF16 elements
+// (the MPI backend's staging holds max_elems + the largest shard it reduces into). For NCCL
+// ranks started without MPI, rendezvous_dir is the shared folder of comm_rendezvous.
+// Returns 0, or -1 with a message.
+static inline int zero_comm_init(ZeroComm *z, const Comm *comm, ZeroBackend backend, size_t max_elems,
+                                 const char *rendezvous_dir, char *error, size_t error_size) {
+    memset(z, 0, sizeof(*z));
+    z->comm = comm;
+    z->backend = backend;
+    cudaCheck(cudaStreamCreateWithFlags(&z->stream, cudaStreamNonBlocking));
+    cudaCheck(cudaEventCreateWithFlags(&z->produced, cudaEventDisableTiming));
+    cudaCheck(cudaEventCreateWithFlags(&z->finished, cudaEventDisableTiming));
+    if (backend == ZERO_BACKEND_MPI) {
+#ifdef USE_MPI
+        z->host_elems = 2 * max_elems;
+        cudaCheck(cudaMallocHost((void **)&z->host, 2 * z->host_elems));
+        return 0;
+#else
+        (void)max_elems;
+        (void)rendezvous_dir;
+        snprintf(error, error_size, "comm_backend = mpi needs a build with MPI (libopenmpi-dev)");
+        return -1;
+#endif
+    }
+#ifdef USE_NCCL
+    ncclUniqueId id;
+    if (comm->rank == 0) ncclCheck(ncclGetUniqueId(&id));
+    if (comm->launch == LAUNCH_MPI) {
+#ifdef USE_MPI
+        comm_broadcast(comm, &id, sizeof(id), 0);
+#endif
+    } else if (comm->world > 1) {
+        if (comm_rendezvous(comm, rendezvous_dir, "nccl_id", &id, sizeof(id), 120.0, error, error_size) != 0) return -1;
+    }
+    ncclCheck(ncclCommInitRank(&z->nccl, comm->world, id, comm->rank));
+    return 0;
+#else
+    (void)max_elems;
+    (void)rendezvous_dir;
+    snprintf(error, error_size, "comm_backend = nccl needs a build with NCCL (nccl.h)");
+    return -1;
+#endif
+}
+
+static inline void zero_comm_free(ZeroComm *z) {
+    cudaCheck(cudaStreamSynchronize(z->stream));
+#ifdef USE_NCCL
+    if (z->backend == ZERO_BACKEND_NCCL) ncclCheck(ncclCommDestroy(z->nccl));
+#endif
+    if (z->host) cudaCheck(cudaFreeHost(z->host));
+    cudaCheck(cudaEventDestroy(z->produced));
+    cudaCheck(cudaEventDestroy(z->finished));
+    cudaCheck(cudaStreamDestroy(z->stream));
+    memset(z, 0, sizeof(*z));
+}
+
+// The collectives' stream waits for what `producer` had queued.
+static inline void zero_comm_after(ZeroComm *z, cudaStream_t producer) {
+    cudaCheck(cudaEventRecord(z->produced, producer));
+    cudaCheck(cudaStreamWaitEvent(z->stream, z->produced, 0));
+}
+
+// `consumer` waits for every collective queued so far.
+static inline void zero_comm_join(ZeroComm *z, cudaStream_t consumer) {
+    cudaCheck(cudaEventRecord(z->finished, z->stream));
+    cudaCheck(cudaStreamWaitEvent(consumer, z->finished, 0));
+}
+
+#ifdef USE_MPI
+static inline void zero_check_staging(const ZeroComm *z, size_t elems, const char *what) {
+    if (elems <= z->host_elems) return;
+    fprintf(stderr, "error: %s: %zu elements exceed the MPI backend's staging of %zu\n", what, elems, z->host_elems);
+    exit(EXIT_FAILURE);
+}
+
+// Device data[n] into the staging buffer at `offset`, the host waiting for it.
+static inline void zero_stage_out(ZeroComm *z, const void *data, size_t n, size_t offset) {
+    cudaCheck(cudaMemcpyAsync(z->host + offset, data, 2 * n, cudaMemcpyDeviceToHost, z->stream));
+    cudaCheck(cudaStreamSynchronize(z->stream));
+}
+static inline void zero_stage_in(ZeroComm *z, void *data, size_t n, size_t offset) {
+    cudaCheck(cudaMemcpyAsync(data, z->host + offset, 2 * n, cudaMemcpyHostToDevice, z->stream));
+}
+#endif
+
+// data[n] BF16 summed over the ranks, in place (ZeRO stage 0's gradients).
+static inline void zero_all_reduce_bf16(ZeroComm *z, bf16 *data, size_t n, cudaStream_t producer) {
+    zero_comm_after(z, producer);
+    if (z->comm->world == 1) return;
+#ifdef USE_NCCL
+    if (z->backend == ZERO_BACKEND_NCCL) {
+        ncclCheck(ncclAllReduce(data, data, n, ncclBfloat16, ncclSum, z->nccl, z->stream));
+        return;
+    }
+#endif
+#ifdef USE_MPI
+    zero_check_staging(z, n, "zero_all_reduce_bf16");
+    zero_stage_out(z, data, n, 0);
+    comm_all_reduce_sum_bf16(z->comm, z->host, n);
+    zero_stage_in(z, data, n, 0);
+#endif
+}
+
+// data[world shard] BF16 summed over the ranks; this rank's sum of [rank shard, (rank + 1) shard)
+// lands in out[shard], which may lie inside data at exactly that place (stage 1's gradients).
+static inline void zero_reduce_scatter_bf16(ZeroComm *z, const bf16 *data, bf16 *out, size_t shard, cudaStream_t producer) {
+    zero_comm_after(z, producer);
+    const Comm *c = z->comm;
+    if (c->world == 1) {
+        if (out != data) cudaCheck(cudaMemcpyAsync(out, data, 2 * shard, cudaMemcpyDeviceToDevice, z->stream));
+        return;
+    }
+#ifdef USE_NCCL
+    if (z->backend == ZERO_BACKEND_NCCL) {
+        ncclCheck(ncclReduceScatter(data, out, shard, ncclBfloat16, ncclSum, z->nccl, z->stream));
+        return;
+    }
+#endif
+#ifdef USE_MPI
+    size_t n = (size_t)c->world * shard;
+    zero_check_staging(z, n + shard, "zero_reduce_scatter_bf16");
+    zero_stage_out(z, data, n, 0);
+    comm_reduce_scatter_sum_bf16(c, z->host, z->host + n, shard);
+    zero_stage_in(z, out, shard, n);
+#endif
+}
+
+// Every rank's shard[shard] BF16 into out[world shard], rank r's at r shard; shard may be this
+// rank's place in out (the parameters after a ZeRO step).
+static inline void zero_all_gather_bf16(ZeroComm *z, const bf16 *shard_data, bf16 *out, size_t shard, cudaStream_t producer) {
+    zero_comm_after(z, producer);
+    const Comm *c = z->comm;
+    if (c->world == 1) {
+        if (out != shard_data) cudaCheck(cudaMemcpyAsync(out, shard_data, 2 * shard, cudaMemcpyDeviceToDevice, z->stream));
+        return;
+    }
+#ifdef USE_NCCL
+    if (z->backend == ZERO_BACKEND_NCCL) {
+        ncclCheck(ncclAllGather(shard_data, out, shard, ncclBfloat16, z->nccl, z->stream));
+        return;
+    }
+#endif
+#ifdef USE_MPI
+    size_t n = (size_t)c->world * shard, place = (size_t)c->rank * shard;
+    zero_check_staging(z, n, "zero_all_gather_bf16");
+    zero_stage_out(z, shard_data, shard, place);
+    comm_all_gather_bf16(c, z->host + place, z->host, shard);
+    zero_stage_in(z, out, n, 0);
+#endif
+}
+
+// data[n] BF16 summed over the ranks into out[n] on rank `root` only (stage 2: a bucket's part to
+// its owner); out may be data.
+static inline void zero_reduce_bf16(ZeroComm *z, const bf16 *data, bf16 *out, size_t n, int root, cudaStream_t producer) {
+    zero_comm_after(z, producer);
+    const Comm *c = z->comm;
+    if (c->world == 1) {
+        if (out != data) cudaCheck(cudaMemcpyAsync(out, data, 2 * n, cudaMemcpyDeviceToDevice, z->stream));
+        return;
+    }
+#ifdef USE_NCCL
+    if (z->backend == ZERO_BACKEND_NCCL) {
+        ncclCheck(ncclReduce(data, out, n, ncclBfloat16, ncclSum, root, z->nccl, z->stream));
+        return;
+    }
+#endif
+#ifdef USE_MPI
+    zero_check_staging(z, n, "zero_reduce_bf16");
+    zero_stage_out(z, data, n, 0);
+    comm_reduce_sum_bf16(c, z->host, z->host, n, root);
+    if (c->rank == root) zero_stage_in(z, out, n, 0);
+#endif
+}

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# coat/zero.cuh on the GPU (build/zero_ranks): every collective ZeRO needs, on device buffers,
+# exact; the MPI backend with 1 to 4 ranks sharing this machine's GPU(s), NCCL with one rank per
+# GPU there is.
+cd "$(dirname "$0")/.." || exit 1
+source test/check.sh
+
+mpi=(timeout 120 mpirun --oversubscribe -np)
+[ "$(id -u)" -eq 0 ] && mpi=(timeout 120 mpirun --allow-run-as-root --oversubscribe -np)
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if command -v mpirun > /dev/null && grep -qa MPI_Init build/zero_ranks; then
+    for ranks in 1 2 3 4; do
+        out=$("${mpi[@]}" $ranks build/zero_ranks mpi 2>&1); rc=$?
+        check "comm_backend mpi, $ranks rank(s) on $gpus GPU(s): all-reduce, reduce-scatter and all-gather in place, reduce to each owner exact" \
+            "$([ $rc -eq 0 ] && [ "$(printf '%s\n' "$out" | grep -c "of $ranks: mpi collectives ok")" -eq $ranks ]; echo $?)" "$out"
+    done
+    for ranks in $(seq 2 "$gpus"); do
+        out=$("${mpi[@]}" $ranks build/zero_ranks nccl 2>&1); rc=$?
+        check "comm_backend nccl, $ranks ranks on $ranks GPUs: every collective exact" \
+            "$([ $rc -eq 0 ] && [ "$(printf '%s\n' "$out" | grep -c "of $ranks: nccl collectives ok")" -eq $ranks ]; echo $?)" "$out"
+    done
+else
+    echo "SKIP the multi-rank collectives (no mpirun, or a build without MPI)"
+fi
+if grep -qa ncclCommInitRank build/zero_ranks; then
+    out=$(build/zero_ranks nccl 2>&1); rc=$?
+    check "comm_backend nccl, one rank: every collective (copies) exact" \
+        "$([ $rc -eq 0 ] && printf '%s' "$out" | grep -q 'rank 0 of 1: nccl collectives ok'; echo $?)" "$out"
+fi
+
+check_summary test_zero_gpu
