@@ -6,6 +6,7 @@
 #include <cublasLt.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <type_traits>
 
 typedef __nv_bfloat16 bf16;
 
@@ -43,6 +44,16 @@ static inline int gpu_runs_kernel(const void *kernel, const char *build_arch, ch
 static inline void fail_with(const char *where, const char *what) {
     fprintf(stderr, "error: %s: %s\n", where, what);
     exit(EXIT_FAILURE);
+}
+
+// Calls launch(A, B) with A and B std::bool_constant<a> and <b>: a launcher's two run-time flags
+// picked once into one of a kernel's four template instances (decltype(A)::value inside).
+template <class Launch>
+static inline void launch_with_flags(bool a, bool b, Launch launch) {
+    if (a && b) launch(std::true_type{}, std::true_type{});
+    else if (a) launch(std::true_type{}, std::false_type{});
+    else if (b) launch(std::false_type{}, std::true_type{});
+    else launch(std::false_type{}, std::false_type{});
 }
 
 // Checks the last kernel launch (launch errors only; execution errors surface at the next sync).

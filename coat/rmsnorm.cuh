@@ -220,18 +220,10 @@ static inline void residual_rmsnorm_forward(bf16 *residual_out, bf16 *norm_out, 
     if (group16 && C % FP8_GROUP != 0) fail_with("residual_rmsnorm_forward", "C must be a multiple of 16 for 1x16 groups");
     int rows_per_block = RMSNORM_FORWARD_THREADS / 32;
     dim3 grid(ceil_div(N, rows_per_block));
-    if (group16 && amax)
-        residual_rmsnorm_forward_kernel<true, true><<<grid, RMSNORM_FORWARD_THREADS, 0, stream>>>(
+    launch_with_flags(group16, amax, [&](auto GROUP16, auto AMAX) {
+        residual_rmsnorm_forward_kernel<decltype(GROUP16)::value, decltype(AMAX)::value><<<grid, RMSNORM_FORWARD_THREADS, 0, stream>>>(
             residual_out, residual_copy, norm_out, rstd, norm_amax, residual_in, branch, weight, N, C, eps);
-    else if (group16)
-        residual_rmsnorm_forward_kernel<true, false><<<grid, RMSNORM_FORWARD_THREADS, 0, stream>>>(
-            residual_out, residual_copy, norm_out, rstd, norm_amax, residual_in, branch, weight, N, C, eps);
-    else if (amax)
-        residual_rmsnorm_forward_kernel<false, true><<<grid, RMSNORM_FORWARD_THREADS, 0, stream>>>(
-            residual_out, residual_copy, norm_out, rstd, norm_amax, residual_in, branch, weight, N, C, eps);
-    else
-        residual_rmsnorm_forward_kernel<false, false><<<grid, RMSNORM_FORWARD_THREADS, 0, stream>>>(
-            residual_out, residual_copy, norm_out, rstd, norm_amax, residual_in, branch, weight, N, C, eps);
+    });
     cudaCheckLaunch();
 }
 

@@ -164,14 +164,10 @@ static inline void swiglu_forward(bf16 *out, const bf16 *gate_up, int N, int I, 
     swiglu_check("swiglu_forward", I, group16);
     size_t total_vecs = (size_t)N * (size_t)(I / 8);
     unsigned blocks = (unsigned)ceil_div_size(total_vecs, SWIGLU_THREADS);
-    if (group16 && amax)
-        swiglu_forward_kernel<true, true><<<blocks, SWIGLU_THREADS, 0, stream>>>(out, gate_up_copy, out_amax, gate_up, I, total_vecs);
-    else if (group16)
-        swiglu_forward_kernel<true, false><<<blocks, SWIGLU_THREADS, 0, stream>>>(out, gate_up_copy, out_amax, gate_up, I, total_vecs);
-    else if (amax)
-        swiglu_forward_kernel<false, true><<<blocks, SWIGLU_THREADS, 0, stream>>>(out, gate_up_copy, out_amax, gate_up, I, total_vecs);
-    else
-        swiglu_forward_kernel<false, false><<<blocks, SWIGLU_THREADS, 0, stream>>>(out, gate_up_copy, out_amax, gate_up, I, total_vecs);
+    launch_with_flags(group16, amax, [&](auto GROUP16, auto AMAX) {
+        swiglu_forward_kernel<decltype(GROUP16)::value, decltype(AMAX)::value>
+            <<<blocks, SWIGLU_THREADS, 0, stream>>>(out, gate_up_copy, out_amax, gate_up, I, total_vecs);
+    });
     cudaCheckLaunch();
 }
 
@@ -184,14 +180,10 @@ static inline void swiglu_backward(bf16 *dgate_up, const bf16 *dout, const bf16 
     swiglu_check("swiglu_backward", I, group16);
     size_t total_vecs = (size_t)N * (size_t)(I / 8);
     unsigned blocks = (unsigned)ceil_div_size(total_vecs, SWIGLU_THREADS);
-    if (group16 && amax)
-        swiglu_backward_kernel<true, true><<<blocks, SWIGLU_THREADS, 0, stream>>>(dgate_up, dgate_up_amax, dout, gate_up, gate_up_groups, I, total_vecs);
-    else if (group16)
-        swiglu_backward_kernel<true, false><<<blocks, SWIGLU_THREADS, 0, stream>>>(dgate_up, dgate_up_amax, dout, gate_up, gate_up_groups, I, total_vecs);
-    else if (amax)
-        swiglu_backward_kernel<false, true><<<blocks, SWIGLU_THREADS, 0, stream>>>(dgate_up, dgate_up_amax, dout, gate_up, gate_up_groups, I, total_vecs);
-    else
-        swiglu_backward_kernel<false, false><<<blocks, SWIGLU_THREADS, 0, stream>>>(dgate_up, dgate_up_amax, dout, gate_up, gate_up_groups, I, total_vecs);
+    launch_with_flags(group16, amax, [&](auto GROUP16, auto AMAX) {
+        swiglu_backward_kernel<decltype(GROUP16)::value, decltype(AMAX)::value>
+            <<<blocks, SWIGLU_THREADS, 0, stream>>>(dgate_up, dgate_up_amax, dout, gate_up, gate_up_groups, I, total_vecs);
+    });
     cudaCheckLaunch();
 }
 
