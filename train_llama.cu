@@ -697,7 +697,12 @@ static void log_validation(Trainer *t) {
 static void refuse_multi_process_launch(void) {
     int world = 1;
     const char *variable = "";
-    if (comm_detect_launch(&world, &variable) != LAUNCH_SINGLE) {
+    LaunchKind launch = comm_detect_launch(&world, &variable);
+    if (launch == LAUNCH_INVALID) {
+        fprintf(stderr, "error: %s='%s' is not a number of processes: is this one of several?\n", variable, getenv(variable));
+        exit(EXIT_FAILURE);
+    }
+    if (launch != LAUNCH_SINGLE) {
         fprintf(stderr, "error: launched as one of %d processes (%s=%d), but this build trains in one process: "
                         "multi-GPU training is not built yet; start one process\n", world, variable, world);
         exit(EXIT_FAILURE);
@@ -810,7 +815,10 @@ int main(int argc, char **argv) {
     // prints the plan, every rank checks its inputs); a training run is one process here.
     int launched = 1;
     const char *variable = "";
-    comm_detect_launch(&launched, &variable);
+    if (comm_detect_launch(&launched, &variable) == LAUNCH_INVALID) {
+        fprintf(stderr, "error: %s='%s' is not a number of processes: is this one of several?\n", variable, getenv(variable));
+        return EXIT_FAILURE;
+    }
     int ranks = parser->values.world_size > 0 ? parser->values.world_size : launched;
     if (parser->values.dry_run && comm_env_rank() > 0 && freopen("/dev/null", "w", stdout) == NULL) fail("cannot silence stdout");
     int status = parser->values.dry_run ? dry_run(parser, ranks) : train(parser, 1);

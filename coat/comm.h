@@ -23,7 +23,7 @@
 #include <mpi.h>
 #endif
 
-typedef enum { LAUNCH_SINGLE, LAUNCH_MPI, LAUNCH_ENV } LaunchKind;
+typedef enum { LAUNCH_SINGLE, LAUNCH_MPI, LAUNCH_ENV, LAUNCH_INVALID } LaunchKind;
 
 typedef struct {
     LaunchKind launch;
@@ -54,20 +54,21 @@ static inline int comm_env_rank(void) {
 }
 
 // The launcher that started this process and the world size it announces (1 for none).
+// LAUNCH_INVALID: `variable` is set but is no count (N copies must not start because of a typo).
 static inline LaunchKind comm_detect_launch(int *world, const char **variable) {
-    const char *mpi_variables[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"};
-    for (size_t i = 0; i < sizeof(mpi_variables) / sizeof(mpi_variables[0]); i++) {
-        int n = comm_env_int(mpi_variables[i]);
-        if (n > 0) {
-            *world = n;
-            *variable = mpi_variables[i];
-            return n > 1 ? LAUNCH_MPI : LAUNCH_SINGLE;
-        }
+    const char *variables[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS", "WORLD_SIZE"};
+    *world = 1;
+    for (size_t i = 0; i < sizeof(variables) / sizeof(variables[0]); i++) {
+        int n = comm_env_int(variables[i]);
+        *variable = variables[i];
+        if (n == -2 || n == 0) return LAUNCH_INVALID;
+        if (n < 0) continue;
+        *world = n;
+        if (n == 1) return LAUNCH_SINGLE;
+        return i + 1 < sizeof(variables) / sizeof(variables[0]) ? LAUNCH_MPI : LAUNCH_ENV;
     }
-    int n = comm_env_int("WORLD_SIZE");
-    *world = n > 1 ? n : 1;
-    *variable = "WORLD_SIZE";
-    return n > 1 ? LAUNCH_ENV : LAUNCH_SINGLE;
+    *variable = "";
+    return LAUNCH_SINGLE;
 }
 
 // Fills `c` for this process. Returns 0, or -1 with a message (a launch this build cannot serve,
@@ -78,6 +79,10 @@ static inline int comm_init(Comm *c, int *argc, char ***argv, char *error, size_
     int announced = 1;
     const char *variable = "";
     c->launch = comm_detect_launch(&announced, &variable);
+    if (c->launch == LAUNCH_INVALID) {
+        snprintf(error, error_size, "%s='%s' is not a number of processes", variable, getenv(variable));
+        return -1;
+    }
     if (c->launch == LAUNCH_SINGLE) return 0;
     if (c->launch == LAUNCH_ENV) {
         int rank = comm_env_int("RANK"), local = comm_env_int("LOCAL_RANK");

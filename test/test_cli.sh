@@ -165,6 +165,11 @@ out=$(WORLD_SIZE=4 RANK=0 ./train_llama "${data[@]}" 2>&1); rc=$?
 out2=$(WORLD_SIZE=4 RANK=2 ./train_llama "${data[@]}" 2>&1); rc2=$?
 check "WORLD_SIZE=4: rank 0's dry_run plans 4 ranks, rank 2's checks silently" \
     "$([ $rc -eq 0 ] && printf '%s' "$out" | grep -q ' 4 rank(s), ZeRO stage 1' && [ $rc2 -eq 0 ] && [ -z "$out2" ]; echo $?)" "$out2"
+for value in abc 0; do
+    err=$(env SLURM_NTASKS=$value ./train_llama "${data[@]}" --dry_run=0 2>&1 >/dev/null); rc=$?
+    check "SLURM_NTASKS=$value: refused (no count of processes), not trained as one" \
+        "$([ $rc -ne 0 ] && printf '%s' "$err" | grep -q "SLURM_NTASKS='$value' is not a number of processes"; echo $?)" "$err"
+done
 err=$(OMPI_COMM_WORLD_SIZE=1 ./train_llama "${data[@]}" --dry_run=0 2>&1 >/dev/null)
 check "OMPI_COMM_WORLD_SIZE=1 is one process" "$(! printf '%s' "$err" | grep -q 'launched as one of'; echo $?)" "$err"
 

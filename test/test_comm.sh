@@ -27,6 +27,9 @@ check "a build without MPI launched by mpirun as 2 processes refuses, naming why
     "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q 'launched by MPI as one of 2 processes (OMPI_COMM_WORLD_SIZE=2), but this build has no MPI'; echo $?)" "$out"
 out=$(WORLD_SIZE=3 build/comm_ranks_single init 2>&1); rc=$?
 check "WORLD_SIZE without RANK is refused" "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q 'needs RANK set to 0..2'; echo $?)" "$out"
+out=$(WORLD_SIZE='4 ' RANK=0 build/comm_ranks_single init 2>&1); rc=$?
+check "a world size that is no number is refused, not taken for one process" \
+    "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q "WORLD_SIZE='4 ' is not a number of processes"; echo $?)" "$out"
 out=$(WORLD_SIZE=1 build/comm_ranks_single init 2>&1); rc=$?
 check "WORLD_SIZE=1 is one process" "$([ $rc -eq 0 ] && [ "$out" = "rank 0 of 1, local 0" ]; echo $?)" "$out"
 
