@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include "activations.h"
 #include "config.h"
+#include "optimizer_states.h"
 #include "params.h"
 #include "zero.h"
 
@@ -112,20 +113,6 @@ static inline size_t final_activation_bytes(const ModelShape *m, size_t tokens) 
     return 2 * align256(2 * tokens * (size_t)m->dim) + 4 * align256(4 * tokens);
 }
 
-// Bytes the optimizer allocates for a shard of n elements beside its FP32 master weights
-// (coat/optimizer.cuh): m and v, their FP32 scalars per 128-group (fp8: a scale; fp8_dre: scale,
-// k, c) and the weight-decay table (one byte per group).
-static inline size_t optimizer_state_bytes(StatesChoice states, size_t n) {
-    size_t element = 4, scalars = 0, groups = n / 128;
-    switch (states) {
-    case STATES_FP32: case STATES_AUTO: break;
-    case STATES_BF16: element = 2; break;
-    case STATES_FP8: element = 1; scalars = 1; break;
-    case STATES_FP8_DRE: element = 1; scalars = 3; break;
-    }
-    return 2 * (element * n + 4 * scalars * groups) + groups;
-}
-
 static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, int ranks, int micro_batch_size) {
     ParamLayout layout;
     const ModelShape *m = &c->model;
@@ -144,7 +131,9 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
     // while the other is reduced); otherwise the whole BF16 gradient.
     plan->grads_bytes = zero.stage == 2 ? 4 * zero.shard_elems + 2 * 2 * zero.largest_bucket_elems : 2 * zero.padded_elems;
     plan->master_bytes = 4 * plan->shard_elems;
-    plan->states_bytes = optimizer_state_bytes(config_optimizer_states(c), plan->shard_elems);
+    // beside the FP32 master weights: m, v, their group scalars and the decay table
+    plan->states_bytes = adamw_state_bytes(adamw_kind_from_config(config_optimizer_states(c)), plan->shard_elems) -
+                         4 * plan->shard_elems;
 
     plan->activations_bytes = (size_t)m->n_layers * activation_layer_bytes(m, acts, tokens) + final_activation_bytes(m, tokens);
     WorkingLayout working;

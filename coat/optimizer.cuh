@@ -44,14 +44,8 @@
 #include "common.cuh"
 #include "config.h"
 #include "fp8.cuh"
+#include "optimizer_states.h"
 #include "params.h"
-
-typedef enum {
-    OPT_STATES_FP32,     // 8 bytes per parameter
-    OPT_STATES_BF16,     // 4
-    OPT_STATES_FP8,      // 2 + 8/128
-    OPT_STATES_FP8_DRE,  // 2 + 24/128
-} OptimizerStateKind;
 
 typedef struct {
     float beta1, beta2, eps;
@@ -73,7 +67,6 @@ typedef struct {
     unsigned char *decay_group;     // [n/128]
 } AdamW;
 
-#define ADAMW_GROUP PARAM_ALIGN_ELEMS               // quantization group
 #define ADAMW_VEC 8                                 // elements per thread: one 16-byte BF16 load
 #define ADAMW_THREADS_PER_GROUP (ADAMW_GROUP / ADAMW_VEC)  // 16, half a warp
 #define ADAMW_THREADS 256
@@ -83,56 +76,6 @@ typedef struct {
 #define ADAMW_CHECKPOINT_MAGIC 0x4d41444154414f43ull  // "COATADAM" in a little-endian uint64
 #define ADAMW_CHECKPOINT_VERSION 2
 #define ADAMW_COPY_CHUNK_BYTES ((size_t)64 << 20)   // staging buffer for save and load
-
-static inline OptimizerStateKind adamw_kind_from_config(StatesChoice states) {
-    switch (states) {
-    case STATES_BF16: return OPT_STATES_BF16;
-    case STATES_FP8: return OPT_STATES_FP8;
-    case STATES_FP8_DRE: return OPT_STATES_FP8_DRE;
-    case STATES_FP32: case STATES_AUTO: break;
-    }
-    return OPT_STATES_FP32;
-}
-
-static inline const char *optimizer_state_kind_name(OptimizerStateKind kind) {
-    switch (kind) {
-    case OPT_STATES_FP32: return "fp32";
-    case OPT_STATES_BF16: return "bf16";
-    case OPT_STATES_FP8: return "fp8";
-    case OPT_STATES_FP8_DRE: return "fp8_dre";
-    }
-    return "unknown";
-}
-
-static inline size_t adamw_moment_elem_bytes(OptimizerStateKind kind) {
-    switch (kind) {
-    case OPT_STATES_FP32: return 4;
-    case OPT_STATES_BF16: return 2;
-    case OPT_STATES_FP8: case OPT_STATES_FP8_DRE: return 1;
-    }
-    return 0;
-}
-
-// FP32 scalars each 128-group keeps per moment.
-static inline size_t adamw_group_scalars(OptimizerStateKind kind) {
-    switch (kind) {
-    case OPT_STATES_FP32: case OPT_STATES_BF16: return 0;
-    case OPT_STATES_FP8: return 1;
-    case OPT_STATES_FP8_DRE: return 3;
-    }
-    return 0;
-}
-
-// Bytes of the saved state (master, m, v, group scalars) for a shard of n elements.
-static inline size_t adamw_payload_bytes(OptimizerStateKind kind, size_t n) {
-    size_t groups = n / ADAMW_GROUP;
-    return 4 * n + 2 * (adamw_moment_elem_bytes(kind) * n + 4 * adamw_group_scalars(kind) * groups);
-}
-
-// Device memory the optimizer allocates for a shard of n elements: the state and the decay table.
-static inline size_t adamw_state_bytes(OptimizerStateKind kind, size_t n) {
-    return adamw_payload_bytes(kind, n) + n / ADAMW_GROUP;
-}
 
 // ---- arithmetic that rounds identically on the host and the device ----------------------
 
