@@ -15,6 +15,7 @@
 #include "coat/params.h"
 #include "coat/random.h"
 #include "coat/schedule.h"
+#include "coat/zero.cuh"
 extern "C" {
 #include "tokenizer/tokenizer.h"
 }
@@ -65,13 +66,15 @@ static void print_activation_table(const TrainConfig *c) {
 typedef struct {
     long long step;               // optimizer steps done
     long long tokens_seen;
-    DataloaderPosition train_position;
+    DataloaderPosition train_position;  // in one-rank batches: a rank's steps times the ranks
     uint64_t sample_rng_state;
 } TrainerState;
 
 typedef struct {
     ConfigParser *parser;
     const TrainConfig *c;
+    const Comm *comm;  // the ranks: each steps the whole optimizer state (ZeRO stage 0)
+    ZeroComm zero;     // their gradient and loss sums
     GpuContext gpu;
     LlamaModel model;
     AdamW opt;
@@ -139,8 +142,10 @@ static void check_out_dir(const ConfigParser *parser) {
                       S_ISDIR(info.st_mode) ? "a folder this process cannot write" : "not a folder");
         fail_config(parser, "out_dir", message);
     }
+    // (rank 0's check alone: the others could see its first files of this very run)
     char what[256];
-    if (c->resume || c->generate || c->overwrite || !run_dir_describe(c->out_dir, what, sizeof(what))) return;
+    if (comm_env_rank() > 0 || c->resume || c->generate || c->overwrite || !run_dir_describe(c->out_dir, what, sizeof(what)))
+        return;
     snprintf(message, sizeof(message), "'%s' holds an earlier run (%s): resume = 1 continues it, overwrite = 1 removes it "
              "and starts over", c->out_dir, what);
     fail_config(parser, "out_dir", message);
@@ -157,11 +162,12 @@ static void check_run_config(const ConfigParser *parser) {
 }
 
 // A GPU is there, and one that this build's kernels run on.
-static void check_gpu(GpuContext *gpu) {
+// Rank r drives GPU local_rank % GPUs (several ranks share one only with comm_backend = mpi).
+static void check_gpu(GpuContext *gpu, const Comm *comm) {
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
         fail("no CUDA GPU found: training needs one (dry_run = 1 checks a config without a GPU)");
-    gpu_context_create(gpu, 0);
+    gpu_context_create(gpu, comm->local_rank % count);
     // The kernels are built for one architecture (GPU_ARCH, Hopper by default: TMA and wgmma):
     // another GPU would fail at its first kernel, so say which GPU and what the build is for.
     char message[512];
@@ -196,19 +202,26 @@ static size_t gpu_memory_budget(const TrainConfig *c) {
 }
 
 // Opens the shards that `key` (train_data or val_data) names; training order when shuffle.
-static void open_loader(Dataloader *loader, const ConfigParser *parser, const char *key, int shuffle) {
+// Opens the shards that `key` (train_data or val_data) names, the batches of rank `rank` of
+// `world` (validation: every rank reads every batch, rank 0 of 1).
+static void open_loader_rank(Dataloader *loader, const ConfigParser *parser, const char *key, int shuffle, int rank,
+                             int world) {
     const TrainConfig *c = &parser->values;
     DataloaderConfig dc;
     char error[1024];
     dc.pattern = strcmp(key, "train_data") == 0 ? c->train_data : c->val_data;
     dc.batch_size = c->micro_batch_size;
     dc.seq_len = c->seq_len;
-    dc.rank = 0;
-    dc.world_size = 1;
+    dc.rank = rank;
+    dc.world_size = world;
     dc.shuffle = shuffle;
     dc.seed = c->seed;
     dc.vocab_size = c->model.vocab_size;
     if (dataloader_open(loader, &dc, error, sizeof(error)) != 0) fail_input(parser, key, error);
+}
+
+static void open_loader(Dataloader *loader, const ConfigParser *parser, const char *key, int shuffle) {
+    open_loader_rank(loader, parser, key, shuffle, 0, 1);
 }
 
 // ---- inputs and the dry run ----------------------------------------------------------
@@ -407,7 +420,17 @@ static void load_checkpoint(Trainer *t, const char *path, int resume) {
             fprintf(stderr, "error: %s: truncated trainer state\n", path);
             exit(EXIT_FAILURE);
         }
-        if (dataloader_set_position(&t->train_loader, t->state.train_position, error, sizeof(error)) != 0) fail(error);
+        // Every rank reads batch step * ranks + rank of the epoch's order: the saved one-rank
+        // position continues on any world size that divides it.
+        DataloaderPosition position = t->state.train_position;
+        int ranks = t->comm->world;
+        if (position.step % ranks != 0) {
+            fprintf(stderr, "error: %s: its data position (batch %lld of epoch %lld) is no multiple of %d ranks: resume on "
+                            "a world size that divides it\n", path, (long long)position.step, (long long)position.epoch, ranks);
+            exit(EXIT_FAILURE);
+        }
+        position.step /= ranks;
+        if (dataloader_set_position(&t->train_loader, position, error, sizeof(error)) != 0) fail(error);
         t->sample_rng.state = t->state.sample_rng_state;
     }
     fclose(f);
@@ -425,6 +448,7 @@ static void save_checkpoint(Trainer *t) {
     h.optimizer_state_bytes = adamw_checkpoint_bytes(&t->opt);
     h.trainer_state_bytes = sizeof(TrainerState);
     t->state.train_position = dataloader_position(&t->train_loader);
+    t->state.train_position.step *= t->comm->world;
     t->state.sample_rng_state = t->sample_rng.state;
     float *master = (float *)malloc(4 * h.total_padded);
     if (!master) fail("out of host memory writing a checkpoint");
@@ -581,18 +605,23 @@ static void print_sample(Trainer *t) {
     free(order);
 }
 
-static void trainer_create(Trainer *t, ConfigParser *parser, int ranks) {
+static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     char error[1024];
+    int ranks = comm->world;
     memset(t, 0, sizeof(*t));
     t->parser = parser;
     t->c = &parser->values;
+    t->comm = comm;
     const TrainConfig *c = t->c;
     t->grad_accum = config_grad_accum_steps(parser, ranks, error, sizeof(error));
     if (t->grad_accum < 0) { fprintf(stderr, "error: %s\n", error); exit(EXIT_CONFIG_ERROR); }
-    check_gpu(&t->gpu);
+    check_gpu(&t->gpu, comm);
     refuse_unless_fits(parser, ranks, gpu_memory_budget(c), "free GPU memory");
 
     model_create(&t->model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c));
+    if (ranks > 1 && zero_comm_init(&t->zero, comm, c->comm_backend == COMM_MPI ? ZERO_BACKEND_MPI : ZERO_BACKEND_NCCL,
+                                    t->model.layout.total_padded, c->out_dir, error, sizeof(error)) != 0)
+        fail_config(parser, "comm_backend", error);
     AdamWConfig ac;
     ac.beta1 = c->beta1;
     ac.beta2 = c->beta2;
@@ -601,7 +630,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, int ranks) {
     ac.weight_decay_all = c->weight_decay_all;
     adamw_create(&t->opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &t->model.layout, 0,
                  t->model.layout.total_padded, t->gpu.stream);
-    if (!c->generate) open_loader(&t->train_loader, parser, "train_data", 1);
+    if (!c->generate) open_loader_rank(&t->train_loader, parser, "train_data", 1, comm->rank, ranks);
     t->have_val = c->val_data[0] != '\0' && !c->generate;
     if (t->have_val) {
         open_loader(&t->val_loader, parser, "val_data", 0);
@@ -640,6 +669,7 @@ static void trainer_free(Trainer *t) {
     if (t->have_val) dataloader_close(&t->val_loader);
     if (t->tokenizer) tokenizer_free(t->tokenizer);
     adamw_free(&t->opt);
+    if (t->comm->world > 1) zero_comm_free(&t->zero);
     op_timer_destroy(t->timer);
     model_free(&t->model);
     gpu_context_destroy(&t->gpu);
@@ -662,13 +692,20 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
     for (int micro = 0; micro < t->grad_accum; micro++) {
         load_batch(t, &t->train_loader);
         op_timer_mark(m->timer, "batch upload (after the host's wait)", s);
-        model_forward(&t->gpu, m, 1, 1.0f / ((float)N * t->grad_accum));
+        model_forward(&t->gpu, m, 1, 1.0f / ((float)N * t->grad_accum * t->comm->world));
         model_backward(&t->gpu, m);
         classifier_mean_loss(&t->gpu, m->mean_loss, m->losses, N);
         op_timer_mark(m->timer, "mean loss", s);
         cudaCheck(cudaMemcpyAsync(t->host_scalar, m->mean_loss, sizeof(float), cudaMemcpyDeviceToHost, s));
         cudaCheck(cudaStreamSynchronize(s));
         loss_sum += *t->host_scalar;
+    }
+    if (t->comm->world > 1) {  // every rank then holds the gradient of the whole global batch
+        zero_all_reduce_bf16(&t->zero, m->grads, m->layout.total_padded, s);
+        zero_comm_join(&t->zero, s);
+        op_timer_mark(m->timer, "gradient all-reduce", s);
+        zero_all_reduce_sum_f64(&t->zero, &loss_sum, 1, s);
+        loss_sum /= t->comm->world;
     }
     grad_norm_squared(m->grad_norm_squared, m->grads, m->layout.total_padded, (double *)m->kernel_scratch, s);
     op_timer_mark(m->timer, "gradient norm", s);
@@ -692,32 +729,29 @@ static void log_validation(Trainer *t) {
     run_log_val(&t->log, t->state.step, val);
 }
 
-// Launched as one of several processes (mpirun, srun, torchrun-style variables): this trainer
-// runs one process, so N copies would train N independent models into the same out_dir.
-static void refuse_multi_process_launch(void) {
-    int world = 1;
-    const char *variable = "";
-    LaunchKind launch = comm_detect_launch(&world, &variable);
-    if (launch == LAUNCH_INVALID) {
-        fprintf(stderr, "error: %s='%s' is not a number of processes: is this one of several?\n", variable, getenv(variable));
-        exit(EXIT_FAILURE);
-    }
-    if (launch != LAUNCH_SINGLE) {
-        fprintf(stderr, "error: launched as one of %d processes (%s=%d), but this build trains in one process: "
-                        "multi-GPU training is not built yet; start one process\n", world, variable, world);
-        exit(EXIT_FAILURE);
-    }
+// Several ranks train one model, data-parallel: each reads its part of every global batch, the
+// gradients are summed over the ranks, and every rank steps the whole optimizer state (ZeRO
+// stage 0); rank 0 alone writes the log, the samples and the checkpoints (any world size resumes
+// from them). Sharded states (stages 1 and 2) are planned by dry_run, not built yet.
+// Called with the launcher's announced world size, before MPI starts.
+static void check_distributed(const ConfigParser *parser, int world) {
+    if (world == 1 || parser->values.zero_stage == 0) return;
+    char message[256];
+    snprintf(message, sizeof(message), "%d over %d ranks is not built yet (dry_run plans it): set zero_stage = 0, where "
+             "every rank keeps the whole optimizer state", parser->values.zero_stage, world);
+    fail_config(parser, "zero_stage", message);
 }
 
-static int train(ConfigParser *parser, int ranks) {
+static int train(ConfigParser *parser, const Comm *comm) {
     const TrainConfig *c = &parser->values;
     char error[1024];
-    refuse_multi_process_launch();
+    int ranks = comm->world, rank0 = comm->rank == 0;
     check_run_config(parser);
-    if (shard_make_directories(c->out_dir, error, sizeof(error)) != 0) {
+    if (rank0 && shard_make_directories(c->out_dir, error, sizeof(error)) != 0) {
         fprintf(stderr, "%s\n", error);
         return EXIT_FAILURE;
     }
+    if (ranks > 1) printf("ranks: %d (comm_backend %s)\n", ranks, c->comm_backend == COMM_MPI ? "mpi" : "nccl");
     print_model_summary(c);
     MemoryPlan plan;
     memory_plan_compute(&plan, c, ranks, c->micro_batch_size);
@@ -725,20 +759,20 @@ static int train(ConfigParser *parser, int ranks) {
     print_activation_table(c);
     Trainer *t = (Trainer *)malloc(sizeof(Trainer));
     if (!t) fail("out of host memory");
-    trainer_create(t, parser, ranks);
+    trainer_create(t, parser, comm);
     if (c->generate) {
-        print_sample(t);
+        if (rank0) print_sample(t);
         trainer_free(t);
         free(t);
         return 0;
     }
     // Only now, with every input checked and the start checkpoint read, does overwrite remove anything.
     char earlier[256];
-    if (c->overwrite && !c->resume && run_dir_describe(c->out_dir, earlier, sizeof(earlier))) {
+    if (rank0 && c->overwrite && !c->resume && run_dir_describe(c->out_dir, earlier, sizeof(earlier))) {
         if (run_dir_clear(c->out_dir, error, sizeof(error)) != 0) fail(error);
         printf("overwrite = 1: removed the earlier run in %s (%s)\n", c->out_dir, earlier);
     }
-    if (run_log_open(&t->log, c->out_dir, t->state.step, c->resume, error, sizeof(error)) != 0) fail(error);
+    if (rank0 && run_log_open(&t->log, c->out_dir, t->state.step, c->resume, error, sizeof(error)) != 0) fail(error);
     long long tokens_per_step = (long long)c->micro_batch_size * c->seq_len * ranks * t->grad_accum;
     cudaEvent_t start, stop;
     cudaCheck(cudaEventCreate(&start));
@@ -786,8 +820,9 @@ static int train(ConfigParser *parser, int ranks) {
         }
         int last = step == c->max_steps;
         if (t->have_val && c->val_every > 0 && (step % c->val_every == 0 || last)) log_validation(t);
-        if (c->sample_every > 0 && (step % c->sample_every == 0 || last)) print_sample(t);
-        if ((last && c->checkpoint_final) || (c->checkpoint_every > 0 && step % c->checkpoint_every == 0)) save_checkpoint(t);
+        if (rank0 && c->sample_every > 0 && (step % c->sample_every == 0 || last)) print_sample(t);
+        if (rank0 && ((last && c->checkpoint_final) || (c->checkpoint_every > 0 && step % c->checkpoint_every == 0)))
+            save_checkpoint(t);
     }
     run_log_close(&t->log);
     if (t->timer) op_timer_print(stdout, t->timer);
@@ -812,16 +847,26 @@ int main(int argc, char **argv) {
     if (!parser) fail("out of host memory");
     load_config_or_exit(parser, argc, argv);
     // dry_run plans world_size ranks, or those launched (mpirun -np N ... --dry_run=1: rank 0
-    // prints the plan, every rank checks its inputs); a training run is one process here.
+    // prints the plan, every rank checks its inputs); training runs on the launched ranks.
     int launched = 1;
     const char *variable = "";
     if (comm_detect_launch(&launched, &variable) == LAUNCH_INVALID) {
         fprintf(stderr, "error: %s='%s' is not a number of processes: is this one of several?\n", variable, getenv(variable));
         return EXIT_FAILURE;
     }
-    int ranks = parser->values.world_size > 0 ? parser->values.world_size : launched;
-    if (parser->values.dry_run && comm_env_rank() > 0 && freopen("/dev/null", "w", stdout) == NULL) fail("cannot silence stdout");
-    int status = parser->values.dry_run ? dry_run(parser, ranks) : train(parser, 1);
+    // Rank 0 alone prints: the others' progress lines would repeat its own.
+    if (comm_env_rank() > 0 && freopen("/dev/null", "w", stdout) == NULL) fail("cannot silence stdout");
+    int status;
+    if (parser->values.dry_run) {
+        status = dry_run(parser, parser->values.world_size > 0 ? parser->values.world_size : launched);
+    } else {
+        Comm comm;
+        char error[512];
+        check_distributed(parser, launched);
+        if (comm_init(&comm, &argc, &argv, error, sizeof(error)) != 0) fail(error);
+        status = train(parser, &comm);
+        comm_finish(&comm);
+    }
     free(parser);
     return status;
 }

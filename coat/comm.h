@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 #ifdef USE_MPI
@@ -30,6 +31,7 @@ typedef struct {
     int rank, world;  // this process, of world
     int local_rank;   // among the ranks of its node: the GPU it drives
     int mpi_started;  // MPI_Init was called here (comm_finish finalizes)
+    time_t started;   // when comm_init ran: rendezvous files older than a launch are stale
 } Comm;
 
 // The integer value of environment variable `name` (-1 when unset; -2 when not a number >= 0).
@@ -76,6 +78,7 @@ static inline LaunchKind comm_detect_launch(int *world, const char **variable) {
 static inline int comm_init(Comm *c, int *argc, char ***argv, char *error, size_t error_size) {
     memset(c, 0, sizeof(*c));
     c->world = 1;
+    c->started = time(NULL);
     int announced = 1;
     const char *variable = "";
     c->launch = comm_detect_launch(&announced, &variable);
@@ -131,10 +134,12 @@ static inline void comm_finish(Comm *c) {
 
 // ---- rendezvous through a shared folder (no MPI) ------------------------------------------------
 
+#define COMM_LAUNCH_SPREAD_S 30  // how far apart a launcher may start the ranks of one run
+
 // Rank 0 writes `bytes` (n of them) to DIR/NAME (through DIR/NAME.tmp and a rename, so that a
 // reader never sees a partial file); the other ranks wait for it up to timeout_s seconds and read
-// it. Returns 0, or -1 with a message. The caller picks a NAME unique to the run (a stale file of
-// another run would be read as this one's).
+// it, ignoring a file from before their launch (more than COMM_LAUNCH_SPREAD_S seconds older than
+// their comm_init: an earlier run's). Returns 0, or -1 with a message.
 static inline int comm_rendezvous(const Comm *c, const char *dir, const char *name, void *bytes, size_t n,
                                   double timeout_s, char *error, size_t error_size) {
     char path[4096], tmp[4200];
@@ -150,7 +155,8 @@ static inline int comm_rendezvous(const Comm *c, const char *dir, const char *na
     }
     struct timespec pause = {0, 10 * 1000 * 1000};
     for (double waited = 0.0; waited < timeout_s; waited += 0.01) {
-        FILE *f = fopen(path, "rb");
+        struct stat info;
+        FILE *f = stat(path, &info) == 0 && info.st_mtime + COMM_LAUNCH_SPREAD_S >= c->started ? fopen(path, "rb") : NULL;
         if (f) {
             size_t got = fread(bytes, 1, n, f);
             fclose(f);

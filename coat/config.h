@@ -22,6 +22,7 @@ typedef enum { PRECISION_BF16, PRECISION_FP8, PRECISION_COAT } Precision;
 typedef enum { STATES_AUTO, STATES_FP32, STATES_BF16, STATES_FP8, STATES_FP8_DRE } StatesChoice;
 typedef enum { ACTS_AUTO, ACTS_BF16, ACTS_FP8, ACTS_COAT } ActivationsChoice;
 typedef enum { SCHEDULE_COSINE, SCHEDULE_LINEAR, SCHEDULE_WSD, SCHEDULE_CONSTANT } Schedule;
+typedef enum { COMM_NCCL, COMM_MPI } CommBackendChoice;
 
 typedef struct {
     ModelShape model;
@@ -69,6 +70,7 @@ typedef struct {
     // distribution and planning
     int zero_stage;
     int world_size;
+    int comm_backend;  // CommBackendChoice
     float gpu_memory_gib;
     unsigned long long seed;
     int dry_run;
@@ -160,6 +162,8 @@ static const ConfigKey config_keys[] = {
     {"sample_prompt", KEY_STRING, CFG(sample_prompt), "", 0, 0, NULL, "text the samples continue"},
     // distribution and planning
     {"zero_stage", KEY_INT, CFG(zero_stage), "1", 0, 2, NULL, "ZeRO: 0 replicate, 1 shard optimizer states, 2 also gradients"},
+    {"comm_backend", KEY_CHOICE, CFG(comm_backend), "nccl", 0, 0, "nccl|mpi",
+     "collectives between ranks: nccl (a GPU per rank) or mpi (through host memory: ranks may share a GPU)"},
     {"world_size", KEY_INT, CFG(world_size), "0", 0, 1 << 20, NULL, "ranks to plan for in dry_run (0: the launched ranks)"},
     {"gpu_memory_gib", KEY_FLOAT, CFG(gpu_memory_gib), "0", 0, 1e6, NULL,
      "GPU memory to plan against (0: ask the GPU; dry_run without a GPU skips the fit check)"},

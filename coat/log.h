@@ -1,7 +1,8 @@
 // The run's machine-readable log: out_dir/log.jsonl, one JSON object per line, training
 // records {"step", "train_loss", "lr", "grad_norm", "ms", "tokens", "tokens_per_s", "mfu",
 // "gpu_mem_gib"} and validation records {"step", "val_loss"}. A resumed run first drops the
-// records past the step it resumes from, so the log reads as one uninterrupted run.
+// records past the step it resumes from, so the log reads as one uninterrupted run. A log that
+// was never opened (file NULL: every rank but 0 of a multi-process run) takes records and drops them.
 #pragma once
 #include <errno.h>
 #include <stdio.h>
@@ -41,6 +42,7 @@ static inline int run_log_open(RunLog *log, const char *out_dir, long long keep_
 
 static inline void run_log_train(RunLog *log, long long step, float loss, float lr, float grad_norm, double ms,
                                  long long tokens, double tokens_per_s, double mfu, double gpu_mem_gib) {
+    if (!log->file) return;
     fprintf(log->file,
             "{\"step\": %lld, \"train_loss\": %.6f, \"lr\": %.6g, \"grad_norm\": %.6f, \"ms\": %.3f, \"tokens\": %lld, "
             "\"tokens_per_s\": %.1f, \"mfu\": %.4f, \"gpu_mem_gib\": %.3f}\n",
@@ -50,12 +52,14 @@ static inline void run_log_train(RunLog *log, long long step, float loss, float 
 
 // A step whose loss or gradient norm was not finite: the optimizer skipped it.
 static inline void run_log_skipped(RunLog *log, long long step, float loss, float grad_norm) {
+    if (!log->file) return;
     fprintf(log->file, "{\"step\": %lld, \"skipped\": \"non-finite\", \"loss\": \"%g\", \"grad_norm\": \"%g\"}\n", step,
             loss, grad_norm);
     fflush(log->file);
 }
 
 static inline void run_log_val(RunLog *log, long long step, float val_loss) {
+    if (!log->file) return;
     fprintf(log->file, "{\"step\": %lld, \"val_loss\": %.6f}\n", step, val_loss);
     fflush(log->file);
 }

@@ -22,6 +22,8 @@
 
 typedef enum { ZERO_BACKEND_NCCL, ZERO_BACKEND_MPI } ZeroBackend;
 
+#define ZERO_SCALARS 16  // the most values one zero_all_reduce_sum_f64 sums
+
 typedef struct {
     const Comm *comm;
     ZeroBackend backend;
@@ -29,6 +31,7 @@ typedef struct {
     cudaEvent_t produced, finished;  // producer -> collectives, collectives -> consumer
     uint16_t *host;                  // the MPI backend's pinned staging, host_elems elements
     size_t host_elems;
+    double *scalars;                 // device room for zero_all_reduce_sum_f64 over NCCL
 #ifdef USE_NCCL
     ncclComm_t nccl;
 #endif
@@ -44,8 +47,8 @@ static inline void nccl_check(ncclResult_t result, const char *call, const char 
 #endif
 
 // Sets up the backend on the current device for collectives of at most max_elems BF16 elements
-// (the MPI backend's staging holds max_elems + the largest shard it reduces into). For NCCL
-// ranks started without MPI, rendezvous_dir is the shared folder of comm_rendezvous.
+// (the MPI backend's staging holds max_elems and a shard of them to reduce into). For NCCL ranks
+// started without MPI, rendezvous_dir is the shared folder of comm_rendezvous.
 // Returns 0, or -1 with a message.
 static inline int zero_comm_init(ZeroComm *z, const Comm *comm, ZeroBackend backend, size_t max_elems,
                                  const char *rendezvous_dir, char *error, size_t error_size) {
@@ -57,7 +60,11 @@ static inline int zero_comm_init(ZeroComm *z, const Comm *comm, ZeroBackend back
     cudaCheck(cudaEventCreateWithFlags(&z->finished, cudaEventDisableTiming));
     if (backend == ZERO_BACKEND_MPI) {
 #ifdef USE_MPI
-        z->host_elems = 2 * max_elems;
+        if (comm->world > 1 && comm->launch != LAUNCH_MPI) {
+            snprintf(error, error_size, "comm_backend = mpi needs the ranks launched by mpirun");
+            return -1;
+        }
+        z->host_elems = max_elems + (max_elems + comm->world - 1) / comm->world;
         cudaCheck(cudaMallocHost((void **)&z->host, 2 * z->host_elems));
         return 0;
 #else
@@ -78,6 +85,7 @@ static inline int zero_comm_init(ZeroComm *z, const Comm *comm, ZeroBackend back
         if (comm_rendezvous(comm, rendezvous_dir, "nccl_id", &id, sizeof(id), 120.0, error, error_size) != 0) return -1;
     }
     ncclCheck(ncclCommInitRank(&z->nccl, comm->world, id, comm->rank));
+    cudaCheck(cudaMalloc((void **)&z->scalars, ZERO_SCALARS * sizeof(double)));
     return 0;
 #else
     (void)max_elems;
@@ -93,6 +101,7 @@ static inline void zero_comm_free(ZeroComm *z) {
     if (z->backend == ZERO_BACKEND_NCCL) ncclCheck(ncclCommDestroy(z->nccl));
 #endif
     if (z->host) cudaCheck(cudaFreeHost(z->host));
+    if (z->scalars) cudaCheck(cudaFree(z->scalars));
     cudaCheck(cudaEventDestroy(z->produced));
     cudaCheck(cudaEventDestroy(z->finished));
     cudaCheck(cudaStreamDestroy(z->stream));
@@ -214,5 +223,31 @@ static inline void zero_reduce_bf16(ZeroComm *z, const bf16 *data, bf16 *out, si
     zero_stage_out(z, data, n, 0);
     comm_reduce_sum_bf16(c, z->host, z->host, n, root);
     if (c->rank == root) zero_stage_in(z, out, n, 0);
+#endif
+}
+
+// values[n] (n <= ZERO_SCALARS) FP64 on the host, summed over the ranks in place on every rank:
+// losses and squared norms. Over MPI when the run was launched by it, else NCCL on a device
+// copy. Waits for the result (and for `producer`'s queued work).
+static inline void zero_all_reduce_sum_f64(ZeroComm *z, double *values, int n, cudaStream_t producer) {
+    const Comm *c = z->comm;
+    if (c->world == 1) return;
+    zero_comm_after(z, producer);
+#ifdef USE_MPI
+    if (c->launch == LAUNCH_MPI) {
+        cudaCheck(cudaStreamSynchronize(z->stream));
+        comm_all_reduce_sum_f64(c, values, n);
+        return;
+    }
+#endif
+#ifdef USE_NCCL
+    if (n > ZERO_SCALARS) {
+        fprintf(stderr, "error: zero_all_reduce_sum_f64: %d values, at most %d\n", n, ZERO_SCALARS);
+        exit(EXIT_FAILURE);
+    }
+    cudaCheck(cudaMemcpyAsync(z->scalars, values, n * sizeof(double), cudaMemcpyHostToDevice, z->stream));
+    ncclCheck(ncclAllReduce(z->scalars, z->scalars, n, ncclFloat64, ncclSum, z->nccl, z->stream));
+    cudaCheck(cudaMemcpyAsync(values, z->scalars, n * sizeof(double), cudaMemcpyDeviceToHost, z->stream));
+    cudaCheck(cudaStreamSynchronize(z->stream));
 #endif
 }

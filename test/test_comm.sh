@@ -44,6 +44,11 @@ same=0
 for rank in 1 2; do [ "$(cut -d: -f2 "$tmp/rank$rank.out")" = "$first" ] || same=1; done
 check "a file rendezvous gives ranks 1 and 2 the 64 bytes rank 0 wrote" \
     "$([ ${#first} -eq 128 ] && [ $same -eq 0 ] && [ ! -e "$tmp/run-1.tmp" ]; echo $?)" "$(cat "$tmp"/rank*.out)"
+# A file an earlier run left (older than this launch) is not read: the rank waits for a new one.
+printf 'stale' > "$tmp/run-3" && touch -d '-10 minutes' "$tmp/run-3"
+out=$(WORLD_SIZE=2 RANK=1 timeout 30 build/comm_ranks_single rendezvous "$tmp" run-3 1 2>&1); rc=$?
+check "a rendezvous file from before the launch is ignored" \
+    "$([ $rc -eq 1 ] && printf '%s' "$out" | grep -q 'rank 0 wrote nothing in 1 s'; echo $?)" "$out"
 out=$(WORLD_SIZE=2 RANK=1 timeout 30 build/comm_ranks_single rendezvous "$tmp/nobody" run-2 1 2>&1); rc=$?
 check "a rank whose rank 0 never writes gives up, naming the folder" \
     "$([ $rc -eq 1 ] && printf '%s' "$out" | grep -q 'rank 0 wrote nothing in 1 s (is .*/nobody shared by every rank?)'; echo $?)" "$out"

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Data-parallel training (ZeRO stage 0) on the GPU: 2 ranks sharing one GPU through
+# comm_backend = mpi against one rank at the same global batch (the ranks read the one-rank run's
+# micro-batches between them): every logged loss within the BF16 reduction-order noise, printed;
+# rank 0 alone writes the log and the checkpoints; a checkpoint of either resumes on the other
+# world size; one rank under mpirun with NCCL equals the plain run bit for bit.
+cd "$(dirname "$0")/.." || exit 1
+source test/check.sh
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+if ! command -v mpirun > /dev/null || ! grep -qa MPI_Init ./train_llama; then
+    echo "SKIP: no mpirun, or ./train_llama built without MPI"
+    check_summary test_distributed
+    exit $?
+fi
+mpi=(timeout 300 mpirun --oversubscribe -np)
+[ "$(id -u)" -eq 0 ] && mpi=(timeout 300 mpirun --allow-run-as-root --oversubscribe -np)
+
+python3 - "$tmp" <<'PY'
+import random, struct, sys
+random.seed(3)
+for name, count in (("train_000000.bin", 200000), ("val_000000.bin", 20000)):
+    tokens = [(i * 7 + (i // 13)) % 1000 if random.random() < 0.8 else random.randrange(1000) for i in range(count)]
+    with open(f"{sys.argv[1]}/{name}", "wb") as f:
+        f.write(struct.pack("<256i", 20240520, 1, count, *([0] * 253)))
+        f.write(struct.pack(f"<{count}H", *tokens))
+PY
+common=(configs/models/tiny.conf --train_data="$tmp/train_*.bin" --val_data="$tmp/val_*.bin" --micro_batch_size=4
+        --seq_len=64 --total_batch_tokens=512 --max_steps=20 --warmup_steps=5 --learning_rate=3e-3 --val_every=10
+        --val_batches=4 --checkpoint_every=10 --checkpoints_keep=5 --zero_stage=0)
+# max relative difference of the losses two logs share (steps FROM and after), and how many
+compare() {
+    python3 - "$1" "$2" "${3:-1}" <<'PY'
+import json, sys
+def losses(path):
+    out = {}
+    for line in open(path):
+        r = json.loads(line)
+        for key in ("train_loss", "val_loss"):
+            if key in r and r["step"] >= int(sys.argv[3]):
+                out[(r["step"], key)] = r[key]
+    return out
+a, b = losses(sys.argv[1]), losses(sys.argv[2])
+shared = sorted(set(a) & set(b))
+worst = max(abs(a[k] - b[k]) / abs(a[k]) for k in shared) if shared else float("inf")
+print(f"{worst:.2e} {len(shared)} {len(a)} {len(b)}")
+PY
+}
+
+./train_llama "${common[@]}" --out_dir="$tmp/one" > "$tmp/one.out" 2>&1
+check "one rank, 2 micro-batches a step: 20 steps" $? "$(tail -3 "$tmp/one.out")"
+"${mpi[@]}" 2 ./train_llama "${common[@]}" --comm_backend=mpi --out_dir="$tmp/two" > "$tmp/two.out" 2>&1
+check "2 ranks on one GPU (comm_backend mpi), a micro-batch each: 20 steps" $? "$(tail -5 "$tmp/two.out")"
+read -r worst shared one_count two_count <<< "$(compare "$tmp/one/log.jsonl" "$tmp/two/log.jsonl")"
+echo "2 ranks against 1: largest relative loss difference $worst over $shared logged losses"
+check "2 ranks against 1: all $one_count losses logged once, each within 1% (largest $worst)" \
+    "$([ "$shared" = "$one_count" ] && [ "$two_count" = "$one_count" ] &&
+       awk -v w="$worst" 'BEGIN { exit !(w < 0.01) }'; echo $?)" "$(head -3 "$tmp/two/log.jsonl")"
+check "rank 0 alone prints and writes: one set of step lines, one checkpoint per save" \
+    "$([ "$(grep -c '^step  *20/20' "$tmp/two.out")" = 1 ] && [ "$(ls "$tmp/two"/ckpt_*.done | wc -l)" = 2 ]; echo $?)" \
+    "$(grep -c '^step' "$tmp/two.out") step lines; $(ls "$tmp/two")"
+
+# Checkpoints cross world sizes: the 2-rank run's step 10 on one rank, the 1-rank run's on two.
+for pair in "two 1" "one 2"; do
+    set -- $pair
+    dir=$tmp/$1-on-$2
+    mkdir -p "$dir"
+    cp "$tmp/$1/ckpt_00000010.bin" "$tmp/$1/ckpt_00000010.done" "$tmp/$1/log.jsonl" "$dir/"
+    if [ "$2" = 1 ]; then
+        ./train_llama "${common[@]}" --out_dir="$dir" --resume=1 > "$dir.out" 2>&1
+    else
+        "${mpi[@]}" 2 ./train_llama "${common[@]}" --comm_backend=mpi --out_dir="$dir" --resume=1 > "$dir.out" 2>&1
+    fi
+    status=$?
+    read -r worst shared _ _ <<< "$(compare "$tmp/$1/log.jsonl" "$dir/log.jsonl" 11)"
+    check "the $1-rank run's step-10 checkpoint resumed on $2 rank(s): steps 11-20 follow it within 1% (largest $worst)" \
+        "$([ $status -eq 0 ] && [ "$shared" -ge 11 ] && awk -v w="$worst" 'BEGIN { exit !(w < 0.01) }'; echo $?)" \
+        "$(tail -3 "$dir.out")"
+done
+
+if grep -qa ncclCommInitRank ./train_llama; then
+    "${mpi[@]}" 1 ./train_llama "${common[@]}" --comm_backend=nccl --out_dir="$tmp/nccl1" > "$tmp/nccl1.out" 2>&1
+    check "one rank under mpirun (nccl) logs the plain run's losses bit for bit" \
+        "$([ $? -eq 0 ] && cmp -s <(grep -o '"step": [0-9]*, "\(train\|val\)_loss": [0-9.]*' "$tmp/one/log.jsonl") \
+                             <(grep -o '"step": [0-9]*, "\(train\|val\)_loss": [0-9.]*' "$tmp/nccl1/log.jsonl"); echo $?)" \
+        "$(tail -3 "$tmp/nccl1.out")"
+fi
+
+check_summary test_distributed
