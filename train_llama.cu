@@ -163,10 +163,16 @@ static void check_run_config(const ConfigParser *parser) {
 
 // A GPU is there, and one that this build's kernels run on.
 // Rank r drives GPU local_rank % GPUs (several ranks share one only with comm_backend = mpi).
-static void check_gpu(GpuContext *gpu, const Comm *comm) {
+static void check_gpu(GpuContext *gpu, const Comm *comm, const ConfigParser *parser) {
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
         fail("no CUDA GPU found: training needs one (dry_run = 1 checks a config without a GPU)");
+    if (comm->world > 1 && comm->local_rank >= count && parser->values.comm_backend == COMM_NCCL) {
+        char message[256];
+        snprintf(message, sizeof(message), "nccl needs a GPU per rank, and node-local rank %d finds %d GPU(s): "
+                 "comm_backend = mpi lets ranks share a GPU", comm->local_rank, count);
+        fail_config(parser, "comm_backend", message);
+    }
     gpu_context_create(gpu, comm->local_rank % count);
     // The kernels are built for one architecture (GPU_ARCH, Hopper by default: TMA and wgmma):
     // another GPU would fail at its first kernel, so say which GPU and what the build is for.
@@ -201,9 +207,8 @@ static size_t gpu_memory_budget(const TrainConfig *c) {
     return budget - budget / 50;
 }
 
-// Opens the shards that `key` (train_data or val_data) names; training order when shuffle.
-// Opens the shards that `key` (train_data or val_data) names, the batches of rank `rank` of
-// `world` (validation: every rank reads every batch, rank 0 of 1).
+// Opens the shards that `key` (train_data or val_data) names, training order when shuffle, the
+// batches of rank `rank` of `world` (validation: every rank reads every batch, as rank 0 of 1).
 static void open_loader_rank(Dataloader *loader, const ConfigParser *parser, const char *key, int shuffle, int rank,
                              int world) {
     const TrainConfig *c = &parser->values;
@@ -615,7 +620,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     const TrainConfig *c = t->c;
     t->grad_accum = config_grad_accum_steps(parser, ranks, error, sizeof(error));
     if (t->grad_accum < 0) { fprintf(stderr, "error: %s\n", error); exit(EXIT_CONFIG_ERROR); }
-    check_gpu(&t->gpu, comm);
+    check_gpu(&t->gpu, comm, parser);
     refuse_unless_fits(parser, ranks, gpu_memory_budget(c), "free GPU memory");
 
     model_create(&t->model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c));
