@@ -9,15 +9,7 @@ cd "$(dirname "$0")/.." || exit 1
 source test/check.sh
 tmp=$(mktemp -d); trap 'kill -9 $pid 2>/dev/null; rm -rf "$tmp"' EXIT
 
-python3 - "$tmp" <<'PY'
-import random, struct, sys
-random.seed(2)
-for name, count in (("train_000000.bin", 100000), ("val_000000.bin", 4000)):
-    tokens = [(i * 7 + (i // 13)) % 1000 if random.random() < 0.8 else random.randrange(1000) for i in range(count)]
-    with open(f"{sys.argv[1]}/{name}", "wb") as f:
-        f.write(struct.pack("<256i", 20240520, 1, count, *([0] * 253)))
-        f.write(struct.pack(f"<{count}H", *tokens))
-PY
+write_pattern_shards "$tmp" 2 100000 4000
 steps=24
 common=(configs/models/llama-125m.conf --precision=coat --train_data="$tmp/train_*.bin" --val_data="$tmp/val_*.bin"
         --micro_batch_size=2 --seq_len=128 --max_steps=$steps --warmup_steps=4 --val_every=8 --val_batches=2

@@ -15,15 +15,7 @@ fi
 mpi=(timeout 300 mpirun --oversubscribe -np)
 [ "$(id -u)" -eq 0 ] && mpi=(timeout 300 mpirun --allow-run-as-root --oversubscribe -np)
 
-python3 - "$tmp" <<'PY'
-import random, struct, sys
-random.seed(3)
-for name, count in (("train_000000.bin", 200000), ("val_000000.bin", 20000)):
-    tokens = [(i * 7 + (i // 13)) % 1000 if random.random() < 0.8 else random.randrange(1000) for i in range(count)]
-    with open(f"{sys.argv[1]}/{name}", "wb") as f:
-        f.write(struct.pack("<256i", 20240520, 1, count, *([0] * 253)))
-        f.write(struct.pack(f"<{count}H", *tokens))
-PY
+write_pattern_shards "$tmp" 3 200000 20000
 common=(configs/models/tiny.conf --train_data="$tmp/train_*.bin" --val_data="$tmp/val_*.bin" --micro_batch_size=4
         --seq_len=64 --total_batch_tokens=512 --max_steps=20 --warmup_steps=5 --learning_rate=3e-3 --val_every=10
         --val_batches=4 --checkpoint_every=10 --checkpoints_keep=5 --zero_stage=0)

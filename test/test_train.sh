@@ -8,17 +8,7 @@ cd "$(dirname "$0")/.." || exit 1
 source test/check.sh
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 
-python3 - "$tmp" <<'PY'
-import struct, random, sys
-# Shards in llm.c's format: 256 int32 header (magic, version, count), uint16 tokens. A repeating
-# pattern with noise, so that the loss has something to learn.
-random.seed(1)
-for name, count in (("train_000000.bin", 200000), ("val_000000.bin", 20000)):
-    tokens = [(i * 7 + (i // 13)) % 1000 if random.random() < 0.8 else random.randrange(1000) for i in range(count)]
-    with open(f"{sys.argv[1]}/{name}", "wb") as f:
-        f.write(struct.pack("<256i", 20240520, 1, count, *([0] * 253)))
-        f.write(struct.pack(f"<{count}H", *tokens))
-PY
+write_pattern_shards "$tmp" 1 200000 20000
 common=(configs/models/tiny.conf --train_data="$tmp/train_*.bin" --val_data="$tmp/val_*.bin" --micro_batch_size=4
         --seq_len=64 --max_steps=20 --warmup_steps=5 --learning_rate=3e-3 --val_every=5 --val_batches=4
         --checkpoint_every=10 --checkpoints_keep=5)
