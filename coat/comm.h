@@ -229,6 +229,14 @@ static inline void comm_broadcast(const Comm *c, void *bytes, size_t n, int root
     }
 }
 
+// n as the int count MPI takes; a shard too large for one is an error (MPI_Abort) naming `what`.
+static inline int comm_int_count(size_t n, const char *what) {
+    if (n <= (size_t)INT32_MAX) return (int)n;
+    fprintf(stderr, "error: %s: a shard of %zu elements exceeds MPI's int counts\n", what, n);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    return 0;
+}
+
 // data[n] BF16 summed over the ranks, in place on every rank (ZeRO stage 0).
 static inline void comm_all_reduce_sum_bf16(const Comm *c, uint16_t *data, size_t n) {
     for (size_t done = 0; c->world > 1 && done < n; done += COMM_PIECE) {
@@ -244,11 +252,8 @@ static inline void comm_reduce_scatter_sum_bf16(const Comm *c, const uint16_t *d
         if (out != data) memmove(out, data, 2 * shard);
         return;
     }
-    if (shard > (size_t)INT32_MAX) {
-        fprintf(stderr, "error: comm_reduce_scatter_sum_bf16: a shard of %zu elements exceeds MPI's int counts\n", shard);
-        MPI_Abort(MPI_COMM_WORLD, 1);
-    }
-    MPI_CHECK(MPI_Reduce_scatter_block(data, out, (int)shard, MPI_UINT16_T, comm_bf16_sum_op(), MPI_COMM_WORLD));
+    int count = comm_int_count(shard, "comm_reduce_scatter_sum_bf16");
+    MPI_CHECK(MPI_Reduce_scatter_block(data, out, count, MPI_UINT16_T, comm_bf16_sum_op(), MPI_COMM_WORLD));
 }
 
 // Every rank's shard[shard] BF16 into out[world * shard], rank r's at r shard (ZeRO's parameters
@@ -258,12 +263,9 @@ static inline void comm_all_gather_bf16(const Comm *c, const uint16_t *shard_dat
         if (out != shard_data) memmove(out, shard_data, 2 * shard);
         return;
     }
-    if (shard > (size_t)INT32_MAX) {
-        fprintf(stderr, "error: comm_all_gather_bf16: a shard of %zu elements exceeds MPI's int counts\n", shard);
-        MPI_Abort(MPI_COMM_WORLD, 1);
-    }
+    int count = comm_int_count(shard, "comm_all_gather_bf16");
     const void *send = shard_data == out + (size_t)c->rank * shard ? MPI_IN_PLACE : (const void *)shard_data;
-    MPI_CHECK(MPI_Allgather(send, (int)shard, MPI_UINT16_T, out, (int)shard, MPI_UINT16_T, MPI_COMM_WORLD));
+    MPI_CHECK(MPI_Allgather(send, count, MPI_UINT16_T, out, count, MPI_UINT16_T, MPI_COMM_WORLD));
 }
 
 // data[n] BF16 summed over the ranks into out[n] on rank `root` (ZeRO stage 2: a bucket's part
