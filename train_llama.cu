@@ -73,8 +73,10 @@ typedef struct {
 typedef struct {
     ConfigParser *parser;
     const TrainConfig *c;
-    const Comm *comm;  // the ranks: each steps the whole optimizer state (ZeRO stage 0)
-    ZeroComm zero;     // their gradient and loss sums
+    const Comm *comm;  // the ranks
+    ZeroComm zero;     // their collectives (world > 1)
+    ZeroPlan sharding; // stage 0: every rank steps the whole optimizer state; 1: its shard (coat/zero.h)
+    unsigned char *host_chunk;  // ADAMW_COPY_CHUNK_BYTES: checkpoints pass through it
     GpuContext gpu;
     LlamaModel model;
     AdamW opt;
@@ -403,24 +405,30 @@ static int dry_run(const ConfigParser *parser, int ranks) {
 
 // ---- training --------------------------------------------------------------------------
 
-// Reads a checkpoint's weights into the optimizer's master copy and the BF16 parameters; with
-// `resume`, also the optimizer and trainer state.
+// After the optimizer wrote its shard of the BF16 parameters: every rank gets all of them.
+static void gather_params(Trainer *t) {
+    if (t->sharding.stage >= 1 && t->comm->world > 1) {
+        size_t shard = t->sharding.shard_elems;
+        zero_all_gather_bf16(&t->zero, t->model.params + t->opt.shard_begin, t->model.params, shard, t->gpu.stream);
+        zero_comm_join(&t->zero, t->gpu.stream);
+    }
+    model_weights_changed(&t->model);
+}
+
+// Reads a checkpoint's weights (this rank's shard of them) into the optimizer's master copy and
+// the BF16 parameters; with `resume`, also the optimizer and trainer state. Every rank reads its
+// own parts of the file.
 static void load_checkpoint(Trainer *t, const char *path, int resume) {
     CheckpointHeader h;
     char error[1024];
     FILE *f = open_checkpoint_or_exit(t->parser, start_checkpoint_key(t->c, path), path, &h, resume);
-    float *master = (float *)malloc(4 * h.total_padded);
-    if (!master) fail("out of host memory reading the checkpoint");
-    if (fread(master, 4, h.total_padded, f) != h.total_padded) {
-        fprintf(stderr, "error: %s: truncated weights\n", path);
-        exit(EXIT_FAILURE);
-    }
-    adamw_set_master_from_host(&t->opt, master, t->gpu.stream);
+    long weights = ftell(f);
+    adamw_read_section(&t->opt, 0, f, weights, path, t->host_chunk, t->gpu.stream);
     adamw_write_params(&t->opt, t->model.params, t->gpu.stream);
-    model_weights_changed(&t->model);
-    free(master);
+    gather_params(t);
     if (resume) {
-        adamw_load(&t->opt, f, path, t->gpu.stream);
+        if (fseek(f, weights + (long)(4 * h.total_padded), SEEK_SET) != 0) fail("cannot seek past the checkpoint's weights");
+        adamw_load(&t->opt, f, path, t->host_chunk, t->gpu.stream);
         if (fread(&t->state, sizeof(TrainerState), 1, f) != 1) {
             fprintf(stderr, "error: %s: truncated trainer state\n", path);
             exit(EXIT_FAILURE);
@@ -442,29 +450,45 @@ static void load_checkpoint(Trainer *t, const char *path, int resume) {
     cudaCheck(cudaStreamSynchronize(t->gpu.stream));
 }
 
+// The optimizer's gather across ranks (a copy on one rank): the NCCL path receives into the
+// gradient buffer, idle between steps.
+static void gather_chunk(void *context, const void *device, void *host, size_t bytes, int from) {
+    Trainer *t = (Trainer *)context;
+    zero_gather_to_root(&t->zero, device, host, bytes, from, t->host_chunk + ADAMW_COPY_CHUNK_BYTES, t->model.grads);
+}
+
+// Rank 0 writes the checkpoint; with sharded states every rank sends it its shards (streamed,
+// a chunk at a time) and the file is the one a single rank would write.
 static void save_checkpoint(Trainer *t) {
     const TrainConfig *c = t->c;
+    int rank = t->comm->rank, sharded = t->sharding.stage >= 1 && t->comm->world > 1;
+    if (!sharded && rank != 0) return;
+    int ranks = sharded ? t->comm->world : 1;
+    AdamWGather gather = sharded ? gather_chunk : adamw_gather_copy;
+    void *context = sharded ? (void *)t : (void *)t->gpu.stream;
+    size_t chunk = sharded && 2 * t->model.grads_elems < ADAMW_COPY_CHUNK_BYTES ? 2 * t->model.grads_elems : ADAMW_COPY_CHUNK_BYTES;
+    cudaCheck(cudaStreamSynchronize(t->gpu.stream));
     CheckpointHeader h;
     char error[1024];
+    FILE *f = NULL;
     h.shape = c->model;
     h.step = t->state.step;
     h.total_padded = t->model.layout.total_padded;
     h.has_optimizer_state = 1;
     h.optimizer_state_bytes = adamw_checkpoint_bytes(&t->opt);
     h.trainer_state_bytes = sizeof(TrainerState);
+    if (rank == 0) {
+        f = checkpoint_begin(c->out_dir, &h, error, sizeof(error));
+        if (!f) fail(error);
+    }
+    adamw_write_section(&t->opt, 0, f, c->out_dir, ranks, rank, gather, context, t->host_chunk, chunk);
+    adamw_save(&t->opt, f, c->out_dir, ranks, rank, gather, context, t->host_chunk, chunk);
+    if (rank != 0) return;
     t->state.train_position = dataloader_position(&t->train_loader);
     t->state.train_position.step *= t->comm->world;
     t->state.sample_rng_state = t->sample_rng.state;
-    float *master = (float *)malloc(4 * h.total_padded);
-    if (!master) fail("out of host memory writing a checkpoint");
-    adamw_copy_master_to_host(&t->opt, master, t->gpu.stream);
-    FILE *f = checkpoint_begin(c->out_dir, &h, error, sizeof(error));
-    if (!f) fail(error);
-    if (fwrite(master, 4, h.total_padded, f) != h.total_padded) fail("cannot write the checkpoint's weights");
-    adamw_save(&t->opt, f, c->out_dir, t->gpu.stream);
     if (fwrite(&t->state, sizeof(TrainerState), 1, f) != 1) fail("cannot write the checkpoint's trainer state");
     if (checkpoint_commit(f, c->out_dir, &h, error, sizeof(error)) != 0) fail(error);
-    free(master);
     checkpoint_prune(c->out_dir, c->checkpoints_keep);
     printf("checkpoint: %s/ckpt_%08lld.bin\n", c->out_dir, h.step);
 }
@@ -623,18 +647,27 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     check_gpu(&t->gpu, comm, parser);
     refuse_unless_fits(parser, ranks, gpu_memory_budget(c), "free GPU memory");
 
-    model_create(&t->model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c));
+    ParamLayout layout;
+    param_layout_init(&layout, &c->model);
+    zero_plan_init(&t->sharding, &layout, ranks, ranks > 1 ? c->zero_stage : 0);
+    ZeroPlan *z = &t->sharding;
+    model_create_sized(&t->model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), z->padded_elems,
+                       z->padded_elems);
     if (ranks > 1 && zero_comm_init(&t->zero, comm, c->comm_backend == COMM_MPI ? ZERO_BACKEND_MPI : ZERO_BACKEND_NCCL,
-                                    t->model.layout.total_padded, c->out_dir, error, sizeof(error)) != 0)
+                                    z->padded_elems, c->out_dir, error, sizeof(error)) != 0)
         fail_config(parser, "comm_backend", error);
+    t->host_chunk = (unsigned char *)malloc(2 * ADAMW_COPY_CHUNK_BYTES);
+    if (!t->host_chunk) fail("out of host memory for the checkpoint buffer");
     AdamWConfig ac;
     ac.beta1 = c->beta1;
     ac.beta2 = c->beta2;
     ac.eps = c->adam_eps;
     ac.weight_decay = c->weight_decay;
     ac.weight_decay_all = c->weight_decay_all;
-    adamw_create(&t->opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &t->model.layout, 0,
-                 t->model.layout.total_padded, t->gpu.stream);
+    ZeroRange shard = {0, layout.total_padded};
+    if (z->stage >= 1) shard = zero_shard(z, comm->rank);
+    adamw_create(&t->opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &layout, shard.begin, shard.end,
+                 t->gpu.stream);
     if (!c->generate) open_loader_rank(&t->train_loader, parser, "train_data", 1, comm->rank, ranks);
     t->have_val = c->val_data[0] != '\0' && !c->generate;
     if (t->have_val) {
@@ -662,7 +695,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     } else {
         adamw_init_master(&t->opt, &t->model.layout, c->seed, t->gpu.stream);
         adamw_write_params(&t->opt, t->model.params, t->gpu.stream);
-        model_weights_changed(&t->model);
+        gather_params(t);
     }
 }
 
@@ -670,6 +703,7 @@ static void trainer_free(Trainer *t) {
     cudaCheck(cudaFreeHost(t->host_inputs));
     cudaCheck(cudaFreeHost(t->host_targets));
     cudaCheck(cudaFreeHost(t->host_scalar));
+    free(t->host_chunk);
     if (!t->c->generate) dataloader_close(&t->train_loader);
     if (t->have_val) dataloader_close(&t->val_loader);
     if (t->tokenizer) tokenizer_free(t->tokenizer);
@@ -692,7 +726,7 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
     double loss_sum = 0.0;
     m->timer = t->timer;
     op_timer_mark(m->timer, NULL, s);
-    cudaCheck(cudaMemsetAsync(m->grads, 0, 2 * m->layout.total_padded, s));
+    cudaCheck(cudaMemsetAsync(m->grads, 0, 2 * m->grads_elems, s));
     op_timer_mark(m->timer, "zero gradients", s);
     for (int micro = 0; micro < t->grad_accum; micro++) {
         load_batch(t, &t->train_loader);
@@ -705,24 +739,35 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
         cudaCheck(cudaStreamSynchronize(s));
         loss_sum += *t->host_scalar;
     }
-    if (t->comm->world > 1) {  // every rank then holds the gradient of the whole global batch
-        zero_all_reduce_bf16(&t->zero, m->grads, m->layout.total_padded, s);
+    // Stage 0: every rank then holds the gradient of the whole global batch; stage 1: its shard
+    // of it, in place (the rest of the buffer is left as it was and not read).
+    const ZeroPlan *z = &t->sharding;
+    int ranks = t->comm->world, sharded = z->stage >= 1 && ranks > 1;
+    bf16 *grads = sharded ? m->grads + t->opt.shard_begin : m->grads;
+    size_t grads_n = sharded ? z->shard_elems : m->layout.total_padded;
+    if (ranks > 1) {
+        if (sharded) zero_reduce_scatter_bf16(&t->zero, m->grads, grads, z->shard_elems, s);
+        else zero_all_reduce_bf16(&t->zero, m->grads, m->layout.total_padded, s);
         zero_comm_join(&t->zero, s);
-        op_timer_mark(m->timer, "gradient all-reduce", s);
-        zero_all_reduce_sum_f64(&t->zero, &loss_sum, 1, s);
-        loss_sum /= t->comm->world;
+        op_timer_mark(m->timer, sharded ? "gradient reduce-scatter" : "gradient all-reduce", s);
     }
-    grad_norm_squared(m->grad_norm_squared, m->grads, m->layout.total_padded, (double *)m->kernel_scratch, s);
+    grad_norm_squared(m->grad_norm_squared, grads, grads_n, (double *)m->kernel_scratch, s);
     op_timer_mark(m->timer, "gradient norm", s);
     cudaCheck(cudaMemcpyAsync(t->host_scalar, m->grad_norm_squared, sizeof(float), cudaMemcpyDeviceToHost, s));
     cudaCheck(cudaStreamSynchronize(s));
-    *grad_norm = sqrtf(*t->host_scalar);
-    float loss = (float)(loss_sum / t->grad_accum);
-    if (isfinite(loss) && isfinite(*grad_norm)) {
+    double sums[2] = {loss_sum, *t->host_scalar};  // the norm: of the shards' sums of squares
+    if (ranks > 1) {
+        zero_all_reduce_sum_f64(&t->zero, sums, sharded ? 2 : 1, s);
+        sums[0] /= ranks;
+    }
+    *grad_norm = sqrtf((float)sums[1]);
+    float loss = (float)(sums[0] / t->grad_accum);
+    if (isfinite(loss) && isfinite(*grad_norm)) {  // the same values on every rank: all step or none
         float scale = t->c->grad_clip > 0 ? grad_clip_factor(*grad_norm, t->c->grad_clip) : 1.0f;
-        adamw_step(&t->opt, m->params, m->grads, lr, scale, s);
-        model_weights_changed(m);
+        adamw_step(&t->opt, m->params, grads, lr, scale, s);
         op_timer_mark(m->timer, "adamw (after the host's wait)", s);
+        gather_params(t);
+        if (sharded) op_timer_mark(m->timer, "parameter all-gather", s);
     }
     m->timer = NULL;
     return loss;
@@ -734,16 +779,17 @@ static void log_validation(Trainer *t) {
     run_log_val(&t->log, t->state.step, val);
 }
 
-// Several ranks train one model, data-parallel: each reads its part of every global batch, the
-// gradients are summed over the ranks, and every rank steps the whole optimizer state (ZeRO
-// stage 0); rank 0 alone writes the log, the samples and the checkpoints (any world size resumes
-// from them). Sharded states (stages 1 and 2) are planned by dry_run, not built yet.
+// Several ranks train one model, data-parallel: each reads its part of every global batch and
+// the gradients are summed over the ranks. ZeRO stage 0: every rank steps the whole optimizer
+// state; stage 1: each steps its shard of it (coat/zero.h) and the BF16 parameters are gathered
+// after the step. Rank 0 alone writes the log, the samples and the checkpoints (any world size
+// resumes from them). Stage 2 is planned by dry_run, not built yet.
 // Called with the launcher's announced world size, before MPI starts.
 static void check_distributed(const ConfigParser *parser, int world) {
-    if (world == 1 || parser->values.zero_stage == 0) return;
+    if (world == 1 || parser->values.zero_stage <= 1) return;
     char message[256];
-    snprintf(message, sizeof(message), "%d over %d ranks is not built yet (dry_run plans it): set zero_stage = 0, where "
-             "every rank keeps the whole optimizer state", parser->values.zero_stage, world);
+    snprintf(message, sizeof(message), "%d over %d ranks is not built yet (dry_run plans it): set zero_stage = 1, where "
+             "each rank keeps its shard of the master weights and optimizer states", parser->values.zero_stage, world);
     fail_config(parser, "zero_stage", message);
 }
 
@@ -826,8 +872,8 @@ static int train(ConfigParser *parser, const Comm *comm) {
         int last = step == c->max_steps;
         if (t->have_val && c->val_every > 0 && (step % c->val_every == 0 || last)) log_validation(t);
         if (rank0 && c->sample_every > 0 && (step % c->sample_every == 0 || last)) print_sample(t);
-        if (rank0 && ((last && c->checkpoint_final) || (c->checkpoint_every > 0 && step % c->checkpoint_every == 0)))
-            save_checkpoint(t);
+        if ((last && c->checkpoint_final) || (c->checkpoint_every > 0 && step % c->checkpoint_every == 0))
+            save_checkpoint(t);  // every rank: with sharded states each sends rank 0 its shard
     }
     run_log_close(&t->log);
     if (t->timer) op_timer_print(stdout, t->timer);

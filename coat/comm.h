@@ -8,7 +8,8 @@
 // Collectives (MPI only; the GPU path is NCCL): sums of FP64 and of BF16, the latter rounded to
 // nearest even after every addition as NCCL's reductions are, in the order MPI picks (so a
 // multi-rank sum differs from a one-rank run by BF16 rounding noise); a max of ints; broadcast;
-// the reduce-scatter, all-gather and reduce-to-owner of BF16 buffers that ZeRO needs (coat/zero.h).
+// the reduce-scatter, all-gather and reduce-to-owner of BF16 buffers that ZeRO needs (coat/zero.h);
+// a send and a receive of bytes.
 #pragma once
 #include <errno.h>
 #include <stdint.h>
@@ -280,6 +281,23 @@ static inline void comm_reduce_sum_bf16(const Comm *c, const uint16_t *data, uin
         const void *send = c->rank == root && data == out ? MPI_IN_PLACE : (const void *)(data + done);
         MPI_CHECK(MPI_Reduce(send, c->rank == root ? out + done : NULL, (int)piece, MPI_UINT16_T, comm_bf16_sum_op(),
                              root, MPI_COMM_WORLD));
+    }
+}
+
+// n bytes from this rank to rank `to`, and their receipt on `to` (checkpoints: rank 0 gathers
+// the shards).
+static inline void comm_send(const Comm *c, const void *bytes, size_t n, int to) {
+    (void)c;
+    for (size_t done = 0; done < n; done += COMM_PIECE) {
+        size_t piece = n - done < COMM_PIECE ? n - done : COMM_PIECE;
+        MPI_CHECK(MPI_Send((const char *)bytes + done, (int)piece, MPI_BYTE, to, 0, MPI_COMM_WORLD));
+    }
+}
+static inline void comm_recv(const Comm *c, void *bytes, size_t n, int from) {
+    (void)c;
+    for (size_t done = 0; done < n; done += COMM_PIECE) {
+        size_t piece = n - done < COMM_PIECE ? n - done : COMM_PIECE;
+        MPI_CHECK(MPI_Recv((char *)bytes + done, (int)piece, MPI_BYTE, from, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE));
     }
 }
 

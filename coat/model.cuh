@@ -65,7 +65,8 @@ typedef struct {
     ParamLayout layout;
     ModelPrecision precision;
     int B, T;
-    bf16 *params, *grads;          // layout.total_padded each
+    bf16 *params, *grads;          // params_elems and grads_elems (layout.total_padded, or ZeRO's sizes)
+    size_t params_elems, grads_elems;
     char *activations;             // saved for backward
     size_t activations_bytes;
     SavedTensor *saved;            // [n_layers][ACT_LAYER_KINDS] views into activations
@@ -154,8 +155,11 @@ static inline const char *model_precision_unsupported(const ModelShape *shape, i
 }
 
 // Allocates every buffer for micro-batches of B sequences of T tokens, in `precision` (the
-// caller refuses what model_precision_unsupported names). Exactly the buffers of the memory plan.
-static inline void model_create(LlamaModel *model, const ModelShape *shape, int B, int T, ModelPrecision precision) {
+// caller refuses what model_precision_unsupported names), with params_elems BF16 parameters and
+// grads_elems BF16 gradients (0: layout.total_padded; ZeRO pads the parameters to ranks x shard,
+// coat/zero.h). Exactly the buffers of the memory plan.
+static inline void model_create_sized(LlamaModel *model, const ModelShape *shape, int B, int T, ModelPrecision precision,
+                                      size_t params_elems, size_t grads_elems) {
     memset(model, 0, sizeof(*model));
     model->shape = *shape;
     model->precision = precision;
@@ -165,9 +169,13 @@ static inline void model_create(LlamaModel *model, const ModelShape *shape, int 
     if (unsupported != NULL) fail_with("model_create", unsupported);
     param_layout_init(&model->layout, shape);
     size_t N = (size_t)B * T, L = (size_t)shape->n_layers;
-    model->params = (bf16 *)model_alloc(2 * model->layout.total_padded, "parameters");
-    model->grads = (bf16 *)model_alloc(2 * model->layout.total_padded, "gradients");
-    cudaCheck(cudaMemset(model->grads, 0, 2 * model->layout.total_padded));
+    model->params_elems = params_elems ? params_elems : model->layout.total_padded;
+    model->grads_elems = grads_elems ? grads_elems : model->layout.total_padded;
+    if (model->params_elems < model->layout.total_padded) fail_with("model_create", "the parameter buffer is smaller than the model");
+    model->params = (bf16 *)model_alloc(2 * model->params_elems, "parameters");
+    cudaCheck(cudaMemset(model->params, 0, 2 * model->params_elems));  // ZeRO's padding stays zero
+    model->grads = (bf16 *)model_alloc(2 * model->grads_elems, "gradients");
+    cudaCheck(cudaMemset(model->grads, 0, 2 * model->grads_elems));
 
     ActivationInfo table[ACT_LAYER_KINDS];
     activation_table(table, shape, precision.activations);
@@ -246,7 +254,11 @@ static inline void model_free(LlamaModel *model) {
 
 // Bytes of GPU memory the model allocates (what the memory plan counts for it).
 static inline size_t model_allocated_bytes(const LlamaModel *model) {
-    return 2 * 2 * model->layout.total_padded + model->activations_bytes + model->working_layout.total_bytes;
+    return 2 * (model->params_elems + model->grads_elems) + model->activations_bytes + model->working_layout.total_bytes;
+}
+
+static inline void model_create(LlamaModel *model, const ModelShape *shape, int B, int T, ModelPrecision precision) {
+    model_create_sized(model, shape, B, T, precision, 0, 0);
 }
 
 // The BF16 weights changed (an optimizer step, a load): the FP8 copies are cast again before

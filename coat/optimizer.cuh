@@ -59,6 +59,7 @@ typedef struct {
     long long step;                 // completed steps: t of the last step taken
     size_t shard_begin, shard_end;  // elements of the padded buffer this optimizer owns
     size_t n;                       // shard_end - shard_begin
+    size_t total;                   // elements a checkpoint covers: the layout's total_padded
     void *state;                    // the one allocation described above
     size_t state_bytes;
     float *master;                  // [n]
@@ -211,7 +212,8 @@ typedef struct {
 // The shard as the kernel sees it; every pointer starts at the shard's first element.
 typedef struct {
     bf16 *params;
-    const bf16 *grads;
+    const bf16 *grads;       // BF16 gradients, or
+    const float *grads_f32;  // FP32 ones (ZeRO stage 2's accumulated shard) when not NULL
     float *master;
     void *m, *v;
     float *m_group, *v_group;
@@ -358,8 +360,13 @@ __global__ void __launch_bounds__(ADAMW_THREADS) adamw_step_kernel(AdamWShard sh
     float p[ADAMW_VEC] = {0}, g[ADAMW_VEC] = {0}, m[ADAMW_VEC] = {0}, v[ADAMW_VEC] = {0};
     if (active) {
         adamw_load8(shard.master + i, p);
-        Vec16<bf16> grad = load16_stream(shard.grads + i);
-        for (int j = 0; j < ADAMW_VEC; j++) g[j] = mul_unfused(__bfloat162float(grad[j]), sc.grad_scale);
+        if (shard.grads_f32) {
+            adamw_load8(shard.grads_f32 + i, g);
+        } else {
+            Vec16<bf16> grad = load16_stream(shard.grads + i);
+            for (int j = 0; j < ADAMW_VEC; j++) g[j] = __bfloat162float(grad[j]);
+        }
+        for (int j = 0; j < ADAMW_VEC; j++) g[j] = mul_unfused(g[j], sc.grad_scale);
         if constexpr (KIND == OPT_STATES_FP32) {
             adamw_load8((const float *)shard.m + i, m);
             adamw_load8((const float *)shard.v + i, v);
@@ -482,6 +489,7 @@ static inline void adamw_create(AdamW *opt, OptimizerStateKind kind, const AdamW
     opt->shard_begin = shard_begin;
     opt->shard_end = shard_end;
     opt->n = n;
+    opt->total = layout->total_padded;
     opt->state_bytes = adamw_payload_bytes(kind, n);
     cudaCheck(cudaMalloc(&opt->state, opt->state_bytes));
     cudaCheck(cudaMemsetAsync(opt->state, 0, opt->state_bytes, stream));
@@ -514,13 +522,18 @@ static inline void adamw_free(AdamW *opt) {
 
 // Master weights from an FP32 host buffer of the whole model (a fresh initialisation), holding
 // at least shard_end elements.
+// Elements of this shard inside [0, total): ZeRO's last shards may end in padding (or be all padding).
+static inline size_t adamw_shard_used(const AdamW *opt) {
+    return opt->shard_begin >= opt->total ? 0 : (opt->shard_end < opt->total ? opt->n : opt->total - opt->shard_begin);
+}
+
+// The shard's part of params_fp32[total] (the padding after it stays zero).
 static inline void adamw_set_master_from_host(AdamW *opt, const float *params_fp32, cudaStream_t stream) {
-    cudaCheck(cudaMemcpyAsync(opt->master, params_fp32 + opt->shard_begin, 4 * opt->n, cudaMemcpyHostToDevice, stream));
+    cudaCheck(cudaMemcpyAsync(opt->master, params_fp32 + opt->shard_begin, 4 * adamw_shard_used(opt), cudaMemcpyHostToDevice,
+                              stream));
     cudaCheck(cudaStreamSynchronize(stream));
 }
 
-// master[i] = value * (normal ? random_normal_at(seed, first + i) : 1) for count elements: one
-// tensor's part of the shard, element e of the buffer at index first + i = e (params.h's rule).
 __global__ void adamw_init_kernel(float *master, unsigned long long seed, size_t first, size_t count, float value,
                                   int normal) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -576,16 +589,18 @@ static inline void adamw_write_params(const AdamW *opt, bf16 *params, cudaStream
 // The shard's master weights into host_params[shard_begin, shard_end) (for the checkpoint's
 // FP32 weights); waits for the copy.
 static inline void adamw_copy_master_to_host(const AdamW *opt, float *host_params, cudaStream_t stream) {
-    cudaCheck(cudaMemcpyAsync(host_params + opt->shard_begin, opt->master, 4 * opt->n, cudaMemcpyDeviceToHost, stream));
+    cudaCheck(cudaMemcpyAsync(host_params + opt->shard_begin, opt->master, 4 * adamw_shard_used(opt), cudaMemcpyDeviceToHost,
+                              stream));
     cudaCheck(cudaStreamSynchronize(stream));
 }
 
 // One AdamW step over the shard (t = ++opt->step): params is the whole buffer, grads_shard the
 // shard's n gradients. grad_scale multiplies every gradient first (the clip factor).
-static inline void adamw_step(AdamW *opt, bf16 *params, const bf16 *grads_shard, float lr, float grad_scale,
-                              cudaStream_t stream) {
+// One step with the shard's gradients in BF16 (grads_shard) or FP32 (grads_f32, grads_shard NULL).
+static inline void adamw_step_any(AdamW *opt, bf16 *params, const bf16 *grads_shard, const float *grads_f32, float lr,
+                                  float grad_scale, cudaStream_t stream) {
     adamw_check_aligned(params, "adamw_step: params");
-    adamw_check_aligned(grads_shard, "adamw_step: grads_shard");
+    adamw_check_aligned(grads_shard ? (const void *)grads_shard : (const void *)grads_f32, "adamw_step: gradients");
     opt->step++;
     const AdamWConfig *c = &opt->config;
     AdamWStepScalars sc;
@@ -602,6 +617,7 @@ static inline void adamw_step(AdamW *opt, bf16 *params, const bf16 *grads_shard,
     AdamWShard shard;
     shard.params = params + opt->shard_begin;
     shard.grads = grads_shard;
+    shard.grads_f32 = grads_f32;
     shard.master = opt->master;
     shard.m = opt->m;
     shard.v = opt->v;
@@ -619,34 +635,57 @@ static inline void adamw_step(AdamW *opt, bf16 *params, const bf16 *grads_shard,
     cudaCheckLaunch();
 }
 
-// ---- save and load ----------------------------------------------------------------------
-// File layout: AdamWCheckpointHeader (7 little-endian uint64), then the state allocation after
-// the master weights, as it is (payload_bytes): m, v, group scalars. The master weights are not
-// in it: a checkpoint holds them once, in its own section (adamw_copy_master_to_host, then
-// adamw_set_master_from_host on load). The decay table is rebuilt from the config.
+static inline void adamw_step(AdamW *opt, bf16 *params, const bf16 *grads_shard, float lr, float grad_scale,
+                              cudaStream_t stream) {
+    adamw_step_any(opt, params, grads_shard, NULL, lr, grad_scale, stream);
+}
+static inline void adamw_step_fp32_grads(AdamW *opt, bf16 *params, const float *grads_shard, float lr, float grad_scale,
+                                         cudaStream_t stream) {
+    adamw_step_any(opt, params, NULL, grads_shard, lr, grad_scale, stream);
+}
+
+// ---- checkpoints ------------------------------------------------------------------------
+// A checkpoint holds the state of the whole buffer [0, total) as one optimizer over it would:
+// the master weights (the checkpoint's weights), then a header and m, v, m's group scalars and
+// v's. Each section is an array over the 128-groups, so ZeRO's equal shards concatenate into it
+// section by section: rank r's part of a section sits at (its first group) x (bytes per group).
+// Rank 0 writes every rank's part, each fetched by the caller's `gather` a chunk at a time; every
+// rank reads its own part back, so a checkpoint resumes on any world size. The header is 7
+// little-endian uint64; the decay table is rebuilt from the config.
 
 typedef struct {
     uint64_t magic, version, state_kind, shard_begin, shard_end, step, payload_bytes;
 } AdamWCheckpointHeader;
 
-// The saved part of the state: everything after the FP32 master weights.
-static inline size_t adamw_saved_offset(const AdamW *opt) { return 4 * opt->n; }
-static inline size_t adamw_saved_bytes(const AdamW *opt) { return opt->state_bytes - adamw_saved_offset(opt); }
+#define ADAMW_SECTIONS 5  // master, m, v, m's group scalars, v's: the order of the state and of a checkpoint
 
-// Bytes adamw_save writes.
+static inline size_t adamw_section_group_bytes(OptimizerStateKind kind, int section) {
+    if (section == 0) return 4 * ADAMW_GROUP;
+    if (section <= 2) return adamw_moment_elem_bytes(kind) * ADAMW_GROUP;
+    return 4 * adamw_group_scalars(kind);
+}
+
+// Section `section` of this shard's device state.
+static inline unsigned char *adamw_section(const AdamW *opt, int section) {
+    size_t at = 0;
+    for (int i = 0; i < section; i++) at += opt->n / ADAMW_GROUP * adamw_section_group_bytes(opt->kind, i);
+    return (unsigned char *)opt->state + at;
+}
+
+// The optimizer part after the weights: header and sections 1.. over [0, total).
+static inline size_t adamw_saved_bytes(const AdamW *opt) { return adamw_payload_bytes(opt->kind, opt->total) - 4 * opt->total; }
 static inline size_t adamw_checkpoint_bytes(const AdamW *opt) { return sizeof(AdamWCheckpointHeader) + adamw_saved_bytes(opt); }
 
 static inline void adamw_checkpoint_header(const AdamW *opt, AdamWCheckpointHeader *h) {
     h->magic = ADAMW_CHECKPOINT_MAGIC;
     h->version = ADAMW_CHECKPOINT_VERSION;
     h->state_kind = (uint64_t)opt->kind;
-    h->shard_begin = opt->shard_begin;
-    h->shard_end = opt->shard_end;
+    h->shard_begin = 0;
+    h->shard_end = opt->total;
     h->step = (uint64_t)opt->step;
     h->payload_bytes = adamw_saved_bytes(opt);
 }
 
-// 0 when a saved header fits this optimizer; otherwise -1 with what is wrong in `error`.
 static inline int adamw_checkpoint_header_check(const AdamW *opt, const AdamWCheckpointHeader *h, char *error,
                                                 size_t error_size) {
     if (h->magic != ADAMW_CHECKPOINT_MAGIC) {
@@ -664,9 +703,9 @@ static inline int adamw_checkpoint_header_check(const AdamW *opt, const AdamWChe
                  optimizer_state_kind_name(opt->kind));
         return -1;
     }
-    if (h->shard_begin != opt->shard_begin || h->shard_end != opt->shard_end) {
-        snprintf(error, error_size, "optimizer shard [%llu, %llu) in the file, [%zu, %zu) here (different ranks or model)",
-                 (unsigned long long)h->shard_begin, (unsigned long long)h->shard_end, opt->shard_begin, opt->shard_end);
+    if (h->shard_begin != 0 || h->shard_end != opt->total) {
+        snprintf(error, error_size, "optimizer states cover [%llu, %llu) in the file, [0, %zu) in this model",
+                 (unsigned long long)h->shard_begin, (unsigned long long)h->shard_end, opt->total);
         return -1;
     }
     if (h->payload_bytes != adamw_saved_bytes(opt)) {
@@ -681,51 +720,75 @@ static inline int adamw_checkpoint_header_check(const AdamW *opt, const AdamWChe
     return 0;
 }
 
-// Writes the step and the moments (with their group scalars) to `file` (path names it in
-// errors); waits for the stream first.
-static inline void adamw_save(const AdamW *opt, FILE *file, const char *path, cudaStream_t stream) {
-    AdamWCheckpointHeader h;
-    adamw_checkpoint_header(opt, &h);
-    if (fwrite(&h, sizeof(h), 1, file) != 1) adamw_die(path, "cannot write the optimizer state header");
-    unsigned char *staging = (unsigned char *)malloc(ADAMW_COPY_CHUNK_BYTES);
-    if (!staging) adamw_die(path, "out of host memory for the optimizer staging buffer");
-    const unsigned char *saved = (const unsigned char *)opt->state + adamw_saved_offset(opt);
-    size_t total = adamw_saved_bytes(opt);
-    for (size_t done = 0; done < total; done += ADAMW_COPY_CHUNK_BYTES) {
-        size_t bytes = total - done < ADAMW_COPY_CHUNK_BYTES ? total - done : ADAMW_COPY_CHUNK_BYTES;
-        cudaCheck(cudaMemcpyAsync(staging, saved + done, bytes, cudaMemcpyDeviceToHost, stream));
-        cudaCheck(cudaStreamSynchronize(stream));
-        if (fwrite(staging, 1, bytes, file) != bytes) adamw_die(path, "cannot write the optimizer state");
+// Moves `bytes` of rank `from`'s device memory to rank 0's host memory `host` (one rank: a copy).
+typedef void (*AdamWGather)(void *context, const void *device, void *host, size_t bytes, int from);
+
+// Rank 0 writes section `section` of `ranks` equal shards (this process is rank `rank`, and
+// every rank calls this in the same order), through `host`, chunk_bytes of host memory.
+static inline void adamw_write_section(const AdamW *opt, int section, FILE *file, const char *path, int ranks, int rank,
+                                       AdamWGather gather, void *context, unsigned char *host, size_t chunk_bytes) {
+    for (int r = 0; r < ranks; r++) {
+        size_t begin = (size_t)r * opt->n, end = begin + opt->n < opt->total ? begin + opt->n : opt->total;
+        if (end <= begin) break;
+        size_t bytes = (end - begin) / ADAMW_GROUP * adamw_section_group_bytes(opt->kind, section);
+        const unsigned char *device = adamw_section(opt, section);  // at the same place in every rank's state
+        for (size_t done = 0; done < bytes; done += chunk_bytes) {
+            size_t chunk = bytes - done < chunk_bytes ? bytes - done : chunk_bytes;
+            gather(context, device + done, host, chunk, r);
+            if (rank == 0 && fwrite(host, 1, chunk, file) != chunk) adamw_die(path, "cannot write the optimizer state");
+        }
     }
-    free(staging);
 }
 
-// Reads what adamw_save wrote into an optimizer created with the same kind and shard; names
-// any mismatch and exits. The master weights come separately (adamw_set_master_from_host), and
-// the BF16 parameters are not touched: see adamw_write_params.
-static inline void adamw_load(AdamW *opt, FILE *file, const char *path, cudaStream_t stream) {
+// This shard's part of section `section`, which starts at byte `start` of the file (through
+// `host`, ADAMW_COPY_CHUNK_BYTES of host memory).
+static inline void adamw_read_section(AdamW *opt, int section, FILE *file, long start, const char *path,
+                                      unsigned char *host, cudaStream_t stream) {
+    size_t group_bytes = adamw_section_group_bytes(opt->kind, section);
+    size_t bytes = adamw_shard_used(opt) / ADAMW_GROUP * group_bytes;
+    if (bytes == 0) return;
+    if (fseek(file, start + (long)(opt->shard_begin / ADAMW_GROUP * group_bytes), SEEK_SET) != 0)
+        adamw_die(path, "cannot seek to this rank's optimizer state");
+    unsigned char *device = adamw_section(opt, section);
+    for (size_t done = 0; done < bytes; done += ADAMW_COPY_CHUNK_BYTES) {
+        size_t chunk = bytes - done < ADAMW_COPY_CHUNK_BYTES ? bytes - done : ADAMW_COPY_CHUNK_BYTES;
+        if (fread(host, 1, chunk, file) != chunk) adamw_die(path, section == 0 ? "truncated weights" : "truncated optimizer state");
+        cudaCheck(cudaMemcpyAsync(device + done, host, chunk, cudaMemcpyHostToDevice, stream));
+        cudaCheck(cudaStreamSynchronize(stream));
+    }
+}
+
+// The optimizer part of a checkpoint (the weights written before it): header and sections.
+static inline void adamw_save(const AdamW *opt, FILE *file, const char *path, int ranks, int rank, AdamWGather gather,
+                              void *context, unsigned char *host, size_t chunk_bytes) {
+    AdamWCheckpointHeader h;
+    adamw_checkpoint_header(opt, &h);
+    if (rank == 0 && fwrite(&h, sizeof(h), 1, file) != 1) adamw_die(path, "cannot write the optimizer state header");
+    for (int section = 1; section < ADAMW_SECTIONS; section++)
+        adamw_write_section(opt, section, file, path, ranks, rank, gather, context, host, chunk_bytes);
+}
+
+// Reads it back from the file's position (this shard's parts), leaving the file after it.
+static inline void adamw_load(AdamW *opt, FILE *file, const char *path, unsigned char *host, cudaStream_t stream) {
     AdamWCheckpointHeader h;
     char error[256];
     if (fread(&h, sizeof(h), 1, file) != 1) adamw_die(path, "truncated optimizer state (header)");
     if (adamw_checkpoint_header_check(opt, &h, error, sizeof(error)) != 0) adamw_die(path, error);
-    unsigned char *staging = (unsigned char *)malloc(ADAMW_COPY_CHUNK_BYTES);
-    if (!staging) adamw_die(path, "out of host memory for the optimizer staging buffer");
-    unsigned char *saved = (unsigned char *)opt->state + adamw_saved_offset(opt);
-    size_t total = adamw_saved_bytes(opt);
-    for (size_t done = 0; done < total; done += ADAMW_COPY_CHUNK_BYTES) {
-        size_t bytes = total - done < ADAMW_COPY_CHUNK_BYTES ? total - done : ADAMW_COPY_CHUNK_BYTES;
-        if (fread(staging, 1, bytes, file) != bytes) adamw_die(path, "truncated optimizer state");
-        cudaCheck(cudaMemcpyAsync(saved + done, staging, bytes, cudaMemcpyHostToDevice, stream));
-        cudaCheck(cudaStreamSynchronize(stream));
+    long start = ftell(file);
+    for (int section = 1; section < ADAMW_SECTIONS; section++) {
+        adamw_read_section(opt, section, file, start, path, host, stream);
+        start += (long)(opt->total / ADAMW_GROUP * adamw_section_group_bytes(opt->kind, section));
     }
-    free(staging);
+    if (fseek(file, start, SEEK_SET) != 0) adamw_die(path, "cannot seek past the optimizer state");
     opt->step = (long long)h.step;
 }
 
-// ---- global gradient norm ---------------------------------------------------------------
-// Sum of squares of n BF16 values in two fixed-shape passes: GRAD_NORM_BLOCKS blocks each sum
-// a fixed grid-stride slice in FP32 per 8 values and FP64 across them, reduce in a fixed tree,
-// then one block adds the partials in a fixed tree. Same input, same bits, on any GPU.
+// A gather for one rank: a device-to-host copy.
+static inline void adamw_gather_copy(void *stream, const void *device, void *host, size_t bytes, int from) {
+    (void)from;
+    cudaCheck(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, (cudaStream_t)stream));
+    cudaCheck(cudaStreamSynchronize((cudaStream_t)stream));
+}
 
 #define GRAD_NORM_BLOCKS 1024
 #define GRAD_NORM_THREADS 256
@@ -750,15 +813,19 @@ __device__ __forceinline__ double grad_norm_block_sum(double x) {
     return total;
 }
 
-__global__ void __launch_bounds__(GRAD_NORM_THREADS) grad_norm_partial_kernel(double *partials, const bf16 *grads, size_t n_vecs) {
+__device__ __forceinline__ void grad_norm_load8(const bf16 *p, float out[8]) {
+    Vec16<bf16> g = load16_stream(p);
+    for (int j = 0; j < 8; j++) out[j] = __bfloat162float(g[j]);
+}
+__device__ __forceinline__ void grad_norm_load8(const float *p, float out[8]) { adamw_load8(p, out); }
+
+template <typename T>
+__global__ void __launch_bounds__(GRAD_NORM_THREADS) grad_norm_partial_kernel(double *partials, const T *grads, size_t n_vecs) {
     double sum = 0.0;
     for (size_t vec = (size_t)blockIdx.x * blockDim.x + threadIdx.x; vec < n_vecs; vec += (size_t)gridDim.x * blockDim.x) {
-        Vec16<bf16> g = load16_stream(grads + vec * 8);
-        float squares = 0.0f;
-        for (int j = 0; j < 8; j++) {
-            float x = __bfloat162float(g[j]);
-            squares = fmaf(x, x, squares);
-        }
+        float g[8], squares = 0.0f;
+        grad_norm_load8(grads + vec * 8, g);
+        for (int j = 0; j < 8; j++) squares = fmaf(g[j], g[j], squares);
         sum += (double)squares;
     }
     double block_total = grad_norm_block_sum(sum);
@@ -773,10 +840,12 @@ __global__ void __launch_bounds__(GRAD_NORM_BLOCKS) grad_norm_final_kernel(float
 // *out_device = sum of grads[i]^2 over n values (n a multiple of 8, grads 16-byte aligned);
 // scratch holds grad_norm_scratch_bytes(). Under ZeRO each rank sums its shard and the ranks
 // add their sums.
-static inline void grad_norm_squared(float *out_device, const bf16 *grads, size_t n, double *scratch, cudaStream_t stream) {
+// The sum of squares of grads[n] (BF16 or FP32) into *out_device.
+template <typename T>
+static inline void grad_norm_squared(float *out_device, const T *grads, size_t n, double *scratch, cudaStream_t stream) {
     if (n % 8 != 0) adamw_die("grad_norm_squared", "the element count must be a multiple of 8");
     adamw_check_aligned(grads, "grad_norm_squared: grads");
-    grad_norm_partial_kernel<<<GRAD_NORM_BLOCKS, GRAD_NORM_THREADS, 0, stream>>>(scratch, grads, n / 8);
+    grad_norm_partial_kernel<T><<<GRAD_NORM_BLOCKS, GRAD_NORM_THREADS, 0, stream>>>(scratch, grads, n / 8);
     cudaCheckLaunch();
     grad_norm_final_kernel<<<1, GRAD_NORM_BLOCKS, 0, stream>>>(out_device, scratch);
     cudaCheckLaunch();

@@ -258,3 +258,41 @@ static inline void zero_all_reduce_sum_f64(ZeroComm *z, double *values, int n, c
     cudaCheck(cudaStreamSynchronize(z->stream));
 #endif
 }
+
+// `bytes` of rank `from`'s device memory into rank 0's host memory `host` (a checkpoint's
+// shards reach the rank that writes it, a chunk at a time); ranks other than 0 and `from` return
+// at once. Under mpirun the chunk travels over MPI through `from`'s host buffer `staging`; NCCL
+// ranks started without MPI send it into rank 0's device buffer `device_staging`. Waits for it.
+static inline void zero_gather_to_root(ZeroComm *z, const void *device, void *host, size_t bytes, int from, void *staging,
+                                       void *device_staging) {
+    (void)staging;
+    (void)device_staging;
+    const Comm *c = z->comm;
+    if (c->rank != 0 && c->rank != from) return;
+    if (from == 0) {
+        cudaCheck(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, z->stream));
+        cudaCheck(cudaStreamSynchronize(z->stream));
+        return;
+    }
+#ifdef USE_MPI
+    if (c->launch == LAUNCH_MPI) {
+        if (c->rank == from) {
+            cudaCheck(cudaMemcpyAsync(staging, device, bytes, cudaMemcpyDeviceToHost, z->stream));
+            cudaCheck(cudaStreamSynchronize(z->stream));
+            comm_send(c, staging, bytes, 0);
+        } else {
+            comm_recv(c, host, bytes, from);
+        }
+        return;
+    }
+#endif
+#ifdef USE_NCCL
+    if (c->rank == from) {
+        ncclCheck(ncclSend(device, bytes, ncclUint8, 0, z->nccl, z->stream));
+    } else {
+        ncclCheck(ncclRecv(device_staging, bytes, ncclUint8, from, z->nccl, z->stream));
+        cudaCheck(cudaMemcpyAsync(host, device_staging, bytes, cudaMemcpyDeviceToHost, z->stream));
+    }
+    cudaCheck(cudaStreamSynchronize(z->stream));
+#endif
+}

@@ -60,6 +60,13 @@ static inline ZeroRange zero_bucket(const ParamLayout *layout, int b) {
     return r;
 }
 
+// The bucket that holds tensor `kind` of `layer` (the inverse of zero_bucket).
+static inline int zero_bucket_of(const ParamLayout *layout, ParamKind kind, int layer) {
+    if (kind == PARAM_EMBEDDING) return layout->shape.n_layers + 1;
+    if (!param_kind_is_per_layer(kind)) return 0;
+    return layout->shape.n_layers - layer;
+}
+
 static inline void zero_plan_init(ZeroPlan *z, const ParamLayout *layout, int ranks, int stage) {
     z->ranks = ranks;
     z->stage = stage;

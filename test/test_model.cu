@@ -275,6 +275,36 @@ static void test_memory_plan_matches_allocation(GpuContext *gpu) {
         adamw_free(&opt);
         model_free(&model);
     }
+    // ZeRO stage 1 over 3 ranks: each rank's padded parameters and gradients and its shard of the
+    // optimizer (the last one's ends in padding).
+    c->precision = PRECISION_COAT;
+    c->activations = ACTS_AUTO;
+    c->optimizer_states = STATES_AUTO;
+    c->zero_stage = 1;
+    for (int rank = 0; rank < 3; rank += 2) {
+        MemoryPlan plan;
+        memory_plan_compute(&plan, c, 3, c->micro_batch_size);
+        LlamaModel model;
+        ParamLayout layout;
+        param_layout_init(&layout, &c->model);
+        ZeroPlan z;
+        zero_plan_init(&z, &layout, 3, 1);
+        model_create_sized(&model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), z.padded_elems,
+                           z.padded_elems);
+        ZeroRange shard = zero_shard(&z, rank);
+        AdamWConfig ac = {0.9f, 0.95f, 1e-8f, 0.1f, 0};
+        AdamW opt;
+        adamw_create(&opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &model.layout, shard.begin, shard.end,
+                     gpu->stream);
+        size_t planned_model = plan.params_bytes + plan.grads_bytes + plan.activations_bytes + plan.working_bytes -
+                               CUBLASLT_WORKSPACE_BYTES;
+        size_t planned_optimizer = plan.master_bytes + plan.states_bytes, optimizer = opt.state_bytes + opt.n / ADAMW_GROUP;
+        check(planned_model == model_allocated_bytes(&model) && planned_optimizer == optimizer && z.padded_elems > layout.total_padded,
+              "ZeRO stage 1, rank %d of 3: the plan equals the allocation byte for byte (model %zu planned, %zu allocated; "
+              "optimizer %zu planned, %zu allocated)", rank, planned_model, model_allocated_bytes(&model), planned_optimizer, optimizer);
+        adamw_free(&opt);
+        model_free(&model);
+    }
     free(parser);
 }
 

@@ -16,6 +16,7 @@
 #include <string.h>
 #include "../coat/optimizer.cuh"
 #include "../coat/random.h"
+#include "../coat/zero.h"
 #include "check.h"
 #include "gpu_test_util.cuh"
 extern "C" {
@@ -613,7 +614,8 @@ static void test_save_load(Fixture *fx, OptimizerStateKind kind) {
     gpu_run(&a, fx, 0, 3);
     FILE *file = tmpfile();
     if (!file) { fprintf(stderr, "error: tmpfile: cannot create a temporary file\n"); exit(EXIT_FAILURE); }
-    adamw_save(&a, file, "tmpfile", fx->stream);
+    unsigned char *chunk = (unsigned char *)host_alloc(ADAMW_COPY_CHUNK_BYTES);
+    adamw_save(&a, file, "tmpfile", 1, 0, adamw_gather_copy, fx->stream, chunk, ADAMW_COPY_CHUNK_BYTES);
     float *master_at_save = host_floats(fx->total);  // a checkpoint's own section
     adamw_copy_master_to_host(&a, master_at_save, fx->stream);
     long written = ftell(file);
@@ -627,7 +629,9 @@ static void test_save_load(Fixture *fx, OptimizerStateKind kind) {
     adamw_create(&b, kind, &config, &fx->layout, 0, fx->total, fx->stream);
     cudaCheck(cudaMemset(fx->params, 0, fx->total * sizeof(bf16)));
     rewind(file);
-    adamw_load(&b, file, "tmpfile", fx->stream);
+    adamw_load(&b, file, "tmpfile", chunk, fx->stream);
+    check(ftell(file) == written, "%s load: the file left after the optimizer state (at %ld of %ld)", name, ftell(file), written);
+    free(chunk);
     adamw_set_master_from_host(&b, master_at_save, fx->stream);
     free(master_at_save);
     adamw_write_params(&b, fx->params, fx->stream);
@@ -647,7 +651,7 @@ static void test_save_load(Fixture *fx, OptimizerStateKind kind) {
     check(adamw_checkpoint_header_check(&b, &bad, error, sizeof(error)) != 0 && strstr(error, "in the config"),
           "%s header: other state kind named: %s", name, error);
     bad = good; bad.shard_end += 128;
-    check(adamw_checkpoint_header_check(&b, &bad, error, sizeof(error)) != 0 && strstr(error, "shard"), "%s header: other shard named: %s", name, error);
+    check(adamw_checkpoint_header_check(&b, &bad, error, sizeof(error)) != 0 && strstr(error, "cover"), "%s header: other extent named: %s", name, error);
     bad = good; bad.payload_bytes -= 1;
     check(adamw_checkpoint_header_check(&b, &bad, error, sizeof(error)) != 0 && strstr(error, "bytes"), "%s header: wrong size named: %s", name, error);
     check(adamw_checkpoint_header_check(&b, &good, error, sizeof(error)) == 0, "%s header: own header accepted", name);
@@ -730,6 +734,96 @@ static void test_shard_past_model(void) {
           fx.total - fx.layout.total_padded, nonzero, changed);
     free(params);
     adamw_free(&opt);
+    fixture_free(&fx);
+}
+
+// ZeRO checkpoints on one GPU: 3 shards (the last ending in padding) step like the whole-buffer
+// optimizer, rank 0's write of all three (their sections gathered in small chunks) is the whole
+// one's file byte for byte, and 2 shards read that file back as the whole state's slices.
+typedef struct {
+    AdamW *shards;
+} ShardGather;
+
+static void gather_from_shards(void *context, const void *device, void *host, size_t bytes, int from) {
+    const ShardGather *g = (const ShardGather *)context;
+    size_t offset = (const unsigned char *)device - (const unsigned char *)g->shards[0].state;
+    cudaCheck(cudaMemcpy(host, (const unsigned char *)g->shards[from].state + offset, bytes, cudaMemcpyDeviceToHost));
+}
+
+static unsigned char *read_file(FILE *file, long *size) {
+    *size = ftell(file);
+    unsigned char *bytes = (unsigned char *)host_alloc((size_t)*size);
+    rewind(file);
+    if (fread(bytes, 1, (size_t)*size, file) != (size_t)*size) { fprintf(stderr, "error: cannot read back a temporary file\n"); exit(EXIT_FAILURE); }
+    return bytes;
+}
+
+static void test_sharded_checkpoint(OptimizerStateKind kind) {
+    const char *name = optimizer_state_kind_name(kind);
+    ModelShape shape = test_shape();
+    ParamLayout layout;
+    param_layout_init(&layout, &shape);
+    ZeroPlan three;
+    zero_plan_init(&three, &layout, 3, 1);
+    Fixture fx;
+    fixture_create(&fx, three.padded_elems - layout.total_padded);
+    unsigned char *chunk = (unsigned char *)host_alloc(ADAMW_COPY_CHUNK_BYTES);
+
+    AdamW whole;
+    gpu_create(&whole, &fx, kind, 0, layout.total_padded);
+    gpu_run(&whole, &fx, 0, 3);
+    FILE *one = tmpfile(), *sharded = tmpfile();
+    if (!one || !sharded) { fprintf(stderr, "error: tmpfile: cannot create a temporary file\n"); exit(EXIT_FAILURE); }
+    adamw_write_section(&whole, 0, one, "tmpfile", 1, 0, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
+    adamw_save(&whole, one, "tmpfile", 1, 0, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
+
+    AdamW shards[3];
+    for (int r = 0; r < 3; r++) {
+        ZeroRange range = zero_shard(&three, r);
+        gpu_create(&shards[r], &fx, kind, range.begin, range.end);
+        gpu_run(&shards[r], &fx, 0, 3);
+    }
+    ShardGather gather = {shards};
+    adamw_write_section(&shards[0], 0, sharded, "tmpfile", 3, 0, gather_from_shards, &gather, chunk, 4096);
+    adamw_save(&shards[0], sharded, "tmpfile", 3, 0, gather_from_shards, &gather, chunk, 4096);
+    long one_size, sharded_size;
+    unsigned char *one_bytes = read_file(one, &one_size), *sharded_bytes = read_file(sharded, &sharded_size);
+    check(one_size == sharded_size && memcmp(one_bytes, sharded_bytes, (size_t)one_size) == 0 &&
+              one_size == (long)(4 * layout.total_padded + adamw_checkpoint_bytes(&whole)),
+          "%s: 3 shards written by rank 0 in 4 KiB chunks are the one-rank file byte for byte (%ld and %ld bytes)", name,
+          sharded_size, one_size);
+
+    ZeroPlan two;
+    zero_plan_init(&two, &layout, 2, 1);
+    unsigned char *whole_state = download_state(&whole);
+    size_t bad = 0;
+    for (int r = 0; r < 2; r++) {
+        ZeroRange range = zero_shard(&two, r);
+        AdamW part;
+        AdamWConfig config = test_config(0);
+        adamw_create(&part, kind, &config, &layout, range.begin, range.end, fx.stream);
+        adamw_read_section(&part, 0, one, 0, "tmpfile", chunk, fx.stream);
+        if (fseek(one, (long)(4 * layout.total_padded), SEEK_SET) != 0) { fprintf(stderr, "error: fseek\n"); exit(EXIT_FAILURE); }
+        adamw_load(&part, one, "tmpfile", chunk, fx.stream);
+        unsigned char *state = download_state(&part);
+        size_t used = adamw_shard_used(&part);
+        for (int section = 0; section < ADAMW_SECTIONS; section++) {
+            size_t group_bytes = adamw_section_group_bytes(kind, section);
+            const unsigned char *mine = state + (adamw_section(&part, section) - (unsigned char *)part.state);
+            const unsigned char *want = whole_state + (adamw_section(&whole, section) - (unsigned char *)whole.state) +
+                                        range.begin / ADAMW_GROUP * group_bytes;
+            bad += memcmp(mine, want, used / ADAMW_GROUP * group_bytes) != 0;
+        }
+        bad += part.step != whole.step;
+        free(state);
+        adamw_free(&part);
+    }
+    check(bad == 0, "%s: 2 shards read the file back as the whole state's slices (%zu sections differ)", name, bad);
+    free(whole_state); free(one_bytes); free(sharded_bytes); free(chunk);
+    fclose(one);
+    fclose(sharded);
+    for (int r = 0; r < 3; r++) adamw_free(&shards[r]);
+    adamw_free(&whole);
     fixture_free(&fx);
 }
 
@@ -1111,6 +1205,8 @@ int main(void) {
     test_shard(&fx, OPT_STATES_FP32);
     test_shard(&fx, OPT_STATES_FP8_DRE);
     test_shard_past_model();
+    test_sharded_checkpoint(OPT_STATES_FP32);
+    test_sharded_checkpoint(OPT_STATES_FP8_DRE);
     test_crafted_groups(&fx);
     test_infinite_moment(&fx);
     test_fp8_long_run(&fx);

@@ -45,6 +45,13 @@ static int check_plan(const char *name, const ParamLayout *layout, int ranks, in
         }
         if (stage >= 1) ok &= owned == bucket.end - bucket.begin;
     }
+    for (int k = 0; k < PARAM_KINDS; k++) {  // zero_bucket_of names the bucket that holds each tensor
+        for (int l = 0; l < (param_kind_is_per_layer((ParamKind)k) ? layout->shape.n_layers : 1); l++) {
+            ZeroRange bucket = zero_bucket(layout, zero_bucket_of(layout, (ParamKind)k, l));
+            size_t offset = param_offset(layout, (ParamKind)k, l);
+            ok &= offset >= bucket.begin && offset + layout->padded[k] <= bucket.end;
+        }
+    }
     ok &= covered == layout->total_padded && zero_bucket(layout, 0).end == layout->total_padded &&
           zero_bucket(layout, z.buckets - 1).begin == 0 && largest == z.largest_bucket_elems;
     if (!ok) check(0, "%s, %d ranks, stage %d: shards, buckets or owned parts do not tile", name, ranks, stage);
