@@ -75,7 +75,10 @@ typedef struct {
     const TrainConfig *c;
     const Comm *comm;  // the ranks
     ZeroComm zero;     // their collectives (world > 1)
-    ZeroPlan sharding; // stage 0: every rank steps the whole optimizer state; 1: its shard (coat/zero.h)
+    ZeroPlan sharding; // stage 0: every rank steps the whole optimizer state; 1, 2: its shard (coat/zero.h)
+    GradBuckets buckets;          // stage 2: backward's buckets, reduced to their owners as each is done,
+    float *grad_sum;              // into this FP32 sum of the rank's shard over the micro-batches
+    cudaEvent_t bucket_free[2];   // a bucket buffer's reduce is done
     unsigned char *host_chunk;  // ADAMW_COPY_CHUNK_BYTES: checkpoints pass through it
     GpuContext gpu;
     LlamaModel model;
@@ -634,6 +637,23 @@ static void print_sample(Trainer *t) {
     free(order);
 }
 
+// ZeRO stage 2's bucket hooks (coat/model.cuh's GradBuckets): a bucket's buffer is zeroed once
+// the reduce of the bucket before it in that buffer is done, and reduced to its owners as soon
+// as backward has finished it, on the collectives' stream while backward goes on.
+static void bucket_begin(void *context, int bucket) {
+    Trainer *t = (Trainer *)context;
+    ZeroRange range = zero_bucket(&t->model.layout, bucket);
+    cudaCheck(cudaStreamWaitEvent(t->gpu.stream, t->bucket_free[bucket % 2], 0));
+    cudaCheck(cudaMemsetAsync(t->model.grads + (size_t)(bucket % 2) * t->buckets.bucket_elems, 0, 2 * (range.end - range.begin),
+                              t->gpu.stream));
+}
+
+static void bucket_end(void *context, int bucket) {
+    Trainer *t = (Trainer *)context;
+    zero_reduce_bucket(&t->zero, &t->sharding, t->model.grads + (size_t)(bucket % 2) * t->buckets.bucket_elems,
+                       zero_bucket(&t->model.layout, bucket), t->grad_sum, t->bucket_free[bucket % 2], t->gpu.stream);
+}
+
 static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     char error[1024];
     int ranks = comm->world;
@@ -652,7 +672,16 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     zero_plan_init(&t->sharding, &layout, ranks, ranks > 1 ? c->zero_stage : 0);
     ZeroPlan *z = &t->sharding;
     model_create_sized(&t->model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), z->padded_elems,
-                       z->padded_elems);
+                       z->stage == 2 ? 2 * z->largest_bucket_elems : z->padded_elems);
+    if (z->stage == 2) {
+        t->buckets.bucket_elems = z->largest_bucket_elems;
+        t->buckets.begin = bucket_begin;
+        t->buckets.end = bucket_end;
+        t->buckets.context = t;
+        t->model.buckets = &t->buckets;
+        t->grad_sum = (float *)model_alloc(4 * z->shard_elems, "the gradient shard (fp32)");
+        for (int i = 0; i < 2; i++) cudaCheck(cudaEventCreateWithFlags(&t->bucket_free[i], cudaEventDisableTiming));
+    }
     if (ranks > 1 && zero_comm_init(&t->zero, comm, c->comm_backend == COMM_MPI ? ZERO_BACKEND_MPI : ZERO_BACKEND_NCCL,
                                     z->padded_elems, c->out_dir, error, sizeof(error)) != 0)
         fail_config(parser, "comm_backend", error);
@@ -708,6 +737,10 @@ static void trainer_free(Trainer *t) {
     if (t->have_val) dataloader_close(&t->val_loader);
     if (t->tokenizer) tokenizer_free(t->tokenizer);
     adamw_free(&t->opt);
+    if (t->grad_sum) {
+        cudaCheck(cudaFree(t->grad_sum));
+        for (int i = 0; i < 2; i++) cudaCheck(cudaEventDestroy(t->bucket_free[i]));
+    }
     if (t->comm->world > 1) zero_comm_free(&t->zero);
     op_timer_destroy(t->timer);
     model_free(&t->model);
@@ -726,7 +759,9 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
     double loss_sum = 0.0;
     m->timer = t->timer;
     op_timer_mark(m->timer, NULL, s);
-    cudaCheck(cudaMemsetAsync(m->grads, 0, 2 * m->grads_elems, s));
+    const ZeroPlan *z = &t->sharding;
+    if (z->stage == 2) cudaCheck(cudaMemsetAsync(t->grad_sum, 0, 4 * z->shard_elems, s));
+    else cudaCheck(cudaMemsetAsync(m->grads, 0, 2 * m->grads_elems, s));
     op_timer_mark(m->timer, "zero gradients", s);
     for (int micro = 0; micro < t->grad_accum; micro++) {
         load_batch(t, &t->train_loader);
@@ -740,18 +775,20 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
         loss_sum += *t->host_scalar;
     }
     // Stage 0: every rank then holds the gradient of the whole global batch; stage 1: its shard
-    // of it, in place (the rest of the buffer is left as it was and not read).
-    const ZeroPlan *z = &t->sharding;
+    // of it, in place (the rest of the buffer is left as it was and not read); stage 2: its
+    // shard's FP32 sum, once the buckets' reduces are done.
     int ranks = t->comm->world, sharded = z->stage >= 1 && ranks > 1;
-    bf16 *grads = sharded ? m->grads + t->opt.shard_begin : m->grads;
+    bf16 *grads = z->stage == 1 && ranks > 1 ? m->grads + t->opt.shard_begin : m->grads;  // stage 2: t->grad_sum
     size_t grads_n = sharded ? z->shard_elems : m->layout.total_padded;
     if (ranks > 1) {
-        if (sharded) zero_reduce_scatter_bf16(&t->zero, m->grads, grads, z->shard_elems, s);
-        else zero_all_reduce_bf16(&t->zero, m->grads, m->layout.total_padded, s);
+        if (z->stage == 1) zero_reduce_scatter_bf16(&t->zero, m->grads, grads, z->shard_elems, s);
+        if (z->stage == 0) zero_all_reduce_bf16(&t->zero, m->grads, m->layout.total_padded, s);
         zero_comm_join(&t->zero, s);
-        op_timer_mark(m->timer, sharded ? "gradient reduce-scatter" : "gradient all-reduce", s);
+        op_timer_mark(m->timer, z->stage == 2 ? "wait for the bucket reduces" : z->stage == 1 ? "gradient reduce-scatter" :
+                                                                                               "gradient all-reduce", s);
     }
-    grad_norm_squared(m->grad_norm_squared, grads, grads_n, (double *)m->kernel_scratch, s);
+    if (z->stage == 2) grad_norm_squared(m->grad_norm_squared, t->grad_sum, grads_n, (double *)m->kernel_scratch, s);
+    else grad_norm_squared(m->grad_norm_squared, grads, grads_n, (double *)m->kernel_scratch, s);
     op_timer_mark(m->timer, "gradient norm", s);
     cudaCheck(cudaMemcpyAsync(t->host_scalar, m->grad_norm_squared, sizeof(float), cudaMemcpyDeviceToHost, s));
     cudaCheck(cudaStreamSynchronize(s));
@@ -764,7 +801,8 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
     float loss = (float)(sums[0] / t->grad_accum);
     if (isfinite(loss) && isfinite(*grad_norm)) {  // the same values on every rank: all step or none
         float scale = t->c->grad_clip > 0 ? grad_clip_factor(*grad_norm, t->c->grad_clip) : 1.0f;
-        adamw_step(&t->opt, m->params, grads, lr, scale, s);
+        if (z->stage == 2) adamw_step_fp32_grads(&t->opt, m->params, t->grad_sum, lr, scale, s);
+        else adamw_step(&t->opt, m->params, grads, lr, scale, s);
         op_timer_mark(m->timer, "adamw (after the host's wait)", s);
         gather_params(t);
         if (sharded) op_timer_mark(m->timer, "parameter all-gather", s);
@@ -782,17 +820,9 @@ static void log_validation(Trainer *t) {
 // Several ranks train one model, data-parallel: each reads its part of every global batch and
 // the gradients are summed over the ranks. ZeRO stage 0: every rank steps the whole optimizer
 // state; stage 1: each steps its shard of it (coat/zero.h) and the BF16 parameters are gathered
-// after the step. Rank 0 alone writes the log, the samples and the checkpoints (any world size
-// resumes from them). Stage 2 is planned by dry_run, not built yet.
-// Called with the launcher's announced world size, before MPI starts.
-static void check_distributed(const ConfigParser *parser, int world) {
-    if (world == 1 || parser->values.zero_stage <= 1) return;
-    char message[256];
-    snprintf(message, sizeof(message), "%d over %d ranks is not built yet (dry_run plans it): set zero_stage = 1, where "
-             "each rank keeps its shard of the master weights and optimizer states", parser->values.zero_stage, world);
-    fail_config(parser, "zero_stage", message);
-}
-
+// after the step; stage 2: no rank holds the whole gradient either (backward's buckets go to
+// their owners as they are done). Rank 0 alone writes the log, the samples and the checkpoints
+// (any world size resumes from them).
 static int train(ConfigParser *parser, const Comm *comm) {
     const TrainConfig *c = &parser->values;
     char error[1024];
@@ -913,7 +943,6 @@ int main(int argc, char **argv) {
     } else {
         Comm comm;
         char error[512];
-        check_distributed(parser, launched);
         if (comm_init(&comm, &argc, &argv, error, sizeof(error)) != 0) fail(error);
         status = train(parser, &comm);
         comm_finish(&comm);

@@ -60,6 +60,16 @@ typedef struct {
 // linear layer, in that order.
 typedef enum { FP8_SLOT_INPUT = 0, FP8_SLOT_GRAD = LINEARS, FP8_SLOT_WEIGHT = 2 * LINEARS } Fp8SlotGroup;
 
+// ZeRO stage 2 (coat/zero.h): backward produces the gradient one bucket at a time, bucket b in
+// buffer b % 2 of two bucket_elems-sized buffers in grads; `begin` runs before a bucket's first
+// gradient (it waits until the buffer is free and zeroes it), `end` after its last.
+typedef struct {
+    size_t bucket_elems;
+    void (*begin)(void *context, int bucket);
+    void (*end)(void *context, int bucket);
+    void *context;
+} GradBuckets;
+
 typedef struct {
     ModelShape shape;
     ParamLayout layout;
@@ -67,6 +77,7 @@ typedef struct {
     int B, T;
     bf16 *params, *grads;          // params_elems and grads_elems (layout.total_padded, or ZeRO's sizes)
     size_t params_elems, grads_elems;
+    const GradBuckets *buckets;    // NULL: the whole gradient in grads
     char *activations;             // saved for backward
     size_t activations_bytes;
     SavedTensor *saved;            // [n_layers][ACT_LAYER_KINDS] views into activations
@@ -96,7 +107,16 @@ static inline bf16 *model_param(const LlamaModel *model, ParamKind kind, int lay
     return model->params + param_offset(&model->layout, kind, layer);
 }
 static inline bf16 *model_grad(const LlamaModel *model, ParamKind kind, int layer) {
-    return model->grads + param_offset(&model->layout, kind, layer);
+    size_t offset = param_offset(&model->layout, kind, layer);
+    if (!model->buckets) return model->grads + offset;
+    int b = zero_bucket_of(&model->layout, kind, layer);
+    return model->grads + (size_t)(b % 2) * model->buckets->bucket_elems + (offset - zero_bucket(&model->layout, b).begin);
+}
+static inline void model_bucket_begin(const LlamaModel *model, int bucket) {
+    if (model->buckets) model->buckets->begin(model->buckets->context, bucket);
+}
+static inline void model_bucket_end(const LlamaModel *model, int bucket) {
+    if (model->buckets) model->buckets->end(model->buckets->context, bucket);
 }
 static inline const SavedTensor *model_saved_tensor(const LlamaModel *model, int layer, LayerActivation kind) {
     return &model->saved[layer * ACT_LAYER_KINDS + kind];
@@ -492,6 +512,7 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
                                        last ? Fp8Groups{NULL, NULL} : model_saved_groups(model, l + 1, ACT_RESIDUAL_IN),
                                        last ? NULL : linear_input_amax(model, l + 1, LINEAR_QKV)));
     }
+    if (backward) model_bucket_begin(model, 0);  // the lm_head's gradient comes with the loss
     TIMED("classifier (lm_head + cross-entropy)",
           classifier_forward_backward(gpu, model->losses, backward ? model->branch : NULL,
                                       backward ? model_grad(model, PARAM_LM_HEAD, 0) : NULL, model->final_norm_out,
@@ -500,7 +521,8 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
 }
 
 // Backward pass after model_forward(backward = 1): adds every parameter's gradient into
-// model->grads (zeroed by the caller at the start of a step, so micro-batches accumulate).
+// model->grads (zeroed by the caller at the start of a step, so micro-batches accumulate), or
+// with buckets into each bucket's buffer (zeroed by `begin`).
 static inline void model_backward(GpuContext *gpu, LlamaModel *model) {
     const ModelShape *m = &model->shape;
     int B = model->B, T = model->T, N = B * T, H = m->dim, I = m->ffn_dim, hd = model_head_dim(m);
@@ -515,7 +537,9 @@ static inline void model_backward(GpuContext *gpu, LlamaModel *model) {
           rmsnorm_backward(d_residual, model_grad(model, PARAM_FINAL_NORM, 0), scratch, d_norm, model->final_residual,
                            model_param(model, PARAM_FINAL_NORM, 0), model->final_rstd, N, H, s, Fp8Groups{NULL, NULL},
                            model_fp8_scale(model, L - 1, FP8_SLOT_GRAD, LINEAR_DOWN)));
+    model_bucket_end(model, 0);
     for (int l = L - 1; l >= 0; l--) {
+        model_bucket_begin(model, L - l);
         // MLP block: x_out = x_mid + Wdown swiglu(Wgate_up rmsnorm(x_mid))
         // With FP8 GEMMs d_gate_up goes straight to E5M2 (and its transpose), never to BF16.
         bf16 *d_swiglu = model->wide, *d_gate_up = model->precision.fp8_gemms ? NULL : model->wide + (size_t)N * I;
@@ -548,8 +572,11 @@ static inline void model_backward(GpuContext *gpu, LlamaModel *model) {
                                model_saved(model, l, ACT_RESIDUAL_IN), model_param(model, PARAM_ATTN_NORM, l),
                                model_saved_f32(model, l, ACT_ATTN_RSTD), N, H, s, model_saved_groups(model, l, ACT_RESIDUAL_IN),
                                l > 0 ? model_fp8_scale(model, l - 1, FP8_SLOT_GRAD, LINEAR_DOWN) : NULL));
+        model_bucket_end(model, L - l);
     }
+    model_bucket_begin(model, L + 1);
     TIMED("embedding backward", embedding_backward(model_grad(model, PARAM_EMBEDDING, 0), d_residual, model->tokens, N, H, V, scratch, s));
+    model_bucket_end(model, L + 1);
 }
 
 #undef TIMED

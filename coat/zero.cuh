@@ -8,6 +8,8 @@
 //         the host thread waiting in between; slow, but several ranks may share one GPU (tests),
 //         with the same call sites and the same numerics contract (BF16 sums rounded after each
 //         addition, in an order the library picks).
+// Besides the reduce, reduce-scatter and all-gather of ZeRO's stages: a bucket's reduce to its
+// owners with the owner's FP32 accumulation (stage 2), and the gather of checkpoint chunks to rank 0.
 // BF16 buffers are uint16-sized elements; n counts elements. Every rank calls every collective
 // in the same order with the same sizes.
 #pragma once
@@ -16,6 +18,7 @@
 #include <string.h>
 #include "comm.h"
 #include "common.cuh"
+#include "zero.h"
 #ifdef USE_NCCL
 #include <nccl.h>
 #endif
@@ -229,6 +232,52 @@ static inline void zero_reduce_bf16(ZeroComm *z, const bf16 *data, bf16 *out, si
     comm_reduce_sum_bf16(c, z->host, z->host, n, root);
     if (c->rank == root) zero_stage_in(z, out, n, 0);
 #endif
+}
+
+__global__ void zero_accumulate_kernel(float *sum, const bf16 *part, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) sum[i] += __bfloat162float(part[i]);
+}
+
+// Stage 2: one bucket of the gradient, `range` of the parameter buffer in data, summed over the
+// ranks straight to the ranks that own its parts (one reduce per owner, grouped); this rank adds
+// its own part, in FP32, into shard_sum (its shard's accumulator). `done` is recorded after it:
+// data may be written again once a stream waits for it.
+static inline void zero_reduce_bucket(ZeroComm *z, const ZeroPlan *plan, bf16 *data, ZeroRange range, float *shard_sum,
+                                      cudaEvent_t done, cudaStream_t producer) {
+    const Comm *c = z->comm;
+    zero_comm_after(z, producer);
+#ifdef USE_NCCL
+    if (z->backend == ZERO_BACKEND_NCCL) {
+        ncclCheck(ncclGroupStart());
+        for (int r = 0; r < c->world; r++) {
+            ZeroRange part = zero_owned_part(plan, range, r);
+            if (part.end > part.begin)
+                ncclCheck(ncclReduce(data + (part.begin - range.begin), data + (part.begin - range.begin), part.end - part.begin,
+                                     ncclBfloat16, ncclSum, r, z->nccl, z->stream));
+        }
+        ncclCheck(ncclGroupEnd());
+    }
+#endif
+#ifdef USE_MPI
+    for (int r = 0; z->backend == ZERO_BACKEND_MPI && r < c->world; r++) {
+        ZeroRange part = zero_owned_part(plan, range, r);
+        size_t n = part.end - part.begin;
+        if (n == 0) continue;
+        zero_check_staging(z, n, "zero_reduce_bucket");
+        zero_stage_out(z, data + (part.begin - range.begin), n, 0);
+        comm_reduce_sum_bf16(c, z->host, z->host, n, r);
+        if (c->rank == r) zero_stage_in(z, data + (part.begin - range.begin), n, 0);
+    }
+#endif
+    ZeroRange mine = zero_owned_part(plan, range, c->rank);
+    size_t n = mine.end - mine.begin;
+    if (n > 0) {
+        zero_accumulate_kernel<<<(unsigned)ceil_div_size(n, 256), 256, 0, z->stream>>>(
+            shard_sum + (mine.begin - zero_shard(plan, c->rank).begin), data + (mine.begin - range.begin), n);
+        cudaCheckLaunch();
+    }
+    cudaCheck(cudaEventRecord(done, z->stream));
 }
 
 // values[n] (n <= ZERO_SCALARS) FP64 on the host, summed over the ranks in place on every rank:

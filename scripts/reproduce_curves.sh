@@ -9,14 +9,15 @@
 #                (data/curves-pack/part_N/, each with the MANIFEST of all pieces)
 #   unpack       decompresses the pieces present under data/curves-pack into data/curves/, checking
 #                each against the MANIFEST (parts may arrive one per job: it says which are missing)
-#   run NAME     trains NAME (bf16, fp8, coat, bf16-seed2) into out/curves/NAME, resuming from its
+#   run NAME     trains NAME (bf16, fp8, coat, bf16-seed2; coat-fp32-states: coat with FP32 optimizer
+#                states, the ablation that isolates the FP8 states) into out/curves/NAME, resuming from its
 #                last checkpoint (every 50 steps) when one is there; at most RUN_TIMEOUT_S seconds
 #                (default 560) per call: exit 0 when the run is complete, 3 when the time ran out
 #                first (call again to continue). Each call's seconds are added to out/curves/NAME/gpu_seconds.
 #   report       configs/results/curves.png (train and validation curves; each mode's validation loss
 #                relative to bf16 beside the seed spread) and configs/results/curves.md (final losses,
 #                gaps, tokens/s, peak memory, GPU time, the commands), the logs in configs/results/curves/
-#   all          pack (when the corpus is here), unpack, the four runs, report
+#   all          pack (when the corpus is here), unpack, the five runs, report
 # Needs: ./train_llama (make) for run; python3 for pack, unpack and report, matplotlib for the figure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +32,7 @@ RESULTS=${RESULTS:-configs/results}
 PIECE_TOKENS=${PIECE_TOKENS:-40000000}
 PART_BYTES=${PART_BYTES:-$((60 * 1024 * 1024))}
 RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-560}
-RUNS=(bf16 fp8 coat bf16-seed2)
+RUNS=(bf16 fp8 coat bf16-seed2 coat-fp32-states)
 
 usage() {
     echo "usage: scripts/reproduce_curves.sh pack|unpack|run NAME|report|all   (NAME: ${RUNS[*]})" >&2
@@ -129,10 +130,11 @@ PY
 }
 
 run() {
-    local name=$1 precision seed
+    local name=$1 precision seed states=()
     case $name in
     bf16 | fp8 | coat) precision=$name seed=1337 ;;
     bf16-seed2) precision=bf16 seed=2 ;;
+    coat-fp32-states) precision=coat seed=1337 states=(--optimizer_states=fp32) ;;
     *) usage ;;
     esac
     [ -x ./train_llama ] || { echo "error: ./train_llama is not built (make)" >&2; return 1; }
@@ -142,7 +144,7 @@ run() {
     mkdir -p "$dir"
     echo "run $name: precision $precision, seed $seed, ${continue[0]#--}, at most $RUN_TIMEOUT_S s, log in $dir/train.log"
     timeout --kill-after=10 "$RUN_TIMEOUT_S" stdbuf -oL ./train_llama "$CONFIG" --precision="$precision" --seed="$seed" \
-        --train_data="$DATA/train_*.bin" --val_data="$DATA/val_*.bin" --out_dir="$dir" "${continue[@]}" \
+        --train_data="$DATA/train_*.bin" --val_data="$DATA/val_*.bin" --out_dir="$dir" "${states[@]}" "${continue[@]}" \
         >> "$dir/train.log" 2>&1 || status=$?
     echo $((SECONDS - start)) >> "$dir/gpu_seconds"
     if grep -q "^{\"step\": $max_steps, \"val_loss\"" "$dir/log.jsonl" 2>/dev/null; then
@@ -212,7 +214,8 @@ def gap(name):
 lines = ["# Pretraining curves: llama-125m on the local corpus, bf16 vs fp8 vs coat", "",
          f"Config `{config}` (300M tokens, 524,288 per step); bf16, fp8 and coat from seed 1337 and the same",
          "data order, bf16-seed2 from seed 2 (another initialisation and data order) for the seed-to-seed",
-         "spread. Final val loss: the mean over 16 fixed validation batches after the last step.", "",
+         "spread, coat-fp32-states (coat with FP32 optimizer states) to isolate the FP8 states. Final val",
+         "loss: the mean over 16 fixed validation batches after the last step.", "",
          "![curves](curves.png)", "",
          "| run | steps | tokens | final val loss | vs bf16 | median tokens/s | peak GPU memory (GiB) | GPU time |",
          "|---|---|---|---|---|---|---|---|"]

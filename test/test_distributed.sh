@@ -2,10 +2,10 @@
 # Data-parallel training on the GPU: 2 and 4 ranks sharing one GPU through comm_backend = mpi
 # against one rank at the same global batch (the ranks read the one-rank run's micro-batches
 # between them): every logged loss within the BF16 reduction-order noise, printed; rank 0 alone
-# writes the log and the checkpoints; checkpoints resume on other world sizes; ZeRO stage 0
-# (every rank steps everything) and stage 1 (sharded master weights and states, checkpoints
-# gathered by rank 0) in bf16 and coat; one rank under mpirun with NCCL equals the plain run bit
-# for bit.
+# writes the log and the checkpoints; checkpoints resume on other world sizes and stages; ZeRO
+# stage 0 (every rank steps everything), 1 (sharded master weights and states, checkpoints
+# gathered by rank 0) and 2 (also the gradients, per bucket during backward) in bf16 and coat;
+# one rank under mpirun with NCCL equals the plain run bit for bit.
 cd "$(dirname "$0")/.." || exit 1
 source test/check.sh
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -71,9 +71,9 @@ for pair in "two 1" "one 2"; do
         "$(tail -3 "$dir.out")"
 done
 
-# ZeRO stage 1: 4 micro-batches a step, on 1, 2 and 4 ranks; against stage 0; in coat.
+# ZeRO stages 1 and 2: 4 micro-batches a step, on 1, 2 and 4 ranks; against stage 0; in coat.
 stage1=("${common[@]}" --total_batch_tokens=1024 --zero_stage=1)
-# within LIMIT of the reference log: check NAME REFERENCE LOG [FROM]
+# within 1% of the reference log: check_close NAME REFERENCE LOG [FROM]
 check_close() {
     local name=$1 reference=$2 log=$3 from=${4:-1} worst shared reference_count count
     read -r worst shared reference_count count <<< "$(compare "$reference" "$log" "$from")"
@@ -83,32 +83,43 @@ check_close() {
         "$(tail -3 "$log")"
 }
 ./train_llama "${stage1[@]}" --out_dir="$tmp/s1_one" > "$tmp/s1_one.out" 2>&1
-check "stage 1 settings on one rank, 4 micro-batches a step: 20 steps" $? "$(tail -3 "$tmp/s1_one.out")"
-for ranks in 2 4; do
-    "${mpi[@]}" $ranks ./train_llama "${stage1[@]}" --comm_backend=mpi --out_dir="$tmp/s1_$ranks" > "$tmp/s1_$ranks.out" 2>&1
-    check "ZeRO stage 1 on $ranks ranks: 20 steps, checkpoints written by rank 0" \
-        "$([ $? -eq 0 ] && [ "$(ls "$tmp/s1_$ranks"/ckpt_*.done | wc -l)" = 2 ]; echo $?)" "$(tail -5 "$tmp/s1_$ranks.out")"
-    check_close "ZeRO stage 1, $ranks ranks against 1" "$tmp/s1_one/log.jsonl" "$tmp/s1_$ranks/log.jsonl"
+check "one rank, 4 micro-batches a step: 20 steps" $? "$(tail -3 "$tmp/s1_one.out")"
+for stage in 1 2; do
+    for ranks in 2 4; do
+        run=s${stage}_$ranks
+        "${mpi[@]}" $ranks ./train_llama "${stage1[@]}" --zero_stage=$stage --comm_backend=mpi --out_dir="$tmp/$run" \
+            > "$tmp/$run.out" 2>&1
+        check "ZeRO stage $stage on $ranks ranks: 20 steps, checkpoints written by rank 0" \
+            "$([ $? -eq 0 ] && [ "$(ls "$tmp/$run"/ckpt_*.done | wc -l)" = 2 ]; echo $?)" "$(tail -5 "$tmp/$run.out")"
+        check_close "ZeRO stage $stage, $ranks ranks against 1" "$tmp/s1_one/log.jsonl" "$tmp/$run/log.jsonl"
+    done
 done
 "${mpi[@]}" 2 ./train_llama "${stage1[@]}" --zero_stage=0 --comm_backend=mpi --out_dir="$tmp/s0_2" > "$tmp/s0_2.out" 2>&1
 check_close "2 ranks, ZeRO stage 1 against stage 0" "$tmp/s0_2/log.jsonl" "$tmp/s1_2/log.jsonl"
+check_close "2 ranks, ZeRO stage 2 against stage 1" "$tmp/s1_2/log.jsonl" "$tmp/s2_2/log.jsonl"
 ./train_llama "${stage1[@]}" --precision=coat --out_dir="$tmp/coat_one" > "$tmp/coat_one.out" 2>&1
-"${mpi[@]}" 2 ./train_llama "${stage1[@]}" --precision=coat --comm_backend=mpi --out_dir="$tmp/coat_2" > "$tmp/coat_2.out" 2>&1
-check "coat, ZeRO stage 1 on 2 ranks: 20 steps" $? "$(tail -5 "$tmp/coat_2.out")"
-check_close "coat, ZeRO stage 1, 2 ranks against 1" "$tmp/coat_one/log.jsonl" "$tmp/coat_2/log.jsonl"
-# Stage-1 checkpoints across world sizes: 4 ranks' step 10 on 1 and on 2 ranks, 1 rank's on 4.
-for pair in "s1_4 1" "s1_4 2" "s1_one 4"; do
-    set -- $pair
-    dir=$tmp/$1-on-$2
+check "coat, one rank: 20 steps" $? "$(tail -3 "$tmp/coat_one.out")"
+for stage in 1 2; do
+    "${mpi[@]}" 2 ./train_llama "${stage1[@]}" --precision=coat --zero_stage=$stage --comm_backend=mpi \
+        --out_dir="$tmp/coat_s$stage" > "$tmp/coat_s$stage.out" 2>&1
+    check "coat, ZeRO stage $stage on 2 ranks: 20 steps" $? "$(tail -5 "$tmp/coat_s$stage.out")"
+    check_close "coat, ZeRO stage $stage, 2 ranks against 1" "$tmp/coat_one/log.jsonl" "$tmp/coat_s$stage/log.jsonl"
+done
+# Sharded checkpoints across world sizes and stages: the step-10 checkpoint of RUN resumed on
+# RANKS ranks at STAGE.
+for triple in "s1_4 1 1" "s1_4 2 1" "s1_one 4 1" "s2_4 2 2" "s2_2 4 1"; do
+    set -- $triple
+    dir=$tmp/$1-on-$2-stage$3
     mkdir -p "$dir"
     cp "$tmp/$1/ckpt_00000010.bin" "$tmp/$1/ckpt_00000010.done" "$tmp/$1/log.jsonl" "$dir/"
     if [ "$2" = 1 ]; then
         ./train_llama "${stage1[@]}" --out_dir="$dir" --resume=1 > "$dir.out" 2>&1
     else
-        "${mpi[@]}" "$2" ./train_llama "${stage1[@]}" --comm_backend=mpi --out_dir="$dir" --resume=1 > "$dir.out" 2>&1
+        "${mpi[@]}" "$2" ./train_llama "${stage1[@]}" --zero_stage="$3" --comm_backend=mpi --out_dir="$dir" --resume=1 \
+            > "$dir.out" 2>&1
     fi
-    check "the $1 run's step-10 checkpoint resumes on $2 rank(s)" $? "$(tail -3 "$dir.out")"
-    check_close "$1's checkpoint on $2 rank(s), steps 11-20" "$tmp/$1/log.jsonl" "$dir/log.jsonl" 11
+    check "the $1 run's step-10 checkpoint resumes on $2 rank(s), stage $3" $? "$(tail -3 "$dir.out")"
+    check_close "$1's checkpoint on $2 rank(s), stage $3, steps 11-20" "$tmp/$1/log.jsonl" "$dir/log.jsonl" 11
 done
 
 if grep -qa ncclCommInitRank ./train_llama; then

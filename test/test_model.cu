@@ -275,22 +275,25 @@ static void test_memory_plan_matches_allocation(GpuContext *gpu) {
         adamw_free(&opt);
         model_free(&model);
     }
-    // ZeRO stage 1 over 3 ranks: each rank's padded parameters and gradients and its shard of the
-    // optimizer (the last one's ends in padding).
+    // ZeRO over 3 ranks: each rank's padded parameters, its gradients (stage 1: padded; stage 2:
+    // two bucket buffers, and the trainer's FP32 shard sum) and its shard of the optimizer (the
+    // last one's ends in padding).
     c->precision = PRECISION_COAT;
     c->activations = ACTS_AUTO;
     c->optimizer_states = STATES_AUTO;
-    c->zero_stage = 1;
-    for (int rank = 0; rank < 3; rank += 2) {
+    for (int run = 0; run < 4; run++) {
+        int rank = run % 2 ? 2 : 0, stage = run < 2 ? 1 : 2;
+        c->zero_stage = stage;
         MemoryPlan plan;
         memory_plan_compute(&plan, c, 3, c->micro_batch_size);
         LlamaModel model;
         ParamLayout layout;
         param_layout_init(&layout, &c->model);
         ZeroPlan z;
-        zero_plan_init(&z, &layout, 3, 1);
+        zero_plan_init(&z, &layout, 3, stage);
         model_create_sized(&model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), z.padded_elems,
-                           z.padded_elems);
+                           stage == 2 ? 2 * z.largest_bucket_elems : z.padded_elems);
+        size_t grad_sum = stage == 2 ? 4 * z.shard_elems : 0;
         ZeroRange shard = zero_shard(&z, rank);
         AdamWConfig ac = {0.9f, 0.95f, 1e-8f, 0.1f, 0};
         AdamW opt;
@@ -299,9 +302,11 @@ static void test_memory_plan_matches_allocation(GpuContext *gpu) {
         size_t planned_model = plan.params_bytes + plan.grads_bytes + plan.activations_bytes + plan.working_bytes -
                                CUBLASLT_WORKSPACE_BYTES;
         size_t planned_optimizer = plan.master_bytes + plan.states_bytes, optimizer = opt.state_bytes + opt.n / ADAMW_GROUP;
-        check(planned_model == model_allocated_bytes(&model) && planned_optimizer == optimizer && z.padded_elems > layout.total_padded,
-              "ZeRO stage 1, rank %d of 3: the plan equals the allocation byte for byte (model %zu planned, %zu allocated; "
-              "optimizer %zu planned, %zu allocated)", rank, planned_model, model_allocated_bytes(&model), planned_optimizer, optimizer);
+        check(planned_model == model_allocated_bytes(&model) + grad_sum && planned_optimizer == optimizer &&
+                  z.padded_elems > layout.total_padded,
+              "ZeRO stage %d, rank %d of 3: the plan equals the allocation byte for byte (model %zu planned, %zu allocated; "
+              "optimizer %zu planned, %zu allocated)", stage, rank, planned_model, model_allocated_bytes(&model) + grad_sum,
+              planned_optimizer, optimizer);
         adamw_free(&opt);
         model_free(&model);
     }

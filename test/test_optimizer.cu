@@ -737,6 +737,35 @@ static void test_shard_past_model(void) {
     fixture_free(&fx);
 }
 
+// ZeRO stage 2 steps from FP32 gradient sums: with the BF16 gradients' values held as FP32, the
+// state and parameters equal the BF16-gradient step bit for bit.
+static void test_fp32_grads(Fixture *fx, OptimizerStateKind kind) {
+    const char *name = optimizer_state_kind_name(kind);
+    AdamW a, b;
+    gpu_create(&a, fx, kind, 0, fx->total);
+    gpu_run(&a, fx, 0, 3);
+    unsigned char *state_a = download_state(&a);
+    uint16_t *params_a = download_params(fx);
+    gpu_create(&b, fx, kind, 0, fx->total);
+    float *host = host_floats(fx->total), *grads;
+    cudaCheck(cudaMalloc(&grads, fx->total * 4));
+    for (int step = 0; step < 3; step++) {
+        make_grads(fx->grads_host, &fx->layout, fx->total, step);
+        for (size_t i = 0; i < fx->total; i++) host[i] = float_from_bf16(fx->grads_host[i]);
+        cudaCheck(cudaMemcpy(grads, host, fx->total * 4, cudaMemcpyHostToDevice));
+        adamw_step_fp32_grads(&b, fx->params, grads, step_lr(step), step_grad_scale(step), fx->stream);
+    }
+    cudaCheck(cudaStreamSynchronize(fx->stream));
+    unsigned char *state_b = download_state(&b);
+    uint16_t *params_b = download_params(fx);
+    check(memcmp(state_a, state_b, a.state_bytes) == 0 && memcmp(params_a, params_b, fx->total * 2) == 0,
+          "%s: 3 steps from FP32 gradients equal the BF16-gradient steps bit for bit", name);
+    cudaCheck(cudaFree(grads));
+    free(host); free(state_a); free(params_a); free(state_b); free(params_b);
+    adamw_free(&a);
+    adamw_free(&b);
+}
+
 // ZeRO checkpoints on one GPU: 3 shards (the last ending in padding) step like the whole-buffer
 // optimizer, rank 0's write of all three (their sections gathered in small chunks) is the whole
 // one's file byte for byte, and 2 shards read that file back as the whole state's slices.
@@ -1069,6 +1098,15 @@ static void test_grad_norm(void) {
         check(fabs(first - exact) <= 1e-5 * exact, "grad norm^2 of %zu values: expected %.9g got %.9g (rtol 1e-5)", n, exact, (double)first);
         check(memcmp(&first, &second, sizeof(float)) == 0, "grad norm^2 of %zu values: deterministic (%.9g, %.9g)", n,
               (double)first, (double)second);
+        float *host_f32 = host_floats(n), *grads_f32, from_f32;  // ZeRO stage 2's FP32 sums: the same values, the same result
+        for (size_t i = 0; i < n; i++) host_f32[i] = float_from_bf16(host[i]);
+        cudaCheck(cudaMalloc(&grads_f32, n * 4));
+        cudaCheck(cudaMemcpy(grads_f32, host_f32, n * 4, cudaMemcpyHostToDevice));
+        grad_norm_squared(out, grads_f32, n, scratch, 0);
+        cudaCheck(cudaMemcpy(&from_f32, out, sizeof(float), cudaMemcpyDeviceToHost));
+        check(memcmp(&first, &from_f32, sizeof(float)) == 0, "grad norm^2 of %zu values held as FP32: bit for bit the BF16 one", n);
+        cudaCheck(cudaFree(grads_f32));
+        free(host_f32);
         cudaCheck(cudaFree(grads));
         free(host);
     }
@@ -1205,6 +1243,8 @@ int main(void) {
     test_shard(&fx, OPT_STATES_FP32);
     test_shard(&fx, OPT_STATES_FP8_DRE);
     test_shard_past_model();
+    test_fp32_grads(&fx, OPT_STATES_FP32);
+    test_fp32_grads(&fx, OPT_STATES_FP8_DRE);
     test_sharded_checkpoint(OPT_STATES_FP32);
     test_sharded_checkpoint(OPT_STATES_FP8_DRE);
     test_crafted_groups(&fx);
