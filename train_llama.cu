@@ -76,9 +76,10 @@ typedef struct {
     const Comm *comm;  // the ranks
     ZeroComm zero;     // their collectives (world > 1)
     ZeroPlan sharding; // stage 0: every rank steps the whole optimizer state; 1, 2: its shard (coat/zero.h)
-    GradBuckets buckets;          // stage 2: backward's buckets, reduced to their owners as each is done,
-    float *grad_sum;              // into this FP32 sum of the rank's shard over the micro-batches
-    cudaEvent_t bucket_free[2];   // a bucket buffer's reduce is done
+    GradBuckets buckets;          // world > 1: each bucket's reduce starts when backward has done it
+    int last_micro_batch;         // stages 0 and 1 reduce in the last micro-batch of a step only
+    float *grad_sum;              // stage 2: the FP32 sum of the rank's shard over the micro-batches
+    cudaEvent_t bucket_free[2];   // stage 2: a bucket buffer's reduce is done
     unsigned char *host_chunk;  // ADAMW_COPY_CHUNK_BYTES: checkpoints pass through it
     GpuContext gpu;
     LlamaModel model;
@@ -637,11 +638,15 @@ static void print_sample(Trainer *t) {
     free(order);
 }
 
-// ZeRO stage 2's bucket hooks (coat/model.cuh's GradBuckets): a bucket's buffer is zeroed once
-// the reduce of the bucket before it in that buffer is done, and reduced to its owners as soon
-// as backward has finished it, on the collectives' stream while backward goes on.
+// The bucket hooks of data-parallel backward (coat/model.cuh's GradBuckets): each bucket is
+// reduced as soon as backward has finished it, on the collectives' stream while backward goes
+// on. Stage 0: all-reduced in place, stage 1: reduced to the owners of its parts in place (both
+// in the step's last micro-batch: the others accumulate in BF16 as on one rank); stage 2: every
+// micro-batch, from the bucket's buffer into the owners' FP32 sums, the buffer zeroed for its
+// next bucket once that reduce is done.
 static void bucket_begin(void *context, int bucket) {
     Trainer *t = (Trainer *)context;
+    if (t->sharding.stage != 2) return;
     ZeroRange range = zero_bucket(&t->model.layout, bucket);
     cudaCheck(cudaStreamWaitEvent(t->gpu.stream, t->bucket_free[bucket % 2], 0));
     cudaCheck(cudaMemsetAsync(t->model.grads + (size_t)(bucket % 2) * t->buckets.bucket_elems, 0, 2 * (range.end - range.begin),
@@ -650,8 +655,15 @@ static void bucket_begin(void *context, int bucket) {
 
 static void bucket_end(void *context, int bucket) {
     Trainer *t = (Trainer *)context;
-    zero_reduce_bucket(&t->zero, &t->sharding, t->model.grads + (size_t)(bucket % 2) * t->buckets.bucket_elems,
-                       zero_bucket(&t->model.layout, bucket), t->grad_sum, t->bucket_free[bucket % 2], t->gpu.stream);
+    ZeroRange range = zero_bucket(&t->model.layout, bucket);
+    int stage = t->sharding.stage;
+    if (stage == 2)
+        zero_reduce_bucket(&t->zero, &t->sharding, t->model.grads + (size_t)(bucket % 2) * t->buckets.bucket_elems, range,
+                           t->grad_sum, t->bucket_free[bucket % 2], t->gpu.stream);
+    else if (t->last_micro_batch && stage == 1)
+        zero_reduce_bucket(&t->zero, &t->sharding, t->model.grads + range.begin, range, NULL, NULL, t->gpu.stream);
+    else if (t->last_micro_batch)
+        zero_all_reduce_bf16(&t->zero, t->model.grads + range.begin, range.end - range.begin, t->gpu.stream);
 }
 
 static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
@@ -673,12 +685,14 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     ZeroPlan *z = &t->sharding;
     model_create_sized(&t->model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), z->padded_elems,
                        z->stage == 2 ? 2 * z->largest_bucket_elems : z->padded_elems);
-    if (z->stage == 2) {
-        t->buckets.bucket_elems = z->largest_bucket_elems;
+    if (ranks > 1) {
+        t->buckets.bucket_elems = z->stage == 2 ? z->largest_bucket_elems : 0;
         t->buckets.begin = bucket_begin;
         t->buckets.end = bucket_end;
         t->buckets.context = t;
         t->model.buckets = &t->buckets;
+    }
+    if (z->stage == 2) {
         t->grad_sum = (float *)model_alloc(4 * z->shard_elems, "the gradient shard (fp32)");
         for (int i = 0; i < 2; i++) cudaCheck(cudaEventCreateWithFlags(&t->bucket_free[i], cudaEventDisableTiming));
     }
@@ -766,6 +780,7 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
     for (int micro = 0; micro < t->grad_accum; micro++) {
         load_batch(t, &t->train_loader);
         op_timer_mark(m->timer, "batch upload (after the host's wait)", s);
+        t->last_micro_batch = micro == t->grad_accum - 1;
         model_forward(&t->gpu, m, 1, 1.0f / ((float)N * t->grad_accum * t->comm->world));
         model_backward(&t->gpu, m);
         classifier_mean_loss(&t->gpu, m->mean_loss, m->losses, N);
@@ -774,18 +789,15 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
         cudaCheck(cudaStreamSynchronize(s));
         loss_sum += *t->host_scalar;
     }
-    // Stage 0: every rank then holds the gradient of the whole global batch; stage 1: its shard
-    // of it, in place (the rest of the buffer is left as it was and not read); stage 2: its
-    // shard's FP32 sum, once the buckets' reduces are done.
+    // Once the buckets' reduces are done (bucket_end), stage 0: every rank holds the gradient of
+    // the whole global batch; stage 1: its shard of it, in place (the rest of the buffer is not
+    // read); stage 2: its shard's FP32 sum.
     int ranks = t->comm->world, sharded = z->stage >= 1 && ranks > 1;
     bf16 *grads = z->stage == 1 && ranks > 1 ? m->grads + t->opt.shard_begin : m->grads;  // stage 2: t->grad_sum
     size_t grads_n = sharded ? z->shard_elems : m->layout.total_padded;
     if (ranks > 1) {
-        if (z->stage == 1) zero_reduce_scatter_bf16(&t->zero, m->grads, grads, z->shard_elems, s);
-        if (z->stage == 0) zero_all_reduce_bf16(&t->zero, m->grads, m->layout.total_padded, s);
         zero_comm_join(&t->zero, s);
-        op_timer_mark(m->timer, z->stage == 2 ? "wait for the bucket reduces" : z->stage == 1 ? "gradient reduce-scatter" :
-                                                                                               "gradient all-reduce", s);
+        op_timer_mark(m->timer, "wait for the gradient reduces", s);
     }
     if (z->stage == 2) grad_norm_squared(m->grad_norm_squared, t->grad_sum, grads_n, (double *)m->kernel_scratch, s);
     else grad_norm_squared(m->grad_norm_squared, grads, grads_n, (double *)m->kernel_scratch, s);

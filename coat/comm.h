@@ -8,7 +8,7 @@
 // Collectives (MPI only; the GPU path is NCCL): sums of FP64 and of BF16, the latter rounded to
 // nearest even after every addition as NCCL's reductions are, in the order MPI picks (so a
 // multi-rank sum differs from a one-rank run by BF16 rounding noise); a max of ints; broadcast;
-// the reduce-scatter, all-gather and reduce-to-owner of BF16 buffers that ZeRO needs (coat/zero.h);
+// the all-gather and reduce-to-owner of BF16 buffers that ZeRO needs (coat/zero.h);
 // a send and a receive of bytes.
 #pragma once
 #include <errno.h>
@@ -244,17 +244,6 @@ static inline void comm_all_reduce_sum_bf16(const Comm *c, uint16_t *data, size_
         size_t piece = n - done < COMM_PIECE ? n - done : COMM_PIECE;
         MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data + done, (int)piece, MPI_UINT16_T, comm_bf16_sum_op(), MPI_COMM_WORLD));
     }
-}
-
-// data[world * shard] BF16 summed over the ranks; rank r receives the sum of elements
-// [r shard, (r + 1) shard) in out[shard], which must not overlap data (ZeRO stage 1's gradients).
-static inline void comm_reduce_scatter_sum_bf16(const Comm *c, const uint16_t *data, uint16_t *out, size_t shard) {
-    if (c->world == 1) {
-        if (out != data) memmove(out, data, 2 * shard);
-        return;
-    }
-    int count = comm_int_count(shard, "comm_reduce_scatter_sum_bf16");
-    MPI_CHECK(MPI_Reduce_scatter_block(data, out, count, MPI_UINT16_T, comm_bf16_sum_op(), MPI_COMM_WORLD));
 }
 
 // Every rank's shard[shard] BF16 into out[world * shard], rank r's at r shard (ZeRO's parameters

@@ -60,9 +60,11 @@ typedef struct {
 // linear layer, in that order.
 typedef enum { FP8_SLOT_INPUT = 0, FP8_SLOT_GRAD = LINEARS, FP8_SLOT_WEIGHT = 2 * LINEARS } Fp8SlotGroup;
 
-// ZeRO stage 2 (coat/zero.h): backward produces the gradient one bucket at a time, bucket b in
-// buffer b % 2 of two bucket_elems-sized buffers in grads; `begin` runs before a bucket's first
-// gradient (it waits until the buffer is free and zeroes it), `end` after its last.
+// Data-parallel backward (coat/zero.h's buckets, in the order backward completes them): `begin`
+// runs before a bucket's first gradient, `end` after its last, so that its reduce overlaps the
+// rest of backward. With bucket_elems 0 the gradients stay in place in the whole buffer; ZeRO
+// stage 2 sets bucket_elems and bucket b lives in buffer b % 2 of two such buffers in grads
+// (`begin` waits until the buffer is free and zeroes it).
 typedef struct {
     size_t bucket_elems;
     void (*begin)(void *context, int bucket);
@@ -108,7 +110,7 @@ static inline bf16 *model_param(const LlamaModel *model, ParamKind kind, int lay
 }
 static inline bf16 *model_grad(const LlamaModel *model, ParamKind kind, int layer) {
     size_t offset = param_offset(&model->layout, kind, layer);
-    if (!model->buckets) return model->grads + offset;
+    if (!model->buckets || model->buckets->bucket_elems == 0) return model->grads + offset;
     int b = zero_bucket_of(&model->layout, kind, layer);
     return model->grads + (size_t)(b % 2) * model->buckets->bucket_elems + (offset - zero_bucket(&model->layout, b).begin);
 }

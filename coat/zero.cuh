@@ -8,8 +8,9 @@
 //         the host thread waiting in between; slow, but several ranks may share one GPU (tests),
 //         with the same call sites and the same numerics contract (BF16 sums rounded after each
 //         addition, in an order the library picks).
-// Besides the reduce, reduce-scatter and all-gather of ZeRO's stages: a bucket's reduce to its
-// owners with the owner's FP32 accumulation (stage 2), and the gather of checkpoint chunks to rank 0.
+// Besides the all-reduce, reduce and all-gather: a bucket's reduce to the owners of its parts
+// (ZeRO stages 1 and 2, the latter with the owner's FP32 accumulation), and the gather of
+// checkpoint chunks to rank 0.
 // BF16 buffers are uint16-sized elements; n counts elements. Every rank calls every collective
 // in the same order with the same sizes.
 #pragma once
@@ -162,30 +163,6 @@ static inline void zero_all_reduce_bf16(ZeroComm *z, bf16 *data, size_t n, cudaS
 #endif
 }
 
-// data[world shard] BF16 summed over the ranks; this rank's sum of [rank shard, (rank + 1) shard)
-// lands in out[shard], which may lie inside data at exactly that place (stage 1's gradients).
-static inline void zero_reduce_scatter_bf16(ZeroComm *z, const bf16 *data, bf16 *out, size_t shard, cudaStream_t producer) {
-    zero_comm_after(z, producer);
-    const Comm *c = z->comm;
-    if (c->world == 1) {
-        if (out != data) cudaCheck(cudaMemcpyAsync(out, data, 2 * shard, cudaMemcpyDeviceToDevice, z->stream));
-        return;
-    }
-#ifdef USE_NCCL
-    if (z->backend == ZERO_BACKEND_NCCL) {
-        ncclCheck(ncclReduceScatter(data, out, shard, ncclBfloat16, ncclSum, z->nccl, z->stream));
-        return;
-    }
-#endif
-#ifdef USE_MPI
-    size_t n = (size_t)c->world * shard;
-    zero_check_staging(z, n + shard, "zero_reduce_scatter_bf16");
-    zero_stage_out(z, data, n, 0);
-    comm_reduce_scatter_sum_bf16(c, z->host, z->host + n, shard);
-    zero_stage_in(z, out, shard, n);
-#endif
-}
-
 // Every rank's shard[shard] BF16 into out[world shard], rank r's at r shard; shard may be this
 // rank's place in out (the parameters after a ZeRO step).
 static inline void zero_all_gather_bf16(ZeroComm *z, const bf16 *shard_data, bf16 *out, size_t shard, cudaStream_t producer) {
@@ -210,8 +187,8 @@ static inline void zero_all_gather_bf16(ZeroComm *z, const bf16 *shard_data, bf1
 #endif
 }
 
-// data[n] BF16 summed over the ranks into out[n] on rank `root` only (stage 2: a bucket's part to
-// its owner); out may be data.
+// data[n] BF16 summed over the ranks into out[n] on rank `root` only (a bucket's part to its
+// owner); out may be data.
 static inline void zero_reduce_bf16(ZeroComm *z, const bf16 *data, bf16 *out, size_t n, int root, cudaStream_t producer) {
     (void)root;
     zero_comm_after(z, producer);
@@ -239,37 +216,26 @@ __global__ void zero_accumulate_kernel(float *sum, const bf16 *part, size_t n) {
     if (i < n) sum[i] += __bfloat162float(part[i]);
 }
 
-// Stage 2: one bucket of the gradient, `range` of the parameter buffer in data, summed over the
-// ranks straight to the ranks that own its parts (one reduce per owner, grouped); this rank adds
-// its own part, in FP32, into shard_sum (its shard's accumulator). `done` is recorded after it:
-// data may be written again once a stream waits for it.
+// One bucket of the gradient, `range` of the parameter buffer in data, summed over the ranks
+// straight to the ranks that own its parts (one reduce per owner, grouped), in place. Stage 2:
+// this rank then adds its own part, in FP32, into shard_sum (its shard's accumulator) and `done`
+// is recorded: data may be written again once a stream waits for it. Stage 1 (shard_sum NULL):
+// the owned parts stay in data, where a reduce-scatter would have put them.
 static inline void zero_reduce_bucket(ZeroComm *z, const ZeroPlan *plan, bf16 *data, ZeroRange range, float *shard_sum,
                                       cudaEvent_t done, cudaStream_t producer) {
     const Comm *c = z->comm;
-    zero_comm_after(z, producer);
 #ifdef USE_NCCL
-    if (z->backend == ZERO_BACKEND_NCCL) {
-        ncclCheck(ncclGroupStart());
-        for (int r = 0; r < c->world; r++) {
-            ZeroRange part = zero_owned_part(plan, range, r);
-            if (part.end > part.begin)
-                ncclCheck(ncclReduce(data + (part.begin - range.begin), data + (part.begin - range.begin), part.end - part.begin,
-                                     ncclBfloat16, ncclSum, r, z->nccl, z->stream));
-        }
-        ncclCheck(ncclGroupEnd());
-    }
+    if (z->backend == ZERO_BACKEND_NCCL) ncclCheck(ncclGroupStart());
 #endif
-#ifdef USE_MPI
-    for (int r = 0; z->backend == ZERO_BACKEND_MPI && r < c->world; r++) {
+    for (int r = 0; r < c->world; r++) {
         ZeroRange part = zero_owned_part(plan, range, r);
-        size_t n = part.end - part.begin;
-        if (n == 0) continue;
-        zero_check_staging(z, n, "zero_reduce_bucket");
-        zero_stage_out(z, data + (part.begin - range.begin), n, 0);
-        comm_reduce_sum_bf16(c, z->host, z->host, n, r);
-        if (c->rank == r) zero_stage_in(z, data + (part.begin - range.begin), n, 0);
+        bf16 *at = data + (part.begin - range.begin);
+        if (part.end > part.begin) zero_reduce_bf16(z, at, at, part.end - part.begin, r, producer);
     }
+#ifdef USE_NCCL
+    if (z->backend == ZERO_BACKEND_NCCL) ncclCheck(ncclGroupEnd());
 #endif
+    if (!shard_sum) return;
     ZeroRange mine = zero_owned_part(plan, range, c->rank);
     size_t n = mine.end - mine.begin;
     if (n > 0) {

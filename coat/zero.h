@@ -4,8 +4,9 @@
 //   stage 0: every rank holds everything; the BF16 gradients are all-reduced once per step.
 //   stage 1: rank r owns elements [r S, (r + 1) S) of the parameter buffer padded to W S, S a
 //            multiple of 128 (FP8 groups never straddle shards, as they never straddle tensors):
-//            its FP32 master weights and optimizer states; the gradients are reduce-scattered
-//            once per step and the BF16 parameters all-gathered after it.
+//            its FP32 master weights and optimizer states; in the step's last micro-batch each
+//            gradient bucket is reduced to the ranks that own its parts as backward finishes it
+//            (the bytes of a reduce-scatter), and the BF16 parameters are all-gathered after it.
 //   stage 2: no rank holds the whole gradient either: during backward each bucket (the lm_head
 //            with the final norm, then each layer from the last, then the embedding: the order in
 //            which backward completes them) is reduced as soon as it is done, straight to the
@@ -93,7 +94,7 @@ static inline ZeroRange zero_owned_part(const ZeroPlan *z, ZeroRange range, int 
 // BF16, or with fp8_weights the block linears' weights as E4M3 (a scale per tensor beside them,
 // not counted) and the embedding, norms and lm_head as BF16.
 typedef struct {
-    double gradient_bytes;   // all-reduce (stage 0), reduce-scatter (1), per-bucket reduces (2)
+    double gradient_bytes;   // all-reduce (stage 0), per-bucket reduces once (1) or per micro-batch (2)
     double parameter_bytes;  // all-gather after the step (stages 1 and 2)
 } ZeroTraffic;
 
@@ -133,7 +134,7 @@ static inline void zero_print(FILE *out, const ZeroPlan *z, const ParamLayout *l
             z->stage, z->ranks, z->shard_elems, z->padded_elems, z->buckets, z->largest_bucket_elems);
     fprintf(out, "sent per rank and step (%d accumulation step(s)): gradients %.3f GB (%s), parameters %.3f GB "
                  "(all-gather, bf16)",
-            accum_steps, bf16.gradient_bytes / 1e9, z->stage == 1 ? "reduce-scatter" : "reduces to the owners, per bucket and micro-batch",
+            accum_steps, bf16.gradient_bytes / 1e9, z->stage == 1 ? "reduces to the owners, per bucket" : "reduces to the owners, per bucket and micro-batch",
             bf16.parameter_bytes / 1e9);
     if (fp8_gemms) fprintf(out, "; %.3f GB with the block weights gathered in e4m3", fp8.parameter_bytes / 1e9);
     fprintf(out, "\n");

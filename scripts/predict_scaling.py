@@ -3,12 +3,12 @@
 
 Per step each rank computes one micro-batch (no gradient accumulation: the global batch grows
 with the GPUs, the regime where communication weighs most) and sends what `./train_llama
---dry_run=1 --world_size=W` prints (the gradients' reduce-scatter, the parameters' all-gather in
+--dry_run=1 --world_size=W` prints (the gradients' reduces to their owners, the parameters' all-gather in
 BF16 or with the block weights in E4M3). Compute time comes from the one-GPU throughput measured
 by scripts/bench.sh on an H200 (command-line options to change it), minus the optimizer work
 that ZeRO-1 divides by W. A collective over W ranks takes (W - 1) x latency + bytes / bandwidth,
 at NVLink's bandwidth within one node of 8 GPUs and at InfiniBand's (one NIC per GPU) beyond.
-Without overlap a step is compute + communication; with overlap (the reduce-scatter under the
+Without overlap a step is compute + communication; with overlap (the gradient reduces under the
 backward pass, the all-gather under the next forward) it is the larger of the two.
 Prints a Markdown table. Usage: scripts/predict_scaling.py [--help for the assumptions]
 """
@@ -97,7 +97,7 @@ def main():
                 print(f"| {model} | 1 | {b} x 2048 | {compute_s * 1e3:.0f} | - | - | {tokens / compute_s:,.0f} | |")
                 continue
             gradients, parameters, fp8_parameters = (float(x) for x in parse(
-                r"gradients ([0-9.]+) GB \(reduce-scatter\), parameters ([0-9.]+) GB \(all-gather, bf16\); ([0-9.]+) GB",
+                r"gradients ([0-9.]+) GB \(reduces to the owners, per bucket\), parameters ([0-9.]+) GB \(all-gather, bf16\); ([0-9.]+) GB",
                 text, "per-rank traffic"))
             bandwidth = (args.nvlink_gb_s if gpus <= args.gpus_per_node else args.ib_gb_s) * 1e9
             latency = 2 * (gpus - 1) * args.latency_us * 1e-6  # two collectives per step

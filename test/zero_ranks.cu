@@ -1,7 +1,7 @@
 // The program test/test_zero_gpu.sh launches as several ranks to test coat/zero.cuh on GPU
 // buffers: zero_ranks BACKEND (nccl or mpi). Each rank drives GPU local_rank % GPUs (the MPI
 // backend lets several ranks share one); every collective on inputs each rank can compute for all
-// the others, checked exactly (sums of multiples of 1/8 below 32 are exact in BF16).
+// the others, checked exactly (sums of multiples of 1/8 below 32 are exact in BF16, and in FP32).
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,6 +14,13 @@ static uint16_t bf16_bits(float x) {  // exact for the values here
     uint32_t u;
     memcpy(&u, &x, sizeof(u));
     return (uint16_t)(u >> 16);
+}
+
+static float bits_float(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float x;
+    memcpy(&x, &u, sizeof(x));
+    return x;
 }
 
 int main(int argc, char **argv) {
@@ -59,20 +66,16 @@ int main(int argc, char **argv) {
     cudaCheck(cudaStreamSynchronize(compute));
     if (memcmp(got, expected, 2 * n) != 0) { failures++; printf("rank %d: all-reduce wrong\n", comm.rank); }
 
-    // reduce-scatter in place (the shard's own place in the buffer), then the all-gather in place
+    // the all-gather in place of each rank's shard of the sums
     cudaCheck(cudaMemcpyAsync(data, mine, 2 * n, cudaMemcpyHostToDevice, compute));
-    zero_reduce_scatter_bf16(&z, data, data + place, shard, compute);
-    zero_comm_join(&z, compute);
-    cudaCheck(cudaMemcpyAsync(got, data + place, 2 * shard, cudaMemcpyDeviceToHost, compute));
-    cudaCheck(cudaStreamSynchronize(compute));
-    if (memcmp(got, expected + place, 2 * shard) != 0) { failures++; printf("rank %d: reduce-scatter wrong\n", comm.rank); }
+    cudaCheck(cudaMemcpyAsync(data + place, expected + place, 2 * shard, cudaMemcpyHostToDevice, compute));
     zero_all_gather_bf16(&z, data + place, data, shard, compute);
     zero_comm_join(&z, compute);
     cudaCheck(cudaMemcpyAsync(got, data, 2 * n, cudaMemcpyDeviceToHost, compute));
     cudaCheck(cudaStreamSynchronize(compute));
     if (memcmp(got, expected, 2 * n) != 0) { failures++; printf("rank %d: all-gather wrong\n", comm.rank); }
 
-    for (int root = 0; root < comm.world; root++) {  // a bucket's part to each owner in turn
+    for (int root = 0; root < comm.world; root++) {  // a part to each owner in turn
         cudaCheck(cudaMemcpyAsync(data, mine, 2 * n, cudaMemcpyHostToDevice, compute));
         cudaCheck(cudaMemsetAsync(out, 0, 2 * n, compute));
         zero_reduce_bf16(&z, data + 8, out, 1000, root, compute);
@@ -81,6 +84,42 @@ int main(int argc, char **argv) {
         cudaCheck(cudaStreamSynchronize(compute));
         if (comm.rank == root && memcmp(got, expected + 8, 2 * 1000) != 0) { failures++; printf("rank %d: reduce to %d wrong\n", comm.rank, root); }
     }
+
+    // A bucket [128, n - 128) reduced to the owners of its parts (shards of `shard` elements),
+    // twice into FP32 sums of each rank's shard (ZeRO stage 2): the owned part in data is the
+    // BF16 sum, the FP32 sums hold twice it (exact here), the rest of the shard's sums stay 0.
+    ZeroPlan plan;
+    memset(&plan, 0, sizeof(plan));
+    plan.ranks = comm.world;
+    plan.stage = 2;
+    plan.shard_elems = shard;
+    plan.padded_elems = n;
+    ZeroRange bucket = {128, n - 128}, owned = zero_owned_part(&plan, bucket, comm.rank);
+    float *sums;
+    cudaEvent_t done;
+    cudaCheck(cudaMalloc(&sums, 4 * shard));
+    cudaCheck(cudaMemsetAsync(sums, 0, 4 * shard, compute));
+    cudaCheck(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    for (int pass = 0; pass < 2; pass++) {
+        cudaCheck(cudaStreamWaitEvent(compute, done, 0));
+        cudaCheck(cudaMemcpyAsync(data, mine, 2 * n, cudaMemcpyHostToDevice, compute));
+        zero_reduce_bucket(&z, &plan, data + bucket.begin, bucket, sums, done, compute);
+    }
+    zero_comm_join(&z, compute);
+    float *host_sums = (float *)malloc(4 * shard);
+    cudaCheck(cudaMemcpyAsync(got, data, 2 * n, cudaMemcpyDeviceToHost, compute));
+    cudaCheck(cudaMemcpyAsync(host_sums, sums, 4 * shard, cudaMemcpyDeviceToHost, compute));
+    cudaCheck(cudaStreamSynchronize(compute));
+    int wrong = memcmp(got + owned.begin, expected + owned.begin, 2 * (owned.end - owned.begin)) != 0;
+    for (size_t i = 0; i < shard; i++) {
+        size_t at = place + i;
+        float want = at >= owned.begin && at < owned.end ? 2.0f * bits_float(expected[at]) : 0.0f;
+        wrong |= host_sums[i] != want;
+    }
+    if (wrong) { failures++; printf("rank %d: bucket reduce to the owners wrong\n", comm.rank); }
+    free(host_sums);
+    cudaCheck(cudaFree(sums));
+    cudaCheck(cudaEventDestroy(done));
     printf("rank %d of %d: %s collectives %s\n", comm.rank, comm.world, argv[1], failures ? "WRONG" : "ok");
     zero_comm_free(&z);
     cudaCheck(cudaFree(data));
