@@ -119,6 +119,10 @@ static void check_precision(const ConfigParser *parser) {
     const TrainConfig *c = &parser->values;
     if (c->fp8_fast_accum && c->precision == PRECISION_BF16)
         fail_config(parser, "fp8_fast_accum", "applies to FP8 GEMMs only: set precision = fp8 or coat");
+    StatesChoice states = config_optimizer_states(c);
+    if (c->optimizer_rounding && states != STATES_FP8 && states != STATES_FP8_DRE)
+        fail_config(parser, "optimizer_rounding", "= stochastic applies to FP8 optimizer states only: set optimizer_states = fp8 or "
+                    "fp8_dre (precision = coat picks fp8_dre)");
     const char *reason = model_precision_unsupported(&c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c));
     if (reason != NULL) fail_config(parser, c->activations != ACTS_AUTO ? "activations" : "precision", reason);
 }
@@ -707,6 +711,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     ac.eps = c->adam_eps;
     ac.weight_decay = c->weight_decay;
     ac.weight_decay_all = c->weight_decay_all;
+    ac.stochastic_rounding = c->optimizer_rounding;
     ZeroRange shard = {0, layout.total_padded};
     if (z->stage >= 1) shard = zero_shard(z, comm->rank);
     adamw_create(&t->opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &layout, shard.begin, shard.end,

@@ -31,6 +31,7 @@ typedef struct {
     int optimizer_states;     // StatesChoice
     int activations;          // ActivationsChoice
     int fp8_fast_accum;
+    int optimizer_rounding;   // 0 nearest, 1 stochastic (FP8 states)
     // data and files
     char train_data[CONFIG_STRING_MAX];
     char val_data[CONFIG_STRING_MAX];
@@ -116,6 +117,8 @@ static const ConfigKey config_keys[] = {
     {"activations", KEY_CHOICE, CFG(activations), "auto", 0, 0, "auto|bf16|fp8|coat",
      "storage of activations saved for backward (auto: follows precision)"},
     {"fp8_fast_accum", KEY_INT, CFG(fp8_fast_accum), "0", 0, 1, NULL, "Hopper fast accumulation in the FP8 GEMMs (precision fp8 or coat)"},
+    {"optimizer_rounding", KEY_CHOICE, CFG(optimizer_rounding), "nearest", 0, 0, "nearest|stochastic",
+     "how FP8 optimizer states are stored: nearest even (COAT) or stochastic rounding (unbiased)"},
     // data and files
     {"train_data", KEY_STRING, CFG(train_data), "", 0, 0, NULL, "glob of training token shards"},
     {"val_data", KEY_STRING, CFG(val_data), "", 0, 0, NULL, "glob of validation token shards"},

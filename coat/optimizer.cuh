@@ -46,11 +46,13 @@
 #include "fp8.cuh"
 #include "optimizer_states.h"
 #include "params.h"
+#include "random.h"
 
 typedef struct {
     float beta1, beta2, eps;
     float weight_decay;
-    int weight_decay_all;  // 0: decay the matrices (param_kind_is_matrix) only; 1: every tensor
+    int weight_decay_all;     // 0: decay the matrices (param_kind_is_matrix) only; 1: every tensor
+    int stochastic_rounding;  // FP8 states: 0 round to nearest even (COAT_SPEC), 1 stochastically
 } AdamWConfig;
 
 typedef struct {
@@ -207,7 +209,34 @@ typedef struct {
     float lr, grad_scale;
     float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay;
     float inverse_bias_correction1, inverse_bias_correction2;  // 1 / (1 - b^t), from double
+    uint64_t rounding_key[2];  // stochastic rounding of m and v this step (adamw_rounding_key); 0: nearest
+    size_t first_index;        // the shard's first element in the whole buffer
 } AdamWStepScalars;
+
+// Stochastic rounding of the FP8 states (stochastic_rounding = 1), an extension of COAT_SPEC,
+// whose casts round to nearest: a moment that changes by less than half an E4M3 step per update
+// (v by 5% with beta2 = 0.95) is then stored back unchanged, step after step, and its rounding
+// errors add up instead of averaging out. Stochastic rounding stores either neighbour of y with
+// the probabilities that make the stored value unbiased, from a uniform drawn from a counter-based
+// hash of (step, moment, element): the same numbers after a resume and on any number of ranks.
+static inline uint64_t adamw_rounding_key(long long step, int moment) {
+    return random_mix64(((uint64_t)step << 1 | (uint64_t)moment) + 0x632BE59BD9B4E019ull);
+}
+
+static __host__ __device__ __forceinline__ float adamw_rounding_uniform(uint64_t key, uint64_t index) {
+    return (float)(random_mix64(key ^ random_mix64(index)) >> 40) * (1.0f / 16777216.0f);  // 24 bits: [0, 1)
+}
+
+// y to an E4M3 code: up to the neighbour above |y| when u < (|y| - below) / (above - below), else
+// down; saturating at 448 and keeping NaN like the cast.
+static __host__ __device__ __forceinline__ uint8_t e4m3_stochastic(float y, float u) {
+    uint8_t nearest = fp8_encode(y, FP8_E4M3), sign = nearest & 0x80u, magnitude = nearest & 0x7fu;
+    float a = fabsf(y);
+    if (!(a < DRE_E4M3_MAX)) return nearest;  // saturated, or NaN
+    uint8_t below = fp8_decode(magnitude, FP8_E4M3) > a ? (uint8_t)(magnitude - 1) : magnitude;
+    float low = fp8_decode(below, FP8_E4M3), high = fp8_decode((uint8_t)(below + 1), FP8_E4M3);
+    return (uint8_t)(sign | (u < (a - low) / (high - low) ? below + 1 : below));
+}
 
 // The shard as the kernel sees it; every pointer starts at the shard's first element.
 typedef struct {
@@ -294,7 +323,9 @@ __device__ __forceinline__ void dequantize8_e4m3(float out[ADAMW_VEC], uint2 cod
 template <bool DRE>
 // An infinite moment (v overflows past FLT_MAX when |g| > 1.8e19 without clipping) is stored
 // as +-FLT_MAX: an infinity in a group would make c infinite and every scale of the group NaN.
-__device__ __forceinline__ uint2 quantize8_e4m3(const float moment[ADAMW_VEC], float *group, bool active, const DreTables *tables) {
+// key 0 rounds to nearest, else stochastically (element `index` of the whole buffer first).
+__device__ __forceinline__ uint2 quantize8_e4m3(const float moment[ADAMW_VEC], float *group, bool active, const DreTables *tables,
+                                                uint64_t key, uint64_t index) {
     float x[ADAMW_VEC];
     for (int j = 0; j < ADAMW_VEC; j++) x[j] = isinf(moment[j]) ? copysignf(3.40282347e38f, moment[j]) : moment[j];
     float local_max = 0.0f, local_min = dre_bits_float(0x7f800000u);
@@ -334,7 +365,8 @@ __device__ __forceinline__ uint2 quantize8_e4m3(const float moment[ADAMW_VEC], f
         } else {
             y = x[j] / scale;
         }
-        uint32_t code = (uint32_t)fp8_encode(y, FP8_E4M3) << (8 * (j % 4));
+        uint8_t byte = key ? e4m3_stochastic(y, adamw_rounding_uniform(key, index + j)) : fp8_encode(y, FP8_E4M3);
+        uint32_t code = (uint32_t)byte << (8 * (j % 4));
         if (j < 4) codes.x |= code; else codes.y |= code;
     }
     if (active && (threadIdx.x % ADAMW_THREADS_PER_GROUP) == 0) {
@@ -397,8 +429,9 @@ __global__ void __launch_bounds__(ADAMW_THREADS) adamw_step_kernel(AdamWShard sh
         }
     }
     if constexpr (FP8) {  // every lane takes part in the group reductions
-        uint2 m_codes = quantize8_e4m3<DRE>(m, shard.m_group + group * SCALARS, active, &tables);
-        uint2 v_codes = quantize8_e4m3<DRE>(v, shard.v_group + group * SCALARS, active, &tables);
+        uint64_t index = sc.first_index + i;
+        uint2 m_codes = quantize8_e4m3<DRE>(m, shard.m_group + group * SCALARS, active, &tables, sc.rounding_key[0], index);
+        uint2 v_codes = quantize8_e4m3<DRE>(v, shard.v_group + group * SCALARS, active, &tables, sc.rounding_key[1], index);
         if (active) {
             *(uint2 *)((unsigned char *)shard.m + i) = m_codes;
             *(uint2 *)((unsigned char *)shard.v + i) = v_codes;
@@ -614,6 +647,9 @@ static inline void adamw_step_any(AdamW *opt, bf16 *params, const bf16 *grads_sh
     sc.weight_decay = c->weight_decay;
     sc.inverse_bias_correction1 = (float)(1.0 / (1.0 - pow((double)c->beta1, (double)opt->step)));
     sc.inverse_bias_correction2 = (float)(1.0 / (1.0 - pow((double)c->beta2, (double)opt->step)));
+    int stochastic = c->stochastic_rounding && adamw_group_scalars(opt->kind) > 0;
+    for (int moment = 0; moment < 2; moment++) sc.rounding_key[moment] = stochastic ? adamw_rounding_key(opt->step, moment) : 0;
+    sc.first_index = opt->shard_begin;
     AdamWShard shard;
     shard.params = params + opt->shard_begin;
     shard.grads = grads_shard;

@@ -10,14 +10,15 @@
 #   unpack       decompresses the pieces present under data/curves-pack into data/curves/, checking
 #                each against the MANIFEST (parts may arrive one per job: it says which are missing)
 #   run NAME     trains NAME (bf16, fp8, coat, bf16-seed2; coat-fp32-states: coat with FP32 optimizer
-#                states, the ablation that isolates the FP8 states) into out/curves/NAME, resuming from its
+#                states, the ablation that isolates the FP8 states; coat-stochastic: coat with its FP8
+#                states rounded stochastically) into out/curves/NAME, resuming from its
 #                last checkpoint (every 50 steps) when one is there; at most RUN_TIMEOUT_S seconds
 #                (default 560) per call: exit 0 when the run is complete, 3 when the time ran out
 #                first (call again to continue). Each call's seconds are added to out/curves/NAME/gpu_seconds.
 #   report       configs/results/curves.png (train and validation curves; each mode's validation loss
 #                relative to bf16 beside the seed spread) and configs/results/curves.md (final losses,
 #                gaps, tokens/s, peak memory, GPU time, the commands), the logs in configs/results/curves/
-#   all          pack (when the corpus is here), unpack, the five runs, report
+#   all          pack (when the corpus is here), unpack, the six runs, report
 # Needs: ./train_llama (make) for run; python3 for pack, unpack and report, matplotlib for the figure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +33,7 @@ RESULTS=${RESULTS:-configs/results}
 PIECE_TOKENS=${PIECE_TOKENS:-40000000}
 PART_BYTES=${PART_BYTES:-$((60 * 1024 * 1024))}
 RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-560}
-RUNS=(bf16 fp8 coat bf16-seed2 coat-fp32-states)
+RUNS=(bf16 fp8 coat bf16-seed2 coat-fp32-states coat-stochastic)
 
 usage() {
     echo "usage: scripts/reproduce_curves.sh pack|unpack|run NAME|report|all   (NAME: ${RUNS[*]})" >&2
@@ -135,6 +136,7 @@ run() {
     bf16 | fp8 | coat) precision=$name seed=1337 ;;
     bf16-seed2) precision=bf16 seed=2 ;;
     coat-fp32-states) precision=coat seed=1337 states=(--optimizer_states=fp32) ;;
+    coat-stochastic) precision=coat seed=1337 states=(--optimizer_rounding=stochastic) ;;
     *) usage ;;
     esac
     [ -x ./train_llama ] || { echo "error: ./train_llama is not built (make)" >&2; return 1; }
@@ -214,8 +216,9 @@ def gap(name):
 lines = ["# Pretraining curves: llama-125m on the local corpus, bf16 vs fp8 vs coat", "",
          f"Config `{config}` (300M tokens, 524,288 per step); bf16, fp8 and coat from seed 1337 and the same",
          "data order, bf16-seed2 from seed 2 (another initialisation and data order) for the seed-to-seed",
-         "spread, coat-fp32-states (coat with FP32 optimizer states) to isolate the FP8 states. Final val",
-         "loss: the mean over 16 fixed validation batches after the last step.", "",
+         "spread, coat-fp32-states (coat with FP32 optimizer states) to isolate the FP8 states and",
+         "coat-stochastic (its FP8 states rounded stochastically). Final val loss: the mean over 16 fixed",
+         "validation batches after the last step.", "",
          "![curves](curves.png)", "",
          "| run | steps | tokens | final val loss | vs bf16 | median tokens/s | peak GPU memory (GiB) | GPU time |",
          "|---|---|---|---|---|---|---|---|"]

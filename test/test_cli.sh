@@ -197,6 +197,10 @@ check "resume from another version's trainer state is refused by dry_run" \
 # what cannot run is refused by dry_run with its reason, naming the key.
 expect_error "fast accumulation without FP8 GEMMs" "command line: fp8_fast_accum applies to FP8 GEMMs only" \
     configs/models/tiny.conf --dry_run=1 "$plan_data" --fp8_fast_accum=1
+expect_error "stochastic rounding of FP32 optimizer states" "command line: optimizer_rounding = stochastic applies to FP8 optimizer states only" \
+    configs/models/tiny.conf --dry_run=1 "$plan_data" --optimizer_rounding=stochastic
+out=$(./train_llama configs/models/tiny.conf --dry_run=1 "$plan_data" --precision=coat --optimizer_rounding=stochastic 2>&1)
+check "dry_run accepts stochastic rounding of coat's FP8+DRE states" $? "$out"
 expect_error "FP8 with a token count that is not a multiple of 16" "command line: precision FP8 transposes" \
     configs/models/tiny.conf --dry_run=1 "$plan_data" --precision=coat --micro_batch_size=3 --seq_len=5
 expect_error "BF16 GEMMs over FP8 activations with ffn_dim < dim" "command line: activations BF16 GEMMs with FP8-saved inputs" \

@@ -119,7 +119,7 @@ static void test_against_cpu_reference(GpuContext *gpu) {
           "forward and backward are deterministic (bitwise equal on a second run)");
 
     // AdamW steps on the same batch: GPU (BF16 compute, FP32 master) vs the FP32 reference.
-    AdamWConfig ac = {0.9f, 0.95f, 1e-8f, 0.1f, 0};
+    AdamWConfig ac = {0.9f, 0.95f, 1e-8f, 0.1f, 0, 0};
     AdamW opt;
     adamw_create(&opt, OPT_STATES_FP32, &ac, &layout, 0, P, gpu->stream);
     adamw_set_master_from_host(&opt, weights, gpu->stream);
@@ -208,7 +208,7 @@ static void test_against_pytorch(GpuContext *gpu, const char *path, const Precis
     snprintf(against, sizeof(against), "PyTorch (%s)", pc->name);
     compare_grads(against, &layout, got_grads, grads, pc->grads);
 
-    AdamWConfig ac = {beta1, beta2, eps, wd, 0};
+    AdamWConfig ac = {beta1, beta2, eps, wd, 0, 0};
     AdamW opt;
     adamw_create(&opt, OPT_STATES_FP32, &ac, &layout, 0, P, gpu->stream);
     adamw_set_master_from_host(&opt, weights, gpu->stream);
@@ -260,7 +260,7 @@ static void test_memory_plan_matches_allocation(GpuContext *gpu) {
         memory_plan_compute(&plan, c, 1, c->micro_batch_size);
         LlamaModel model;
         model_create(&model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c));
-        AdamWConfig ac = {0.9f, 0.95f, 1e-8f, 0.1f, 0};
+        AdamWConfig ac = {0.9f, 0.95f, 1e-8f, 0.1f, 0, 0};
         AdamW opt;
         adamw_create(&opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &model.layout, 0,
                      model.layout.total_padded, gpu->stream);
@@ -295,7 +295,7 @@ static void test_memory_plan_matches_allocation(GpuContext *gpu) {
                            stage == 2 ? 2 * z.largest_bucket_elems : z.padded_elems);
         size_t grad_sum = stage == 2 ? 4 * z.shard_elems : 0;
         ZeroRange shard = zero_shard(&z, rank);
-        AdamWConfig ac = {0.9f, 0.95f, 1e-8f, 0.1f, 0};
+        AdamWConfig ac = {0.9f, 0.95f, 1e-8f, 0.1f, 0, 0};
         AdamW opt;
         adamw_create(&opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &model.layout, shard.begin, shard.end,
                      gpu->stream);

@@ -182,8 +182,11 @@ static void fixture_reset_params(Fixture *fx) {
     free(bits);
 }
 
+static int stochastic_states = 0;  // the optimizer_rounding the tests below run with (0 nearest, 1 stochastic)
+
 static AdamWConfig test_config(int decay_all) {
     AdamWConfig c;
+    c.stochastic_rounding = stochastic_states;
     c.beta1 = BETA1;
     c.beta2 = BETA2;
     c.eps = ADAM_EPS;
@@ -263,8 +266,21 @@ static float cpu_dre_k(float mx, float mn) {
     return (sixteenths < 1.0f ? 1.0f : sixteenths) / 16.0f;
 }
 
-// Quantizes 128 values: codes, and scalars {s} or {s, k, c}.
-static void cpu_quantize_group(int dre, const float *x, uint8_t *codes, float *scalars) {
+// Stochastic rounding onto the E4M3 grid from its definition: the largest code whose value is at
+// most |y| and the one above it, up with probability (|y| - below) / (above - below).
+static uint8_t e4m3_stochastic_reference(float y, float u) {
+    float a = fabsf(y);
+    if (!(a < 448.0f)) return e4m3_from_float(y);
+    int below = 0;
+    while (below < 0x7e && float_from_e4m3((uint8_t)(below + 1)) <= a) below++;
+    float low = float_from_e4m3((uint8_t)below), high = float_from_e4m3((uint8_t)(below + 1));
+    int code = u < (a - low) / (high - low) ? below + 1 : below;
+    return (uint8_t)((signbit(y) ? 0x80 : 0) | code);
+}
+
+// Quantizes 128 values: codes, and scalars {s} or {s, k, c}; key 0 rounds to nearest, else
+// stochastically with the uniforms of elements first.. of the whole buffer.
+static void cpu_quantize_group(int dre, const float *x, uint8_t *codes, float *scalars, uint64_t key, uint64_t first) {
     float mx = 0.0f, mn = INFINITY;
     for (int i = 0; i < 128; i++) {
         float a = fabsf(x[i]);
@@ -288,7 +304,7 @@ static void cpu_quantize_group(int dre, const float *x, uint8_t *codes, float *s
         float a = fabsf(x[i]);
         float expanded = a == 0.0f ? 0.0f : dre_exp2(k * (dre_log2_fast(dre_centered(a, center), table) - log2_max)) * 448.0f;
         float y = !dre ? x[i] / s : copysignf(expanded, x[i]);
-        codes[i] = e4m3_from_float(y);
+        codes[i] = key ? e4m3_stochastic_reference(y, adamw_rounding_uniform(key, first + i)) : e4m3_from_float(y);
     }
     scalars[0] = s;
     if (dre) { scalars[1] = k; scalars[2] = c; }
@@ -315,14 +331,16 @@ static void cpu_load_moment(const CpuAdamW *s, const unsigned char *store, const
     if (s->scalars) cpu_dequantize_group(s->kind == OPT_STATES_FP8_DRE, store + base, group_scalars + g * s->scalars, x);
 }
 
-static void cpu_store_moment(const CpuAdamW *s, unsigned char *store, float *group_scalars, size_t g, const float *x) {
+static void cpu_store_moment(const CpuAdamW *s, unsigned char *store, float *group_scalars, size_t g, const float *x,
+                             uint64_t key) {
     size_t base = g * 128;
     for (int i = 0; i < 128 && s->kind == OPT_STATES_FP32; i++) memcpy(store + 4 * (base + i), &x[i], 4);
     for (int i = 0; i < 128 && s->kind == OPT_STATES_BF16; i++) {
         uint16_t b = bf16_from_float(x[i]);
         memcpy(store + 2 * (base + i), &b, 2);
     }
-    if (s->scalars) cpu_quantize_group(s->kind == OPT_STATES_FP8_DRE, x, store + base, group_scalars + g * s->scalars);
+    if (s->scalars)
+        cpu_quantize_group(s->kind == OPT_STATES_FP8_DRE, x, store + base, group_scalars + g * s->scalars, key, s->begin + base);
 }
 
 // One step over the shard; grads and params are whole buffers of BF16 bits, flags per element.
@@ -349,8 +367,10 @@ static void cpu_step(CpuAdamW *s, const AdamWConfig *c, const uint16_t *grads, u
             s->master[local] = p;
             params[e] = bf16_from_float(p);
         }
-        cpu_store_moment(s, s->m, s->m_group, g, m);
-        cpu_store_moment(s, s->v, s->v_group, g, v);
+        uint64_t m_key = c->stochastic_rounding ? adamw_rounding_key(s->step, 0) : 0;
+        uint64_t v_key = c->stochastic_rounding ? adamw_rounding_key(s->step, 1) : 0;
+        cpu_store_moment(s, s->m, s->m_group, g, m, m_key);
+        cpu_store_moment(s, s->v, s->v_group, g, v, v_key);
     }
 }
 
@@ -581,9 +601,11 @@ static void test_kind_vs_c(Fixture *fx, OptimizerStateKind kind) {
     cpu_create(&cpu, kind, fx->init, 0, fx->total);
     cpu_run(&cpu, fx, cpu_params, 0, EXACT_STEPS);
     char name[96];
-    snprintf(name, sizeof(name), "%s states vs C implementation after %d steps", optimizer_state_kind_name(kind), EXACT_STEPS);
+    snprintf(name, sizeof(name), "%s states%s vs C implementation after %d steps", optimizer_state_kind_name(kind),
+             stochastic_states ? " (stochastic rounding)" : "", EXACT_STEPS);
     check_state_equal(name, &cpu, state);
-    snprintf(name, sizeof(name), "%s states: BF16 params bit-exact", optimizer_state_kind_name(kind));
+    snprintf(name, sizeof(name), "%s states%s: BF16 params bit-exact", optimizer_state_kind_name(kind),
+             stochastic_states ? " (stochastic rounding)" : "");
     check_params_equal(name, params, cpu_params, fx->total);
 
     if (kind == OPT_STATES_BF16) {
@@ -608,7 +630,8 @@ static void test_kind_vs_c(Fixture *fx, OptimizerStateKind kind) {
 // Save after 3 steps, take 3 more; a second optimizer loads the file and takes the same 3:
 // state and params must match bit for bit. Then the header checks name each mismatch.
 static void test_save_load(Fixture *fx, OptimizerStateKind kind) {
-    const char *name = optimizer_state_kind_name(kind);
+    char name[64];
+    snprintf(name, sizeof(name), "%s%s", optimizer_state_kind_name(kind), stochastic_states ? " (stochastic rounding)" : "");
     AdamW a, b;
     gpu_create(&a, fx, kind, 0, fx->total);
     gpu_run(&a, fx, 0, 3);
@@ -735,6 +758,67 @@ static void test_shard_past_model(void) {
     free(params);
     adamw_free(&opt);
     fixture_free(&fx);
+}
+
+// Why optimizer_rounding = stochastic exists: v decays by beta2 a step where the gradient
+// stopped, but in a group whose extremes still get gradients (they fix its DRE scale) a change of
+// less than half an E4M3 step rounds back to the same code, so with rounding to nearest those
+// values stop decaying; stochastic rounding stores them unbiased. Gradients spread over 3 decades
+// in the first step, then only on the first 2 elements of each group, for 60 steps: the stored v
+// of the others against the exact recursion, in the mean over them.
+static double stuck_moment_ratio(Fixture *fx, int stochastic) {
+    stochastic_states = stochastic;
+    AdamW opt;
+    gpu_create(&opt, fx, OPT_STATES_FP8_DRE, 0, fx->total);
+    Random rng;
+    random_seed(&rng, SEED + 11);
+    uint16_t *first = (uint16_t *)host_alloc(fx->total * 2), *later = (uint16_t *)host_alloc(fx->total * 2);
+    double *exact = (double *)host_alloc(fx->total * sizeof(double));
+    for (size_t i = 0; i < fx->total; i++) {
+        first[i] = bf16_from_float((float)(1e-3 * pow(10.0, -3.0 * random_uniform(&rng))));
+        later[i] = i % 128 < 2 ? first[i] : 0;
+        exact[i] = 0.0;
+    }
+    for (int step = 0; step <= 60; step++) {
+        const uint16_t *g = step == 0 ? first : later;
+        for (size_t i = 0; i < fx->total; i++) {
+            double x = float_from_bf16(g[i]);
+            exact[i] = BETA2 * exact[i] + (1.0 - BETA2) * x * x;
+        }
+        cudaCheck(cudaMemcpy(fx->grads, g, fx->total * 2, cudaMemcpyHostToDevice));
+        adamw_step(&opt, fx->params, fx->grads, 1e-6f, 1.0f, fx->stream);
+    }
+    cudaCheck(cudaStreamSynchronize(fx->stream));
+    unsigned char *state = download_state(&opt);
+    const uint8_t *codes = state + (adamw_section(&opt, 2) - (unsigned char *)opt.state);
+    const float *scalars = (const float *)(state + (adamw_section(&opt, 4) - (unsigned char *)opt.state));
+    double sum = 0.0;
+    size_t count = 0;
+    float v[128];
+    for (size_t g = 0; g < fx->total / 128; g++) {
+        cpu_dequantize_group(1, codes + 128 * g, scalars + 3 * g, v);
+        for (int j = 2; j < 128; j++) {
+            if (exact[128 * g + j] == 0.0) continue;
+            sum += v[j] / exact[128 * g + j];
+            count++;
+        }
+    }
+    free(first); free(later); free(exact); free(state);
+    adamw_free(&opt);
+    stochastic_states = 0;
+    return sum / (double)count;
+}
+
+static void test_stochastic_rounding(Fixture *fx) {
+    double nearest = stuck_moment_ratio(fx, 0), stochastic = stuck_moment_ratio(fx, 1);
+    check(nearest > 2.0 && stochastic > 0.9 && stochastic < 1.15,
+          "v where the gradient stopped, 60 steps on: stored / exact %.3f rounding to nearest (stuck, > 2), %.3f "
+          "stochastically (0.9 to 1.15)", nearest, stochastic);
+    stochastic_states = 1;  // bit-exact against the C implementation, and across save and load
+    test_kind_vs_c(fx, OPT_STATES_FP8);
+    test_kind_vs_c(fx, OPT_STATES_FP8_DRE);
+    test_save_load(fx, OPT_STATES_FP8_DRE);
+    stochastic_states = 0;
 }
 
 // ZeRO stage 2 steps from FP32 gradient sums: with the BF16 gradients' values held as FP32, the
@@ -1008,9 +1092,9 @@ static double ratio_mse(const float *m, const float *v, size_t n, int dre_m, int
     for (size_t grp = 0; grp < n / 128; grp++) {
         float mq[128], vq[128], scalars[3];
         uint8_t codes[128];
-        cpu_quantize_group(dre_m, m + grp * 128, codes, scalars);
+        cpu_quantize_group(dre_m, m + grp * 128, codes, scalars, 0, 0);
         cpu_dequantize_group(dre_m, codes, scalars, mq);
-        cpu_quantize_group(dre_v, v + grp * 128, codes, scalars);
+        cpu_quantize_group(dre_v, v + grp * 128, codes, scalars, 0, 0);
         cpu_dequantize_group(dre_v, codes, scalars, vq);
         for (int i = 0; i < 128; i++) {
             size_t e = grp * 128 + i;
@@ -1243,6 +1327,7 @@ int main(void) {
     test_shard(&fx, OPT_STATES_FP32);
     test_shard(&fx, OPT_STATES_FP8_DRE);
     test_shard_past_model();
+    test_stochastic_rounding(&fx);
     test_fp32_grads(&fx, OPT_STATES_FP32);
     test_fp32_grads(&fx, OPT_STATES_FP8_DRE);
     test_sharded_checkpoint(OPT_STATES_FP32);
