@@ -73,14 +73,14 @@ typedef struct {
 typedef struct {
     ConfigParser *parser;
     const TrainConfig *c;
-    const Comm *comm;  // the ranks
-    ZeroComm zero;     // their collectives (world > 1)
-    ZeroPlan sharding; // stage 0: every rank steps the whole optimizer state; 1, 2: its shard (coat/zero.h)
+    const Comm *comm;             // the ranks
+    ZeroComm zero;                // their collectives (world > 1)
+    ZeroPlan sharding;            // stage 0: every rank steps the whole optimizer state; 1, 2: its shard (coat/zero.h)
     GradBuckets buckets;          // world > 1: each bucket's reduce starts when backward has done it
     int last_micro_batch;         // stages 0 and 1 reduce in the last micro-batch of a step only
     float *grad_sum;              // stage 2: the FP32 sum of the rank's shard over the micro-batches
     cudaEvent_t bucket_free[2];   // stage 2: a bucket buffer's reduce is done
-    unsigned char *host_chunk;  // ADAMW_COPY_CHUNK_BYTES: checkpoints pass through it
+    unsigned char *host_chunk;    // 2 x ADAMW_COPY_CHUNK_BYTES: checkpoints pass through it
     GpuContext gpu;
     LlamaModel model;
     AdamW opt;
