@@ -28,8 +28,8 @@
 // Layouts. params is the whole padded BF16 buffer of coat/params.h (at least shard_end elements, as
 // ZeRO pads it to ranks x shard size); the optimizer writes only [shard_begin, shard_end),
 // n = shard_end - shard_begin elements, a multiple of 128 so that every 128-group lies in one tensor
-// and one ZeRO shard. The gradients it reads are those n elements only: BF16 (a shard after a
-// reduce-scatter, or grads + shard_begin of a whole buffer) or FP32 (ZeRO stage 2's shard sum).
+// and one ZeRO shard. The gradients it reads are those n elements only: BF16 (grads + shard_begin
+// of a whole buffer, after ZeRO-1's reduces) or FP32 (ZeRO stage 2's shard sum).
 // Its device state is one allocation, whose sections a checkpoint holds (below):
 //   master FP32 [n] | m [n] | v [n] | m group scalars [n/128][S] | v group scalars [n/128][S]
 // with m and v FP32, BF16 or E4M3 bytes, and S FP32 scalars per group: 0 (fp32, bf16),
