@@ -5,8 +5,11 @@
 # difference relative to bf16, the median tokens/s and the peak GPU memory, printed and written to
 # OUT_DIR/parity.md. When the bf16 run (FP32 AdamW moments) left a checkpoint, the COAT paper's
 # Table 1 on its optimizer states (scripts/optimizer_state_mse.py) is appended to parity.md.
-# Usage: [SEED=N] scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]   (SEED: another initialisation and
-#        data order than the config's, for the seed-to-seed spread)
+# Usage: [SEED=N] [RUNS="..."] scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]   (SEED: another
+#        initialisation and data order than the config's, for the seed-to-seed spread; RUNS: the
+#        runs, default "bf16 fp8 coat", or also the ablations coat-fp32-states (coat with FP32
+#        optimizer states), coat-fp8-activations (coat with TE-like activations) and
+#        coat-stochastic (coat with stochastically rounded states))
 #   DATA_DIR (default data/parity): train_*.bin and val_*.bin shards; *.bin.xz files without their
 #            .bin are decompressed there first (xz -dk). When it holds no shards, it is made from
 #            the local corpus (data/corpus/llama2, scripts/fetch_corpus.sh): 366 chunks of one
@@ -21,7 +24,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 CONFIG=$ROOT/configs/llama-125m-parity.conf
-PRECISIONS=(bf16 fp8 coat)
+read -r -a RUN_NAMES <<< "${RUNS:-bf16 fp8 coat}"
 RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-155}
 MSE_TIMEOUT_S=${MSE_TIMEOUT_S:-45}
 KILL_AFTER_S=5
@@ -74,25 +77,38 @@ shutil.copyfile(f"{corpus}/val_000000.bin", f"{out}/val_000000.bin")
 PYTHON
 }
 
-# Trains one precision into $OUT/<precision>; returns train_llama's exit status (124: timed out).
+# The precision and extra flags of run NAME, in RUN_PRECISION and RUN_FLAGS; status 1 for an unknown name.
+run_settings() {
+    RUN_FLAGS=()
+    case $1 in
+    bf16 | fp8 | coat) RUN_PRECISION=$1 ;;
+    coat-fp32-states) RUN_PRECISION=coat RUN_FLAGS=(--optimizer_states=fp32) ;;
+    coat-fp8-activations) RUN_PRECISION=coat RUN_FLAGS=(--activations=fp8) ;;
+    coat-stochastic) RUN_PRECISION=coat RUN_FLAGS=(--optimizer_rounding=stochastic) ;;
+    *) return 1 ;;
+    esac
+}
+
+# Trains run NAME into $OUT/NAME; returns train_llama's exit status (124: timed out).
 run_precision() {
-    local precision=$1
-    local dir=$OUT/$precision
+    local name=$1
+    run_settings "$name"
+    local dir=$OUT/$name
     local start=$SECONDS
     local status=0
     mkdir -p "$dir"
     rm -f "$dir"/log.jsonl "$dir"/train.log "$dir"/ckpt_*
-    echo "loss_parity: $precision: training (at most ${RUN_TIMEOUT_S} s), output in $dir/train.log"
+    echo "loss_parity: $name: training (at most ${RUN_TIMEOUT_S} s), output in $dir/train.log"
     # stdbuf: line-buffered output, so that a run killed by the timeout keeps its last step lines.
     timeout --kill-after="$KILL_AFTER_S" "$RUN_TIMEOUT_S" stdbuf -oL "$ROOT/train_llama" "$CONFIG" \
-        --precision="$precision" --out_dir="$dir" --train_data="$DATA/train_*.bin" --val_data="$DATA/val_*.bin" \
-        ${SEED:+--seed="$SEED"} >"$dir/train.log" 2>&1 || status=$?
+        --precision="$RUN_PRECISION" "${RUN_FLAGS[@]}" --out_dir="$dir" --train_data="$DATA/train_*.bin" \
+        --val_data="$DATA/val_*.bin" ${SEED:+--seed="$SEED"} >"$dir/train.log" 2>&1 || status=$?
     if [ "$status" -eq 0 ]; then
-        echo "loss_parity: $precision: done in $((SECONDS - start)) s"
+        echo "loss_parity: $name: done in $((SECONDS - start)) s"
     else
         local why=""
         if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then why=" (timed out after ${RUN_TIMEOUT_S} s)"; fi
-        echo "loss_parity: $precision: FAILED with exit status $status$why after $((SECONDS - start)) s; last lines:"
+        echo "loss_parity: $name: FAILED with exit status $status$why after $((SECONDS - start)) s; last lines:"
         tail -n 15 "$dir/train.log" | sed 's/^/    /'
     fi
     return "$status"
@@ -139,7 +155,7 @@ for precision, status in runs:
                        f"{max(memory):.2f}" if memory else "-")
 
 reference = rows.get("bf16", (None,))[0]
-print("| precision | final val loss | relative difference to bf16 | median tokens/s | peak GPU memory (GiB) |")
+print("| run | final val loss | relative difference to bf16 | median tokens/s | peak GPU memory (GiB) |")
 print("|---|---|---|---|---|")
 for precision, (loss, loss_text, speed, memory) in rows.items():
     if precision == "bf16":
@@ -153,14 +169,17 @@ sys.exit(1 if failed else 0)
 PYTHON
 }
 
+for name in "${RUN_NAMES[@]}"; do
+    run_settings "$name" || { echo "error: RUNS: unknown run '$name' (bf16, fp8, coat, coat-fp32-states, coat-fp8-activations, coat-stochastic)" >&2; exit 2; }
+done
 mkdir -p "$OUT"
 decompress_shards
 compgen -G "$DATA/train_*.bin" > /dev/null || make_parity_data
 results=()
-for precision in "${PRECISIONS[@]}"; do
+for name in "${RUN_NAMES[@]}"; do
     status=0
-    run_precision "$precision" || status=$?
-    results+=("$precision:$status")
+    run_precision "$name" || status=$?
+    results+=("$name:$status")
 done
 
 table_status=0

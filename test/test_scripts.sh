@@ -420,6 +420,9 @@ out=$("${export_curves[@]}" scripts/reproduce_curves.sh report 2>&1); rc=$?
 check "report tabulates each run's final val loss and its gap to bf16 from the logs" \
     "$([ $rc -eq 0 ] && grep -q '^| fp8 | 300 | 19.7M | 5.0398 (step 300) | +0.96% | 715,678 | 17.99 | 6.7 min |$' "$curves/results/curves.md" &&
        grep -q '^| coat | 300 | .* | +1.45% |' "$curves/results/curves.md"; echo $?)" "$out"
+out=$(RUNS="bf16 nonsense" scripts/loss_parity.sh "$tmp/no_parity_data" "$tmp/no_parity_out" 2>&1); rc=$?
+check "loss_parity.sh refuses an unknown run in RUNS before training anything, exit 2" \
+    "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q "RUNS: unknown run 'nonsense'" && [ ! -e "$tmp/no_parity_out" ]; echo $?)" "$out"
 out=$(scripts/reproduce_curves.sh run nonsense 2>&1); rc=$?
 check "reproduce_curves.sh run with an unknown name prints its usage, exit 2" \
     "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q 'usage: scripts/reproduce_curves.sh'; echo $?)" "$out"
