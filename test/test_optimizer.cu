@@ -809,7 +809,33 @@ static double stuck_moment_ratio(Fixture *fx, int stochastic) {
     return sum / (double)count;
 }
 
+// e4m3_stochastic over a grid of 4096 uniforms: only the two neighbours of y, and their mean
+// is y (to the grid's resolution), at magnitudes from the subnormals to the saturation.
+static void test_stochastic_rounding_unbiased(void) {
+    Random rng;
+    random_seed(&rng, SEED + 13);
+    int wrong_codes = 0;
+    double worst = 0.0;
+    for (int t = 0; t < 2000; t++) {
+        float y = (float)((random_uniform(&rng) < 0.5 ? -1.0 : 1.0) * 448.0 * pow(2.0, -20.0 * random_uniform(&rng)));
+        uint8_t nearest = e4m3_from_float(y);
+        double sum = 0.0;
+        for (int k = 0; k < 4096; k++) {
+            uint8_t code = e4m3_stochastic(y, (float)((k + 0.5) / 4096.0));
+            float value = float_from_e4m3(code);
+            wrong_codes += (code & 0x80) != (nearest & 0x80) || abs((int)(code & 0x7f) - (int)(nearest & 0x7f)) > 1;
+            sum += value;
+        }
+        double step = float_from_e4m3((uint8_t)((nearest & 0x7f) < 0x7e ? (nearest & 0x7f) + 1 : 0x7e)) -
+                      float_from_e4m3((uint8_t)((nearest & 0x7f) > 0 ? (nearest & 0x7f) - 1 : 0));
+        worst = fmax(worst, fabs(sum / 4096.0 - y) / step);
+    }
+    check(wrong_codes == 0 && worst < 1e-3, "stochastic E4M3 rounding: a neighbour of y every time (%d not), the mean y to "
+          "%.1e of an E4M3 step (at most 1e-3)", wrong_codes, worst);
+}
+
 static void test_stochastic_rounding(Fixture *fx) {
+    test_stochastic_rounding_unbiased();
     double nearest = stuck_moment_ratio(fx, 0), stochastic = stuck_moment_ratio(fx, 1);
     check(nearest > 2.0 && stochastic > 0.9 && stochastic < 1.15,
           "v where the gradient stopped, 60 steps on: stored / exact %.3f rounding to nearest (stuck, > 2), %.3f "
