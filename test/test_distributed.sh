@@ -40,48 +40,47 @@ print(f"{worst:.2e} {len(shared)} {len(a)} {len(b)}")
 PY
 }
 
+# LOG holds the losses of REFERENCE (steps FROM and after) once each, every one within 1%:
+# check_close NAME REFERENCE LOG [FROM]
+check_close() {
+    local name=$1 reference=$2 log=$3 from=${4:-1} worst shared reference_count count
+    read -r worst shared reference_count count <<< "$(compare "$reference" "$log" "$from")"
+    echo "$name: largest relative loss difference $worst over $shared logged losses"
+    check "$name: all $reference_count losses logged once, each within 1% (largest $worst)" \
+        "$([ "$shared" -gt 0 ] && [ "$shared" = "$reference_count" ] && [ "$count" = "$reference_count" ] &&
+           awk -v w="$worst" 'BEGIN { exit !(w < 0.01) }'; echo $?)" "$(tail -3 "$log")"
+}
+# The step-10 checkpoint of run FROM resumed in DIR on RANKS ranks with the trainer arguments that
+# follow: it runs to the end and steps 11-20 follow FROM's log.
+resume_on() {
+    local from=$1 ranks=$2 dir=$3
+    shift 3
+    mkdir -p "$dir"
+    cp "$tmp/$from/ckpt_00000010.bin" "$tmp/$from/ckpt_00000010.done" "$tmp/$from/log.jsonl" "$dir/"
+    if [ "$ranks" = 1 ]; then
+        ./train_llama "$@" --out_dir="$dir" --resume=1 > "$dir.out" 2>&1
+    else
+        "${mpi[@]}" "$ranks" ./train_llama "$@" --comm_backend=mpi --out_dir="$dir" --resume=1 > "$dir.out" 2>&1
+    fi
+    check "the $from run's step-10 checkpoint resumes on $ranks rank(s)" $? "$(tail -3 "$dir.out")"
+    check_close "$from's checkpoint on $ranks rank(s), steps 11-20" "$tmp/$from/log.jsonl" "$dir/log.jsonl" 11
+}
+
 ./train_llama "${common[@]}" --out_dir="$tmp/one" > "$tmp/one.out" 2>&1
 check "one rank, 2 micro-batches a step: 20 steps" $? "$(tail -3 "$tmp/one.out")"
 "${mpi[@]}" 2 ./train_llama "${common[@]}" --comm_backend=mpi --out_dir="$tmp/two" > "$tmp/two.out" 2>&1
 check "2 ranks on one GPU (comm_backend mpi), a micro-batch each: 20 steps" $? "$(tail -5 "$tmp/two.out")"
-read -r worst shared one_count two_count <<< "$(compare "$tmp/one/log.jsonl" "$tmp/two/log.jsonl")"
-echo "2 ranks against 1: largest relative loss difference $worst over $shared logged losses"
-check "2 ranks against 1: all $one_count losses logged once, each within 1% (largest $worst)" \
-    "$([ "$shared" = "$one_count" ] && [ "$two_count" = "$one_count" ] &&
-       awk -v w="$worst" 'BEGIN { exit !(w < 0.01) }'; echo $?)" "$(head -3 "$tmp/two/log.jsonl")"
+check_close "2 ranks against 1" "$tmp/one/log.jsonl" "$tmp/two/log.jsonl"
 check "rank 0 alone prints and writes: one set of step lines, one checkpoint per save" \
     "$([ "$(grep -c '^step  *20/20' "$tmp/two.out")" = 1 ] && [ "$(ls "$tmp/two"/ckpt_*.done | wc -l)" = 2 ]; echo $?)" \
     "$(grep -c '^step' "$tmp/two.out") step lines; $(ls "$tmp/two")"
 
 # Checkpoints cross world sizes: the 2-rank run's step 10 on one rank, the 1-rank run's on two.
-for pair in "two 1" "one 2"; do
-    set -- $pair
-    dir=$tmp/$1-on-$2
-    mkdir -p "$dir"
-    cp "$tmp/$1/ckpt_00000010.bin" "$tmp/$1/ckpt_00000010.done" "$tmp/$1/log.jsonl" "$dir/"
-    if [ "$2" = 1 ]; then
-        ./train_llama "${common[@]}" --out_dir="$dir" --resume=1 > "$dir.out" 2>&1
-    else
-        "${mpi[@]}" 2 ./train_llama "${common[@]}" --comm_backend=mpi --out_dir="$dir" --resume=1 > "$dir.out" 2>&1
-    fi
-    status=$?
-    read -r worst shared _ _ <<< "$(compare "$tmp/$1/log.jsonl" "$dir/log.jsonl" 11)"
-    check "the $1-rank run's step-10 checkpoint resumed on $2 rank(s): steps 11-20 follow it within 1% (largest $worst)" \
-        "$([ $status -eq 0 ] && [ "$shared" -ge 11 ] && awk -v w="$worst" 'BEGIN { exit !(w < 0.01) }'; echo $?)" \
-        "$(tail -3 "$dir.out")"
-done
+resume_on two 1 "$tmp/two-on-1" "${common[@]}"
+resume_on one 2 "$tmp/one-on-2" "${common[@]}"
 
 # ZeRO stages 1 and 2: 4 micro-batches a step, on 1, 2 and 4 ranks; against stage 0; in coat.
 stage1=("${common[@]}" --total_batch_tokens=1024 --zero_stage=1)
-# within 1% of the reference log: check_close NAME REFERENCE LOG [FROM]
-check_close() {
-    local name=$1 reference=$2 log=$3 from=${4:-1} worst shared reference_count count
-    read -r worst shared reference_count count <<< "$(compare "$reference" "$log" "$from")"
-    echo "$name: largest relative loss difference $worst over $shared logged losses"
-    check "$name: every logged loss within 1% (largest $worst)" \
-        "$([ "$shared" -gt 0 ] && [ "$shared" = "$reference_count" ] && awk -v w="$worst" 'BEGIN { exit !(w < 0.01) }'; echo $?)" \
-        "$(tail -3 "$log")"
-}
 ./train_llama "${stage1[@]}" --out_dir="$tmp/s1_one" > "$tmp/s1_one.out" 2>&1
 check "one rank, 4 micro-batches a step: 20 steps" $? "$(tail -3 "$tmp/s1_one.out")"
 for stage in 1 2; do
@@ -109,17 +108,7 @@ done
 # RANKS ranks at STAGE.
 for triple in "s1_4 1 1" "s1_4 2 1" "s1_one 4 1" "s2_4 2 2" "s2_2 4 1"; do
     set -- $triple
-    dir=$tmp/$1-on-$2-stage$3
-    mkdir -p "$dir"
-    cp "$tmp/$1/ckpt_00000010.bin" "$tmp/$1/ckpt_00000010.done" "$tmp/$1/log.jsonl" "$dir/"
-    if [ "$2" = 1 ]; then
-        ./train_llama "${stage1[@]}" --out_dir="$dir" --resume=1 > "$dir.out" 2>&1
-    else
-        "${mpi[@]}" "$2" ./train_llama "${stage1[@]}" --zero_stage="$3" --comm_backend=mpi --out_dir="$dir" --resume=1 \
-            > "$dir.out" 2>&1
-    fi
-    check "the $1 run's step-10 checkpoint resumes on $2 rank(s), stage $3" $? "$(tail -3 "$dir.out")"
-    check_close "$1's checkpoint on $2 rank(s), stage $3, steps 11-20" "$tmp/$1/log.jsonl" "$dir/log.jsonl" 11
+    resume_on "$1" "$2" "$tmp/$1-on-$2-stage$3" "${stage1[@]}" --zero_stage="$3"
 done
 
 if grep -qa ncclCommInitRank ./train_llama; then
