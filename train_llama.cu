@@ -79,6 +79,7 @@ typedef struct {
     GradBuckets buckets;          // world > 1: each bucket's reduce starts when backward has done it
     int last_micro_batch;         // stages 0 and 1 reduce in the last micro-batch of a step only
     float *grad_sum;              // stage 2: the FP32 sum of the rank's shard over the micro-batches
+    int e4m3_gather;              // stages 1, 2 with FP8 GEMMs: the block weights are gathered as E4M3 codes
     cudaEvent_t bucket_free[2];   // stage 2: a bucket buffer's reduce is done
     unsigned char *host_chunk;    // 2 x ADAMW_COPY_CHUNK_BYTES: checkpoints pass through it
     GpuContext gpu;
@@ -123,6 +124,8 @@ static void check_precision(const ConfigParser *parser) {
     if (c->optimizer_rounding && states != STATES_FP8 && states != STATES_FP8_DRE)
         fail_config(parser, "optimizer_rounding", "= stochastic applies to FP8 optimizer states only: set optimizer_states = fp8 or "
                     "fp8_dre (precision = coat picks fp8_dre)");
+    if (c->param_gather == GATHER_E4M3 && c->precision == PRECISION_BF16)
+        fail_config(parser, "param_gather", "= e4m3 gathers the E4M3 weights of FP8 GEMMs: set precision = fp8 or coat");
     const char *reason = model_precision_unsupported(&c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c));
     if (reason != NULL) fail_config(parser, c->activations != ACTS_AUTO ? "activations" : "precision", reason);
 }
@@ -399,7 +402,7 @@ static int dry_run(const ConfigParser *parser, int ranks) {
     param_layout_init(&layout, &c->model);
     ZeroPlan zero;
     zero_plan_init(&zero, &layout, ranks, c->zero_stage);
-    zero_print(stdout, &zero, &layout, grad_accum, c->precision != PRECISION_BF16);
+    zero_print(stdout, &zero, &layout, grad_accum, c->precision != PRECISION_BF16, config_param_gather(c) == GATHER_E4M3);
     print_activation_table(c);
     if (c->gpu_memory_gib > 0) {
         size_t budget = (size_t)(c->gpu_memory_gib * 1024.0 * 1024.0 * 1024.0);
@@ -413,9 +416,43 @@ static int dry_run(const ConfigParser *parser, int ranks) {
 
 // ---- training --------------------------------------------------------------------------
 
+// The E4M3 gather (param_gather): the block's linear weights travel as the codes the FP8 GEMMs
+// read (a byte per element instead of two), cast by their owners with each weight's amax over
+// all ranks, so every rank ends with the codes and scales of model_cast_weights, bit for bit;
+// the embedding, the norms and the lm_head travel in BF16.
+static void gather_params_e4m3(Trainer *t) {
+    LlamaModel *m = &t->model;
+    cudaStream_t s = t->gpu.stream;
+    ZeroRange mine = zero_shard(&t->sharding, t->comm->rank);
+    model_weights_amax_part(m, mine, s);
+    // The whole scale table: the activations' and gradients' entries, reset by every forward, ride along.
+    zero_all_reduce_max_f32(&t->zero, (float *)m->fp8_scales, m->working_layout.fp8_scales_bytes / sizeof(float), s);
+    zero_comm_join(&t->zero, s);
+    model_cast_weights_part(m, mine, s);
+    const ParamLayout *layout = &m->layout;
+    for (int l = 0; l < layout->shape.n_layers; l++)
+        for (int i = 0; i < LINEARS; i++)
+            zero_broadcast_parts(&t->zero, &t->sharding, linear_fp8_weight(m, l, (Linear)i, 0), 1,
+                                 linear_weight_range(m, l, (Linear)i), s);
+    for (int k = 0; k < PARAM_KINDS; k++) {
+        ParamKind kind = (ParamKind)k;
+        if (param_kind_is_matrix(kind) && param_kind_is_per_layer(kind)) continue;
+        for (int l = 0; l < (param_kind_is_per_layer(kind) ? layout->shape.n_layers : 1); l++) {
+            ZeroRange range = {param_offset(layout, kind, l), param_offset(layout, kind, l) + param_numel(layout, kind)};
+            zero_broadcast_parts(&t->zero, &t->sharding, m->params + range.begin, 2, range, s);
+        }
+    }
+    zero_comm_join(&t->zero, s);
+    model_transpose_weights(m, s);
+}
+
 // After the optimizer wrote its shard of the BF16 parameters: every rank gets all of them.
 static void gather_params(Trainer *t) {
     if (t->sharding.stage >= 1 && t->comm->world > 1) {
+        if (t->e4m3_gather) {
+            gather_params_e4m3(t);
+            return;
+        }
         size_t shard = t->sharding.shard_elems;
         zero_all_gather_bf16(&t->zero, t->model.params + t->opt.shard_begin, t->model.params, shard, t->gpu.stream);
         zero_comm_join(&t->zero, t->gpu.stream);
@@ -670,6 +707,22 @@ static void bucket_end(void *context, int bucket) {
         zero_all_reduce_bf16(&t->zero, t->model.grads + range.begin, range.end - range.begin, t->gpu.stream);
 }
 
+// Each rank's device buffers, all allocated by now, against its memory plan: a rank whose
+// allocation differs says so, and rank 0 prints the count over all ranks.
+static void report_allocation(Trainer *t) {
+    MemoryPlan plan;
+    memory_plan_compute(&plan, t->c, t->comm->world, t->c->micro_batch_size);
+    size_t allocated = gpu_allocated_bytes();
+    double differ = allocated != plan.total_bytes;
+    if (differ)
+        fprintf(stderr, "warning: rank %d allocated %zu bytes on the GPU, its memory plan %zu\n", t->comm->rank, allocated,
+                plan.total_bytes);
+    if (t->comm->world > 1) zero_all_reduce_sum_f64(&t->zero, &differ, 1, t->gpu.stream);
+    if (t->comm->rank != 0) return;
+    if (differ == 0) printf("GPU memory allocated: %.3f GiB per rank, each rank's plan byte for byte\n", gib(allocated));
+    else printf("GPU memory allocated: %.3f GiB on rank 0, %d rank(s) differ from their plan\n", gib(allocated), (int)differ);
+}
+
 static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     char error[1024];
     int ranks = comm->world;
@@ -696,8 +749,9 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
         t->buckets.context = t;
         t->model.buckets = &t->buckets;
     }
+    t->e4m3_gather = z->stage >= 1 && t->model.precision.fp8_gemms && config_param_gather(c) == GATHER_E4M3;
     if (z->stage == 2) {
-        t->grad_sum = (float *)model_alloc(4 * z->shard_elems, "the gradient shard (fp32)");
+        t->grad_sum = (float *)gpu_alloc(4 * z->shard_elems, "the gradient shard (fp32)");
         for (int i = 0; i < 2; i++) cudaCheck(cudaEventCreateWithFlags(&t->bucket_free[i], cudaEventDisableTiming));
     }
     if (ranks > 1 && zero_comm_init(&t->zero, comm, c->comm_backend == COMM_MPI ? ZERO_BACKEND_MPI : ZERO_BACKEND_NCCL,
@@ -716,6 +770,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     if (z->stage >= 1) shard = zero_shard(z, comm->rank);
     adamw_create(&t->opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &layout, shard.begin, shard.end,
                  t->gpu.stream);
+    report_allocation(t);
     if (!c->generate) open_loader_rank(&t->train_loader, parser, "train_data", 1, comm->rank, ranks);
     t->have_val = c->val_data[0] != '\0' && !c->generate;
     if (t->have_val) {
@@ -849,7 +904,10 @@ static int train(ConfigParser *parser, const Comm *comm) {
         fprintf(stderr, "%s\n", error);
         return EXIT_FAILURE;
     }
-    if (ranks > 1) printf("ranks: %d (comm_backend %s)\n", ranks, c->comm_backend == COMM_MPI ? "mpi" : "nccl");
+    if (ranks > 1)
+        printf("ranks: %d (comm_backend %s, ZeRO stage %d%s)\n", ranks, c->comm_backend == COMM_MPI ? "mpi" : "nccl",
+               c->zero_stage, c->zero_stage == 0 ? "" : config_param_gather(c) == GATHER_E4M3 ? ", parameters gathered in e4m3"
+                                                                                         : ", parameters gathered in bf16");
     print_model_summary(c);
     MemoryPlan plan;
     memory_plan_compute(&plan, c, ranks, c->micro_batch_size);

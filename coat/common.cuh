@@ -24,6 +24,22 @@ static inline void cublas_check(cublasStatus_t status, const char *call, const c
 }
 #define cublasCheck(call) cublas_check((call), #call, __FILE__, __LINE__)
 
+// Every device buffer of the trainer comes from gpu_alloc, which counts them (nothing is
+// allocated after start): the measured allocation of a rank, which its memory plan must equal.
+static size_t gpu_allocated_total = 0;
+static inline size_t gpu_allocated_bytes(void) { return gpu_allocated_total; }
+static inline void *gpu_alloc(size_t bytes, const char *what) {
+    void *p = NULL;
+    cudaError_t err = cudaMalloc(&p, bytes);
+    if (err != cudaSuccess) {
+        fprintf(stderr, "error: cannot allocate %.3f GiB for %s on the GPU: %s\n", (double)bytes / 1073741824.0, what,
+                cudaGetErrorString(err));
+        exit(EXIT_FAILURE);
+    }
+    gpu_allocated_total += bytes;
+    return p;
+}
+
 // Whether this build's code runs on the current GPU, tried on one of its kernels: a build for one
 // architecture (GPU_ARCH, build_arch) fails at its first launch on another. Returns 0, or -1 with
 // the GPU's name and compute capability, and what the build is for, in message.
@@ -125,7 +141,7 @@ static inline void gpu_context_create(GpuContext *gpu, int device) {
     cudaCheck(cudaStreamCreate(&gpu->stream));
     cublasCheck(cublasLtCreate(&gpu->cublaslt));
     gpu->cublaslt_workspace_bytes = 32u << 20;  // Hopper cuBLASLt kernels want up to 32 MiB
-    cudaCheck(cudaMalloc(&gpu->cublaslt_workspace, gpu->cublaslt_workspace_bytes));
+    gpu->cublaslt_workspace = gpu_alloc(gpu->cublaslt_workspace_bytes, "the cuBLASLt workspace");
     gpu->matmul_algos = NULL;
 }
 

@@ -23,6 +23,7 @@ typedef enum { STATES_AUTO, STATES_FP32, STATES_BF16, STATES_FP8, STATES_FP8_DRE
 typedef enum { ACTS_AUTO, ACTS_BF16, ACTS_FP8, ACTS_COAT } ActivationsChoice;
 typedef enum { SCHEDULE_COSINE, SCHEDULE_LINEAR, SCHEDULE_WSD, SCHEDULE_CONSTANT } Schedule;
 typedef enum { COMM_NCCL, COMM_MPI } CommBackendChoice;
+typedef enum { GATHER_AUTO, GATHER_BF16, GATHER_E4M3 } ParamGatherChoice;
 
 typedef struct {
     ModelShape model;
@@ -72,6 +73,7 @@ typedef struct {
     int zero_stage;
     int world_size;
     int comm_backend;  // CommBackendChoice
+    int param_gather;  // ParamGatherChoice
     float gpu_memory_gib;
     unsigned long long seed;
     int dry_run;
@@ -167,6 +169,9 @@ static const ConfigKey config_keys[] = {
     {"zero_stage", KEY_INT, CFG(zero_stage), "1", 0, 2, NULL, "ZeRO: 0 replicate, 1 shard optimizer states, 2 also gradients"},
     {"comm_backend", KEY_CHOICE, CFG(comm_backend), "nccl", 0, 0, "nccl|mpi",
      "collectives between ranks: nccl (a GPU per rank) or mpi (through host memory: ranks may share a GPU)"},
+    {"param_gather", KEY_CHOICE, CFG(param_gather), "auto", 0, 0, "auto|bf16|e4m3",
+     "how ZeRO stages 1 and 2 gather the parameters after the step: all bf16, or the block weights as the E4M3 "
+     "copies the FP8 GEMMs read (auto: e4m3 with FP8 GEMMs)"},
     {"world_size", KEY_INT, CFG(world_size), "0", 0, 1 << 20, NULL, "ranks to plan for in dry_run (0: the launched ranks)"},
     {"gpu_memory_gib", KEY_FLOAT, CFG(gpu_memory_gib), "0", 0, 1e6, NULL,
      "GPU memory to plan against (0: ask the GPU; dry_run without a GPU skips the fit check)"},
@@ -525,6 +530,11 @@ static inline StatesChoice config_optimizer_states(const TrainConfig *c) {
 static inline ActivationsChoice config_activations(const TrainConfig *c) {
     if (c->activations != ACTS_AUTO) return (ActivationsChoice)c->activations;
     return c->precision == PRECISION_BF16 ? ACTS_BF16 : c->precision == PRECISION_FP8 ? ACTS_FP8 : ACTS_COAT;
+}
+
+static inline ParamGatherChoice config_param_gather(const TrainConfig *c) {
+    if (c->param_gather != GATHER_AUTO) return (ParamGatherChoice)c->param_gather;
+    return c->precision == PRECISION_BF16 ? GATHER_BF16 : GATHER_E4M3;
 }
 
 static inline void config_print_help(FILE *out) {

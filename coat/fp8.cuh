@@ -204,6 +204,25 @@ __global__ void __launch_bounds__(FP8_THREADS)
     }
 }
 
+// One block per 64 x 64 tile of codes: each thread loads a 16-byte row piece into shared memory
+// and stores a 16-byte piece of a transposed row. Block (0, 0) also stores the scale of the
+// slot's amax, as the cast pass does for the codes it writes.
+__global__ void __launch_bounds__(FP8_THREADS)
+    fp8_transpose_codes_kernel(uint8_t *out_t, const uint8_t *in, Fp8Scale *slot, Fp8Format format, int R, int C) {
+    __shared__ __align__(16) uint8_t tile[FP8_TILE][FP8_TILE + 16];  // [row][column] of the tile
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) slot->scale = fp8_scale_from_amax(slot->amax, format);
+    int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
+    int row = threadIdx.x / 4, piece = (threadIdx.x % 4) * 16;
+    if (r0 + row < R && c0 + piece < C)
+        *reinterpret_cast<uint4 *>(&tile[row][piece]) = *reinterpret_cast<const uint4 *>(in + (size_t)(r0 + row) * C + c0 + piece);
+    __syncthreads();
+    int column = threadIdx.x / 4;  // the output row c0 + column takes tile rows piece..piece+15
+    if (c0 + column >= C || r0 + piece >= R) return;
+    uint32_t words[4] = {0, 0, 0, 0};
+    for (int j = 0; j < 16; j++) words[j / 4] |= (uint32_t)tile[piece + j][column] << (8 * (j % 4));
+    *reinterpret_cast<uint4 *>(out_t + (size_t)(c0 + column) * R + r0 + piece) = make_uint4(words[0], words[1], words[2], words[3]);
+}
+
 // out = code * slot->scale, 8 values per thread.
 __global__ void __launch_bounds__(FP8_THREADS)
     fp8_dequantize_kernel(bf16 *out, const uint8_t *in, const Fp8Scale *slot, Fp8Format format, size_t n_vecs) {
@@ -254,6 +273,18 @@ static inline void fp8_dequantize(bf16 *out, const uint8_t *in, const Fp8Scale *
               "n must be a multiple of 8, out 16-byte and in 8-byte aligned");
     size_t vecs = n / 8;
     fp8_dequantize_kernel<<<(unsigned)ceil_div_size(vecs, FP8_THREADS), FP8_THREADS, 0, stream>>>(out, in, slot, format, vecs);
+    cudaCheckLaunch();
+}
+
+// out_t [C, R] = the transpose of the FP8 codes in [R, C] (R and C multiples of 16, both
+// 16-byte aligned), for codes cast elsewhere (ZeRO's gather of the E4M3 weights); stores the
+// scale of slot->amax in slot->scale.
+static inline void fp8_transpose_codes(uint8_t *out_t, const uint8_t *in, Fp8Scale *slot, int R, int C, Fp8Format format,
+                                       cudaStream_t stream) {
+    fp8_check("fp8_transpose_codes", R > 0 && C > 0 && R % 16 == 0 && C % 16 == 0, "R and C must be positive multiples of 16");
+    fp8_check("fp8_transpose_codes", (((uintptr_t)in | (uintptr_t)out_t) & 15u) == 0, "in and out_t must be 16-byte aligned");
+    dim3 grid(ceil_div(C, FP8_TILE), ceil_div(R, FP8_TILE));
+    fp8_transpose_codes_kernel<<<grid, FP8_THREADS, 0, stream>>>(out_t, in, slot, format, R, C);
     cudaCheckLaunch();
 }
 

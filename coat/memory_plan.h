@@ -103,7 +103,7 @@ typedef struct {
     size_t master_bytes;       // FP32 master weights
     size_t states_bytes;       // AdamW m and v
     size_t activations_bytes;  // saved for backward, all layers
-    size_t working_bytes;      // reused across layers (WorkingLayout) and the cuBLASLt workspace
+    size_t working_bytes;      // reused across layers (WorkingLayout), the cuBLASLt workspace, the collectives' scalars
     size_t total_bytes;
 } MemoryPlan;
 
@@ -138,7 +138,7 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
     plan->activations_bytes = (size_t)m->n_layers * activation_layer_bytes(m, acts, tokens) + final_activation_bytes(m, tokens);
     WorkingLayout working;
     working_layout_init(&working, m, micro_batch_size, c->seq_len, c->precision != PRECISION_BF16, acts);
-    plan->working_bytes = working.total_bytes + CUBLASLT_WORKSPACE_BYTES;
+    plan->working_bytes = working.total_bytes + CUBLASLT_WORKSPACE_BYTES + (ranks > 1 ? ZERO_SCALAR_BYTES : 0);
     plan->total_bytes = plan->params_bytes + plan->grads_bytes + plan->master_bytes + plan->states_bytes +
                         plan->activations_bytes + plan->working_bytes;
 }

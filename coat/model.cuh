@@ -151,16 +151,6 @@ static inline size_t model_kernel_scratch_needed(const ModelShape *m, int B, int
     return need;
 }
 
-static inline void *model_alloc(size_t bytes, const char *what) {
-    void *p = NULL;
-    cudaError_t err = cudaMalloc(&p, bytes);
-    if (err != cudaSuccess) {
-        fprintf(stderr, "error: cannot allocate %.3f GiB for %s on the GPU: %s\n", gib(bytes), what, cudaGetErrorString(err));
-        exit(EXIT_FAILURE);
-    }
-    return p;
-}
-
 // Why this shape cannot run in this precision, or NULL: FP8 GEMMs need K and N multiples of 16
 // and transposes need the token count a multiple of 16; 1x16 groups need rows of whole groups.
 // Every combination of GEMM precision and activation storage runs: with BF16 GEMMs an input
@@ -194,16 +184,16 @@ static inline void model_create_sized(LlamaModel *model, const ModelShape *shape
     model->params_elems = params_elems ? params_elems : model->layout.total_padded;
     model->grads_elems = grads_elems ? grads_elems : model->layout.total_padded;
     if (model->params_elems < model->layout.total_padded) fail_with("model_create", "the parameter buffer is smaller than the model");
-    model->params = (bf16 *)model_alloc(2 * model->params_elems, "parameters");
+    model->params = (bf16 *)gpu_alloc(2 * model->params_elems, "parameters");
     cudaCheck(cudaMemset(model->params, 0, 2 * model->params_elems));  // ZeRO's padding stays zero
-    model->grads = (bf16 *)model_alloc(2 * model->grads_elems, "gradients");
+    model->grads = (bf16 *)gpu_alloc(2 * model->grads_elems, "gradients");
     cudaCheck(cudaMemset(model->grads, 0, 2 * model->grads_elems));
 
     ActivationInfo table[ACT_LAYER_KINDS];
     activation_table(table, shape, precision.activations);
     size_t per_layer = activation_layer_bytes(shape, precision.activations, N);
     model->activations_bytes = L * per_layer + final_activation_bytes(shape, N);
-    model->activations = (char *)model_alloc(model->activations_bytes, "activations");
+    model->activations = (char *)gpu_alloc(model->activations_bytes, "activations");
     model->saved = (SavedTensor *)calloc(L * ACT_LAYER_KINDS, sizeof(SavedTensor));
     if (model->saved == NULL) fail_with("model_create", "out of host memory (activation table)");
     char *at = model->activations;
@@ -232,7 +222,7 @@ static inline void model_create_sized(LlamaModel *model, const ModelShape *shape
                 w->kernel_scratch_bytes);
         exit(EXIT_FAILURE);
     }
-    model->working = (char *)model_alloc(w->total_bytes, "working buffers");
+    model->working = (char *)gpu_alloc(w->total_bytes, "working buffers");
     model->branch = (bf16 *)(model->working + w->branch);
     model->d_residual = (bf16 *)(model->working + w->d_residual);
     model->wide = (bf16 *)(model->working + w->wide);
@@ -352,6 +342,55 @@ static inline void model_cast_weights(LlamaModel *model, cudaStream_t s) {
             fp8_amax(slot, weight, (size_t)shape.out * shape.in, s);
             fp8_quantize(linear_fp8_weight(model, l, which, 0), linear_fp8_weight(model, l, which, 1), slot, weight,
                          shape.out, shape.in, FP8_E4M3, s);
+        }
+    model->fp8_weights_current = 1;
+}
+
+// ZeRO's gather of the E4M3 weights (train_llama.cu): each rank casts the parts of the weights in
+// its shard [begin, end) of the parameter buffer with each weight's amax over all ranks (the
+// codes of model_cast_weights), the owners send their codes to every rank, and every rank writes
+// the transposes. A linear weight is elements [begin, end) of the buffer (wq|wk|wv and
+// w_gate|w_up lie back to back, as the fused GEMMs read them).
+static inline ZeroRange linear_weight_range(const LlamaModel *model, int layer, Linear which) {
+    LinearShape shape = linear_shape(model, which);
+    ZeroRange r;
+    r.begin = (size_t)(model_param(model, linear_weight_kind(which), layer) - model->params);
+    r.end = r.begin + (size_t)shape.out * shape.in;
+    return r;
+}
+
+// Every weight's amax slot = max |w| over its elements in `shard` (0 where it has none).
+static inline void model_weights_amax_part(LlamaModel *model, ZeroRange shard, cudaStream_t s) {
+    for (int l = 0; l < model->shape.n_layers; l++)
+        for (int i = 0; i < LINEARS; i++) {
+            Fp8Scale *slot = model_fp8_scale(model, l, FP8_SLOT_WEIGHT, (Linear)i);
+            ZeroRange part = zero_intersection(linear_weight_range(model, l, (Linear)i), shard);
+            cudaCheck(cudaMemsetAsync(slot, 0, sizeof(Fp8Scale), s));
+            if (part.end > part.begin) fp8_amax(slot, model->params + part.begin, part.end - part.begin, s);
+        }
+}
+
+// The E4M3 codes of the weights' elements in `shard`, from amax slots that hold the whole
+// weights' maxima. Part boundaries are multiples of 128 elements (shards and tensors are).
+static inline void model_cast_weights_part(LlamaModel *model, ZeroRange shard, cudaStream_t s) {
+    for (int l = 0; l < model->shape.n_layers; l++)
+        for (int i = 0; i < LINEARS; i++) {
+            ZeroRange range = linear_weight_range(model, l, (Linear)i), part = zero_intersection(range, shard);
+            if (part.end == part.begin) continue;
+            fp8_quantize(linear_fp8_weight(model, l, (Linear)i, 0) + (part.begin - range.begin),
+                         NULL, model_fp8_scale(model, l, FP8_SLOT_WEIGHT, (Linear)i), model->params + part.begin,
+                         (int)((part.end - part.begin) / PARAM_ALIGN_ELEMS), PARAM_ALIGN_ELEMS, FP8_E4M3, s);
+        }
+}
+
+// Every weight's transposed codes and scale, once all its codes are here.
+static inline void model_transpose_weights(LlamaModel *model, cudaStream_t s) {
+    for (int l = 0; l < model->shape.n_layers; l++)
+        for (int i = 0; i < LINEARS; i++) {
+            Linear which = (Linear)i;
+            LinearShape shape = linear_shape(model, which);
+            fp8_transpose_codes(linear_fp8_weight(model, l, which, 1), linear_fp8_weight(model, l, which, 0),
+                                model_fp8_scale(model, l, FP8_SLOT_WEIGHT, which), shape.out, shape.in, FP8_E4M3, s);
         }
     model->fp8_weights_current = 1;
 }

@@ -524,7 +524,7 @@ static inline void adamw_create(AdamW *opt, OptimizerStateKind kind, const AdamW
     opt->n = n;
     opt->total = layout->total_padded;
     opt->state_bytes = adamw_payload_bytes(kind, n);
-    cudaCheck(cudaMalloc(&opt->state, opt->state_bytes));
+    opt->state = gpu_alloc(opt->state_bytes, "the optimizer state");
     cudaCheck(cudaMemsetAsync(opt->state, 0, opt->state_bytes, stream));
     unsigned char *base = (unsigned char *)opt->state;
     opt->master = (float *)base;
@@ -540,7 +540,7 @@ static inline void adamw_create(AdamW *opt, OptimizerStateKind kind, const AdamW
     unsigned char *table = (unsigned char *)malloc(groups);
     if (!table) adamw_die("adamw_create", "out of host memory for the weight-decay table");
     adamw_build_decay_table(table, layout, shard_begin, shard_end, config->weight_decay_all);
-    cudaCheck(cudaMalloc(&opt->decay_group, groups));
+    opt->decay_group = (unsigned char *)gpu_alloc(groups, "the weight-decay table");
     cudaCheck(cudaMemcpyAsync(opt->decay_group, table, groups, cudaMemcpyHostToDevice, stream));
     cudaCheck(cudaStreamSynchronize(stream));
     free(table);

@@ -8,9 +8,10 @@
 //         the host thread waiting in between; slow, but several ranks may share one GPU (tests),
 //         with the same call sites and the same numerics contract (BF16 sums rounded after each
 //         addition, in an order the library picks).
-// Besides the all-reduce, reduce and all-gather: a bucket's reduce to the owners of its parts
-// (ZeRO stages 1 and 2, the latter with the owner's FP32 accumulation), and the gather of
-// checkpoint chunks to rank 0.
+// Besides the all-reduce, reduce, all-gather and broadcast: a bucket's reduce to the owners of its
+// parts (ZeRO stages 1 and 2, the latter with the owner's FP32 accumulation), its inverse (the
+// owners' parts of a range to every rank: the E4M3 weight gather), a max of FP32 maxima, and
+// the gather of checkpoint chunks to rank 0.
 // BF16 buffers are uint16-sized elements; n counts elements. Every rank calls every collective
 // in the same order with the same sizes.
 #pragma once
@@ -26,7 +27,6 @@
 
 typedef enum { ZERO_BACKEND_NCCL, ZERO_BACKEND_MPI } ZeroBackend;
 
-#define ZERO_SCALARS 16  // the most values one zero_all_reduce_sum_f64 sums
 
 typedef struct {
     const Comm *comm;
@@ -62,6 +62,7 @@ static inline int zero_comm_init(ZeroComm *z, const Comm *comm, ZeroBackend back
     cudaCheck(cudaStreamCreateWithFlags(&z->stream, cudaStreamNonBlocking));
     cudaCheck(cudaEventCreateWithFlags(&z->produced, cudaEventDisableTiming));
     cudaCheck(cudaEventCreateWithFlags(&z->finished, cudaEventDisableTiming));
+    z->scalars = (double *)gpu_alloc(ZERO_SCALAR_BYTES, "the collectives' scalars");  // planned with either backend
     if (backend == ZERO_BACKEND_MPI) {
 #ifdef USE_MPI
         if (comm->world > 1 && comm->launch != LAUNCH_MPI) {
@@ -89,7 +90,6 @@ static inline int zero_comm_init(ZeroComm *z, const Comm *comm, ZeroBackend back
         if (comm_rendezvous(comm, rendezvous_dir, "nccl_id", &id, sizeof(id), 120.0, error, error_size) != 0) return -1;
     }
     ncclCheck(ncclCommInitRank(&z->nccl, comm->world, id, comm->rank));
-    cudaCheck(cudaMalloc((void **)&z->scalars, ZERO_SCALARS * sizeof(double)));
     return 0;
 #else
     (void)max_elems;
@@ -211,6 +211,52 @@ static inline void zero_reduce_bf16(ZeroComm *z, const bf16 *data, bf16 *out, si
 #endif
 }
 
+// bytes of data from rank `root` to every rank, in place.
+static inline void zero_broadcast(ZeroComm *z, void *data, size_t bytes, int root, cudaStream_t producer) {
+    (void)data;
+    (void)bytes;
+    (void)root;
+    zero_comm_after(z, producer);
+    const Comm *c = z->comm;
+    if (c->world == 1) return;
+#ifdef USE_NCCL
+    if (z->backend == ZERO_BACKEND_NCCL) {
+        ncclCheck(ncclBroadcast(data, data, bytes, ncclUint8, root, z->nccl, z->stream));
+        return;
+    }
+#endif
+#ifdef USE_MPI
+    size_t elems = (bytes + 1) / 2;
+    zero_check_staging(z, elems, "zero_broadcast");
+    if (c->rank == root) cudaCheck(cudaMemcpyAsync(z->host, data, bytes, cudaMemcpyDeviceToHost, z->stream));
+    cudaCheck(cudaStreamSynchronize(z->stream));  // also: the previous copy out of the staging is done
+    comm_broadcast(c, z->host, bytes, root);
+    if (c->rank != root) cudaCheck(cudaMemcpyAsync(data, z->host, bytes, cudaMemcpyHostToDevice, z->stream));
+#endif
+}
+
+// data[n] FP32, all >= 0 (maxima of magnitudes), replaced on every rank by its maximum over the
+// ranks. Over MPI as ints: the bits of non-negative floats order as the floats do.
+static inline void zero_all_reduce_max_f32(ZeroComm *z, float *data, size_t n, cudaStream_t producer) {
+    (void)data;
+    (void)n;
+    zero_comm_after(z, producer);
+    const Comm *c = z->comm;
+    if (c->world == 1) return;
+#ifdef USE_NCCL
+    if (z->backend == ZERO_BACKEND_NCCL) {
+        ncclCheck(ncclAllReduce(data, data, n, ncclFloat32, ncclMax, z->nccl, z->stream));
+        return;
+    }
+#endif
+#ifdef USE_MPI
+    zero_check_staging(z, 2 * n, "zero_all_reduce_max_f32");
+    zero_stage_out(z, data, 2 * n, 0);
+    comm_all_reduce_max_int(c, (int *)z->host, comm_int_count(n, "zero_all_reduce_max_f32"));
+    zero_stage_in(z, data, 2 * n, 0);
+#endif
+}
+
 __global__ void zero_accumulate_kernel(float *sum, const bf16 *part, size_t n) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) sum[i] += __bfloat162float(part[i]);
@@ -244,6 +290,25 @@ static inline void zero_reduce_bucket(ZeroComm *z, const ZeroPlan *plan, bf16 *d
         cudaCheckLaunch();
     }
     cudaCheck(cudaEventRecord(done, z->stream));
+}
+
+// The inverse of a stage-1 bucket reduce: `range` of the parameter buffer, laid out in data at
+// elem_bytes per element (BF16 parameters, or E4M3 codes), sent from the ranks that own its
+// parts to every rank (one broadcast per owner, grouped), in place.
+static inline void zero_broadcast_parts(ZeroComm *z, const ZeroPlan *plan, void *data, size_t elem_bytes, ZeroRange range,
+                                        cudaStream_t producer) {
+#ifdef USE_NCCL
+    if (z->backend == ZERO_BACKEND_NCCL) ncclCheck(ncclGroupStart());
+#endif
+    for (int r = 0; r < z->comm->world; r++) {
+        ZeroRange part = zero_owned_part(plan, range, r);
+        if (part.end > part.begin)
+            zero_broadcast(z, (char *)data + (part.begin - range.begin) * elem_bytes, (part.end - part.begin) * elem_bytes, r,
+                           producer);
+    }
+#ifdef USE_NCCL
+    if (z->backend == ZERO_BACKEND_NCCL) ncclCheck(ncclGroupEnd());
+#endif
 }
 
 // values[n] (n <= ZERO_SCALARS) FP64 on the host, summed over the ranks in place on every rank:

@@ -22,6 +22,9 @@
 #include <stdio.h>
 #include "params.h"
 
+#define ZERO_SCALARS 16  // the most values one zero_all_reduce_sum_f64 (coat/zero.cuh) sums
+#define ZERO_SCALAR_BYTES (ZERO_SCALARS * sizeof(double))  // their device room, on every rank of W > 1
+
 typedef struct {
     size_t begin, end;  // elements [begin, end) of the parameter buffer
 } ZeroRange;
@@ -81,13 +84,16 @@ static inline void zero_plan_init(ZeroPlan *z, const ParamLayout *layout, int ra
     }
 }
 
-// The part of `range` that rank `rank` owns (empty: begin == end).
+// The elements in both ranges (empty: begin == end).
+static inline ZeroRange zero_intersection(ZeroRange a, ZeroRange b) {
+    ZeroRange r = {a.begin > b.begin ? a.begin : b.begin, a.end < b.end ? a.end : b.end};
+    if (r.end < r.begin) r.end = r.begin;
+    return r;
+}
+
+// The part of `range` that rank `rank` owns.
 static inline ZeroRange zero_owned_part(const ZeroPlan *z, ZeroRange range, int rank) {
-    ZeroRange shard = zero_shard(z, rank), part;
-    part.begin = range.begin > shard.begin ? range.begin : shard.begin;
-    part.end = range.end < shard.end ? range.end : shard.end;
-    if (part.end < part.begin) part.end = part.begin;
-    return part;
+    return zero_intersection(range, zero_shard(z, rank));
 }
 
 // Bytes one rank sends in one optimizer step of `accum_steps` micro-batches. Parameters travel as
@@ -120,7 +126,8 @@ static inline ZeroTraffic zero_traffic(const ZeroPlan *z, const ParamLayout *lay
 }
 
 // dry_run's summary of the sharding and of what each rank sends per step (GB = 1e9 bytes).
-static inline void zero_print(FILE *out, const ZeroPlan *z, const ParamLayout *layout, int accum_steps, int fp8_gemms) {
+static inline void zero_print(FILE *out, const ZeroPlan *z, const ParamLayout *layout, int accum_steps, int fp8_gemms,
+                              int e4m3_gather) {
     if (z->ranks <= 1) return;
     ZeroTraffic bf16 = zero_traffic(z, layout, accum_steps, 0), fp8 = zero_traffic(z, layout, accum_steps, 1);
     if (z->stage == 0) {
@@ -137,5 +144,5 @@ static inline void zero_print(FILE *out, const ZeroPlan *z, const ParamLayout *l
             accum_steps, bf16.gradient_bytes / 1e9, z->stage == 1 ? "reduces to the owners, per bucket" : "reduces to the owners, per bucket and micro-batch",
             bf16.parameter_bytes / 1e9);
     if (fp8_gemms) fprintf(out, "; %.3f GB with the block weights gathered in e4m3", fp8.parameter_bytes / 1e9);
-    fprintf(out, "\n");
+    fprintf(out, "; this run gathers %s\n", e4m3_gather ? "e4m3" : "bf16");
 }

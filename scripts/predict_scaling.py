@@ -8,8 +8,10 @@ BF16 or with the block weights in E4M3). Compute time comes from the one-GPU thr
 by scripts/bench.sh on an H200 (command-line options to change it), minus the optimizer work
 that ZeRO-1 divides by W. A collective over W ranks takes (W - 1) x latency + bytes / bandwidth,
 at NVLink's bandwidth within one node of 8 GPUs and at InfiniBand's (one NIC per GPU) beyond.
-Without overlap a step is compute + communication; with overlap (the gradient reduces under the
-backward pass, the all-gather under the next forward) it is the larger of the two.
+A step is the forward (a third of the model's FLOPs), the backward (two thirds), the optimizer
+and the two collectives, overlapped three ways: none; as the trainer runs them (the gradient
+reduces under the backward pass, the parameter gather after the optimizer step); and with the
+gather under the next forward as well.
 Prints a Markdown table. Usage: scripts/predict_scaling.py [--help for the assumptions]
 """
 import argparse
@@ -65,9 +67,10 @@ def main():
         f.write(struct.pack(f"<{count}H", *(i % 1000 for i in range(count))))
 
     measured_7b = None
-    print("| model | GPUs | micro-batch | compute ms | sent per GPU, GB (bf16 / e4m3 weights) | communication ms | "
-          "tokens/s per GPU, no overlap (bf16 / e4m3) | with overlap (bf16 / e4m3) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | GPUs | micro-batch | compute ms | sent per GPU, GB (bf16 / e4m3 gather) | gradients / parameters ms "
+          "(bf16 / e4m3) | tokens/s per GPU: no overlap (bf16 / e4m3) | as built (bf16 / e4m3) | gather under forward too "
+          "(bf16 / e4m3) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for model in ("llama-1b", "llama2-7b", "llama2-13b"):
         config = os.path.join(ROOT, "configs", "models", model + ".conf")
         one = dry_run(config, shard, ["--micro_batch_size=1", "--seq_len=2048", "--precision=coat"])
@@ -82,31 +85,35 @@ def main():
                 fit = dry_run(config, shard, common + ["--micro_batch_size=1", f"--gpu_memory_gib={args.gpu_memory_gib}"],
                               may_fail=True)
                 if fit is None:
-                    print(f"| {model} | {gpus} | does not fit in {args.gpu_memory_gib:.0f} GiB | | | | | |")
+                    print(f"| {model} | {gpus} | does not fit in {args.gpu_memory_gib:.0f} GiB | | | | | | |")
                     continue
                 b = int(parse(r"largest micro-batch that fits: (\d+)", fit, "largest micro-batch")[0])
             text = dry_run(config, shard, common + [f"--micro_batch_size={b}", f"--total_batch_tokens={b * 2048 * gpus}"])
             tokens = b * 2048
             if model in MEASURED:
-                compute_s = tokens / MEASURED[model][2]
+                step_s = tokens / MEASURED[model][2]
             else:  # llama2-7b's throughput scaled by the ratio of parameters (FLOPs per token)
-                compute_s = tokens / (measured_7b[0] * measured_7b[1] / params)
+                step_s = tokens / (measured_7b[0] * measured_7b[1] / params)
             adamw_s = ADAMW_FP8_DRE_MS_PER_BILLION * 1e-3 * params / 1e9
-            compute_s -= adamw_s * (1 - 1 / gpus)  # ZeRO-1: each rank steps 1/W of the states
+            model_s = step_s - adamw_s  # forward and backward
+            forward_s, backward_s, optimizer_s = model_s / 3, 2 * model_s / 3, adamw_s / gpus  # ZeRO-1: 1/W of the states
+            compute_s = model_s + optimizer_s
             if gpus == 1:
-                print(f"| {model} | 1 | {b} x 2048 | {compute_s * 1e3:.0f} | - | - | {tokens / compute_s:,.0f} | |")
+                print(f"| {model} | 1 | {b} x 2048 | {compute_s * 1e3:.0f} | - | - | {tokens / compute_s:,.0f} | | |")
                 continue
             gradients, parameters, fp8_parameters = (float(x) for x in parse(
                 r"gradients ([0-9.]+) GB \(reduces to the owners, per bucket\), parameters ([0-9.]+) GB \(all-gather, bf16\); ([0-9.]+) GB",
                 text, "per-rank traffic"))
             bandwidth = (args.nvlink_gb_s if gpus <= args.gpus_per_node else args.ib_gb_s) * 1e9
-            latency = 2 * (gpus - 1) * args.latency_us * 1e-6  # two collectives per step
-            comm = [latency + (gradients + p) * 1e9 / bandwidth for p in (parameters, fp8_parameters)]
-            no_overlap = [tokens / (compute_s + c) for c in comm]
-            overlap = [tokens / max(compute_s, c) for c in comm]
+            latency = (gpus - 1) * args.latency_us * 1e-6
+            reduce_s = latency + gradients * 1e9 / bandwidth
+            gathers = [latency + p * 1e9 / bandwidth for p in (parameters, fp8_parameters)]
+            none = [tokens / (compute_s + reduce_s + g) for g in gathers]
+            built = [tokens / (forward_s + max(backward_s, reduce_s) + optimizer_s + g) for g in gathers]
+            full = [tokens / (max(forward_s, g) + max(backward_s, reduce_s) + optimizer_s) for g in gathers]
             print(f"| {model} | {gpus} | {b} x 2048 | {compute_s * 1e3:.0f} | {gradients + parameters:.2f} / "
-                  f"{gradients + fp8_parameters:.2f} | {comm[0] * 1e3:.0f} / {comm[1] * 1e3:.0f} | "
-                  f"{no_overlap[0]:,.0f} / {no_overlap[1]:,.0f} | {overlap[0]:,.0f} / {overlap[1]:,.0f} |")
+                  f"{gradients + fp8_parameters:.2f} | {reduce_s * 1e3:.0f} / {gathers[0] * 1e3:.0f} / {gathers[1] * 1e3:.0f} | "
+                  f"{none[0]:,.0f} / {none[1]:,.0f} | {built[0]:,.0f} / {built[1]:,.0f} | {full[0]:,.0f} / {full[1]:,.0f} |")
     print()
     print(f"Assumptions: NVLink {args.nvlink_gb_s:.0f} GB/s within {args.gpus_per_node} GPUs, InfiniBand "
           f"{args.ib_gb_s:.0f} GB/s per GPU beyond, {args.latency_us:.0f} us per ring step; ZeRO-1, one micro-batch per "

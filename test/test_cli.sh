@@ -201,6 +201,14 @@ expect_error "stochastic rounding of FP32 optimizer states" "command line: optim
     configs/models/tiny.conf --dry_run=1 "$plan_data" --optimizer_rounding=stochastic
 out=$(./train_llama configs/models/tiny.conf --dry_run=1 "$plan_data" --precision=coat --optimizer_rounding=stochastic 2>&1)
 check "dry_run accepts stochastic rounding of coat's FP8+DRE states" $? "$out"
+expect_error "the E4M3 parameter gather without FP8 GEMMs" "command line: param_gather = e4m3 gathers the E4M3 weights of FP8 GEMMs" \
+    configs/models/tiny.conf --dry_run=1 "$plan_data" --param_gather=e4m3
+for gather in auto:e4m3 bf16:bf16 e4m3:e4m3; do
+    out=$(./train_llama configs/models/tiny.conf --dry_run=1 "$plan_data" --precision=coat --world_size=8 \
+          --param_gather=${gather%%:*} 2>&1); rc=$?
+    check "dry_run, coat on 8 ranks, param_gather ${gather%%:*}: the plan names the ${gather#*:} gather" \
+        "$([ $rc -eq 0 ] && printf '%s\n' "$out" | grep -q "with the block weights gathered in e4m3; this run gathers ${gather#*:}$"; echo $?)" "$out"
+done
 expect_error "FP8 with a token count that is not a multiple of 16" "command line: precision FP8 transposes" \
     configs/models/tiny.conf --dry_run=1 "$plan_data" --precision=coat --micro_batch_size=3 --seq_len=5
 expect_error "BF16 GEMMs over FP8 activations with ffn_dim < dim" "command line: activations BF16 GEMMs with FP8-saved inputs" \

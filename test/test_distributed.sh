@@ -4,8 +4,8 @@
 # between them): every logged loss within the BF16 reduction-order noise, printed; rank 0 alone
 # writes the log and the checkpoints; checkpoints resume on other world sizes and stages; ZeRO
 # stage 0 (every rank steps everything), 1 (sharded master weights and states, checkpoints
-# gathered by rank 0) and 2 (also the gradients, per bucket during backward) in bf16 and coat;
-# one rank under mpirun with NCCL equals the plain run bit for bit.
+# gathered by rank 0) and 2 (also the gradients, per bucket during backward) in bf16 and coat,
+# coat's E4M3 parameter gather against its BF16 one; one rank under mpirun with NCCL equals the plain run bit for bit.
 cd "$(dirname "$0")/.." || exit 1
 source test/check.sh
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -104,6 +104,17 @@ for stage in 1 2; do
     check "coat, ZeRO stage $stage on 2 ranks: 20 steps" $? "$(tail -5 "$tmp/coat_s$stage.out")"
     check_close "coat, ZeRO stage $stage, 2 ranks against 1" "$tmp/coat_one/log.jsonl" "$tmp/coat_s$stage/log.jsonl"
 done
+# The E4M3 parameter gather (param_gather auto, with FP8 GEMMs) leaves every rank the codes a
+# cast of the BF16 gather's weights makes: the same losses and gradient norms bit for bit.
+"${mpi[@]}" 2 ./train_llama "${stage1[@]}" --precision=coat --zero_stage=1 --param_gather=bf16 --comm_backend=mpi \
+    --out_dir="$tmp/coat_s1_bf16" > "$tmp/coat_s1_bf16.out" 2>&1
+check "coat, ZeRO stage 1 on 2 ranks, parameters gathered in bf16: 20 steps" $? "$(tail -5 "$tmp/coat_s1_bf16.out")"
+numbers() { grep -o '"step": [0-9]*, "\(train\|val\)_loss": [0-9.e+-]*\(, "lr": [0-9.e+-]*, "grad_norm": [0-9.e+-]*\)\?' "$1"; }
+check "coat, ZeRO stage 1: the e4m3 gather's losses and norms equal the bf16 gather's bit for bit" \
+    "$(grep -q 'parameters gathered in e4m3' "$tmp/coat_s1.out" && grep -q 'parameters gathered in bf16' "$tmp/coat_s1_bf16.out" &&
+       [ "$(numbers "$tmp/coat_s1/log.jsonl" | wc -l)" -ge 22 ] &&
+       cmp -s <(numbers "$tmp/coat_s1/log.jsonl") <(numbers "$tmp/coat_s1_bf16/log.jsonl"); echo $?)" \
+    "$(diff <(numbers "$tmp/coat_s1/log.jsonl") <(numbers "$tmp/coat_s1_bf16/log.jsonl") | head -4; grep '^ranks' "$tmp/coat_s1.out")"
 # Sharded checkpoints across world sizes and stages: the step-10 checkpoint of RUN resumed on
 # RANKS ranks at STAGE.
 for triple in "s1_4 1 1" "s1_4 2 1" "s1_one 4 1" "s2_4 2 2" "s2_2 4 1"; do
@@ -118,5 +129,11 @@ if grep -qa ncclCommInitRank ./train_llama; then
                              <(grep -o '"step": [0-9]*, "\(train\|val\)_loss": [0-9.]*' "$tmp/nccl1/log.jsonl"); echo $?)" \
         "$(tail -3 "$tmp/nccl1.out")"
 fi
+
+# Every run above, 1 to 4 ranks at stages 0 to 2, bf16 and coat: each rank allocated its memory plan.
+outs=("$tmp"/*.out)
+matched=$(grep -l "^GPU memory allocated: [0-9.]* GiB per rank, each rank's plan byte for byte$" "${outs[@]}" | wc -l)
+check "each of the ${#outs[@]} runs allocated every rank's memory plan byte for byte" "$([ "$matched" = "${#outs[@]}" ]; echo $?)" \
+    "$(grep -h 'GPU memory allocated\|allocated .* bytes on the GPU' "${outs[@]}" | sort | uniq -c | head -5)"
 
 check_summary test_distributed

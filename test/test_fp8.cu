@@ -634,6 +634,66 @@ static void test_amax_accumulates(void) {
     cudaCheck(cudaFree(d_slot));
 }
 
+// ZeRO's E4M3 weight gather: each rank casts its parts of a weight's flat elements (split at
+// multiples of 128) with the amax of the whole weight, and every rank transposes the gathered
+// codes. The codes, their transpose and the scale equal one cast pass over the whole tensor,
+// bit for bit; the transpose writes nothing past [C, R]. Shapes: one tile, partial tiles, tall, wide.
+static void test_transpose_codes(void) {
+    static const int shapes[][2] = {{16, 16}, {64, 64}, {48, 208}, {1040, 80}, {96, 2064}, {2048, 512}};
+    const size_t guard = 64;
+    for (size_t s = 0; s < ARRAY_LEN(shapes); s++) {
+        int R = shapes[s][0], C = shapes[s][1];
+        size_t n = (size_t)R * C;
+        uint16_t *x = wide_range_bf16(n, SEED + 700 + s);
+        bf16 *d_x = (bf16 *)device_copy_of(x, n * 2);
+        Fp8Scale zero;
+        memset(&zero, 0, sizeof(zero));
+        Fp8Scale *d_whole = (Fp8Scale *)device_copy_of(&zero, sizeof(zero)), *d_parts = (Fp8Scale *)device_copy_of(&zero, sizeof(zero));
+        uint8_t *d_codes = device_poisoned(n, 0x5a), *d_codes_t = device_poisoned(n, 0x5a);
+        uint8_t *d_part_codes = device_poisoned(n, 0xa5), *d_transposed = device_poisoned(n + guard, 0xa5);
+        fp8_amax(d_whole, d_x, n, 0);
+        fp8_quantize(d_codes, d_codes_t, d_whole, d_x, R, C, FP8_E4M3, 0);
+        size_t split = n / 2 / 128 * 128;  // a shard boundary inside the tensor (or at its start)
+        fp8_amax(d_parts, d_x + split, n - split, 0);
+        fp8_amax(d_parts, d_x, split, 0);  // the max over the ranks' partial maxima
+        if (split > 0) fp8_quantize(d_part_codes, NULL, d_parts, d_x, (int)(split / 128), 128, FP8_E4M3, 0);
+        fp8_quantize(d_part_codes + split, NULL, d_parts, d_x + split, (int)((n - split) / 128), 128, FP8_E4M3, 0);
+        cudaCheck(cudaMemset(d_parts, 0, sizeof(float)));  // the scale: the transpose stores it again
+        fp8_transpose_codes(d_transposed, d_part_codes, d_parts, R, C, FP8_E4M3, 0);
+        uint8_t *codes = (uint8_t *)host_copy_of(d_codes, n), *codes_t = (uint8_t *)host_copy_of(d_codes_t, n);
+        uint8_t *part_codes = (uint8_t *)host_copy_of(d_part_codes, n), *transposed = (uint8_t *)host_copy_of(d_transposed, n + guard);
+        Fp8Scale whole, parts;
+        cudaCheck(cudaMemcpy(&whole, d_whole, sizeof(whole), cudaMemcpyDeviceToHost));
+        cudaCheck(cudaMemcpy(&parts, d_parts, sizeof(parts), cudaMemcpyDeviceToHost));
+        size_t codes_differ = 0, transpose_differ = 0, reference_differ = 0, guard_changed = 0;
+        for (size_t i = 0; i < n; i++) {
+            codes_differ += part_codes[i] != codes[i];
+            transpose_differ += transposed[i] != codes_t[i];
+        }
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) reference_differ += transposed[(size_t)c * R + r] != part_codes[(size_t)r * C + c];
+        for (size_t i = n; i < n + guard; i++) guard_changed += transposed[i] != 0xa5;
+        check(codes_differ == 0 && transpose_differ == 0 && reference_differ == 0 && guard_changed == 0 &&
+                  same_float(parts.scale, whole.scale) && same_float(parts.scale, host_scale(whole.amax, FP8_E4M3)) &&
+                  same_float(parts.amax, whole.amax),
+              "[%d, %d] cast in two parts split at %zu and transposed = one cast pass with its transpose: %zu codes, %zu "
+              "transposed codes differ (%zu from the C transpose), %zu guard bytes changed; scale %.9g vs %.9g",
+              R, C, split, codes_differ, transpose_differ, reference_differ, guard_changed, (double)parts.scale, (double)whole.scale);
+        free(x);
+        free(codes);
+        free(codes_t);
+        free(part_codes);
+        free(transposed);
+        cudaCheck(cudaFree(d_x));
+        cudaCheck(cudaFree(d_whole));
+        cudaCheck(cudaFree(d_parts));
+        cudaCheck(cudaFree(d_codes));
+        cudaCheck(cudaFree(d_codes_t));
+        cudaCheck(cudaFree(d_part_codes));
+        cudaCheck(cudaFree(d_transposed));
+    }
+}
+
 // ---- 1x16 groups ------------------------------------------------------------------------
 
 // Half group h (8 values) of x [R, C] per thread, C a multiple of 16, so that lanes 2k and 2k+1
@@ -855,6 +915,7 @@ int main(void) {
         test_inf_input(FORMATS[k]);
     }
     test_amax_accumulates();
+    test_transpose_codes();
     test_group_helpers();
     bench_quantize();
     return check_summary("test_fp8");
