@@ -21,7 +21,7 @@ numbers() { sed 's/, "ms": [^,]*, "tokens": [^,]*, "tokens_per_s": [^,]*, "mfu":
 check "the run left alone completes" $? "$(tail -3 "$tmp/alone.out")"
 
 # Kill, resume, repeat: odd attempts are killed as soon as a checkpoint file is being written
-# (its .bin.tmp exists), even ones after a random 1-6 s; the last attempt runs to the end.
+# (its .bin.tmp exists), even ones at a random moment of training; the last attempt runs to the end.
 dir=$tmp/crashed
 mkdir -p "$dir"
 RANDOM=7
@@ -49,8 +49,11 @@ for attempt in 1 2 3 4 5 6 7 8 9 10 11 12; do
                 if grep -Eq "^step +$step/$steps " "$tmp/attempt$attempt.out"; then lines_kept=$((lines_kept + 1)); else lines_lost=$((lines_lost + 1)); fi
             fi
         else
-            delay=$((RANDOM % 50 + 10))
-            for _ in $(seq "$delay"); do kill -0 $pid 2>/dev/null || break; sleep 0.1; done
+            # after 1-6 new step lines and 0-40 ms more: inside a step or a checkpoint write, however
+            # fast this machine's disk writes them
+            lines=$((RANDOM % 6 + 1)) pause=$((RANDOM % 5))
+            while kill -0 $pid 2>/dev/null && [ "$(grep -c '^step ' "$tmp/attempt$attempt.out")" -lt "$lines" ]; do sleep 0.01; done
+            sleep "0.0$pause"
             kill -0 $pid 2>/dev/null && kill -9 $pid 2>/dev/null && kills_elsewhere=$((kills_elsewhere + 1))
         fi
     fi
