@@ -9,16 +9,19 @@
 #                (data/curves-pack/part_N/, each with the MANIFEST of all pieces)
 #   unpack       decompresses the pieces present under data/curves-pack into data/curves/, checking
 #                each against the MANIFEST (parts may arrive one per job: it says which are missing)
-#   run NAME     trains NAME (bf16, fp8, coat, bf16-seed2; coat-fp32-states: coat with FP32 optimizer
-#                states, the ablation that isolates the FP8 states; coat-stochastic: coat with its FP8
-#                states rounded stochastically) into out/curves/NAME, resuming from its
-#                last checkpoint (every 50 steps) when one is there; at most RUN_TIMEOUT_S seconds
-#                (default 560) per call: exit 0 when the run is complete, 3 when the time ran out
-#                first (call again to continue). Each call's seconds are added to out/curves/NAME/gpu_seconds.
+#   run NAME     trains NAME (bf16, fp8, coat, bf16-seed2; the ablations: coat-fp32-states, coat
+#                with FP32 optimizer states; coat-stochastic, coat with its FP8 states rounded
+#                stochastically; fp8-gemms, FP8 GEMMs alone, activations and states as in bf16;
+#                coat-activations, COAT's activation storage alone, with BF16 GEMMs) into
+#                out/curves/NAME, resuming from its last checkpoint (every 50 steps) when one is
+#                there; at most RUN_TIMEOUT_S seconds (default 560) per call: exit 0 when the run
+#                is complete, 3 when the time ran out first (call again to continue). A complete
+#                run that is not plain bf16 also validates its final weights with BF16 compute
+#                (out/curves/NAME/bf16-eval/). Each call's seconds are added to out/curves/NAME/gpu_seconds.
 #   report       configs/results/curves.png (train and validation curves; each mode's validation loss
 #                relative to bf16 beside the seed spread) and configs/results/curves.md (final losses,
 #                gaps, tokens/s, peak memory, GPU time, the commands), the logs in configs/results/curves/
-#   all          pack (when the corpus is here), unpack, the six runs, report
+#   all          pack (when the corpus is here), unpack, every run, report
 # Needs: ./train_llama (make) for run; python3 for pack, unpack and report, matplotlib for the figure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +36,7 @@ RESULTS=${RESULTS:-configs/results}
 PIECE_TOKENS=${PIECE_TOKENS:-40000000}
 PART_BYTES=${PART_BYTES:-$((60 * 1024 * 1024))}
 RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-560}
-RUNS=(bf16 fp8 coat bf16-seed2 coat-fp32-states coat-stochastic)
+RUNS=(bf16 fp8 coat bf16-seed2 coat-fp32-states coat-stochastic fp8-gemms coat-activations)
 
 usage() {
     echo "usage: scripts/reproduce_curves.sh pack|unpack|run NAME|report|all   (NAME: ${RUNS[*]})" >&2
@@ -137,6 +140,8 @@ run() {
     bf16-seed2) precision=bf16 seed=2 ;;
     coat-fp32-states) precision=coat seed=1337 states=(--optimizer_states=fp32) ;;
     coat-stochastic) precision=coat seed=1337 states=(--optimizer_rounding=stochastic) ;;
+    fp8-gemms) precision=fp8 seed=1337 states=(--activations=bf16) ;;
+    coat-activations) precision=bf16 seed=1337 states=(--activations=coat) ;;
     *) usage ;;
     esac
     [ -x ./train_llama ] || { echo "error: ./train_llama is not built (make)" >&2; return 1; }
@@ -151,6 +156,8 @@ run() {
     echo $((SECONDS - start)) >> "$dir/gpu_seconds"
     if grep -q "^{\"step\": $max_steps, \"val_loss\"" "$dir/log.jsonl" 2>/dev/null; then
         echo "run $name: complete ($max_steps steps)"
+        [ "$precision" = bf16 ] && [ ${#states[@]} -eq 0 ] && return 0
+        evaluate_in_bf16 "$dir" "$max_steps" || return 1
         return 0
     fi
     if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
@@ -162,6 +169,25 @@ run() {
     return 1
 }
 
+# The final weights of a run that trained with FP8 somewhere, validated with BF16 compute (the
+# same batches): how much of its loss is the FP8 forward's, and how much is in the weights. The
+# step-0 validation of a 1-step run from those weights, into DIR/bf16-eval/log.jsonl.
+evaluate_in_bf16() {
+    local dir=$1 steps=$2 start=$SECONDS status=0
+    [ -s "$dir/bf16-eval/log.jsonl" ] && return 0
+    ./train_llama "$CONFIG" --precision=bf16 --init_from="$(printf '%s/ckpt_%08d.bin' "$dir" "$steps")" \
+        --train_data="$DATA/train_*.bin" --val_data="$DATA/val_*.bin" --out_dir="$dir/bf16-eval" --overwrite=1 \
+        --max_steps=1 --warmup_steps=0 --val_every=1 --checkpoint_final=0 > "$dir/bf16-eval.log" 2>&1 || status=$?
+    echo $((SECONDS - start)) >> "$dir/gpu_seconds"
+    if [ "$status" -ne 0 ]; then
+        echo "run: the BF16 validation of $dir's final weights failed (exit status $status); last lines:" >&2
+        tail -n 5 "$dir/bf16-eval.log" | sed 's/^/    /' >&2
+        rm -rf "$dir/bf16-eval"
+        return 1
+    fi
+    echo "run: $dir's final weights with BF16 compute: $(grep -o '"step": 0, "val_loss": [0-9.]*' "$dir/bf16-eval/log.jsonl")"
+}
+
 report() {
     local present=()
     for name in "${RUNS[@]}"; do [ -s "$OUT/$name/log.jsonl" ] && present+=("$OUT/$name:$name"); done
@@ -171,6 +197,7 @@ report() {
         [ -s "$OUT/$name/log.jsonl" ] || continue
         cp "$OUT/$name/log.jsonl" "$RESULTS/curves/$name.log.jsonl"
         [ -s "$OUT/$name/gpu_seconds" ] && cp "$OUT/$name/gpu_seconds" "$RESULTS/curves/$name.gpu_seconds"
+        [ -s "$OUT/$name/bf16-eval/log.jsonl" ] && cp "$OUT/$name/bf16-eval/log.jsonl" "$RESULTS/curves/$name.bf16-eval.log.jsonl"
     done
     local spread=()
     [ -s "$OUT/bf16-seed2/log.jsonl" ] && spread=(--spread bf16-seed2)
@@ -195,6 +222,13 @@ for name in names:
             pass
     train = [r for r in records if "train_loss" in r]
     val = [r for r in records if "val_loss" in r]
+    bf16_val = float("nan")
+    eval_path = os.path.join(out, name, "bf16-eval", "log.jsonl")
+    if os.path.exists(eval_path):
+        for line in open(eval_path):
+            r = json.loads(line)
+            if r.get("step") == 0 and "val_loss" in r:
+                bf16_val = r["val_loss"]
     seconds_path = os.path.join(out, name, "gpu_seconds")
     seconds = sum(int(x) for x in open(seconds_path).read().split()) if os.path.exists(seconds_path) else 0
     rows[name] = {
@@ -205,35 +239,43 @@ for name in names:
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train[5:]) if len(train) > 5 else 0,
         "gib": max((r["gpu_mem_gib"] for r in train), default=0),
         "seconds": seconds,
+        "bf16_val": bf16_val,
     }
 base = rows.get("bf16")
 def time_cell(seconds):
     return f"{seconds / 60:.1f} min" if seconds else "-"
-def gap(name):
-    if not base or name == "bf16" or name not in rows:
+def gap(name, key="val"):
+    if not base or name == "bf16" or name not in rows or rows[name][key] != rows[name][key]:
         return ""
-    return f"{100 * (rows[name]['val'] / base['val'] - 1):+.2f}%"
+    return f"{100 * (rows[name][key] / base['val'] - 1):+.2f}%"
+def bf16_cell(name):
+    v = rows[name]["bf16_val"]
+    return "" if v != v else f"{v:.4f} ({gap(name, 'bf16_val')})"
+HEADER = ("| run | steps | tokens | final val loss | vs bf16 | final weights, BF16 compute (vs bf16) | median tokens/s | "
+          "peak GPU memory (GiB) | GPU time |")
 lines = ["# Pretraining curves: llama-125m on the local corpus, bf16 vs fp8 vs coat", "",
          f"Config `{config}` (300M tokens, 524,288 per step); bf16, fp8 and coat from seed 1337 and the same",
          "data order, bf16-seed2 from seed 2 (another initialisation and data order) for the seed-to-seed",
-         "spread, coat-fp32-states (coat with FP32 optimizer states) to isolate the FP8 states and",
-         "coat-stochastic (its FP8 states rounded stochastically). Final val loss: the mean over 16 fixed",
-         "validation batches after the last step.", "",
+         "spread; the ablations coat-fp32-states (coat with FP32 optimizer states), coat-stochastic (its FP8",
+         "states rounded stochastically), fp8-gemms (FP8 GEMMs alone) and coat-activations (COAT's",
+         "activation storage alone, BF16 GEMMs). Final val loss: the mean over 16 fixed validation batches",
+         "after the last step; with BF16 compute: the same final weights and batches through the bf16",
+         "forward (what the FP8 forward itself costs at the end).", "",
          "![curves](curves.png)", "",
-         "| run | steps | tokens | final val loss | vs bf16 | median tokens/s | peak GPU memory (GiB) | GPU time |",
-         "|---|---|---|---|---|---|---|---|"]
+         HEADER,
+         "|---|---|---|---|---|---|---|---|---|"]
 for name in names:
     if name in rows:
         r = rows[name]
         lines.append(f"| {name} | {r['steps']} | {r['tokens'] / 1e6:.1f}M | {r['val']:.4f} (step {r['val_step']}) | "
-                     f"{gap(name)} | {r['tokens_per_s']:,.0f} | {r['gib']:.2f} | {time_cell(r['seconds'])} |")
+                     f"{gap(name)} | {bf16_cell(name)} | {r['tokens_per_s']:,.0f} | {r['gib']:.2f} | {time_cell(r['seconds'])} |")
 lines += ["", "Commands (the corpus: `scripts/fetch_corpus.sh`; a GPU machine without it gets the parts of", "`pack` one per job and unpacks them):", "",
           "```sh", "scripts/reproduce_curves.sh pack", "scripts/reproduce_curves.sh unpack"]
 lines += [f"scripts/reproduce_curves.sh run {name}   # again while it exits 3" for name in names]
 lines += ["scripts/reproduce_curves.sh report", "```", ""]
 with open(md, "w") as f:
     f.write("\n".join(lines))
-table = lines.index("| run | steps | tokens | final val loss | vs bf16 | median tokens/s | peak GPU memory (GiB) | GPU time |")
+table = lines.index(HEADER)
 print("\n".join(lines[table:table + 2 + len(rows)]))
 print(f"report: wrote {md}")
 PY

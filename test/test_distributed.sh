@@ -98,29 +98,38 @@ check_close "2 ranks, ZeRO stage 1 against stage 0" "$tmp/s0_2/log.jsonl" "$tmp/
 check_close "2 ranks, ZeRO stage 2 against stage 1" "$tmp/s1_2/log.jsonl" "$tmp/s2_2/log.jsonl"
 ./train_llama "${stage1[@]}" --precision=coat --out_dir="$tmp/coat_one" > "$tmp/coat_one.out" 2>&1
 check "coat, one rank: 20 steps" $? "$(tail -3 "$tmp/coat_one.out")"
-for stage in 1 2; do
-    "${mpi[@]}" 2 ./train_llama "${stage1[@]}" --precision=coat --zero_stage=$stage --comm_backend=mpi \
-        --out_dir="$tmp/coat_s$stage" > "$tmp/coat_s$stage.out" 2>&1
-    check "coat, ZeRO stage $stage on 2 ranks: 20 steps" $? "$(tail -5 "$tmp/coat_s$stage.out")"
-    check_close "coat, ZeRO stage $stage, 2 ranks against 1" "$tmp/coat_one/log.jsonl" "$tmp/coat_s$stage/log.jsonl"
+for stage in 0 1 2; do
+    for ranks in 2 4; do
+        run=coat_s$stage$([ "$ranks" = 2 ] || echo "_$ranks")
+        "${mpi[@]}" $ranks ./train_llama "${stage1[@]}" --precision=coat --zero_stage=$stage --comm_backend=mpi \
+            --out_dir="$tmp/$run" > "$tmp/$run.out" 2>&1
+        check "coat, ZeRO stage $stage on $ranks ranks: 20 steps" $? "$(tail -5 "$tmp/$run.out")"
+        check_close "coat, ZeRO stage $stage, $ranks ranks against 1" "$tmp/coat_one/log.jsonl" "$tmp/$run/log.jsonl"
+    done
 done
 # The E4M3 parameter gather (param_gather auto, with FP8 GEMMs) leaves every rank the codes a
 # cast of the BF16 gather's weights makes: the same losses and gradient norms bit for bit.
-"${mpi[@]}" 2 ./train_llama "${stage1[@]}" --precision=coat --zero_stage=1 --param_gather=bf16 --comm_backend=mpi \
-    --out_dir="$tmp/coat_s1_bf16" > "$tmp/coat_s1_bf16.out" 2>&1
-check "coat, ZeRO stage 1 on 2 ranks, parameters gathered in bf16: 20 steps" $? "$(tail -5 "$tmp/coat_s1_bf16.out")"
 numbers() { grep -o '"step": [0-9]*, "\(train\|val\)_loss": [0-9.e+-]*\(, "lr": [0-9.e+-]*, "grad_norm": [0-9.e+-]*\)\?' "$1"; }
-check "coat, ZeRO stage 1: the e4m3 gather's losses and norms equal the bf16 gather's bit for bit" \
-    "$(grep -q 'parameters gathered in e4m3' "$tmp/coat_s1.out" && grep -q 'parameters gathered in bf16' "$tmp/coat_s1_bf16.out" &&
-       [ "$(numbers "$tmp/coat_s1/log.jsonl" | wc -l)" -ge 22 ] &&
-       cmp -s <(numbers "$tmp/coat_s1/log.jsonl") <(numbers "$tmp/coat_s1_bf16/log.jsonl"); echo $?)" \
-    "$(diff <(numbers "$tmp/coat_s1/log.jsonl") <(numbers "$tmp/coat_s1_bf16/log.jsonl") | head -4; grep '^ranks' "$tmp/coat_s1.out")"
+for pair in "1 2 coat_s1" "2 4 coat_s2_4"; do
+    set -- $pair
+    "${mpi[@]}" "$2" ./train_llama "${stage1[@]}" --precision=coat --zero_stage="$1" --param_gather=bf16 --comm_backend=mpi \
+        --out_dir="$tmp/$3_bf16" > "$tmp/$3_bf16.out" 2>&1
+    check "coat, ZeRO stage $1 on $2 ranks, parameters gathered in bf16: 20 steps" $? "$(tail -5 "$tmp/$3_bf16.out")"
+    check "coat, ZeRO stage $1 on $2 ranks: the e4m3 gather's losses and norms equal the bf16 gather's bit for bit" \
+        "$(grep -q 'parameters gathered in e4m3' "$tmp/$3.out" && grep -q 'parameters gathered in bf16' "$tmp/$3_bf16.out" &&
+           [ "$(numbers "$tmp/$3/log.jsonl" | wc -l)" -ge 22 ] &&
+           cmp -s <(numbers "$tmp/$3/log.jsonl") <(numbers "$tmp/$3_bf16/log.jsonl"); echo $?)" \
+        "$(diff <(numbers "$tmp/$3/log.jsonl") <(numbers "$tmp/$3_bf16/log.jsonl") | head -4; grep '^ranks' "$tmp/$3.out")"
+done
 # Sharded checkpoints across world sizes and stages: the step-10 checkpoint of RUN resumed on
 # RANKS ranks at STAGE.
 for triple in "s1_4 1 1" "s1_4 2 1" "s1_one 4 1" "s2_4 2 2" "s2_2 4 1"; do
     set -- $triple
     resume_on "$1" "$2" "$tmp/$1-on-$2-stage$3" "${stage1[@]}" --zero_stage="$3"
 done
+# coat's FP8+DRE states (group scales, k and c) across world sizes and stages too
+resume_on coat_s2_4 2 "$tmp/coat_s2_4-on-2-stage1" "${stage1[@]}" --precision=coat --zero_stage=1
+resume_on coat_s1 1 "$tmp/coat_s1-on-1" "${stage1[@]}" --precision=coat
 
 if grep -qa ncclCommInitRank ./train_llama; then
     "${mpi[@]}" 1 ./train_llama "${common[@]}" --comm_backend=nccl --out_dir="$tmp/nccl1" > "$tmp/nccl1.out" 2>&1
