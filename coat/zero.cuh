@@ -27,7 +27,6 @@
 
 typedef enum { ZERO_BACKEND_NCCL, ZERO_BACKEND_MPI } ZeroBackend;
 
-
 typedef struct {
     const Comm *comm;
     ZeroBackend backend;

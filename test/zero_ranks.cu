@@ -1,7 +1,10 @@
 // The program test/test_zero_gpu.sh launches as several ranks to test coat/zero.cuh on GPU
 // buffers: zero_ranks BACKEND (nccl or mpi). Each rank drives GPU local_rank % GPUs (the MPI
-// backend lets several ranks share one); every collective on inputs each rank can compute for all
-// the others, checked exactly (sums of multiples of 1/8 below 32 are exact in BF16, and in FP32).
+// backend lets several ranks share one); every collective (all-reduce, all-gather, reduce, a
+// bucket's reduce to its owners, the owners' parts broadcast, the max) on inputs each rank can
+// compute for all the others, checked exactly (sums of multiples of 1/8 below 32 are exact in
+// BF16, and in FP32).
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -120,6 +123,50 @@ int main(int argc, char **argv) {
     free(host_sums);
     cudaCheck(cudaFree(sums));
     cudaCheck(cudaEventDestroy(done));
+    // The owners' parts of a range sent to every rank: BF16 elements, and bytes (the E4M3 weight
+    // gather), each laid out from the range's start; outside the range nothing changes.
+    ZeroRange range = {3 * 128, n - 5 * 128};
+    cudaCheck(cudaMemcpyAsync(data, mine, 2 * n, cudaMemcpyHostToDevice, compute));
+    zero_broadcast_parts(&z, &plan, data + range.begin, 2, range, compute);
+    size_t codes_n = range.end - range.begin;
+    uint8_t *codes, *host_codes = (uint8_t *)malloc(codes_n);
+    for (size_t j = 0; j < codes_n; j++) host_codes[j] = (uint8_t)((comm.rank * 7 + j) % 251);
+    cudaCheck(cudaMalloc(&codes, codes_n));
+    cudaCheck(cudaMemcpyAsync(codes, host_codes, codes_n, cudaMemcpyHostToDevice, compute));
+    zero_broadcast_parts(&z, &plan, codes, 1, range, compute);
+    zero_comm_join(&z, compute);
+    cudaCheck(cudaMemcpyAsync(got, data, 2 * n, cudaMemcpyDeviceToHost, compute));
+    cudaCheck(cudaMemcpyAsync(host_codes, codes, codes_n, cudaMemcpyDeviceToHost, compute));
+    cudaCheck(cudaStreamSynchronize(compute));
+    wrong = 0;
+    for (size_t i = 0; i < n; i++) {
+        int owner = (int)(i / shard), inside = i >= range.begin && i < range.end;
+        wrong |= got[i] != bf16_bits(input_value(inside ? owner : comm.rank, i));
+        if (inside) wrong |= host_codes[i - range.begin] != (uint8_t)((owner * 7 + (i - range.begin)) % 251);
+    }
+    if (wrong) { failures++; printf("rank %d: broadcast of the owners' parts wrong\n", comm.rank); }
+    free(host_codes);
+    cudaCheck(cudaFree(codes));
+
+    // The max over the ranks of non-negative FP32 values, in place.
+    float *maxima, *host_maxima = (float *)malloc(4 * shard);
+    for (size_t i = 0; i < shard; i++) host_maxima[i] = input_value(comm.rank, i) * 1e-3f;
+    cudaCheck(cudaMalloc(&maxima, 4 * shard));
+    cudaCheck(cudaMemcpyAsync(maxima, host_maxima, 4 * shard, cudaMemcpyHostToDevice, compute));
+    zero_all_reduce_max_f32(&z, maxima, shard, compute);
+    zero_comm_join(&z, compute);
+    cudaCheck(cudaMemcpyAsync(host_maxima, maxima, 4 * shard, cudaMemcpyDeviceToHost, compute));
+    cudaCheck(cudaStreamSynchronize(compute));
+    wrong = 0;
+    for (size_t i = 0; i < shard; i++) {
+        float want = 0.0f;
+        for (int r = 0; r < comm.world; r++) want = fmaxf(want, input_value(r, i) * 1e-3f);
+        wrong |= host_maxima[i] != want;
+    }
+    if (wrong) { failures++; printf("rank %d: max all-reduce wrong\n", comm.rank); }
+    free(host_maxima);
+    cudaCheck(cudaFree(maxima));
+
     printf("rank %d of %d: %s collectives %s\n", comm.rank, comm.world, argv[1], failures ? "WRONG" : "ok");
     zero_comm_free(&z);
     cudaCheck(cudaFree(data));
