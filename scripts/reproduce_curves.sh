@@ -21,6 +21,8 @@
 #   report       configs/results/curves.png (train and validation curves; each mode's validation loss
 #                relative to bf16 beside the seed spread) and configs/results/curves.md (final losses,
 #                gaps, tokens/s, peak memory, GPU time, the commands), the logs in configs/results/curves/
+#                bf16-1epoch and coat-1epoch train 240 steps, one pass over the data with the whole
+#                schedule in it: the learning-rate decay without repeated data.
 #   all          pack (when the corpus is here), unpack, every run, report
 # Needs: ./train_llama (make) for run; python3 for pack, unpack and report, matplotlib for the figure.
 set -euo pipefail
@@ -36,7 +38,8 @@ RESULTS=${RESULTS:-configs/results}
 PIECE_TOKENS=${PIECE_TOKENS:-40000000}
 PART_BYTES=${PART_BYTES:-$((60 * 1024 * 1024))}
 RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-560}
-RUNS=(bf16 fp8 coat bf16-seed2 coat-fp32-states coat-stochastic fp8-gemms coat-activations)
+RUNS=(bf16 fp8 coat bf16-seed2 coat-fp32-states coat-stochastic fp8-gemms coat-activations bf16-1epoch coat-1epoch)
+ONE_EPOCH_STEPS=240  # 125.8M tokens: one pass over the corpus's 127M training tokens
 
 usage() {
     echo "usage: scripts/reproduce_curves.sh pack|unpack|run NAME|report|all   (NAME: ${RUNS[*]})" >&2
@@ -142,11 +145,13 @@ run() {
     coat-stochastic) precision=coat seed=1337 states=(--optimizer_rounding=stochastic) ;;
     fp8-gemms) precision=fp8 seed=1337 states=(--activations=bf16) ;;
     coat-activations) precision=bf16 seed=1337 states=(--activations=coat) ;;
+    bf16-1epoch | coat-1epoch) precision=${name%-1epoch} seed=1337 states=(--max_steps=$ONE_EPOCH_STEPS) ;;
     *) usage ;;
     esac
     [ -x ./train_llama ] || { echo "error: ./train_llama is not built (make)" >&2; return 1; }
     local max_steps dir=$OUT/$name start=$SECONDS status=0 continue=(--overwrite=1)
     max_steps=$(sed -n 's/^max_steps *= *\([0-9]*\).*/\1/p' "$CONFIG")
+    [[ $name == *-1epoch ]] && max_steps=$ONE_EPOCH_STEPS
     if ls "$dir"/ckpt_*.bin > /dev/null 2>&1; then continue=(--resume=1); fi
     mkdir -p "$dir"
     echo "run $name: precision $precision, seed $seed, ${continue[0]#--}, at most $RUN_TIMEOUT_S s, log in $dir/train.log"
@@ -156,7 +161,7 @@ run() {
     echo $((SECONDS - start)) >> "$dir/gpu_seconds"
     if grep -q "^{\"step\": $max_steps, \"val_loss\"" "$dir/log.jsonl" 2>/dev/null; then
         echo "run $name: complete ($max_steps steps)"
-        [ "$precision" = bf16 ] && [ ${#states[@]} -eq 0 ] && return 0
+        [ "$precision" = bf16 ] && { [ ${#states[@]} -eq 0 ] || [[ $name == *-1epoch ]]; } && return 0
         evaluate_in_bf16 "$dir" "$max_steps" || return 1
         return 0
     fi
@@ -190,7 +195,9 @@ evaluate_in_bf16() {
 
 report() {
     local present=()
-    for name in "${RUNS[@]}"; do [ -s "$OUT/$name/log.jsonl" ] && present+=("$OUT/$name:$name"); done
+    for name in "${RUNS[@]}"; do  # the figure: the runs of the full schedule
+        [[ $name == *-1epoch ]] || { [ -s "$OUT/$name/log.jsonl" ] && present+=("$OUT/$name:$name"); } || true
+    done
     [ ${#present[@]} -gt 0 ] || { echo "error: no run has a log in $OUT (scripts/reproduce_curves.sh run NAME)" >&2; exit 1; }
     mkdir -p "$RESULTS/curves"
     for name in "${RUNS[@]}"; do
@@ -241,11 +248,13 @@ for name in names:
         "seconds": seconds,
         "bf16_val": bf16_val,
     }
-base = rows.get("bf16")
+def reference(name):  # the one-epoch runs against the one-epoch bf16 run
+    return "bf16-1epoch" if name.endswith("-1epoch") else "bf16"
 def time_cell(seconds):
     return f"{seconds / 60:.1f} min" if seconds else "-"
 def gap(name, key="val"):
-    if not base or name == "bf16" or name not in rows or rows[name][key] != rows[name][key]:
+    base = rows.get(reference(name))
+    if not base or name == reference(name) or name not in rows or rows[name][key] != rows[name][key]:
         return ""
     return f"{100 * (rows[name][key] / base['val'] - 1):+.2f}%"
 def bf16_cell(name):
@@ -258,7 +267,9 @@ lines = ["# Pretraining curves: llama-125m on the local corpus, bf16 vs fp8 vs c
          "data order, bf16-seed2 from seed 2 (another initialisation and data order) for the seed-to-seed",
          "spread; the ablations coat-fp32-states (coat with FP32 optimizer states), coat-stochastic (its FP8",
          "states rounded stochastically), fp8-gemms (FP8 GEMMs alone) and coat-activations (COAT's",
-         "activation storage alone, BF16 GEMMs). Final val loss: the mean over 16 fixed validation batches",
+         "activation storage alone, BF16 GEMMs); bf16-1epoch and coat-1epoch: 240 steps (one pass over",
+         "the data, the whole cosine schedule in it), against each other: the learning-rate decay without",
+         "repeated data (not in the figure). Final val loss: the mean over 16 fixed validation batches",
          "after the last step; with BF16 compute: the same final weights and batches through the bf16",
          "forward (what the FP8 forward itself costs at the end).", "",
          "![curves](curves.png)", "",
