@@ -76,7 +76,9 @@ typedef struct {
     const Comm *comm;             // the ranks
     ZeroComm zero;                // their collectives (world > 1)
     ZeroPlan sharding;            // stage 0: every rank steps the whole optimizer state; 1, 2: its shard (coat/zero.h)
-    GradBuckets buckets;          // world > 1: each bucket's reduce starts when backward has done it
+    BucketHooks buckets;          // world > 1: each bucket's reduce starts when backward has done it
+    cudaEvent_t *params_gathered; // stages 1, 2: per bucket, its gather after the step is done
+    unsigned char *gathering;     // per bucket: the forward has yet to wait for its gather
     int last_micro_batch;         // stages 0 and 1 reduce in the last micro-batch of a step only
     float *grad_sum;              // stage 2: the FP32 sum of the rank's shard over the micro-batches
     int e4m3_gather;              // stages 1, 2 with FP8 GEMMs: the block weights are gathered as E4M3 codes
@@ -416,48 +418,71 @@ static int dry_run(const ConfigParser *parser, int ranks) {
 
 // ---- training --------------------------------------------------------------------------
 
+// ZeRO stages 1 and 2 gather the parameters after the optimizer step on the collectives' stream,
+// a bucket at a time (each owner's parts broadcast from it) in the order the next forward reads
+// them: the embedding, the layers from the first, the final norm with the lm_head. The forward
+// waits for each bucket just before it reads it (params_ready), so the gather overlaps the forward.
 // The E4M3 gather (param_gather): the block's linear weights travel as the codes the FP8 GEMMs
 // read (a byte per element instead of two), cast by their owners with each weight's amax over
-// all ranks, so every rank ends with the codes and scales of model_cast_weights, bit for bit;
-// the embedding, the norms and the lm_head travel in BF16.
-static void gather_params_e4m3(Trainer *t) {
+// all ranks, so every rank ends with the codes and scales of model_cast_weights, bit for bit
+// (each layer's transposes are written once its bucket is here); the embedding, the norms and
+// the lm_head travel in BF16. The BF16 copies of the block weights then go stale on the ranks
+// that do not own them: with FP8 GEMMs nothing reads them (checkpoints come from the master weights).
+static void gather_bucket(Trainer *t, int bucket) {
     LlamaModel *m = &t->model;
-    cudaStream_t s = t->gpu.stream;
-    ZeroRange mine = zero_shard(&t->sharding, t->comm->rank);
-    model_weights_amax_part(m, mine, s);
-    // The whole scale table: the activations' and gradients' entries, reset by every forward, ride along.
-    zero_all_reduce_max_f32(&t->zero, (float *)m->fp8_scales, m->working_layout.fp8_scales_bytes / sizeof(float), s);
-    zero_comm_join(&t->zero, s);
-    model_cast_weights_part(m, mine, s);
     const ParamLayout *layout = &m->layout;
-    for (int l = 0; l < layout->shape.n_layers; l++)
-        for (int i = 0; i < LINEARS; i++)
-            zero_broadcast_parts(&t->zero, &t->sharding, linear_fp8_weight(m, l, (Linear)i, 0), 1,
-                                 linear_weight_range(m, l, (Linear)i), s);
-    for (int k = 0; k < PARAM_KINDS; k++) {
-        ParamKind kind = (ParamKind)k;
-        if (param_kind_is_matrix(kind) && param_kind_is_per_layer(kind)) continue;
-        for (int l = 0; l < (param_kind_is_per_layer(kind) ? layout->shape.n_layers : 1); l++) {
-            ZeroRange range = {param_offset(layout, kind, l), param_offset(layout, kind, l) + param_numel(layout, kind)};
-            zero_broadcast_parts(&t->zero, &t->sharding, m->params + range.begin, 2, range, s);
-        }
+    ZeroRange range = zero_bucket(layout, bucket);
+    int L = layout->shape.n_layers, layer = L - bucket;
+    if (!t->e4m3_gather || bucket == 0 || bucket == L + 1) {
+        zero_broadcast_parts(&t->zero, &t->sharding, m->params + range.begin, 2, range, t->gpu.stream);
+        return;
     }
-    zero_comm_join(&t->zero, s);
-    model_transpose_weights(m, s);
+    for (int i = 0; i < LINEARS; i++)
+        zero_broadcast_parts(&t->zero, &t->sharding, linear_fp8_weight(m, layer, (Linear)i, 0), 1,
+                             linear_weight_range(m, layer, (Linear)i), t->gpu.stream);
+    ParamKind norms[2] = {PARAM_ATTN_NORM, PARAM_MLP_NORM};
+    for (int k = 0; k < 2; k++) {
+        ZeroRange norm = {param_offset(layout, norms[k], layer), param_offset(layout, norms[k], layer) + param_numel(layout, norms[k])};
+        zero_broadcast_parts(&t->zero, &t->sharding, m->params + norm.begin, 2, norm, t->gpu.stream);
+    }
 }
 
 // After the optimizer wrote its shard of the BF16 parameters: every rank gets all of them.
 static void gather_params(Trainer *t) {
-    if (t->sharding.stage >= 1 && t->comm->world > 1) {
-        if (t->e4m3_gather) {
-            gather_params_e4m3(t);
-            return;
-        }
-        size_t shard = t->sharding.shard_elems;
-        zero_all_gather_bf16(&t->zero, t->model.params + t->opt.shard_begin, t->model.params, shard, t->gpu.stream);
-        zero_comm_join(&t->zero, t->gpu.stream);
+    LlamaModel *m = &t->model;
+    if (t->sharding.stage == 0 || t->comm->world == 1) {
+        model_weights_changed(m);
+        return;
     }
-    model_weights_changed(&t->model);
+    cudaStream_t s = t->gpu.stream;
+    if (t->e4m3_gather) {
+        ZeroRange mine = zero_shard(&t->sharding, t->comm->rank);
+        model_weights_amax_part(m, mine, s);
+        // The whole scale table: the activations' and gradients' entries, reset by every forward, ride along.
+        zero_all_reduce_max_f32(&t->zero, (float *)m->fp8_scales, m->working_layout.fp8_scales_bytes / sizeof(float), s);
+        zero_comm_join(&t->zero, s);
+        model_cast_weights_part(m, mine, s);
+    }
+    int buckets = t->sharding.buckets;
+    for (int i = 0; i < buckets; i++) {
+        int bucket = buckets - 1 - i;  // zero_bucket numbers them in backward's order
+        gather_bucket(t, bucket);
+        cudaCheck(cudaEventRecord(t->params_gathered[bucket], t->zero.stream));
+        t->gathering[bucket] = 1;
+    }
+    if (t->e4m3_gather) m->fp8_weights_current = 1;  // the codes, once params_ready has waited for them
+    else model_weights_changed(m);
+}
+
+// The forward's hook before it reads a bucket's parameters: the compute stream waits for their
+// gather (once per gather), and with the E4M3 gather a layer's transposes follow.
+static void params_ready(void *context, int bucket) {
+    Trainer *t = (Trainer *)context;
+    if (!t->gathering[bucket]) return;
+    t->gathering[bucket] = 0;
+    cudaCheck(cudaStreamWaitEvent(t->gpu.stream, t->params_gathered[bucket], 0));
+    int L = t->model.shape.n_layers;
+    if (t->e4m3_gather && bucket >= 1 && bucket <= L) model_transpose_layer_weights(&t->model, L - bucket, t->gpu.stream);
 }
 
 // Reads a checkpoint's weights (this rank's shard of them) into the optimizer's master copy and
@@ -679,7 +704,7 @@ static void print_sample(Trainer *t) {
     free(order);
 }
 
-// The bucket hooks of data-parallel backward (coat/model.cuh's GradBuckets): each bucket is
+// The bucket hooks of data-parallel backward (coat/model.cuh's BucketHooks): each bucket is
 // reduced as soon as backward has finished it, on the collectives' stream while backward goes
 // on. Stage 0: all-reduced in place, stage 1: reduced to the owners of its parts in place (both
 // in the step's last micro-batch: the others accumulate in BF16 as on one rank); stage 2: every
@@ -746,7 +771,14 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
         t->buckets.bucket_elems = z->stage == 2 ? z->largest_bucket_elems : 0;
         t->buckets.begin = bucket_begin;
         t->buckets.end = bucket_end;
+        t->buckets.ready = z->stage >= 1 ? params_ready : NULL;
         t->buckets.context = t;
+        if (z->stage >= 1) {
+            t->params_gathered = (cudaEvent_t *)malloc(z->buckets * sizeof(cudaEvent_t));
+            t->gathering = (unsigned char *)calloc(z->buckets, 1);
+            if (!t->params_gathered || !t->gathering) fail("out of host memory for the gather's events");
+            for (int b = 0; b < z->buckets; b++) cudaCheck(cudaEventCreateWithFlags(&t->params_gathered[b], cudaEventDisableTiming));
+        }
         t->model.buckets = &t->buckets;
     }
     t->e4m3_gather = z->stage >= 1 && t->model.precision.fp8_gemms && config_param_gather(c) == GATHER_E4M3;
@@ -816,6 +848,11 @@ static void trainer_free(Trainer *t) {
         for (int i = 0; i < 2; i++) cudaCheck(cudaEventDestroy(t->bucket_free[i]));
     }
     if (t->comm->world > 1) zero_comm_free(&t->zero);
+    if (t->params_gathered) {
+        for (int b = 0; b < t->sharding.buckets; b++) cudaCheck(cudaEventDestroy(t->params_gathered[b]));
+        free(t->params_gathered);
+        free(t->gathering);
+    }
     op_timer_destroy(t->timer);
     model_free(&t->model);
     gpu_context_destroy(&t->gpu);
@@ -877,7 +914,7 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
         else adamw_step(&t->opt, m->params, grads, lr, scale, s);
         op_timer_mark(m->timer, "adamw (after the host's wait)", s);
         gather_params(t);
-        if (sharded) op_timer_mark(m->timer, "parameter all-gather", s);
+        if (sharded) op_timer_mark(m->timer, "parameter gather (its transfer overlaps the next forward)", s);
     }
     m->timer = NULL;
     return loss;

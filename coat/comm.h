@@ -8,8 +8,7 @@
 // Collectives (MPI only; the GPU path is NCCL): sums of FP64 and of BF16, the latter rounded to
 // nearest even after every addition as NCCL's reductions are, in the order MPI picks (so a
 // multi-rank sum differs from a one-rank run by BF16 rounding noise); a max of ints; broadcast;
-// the all-gather and reduce-to-owner of BF16 buffers that ZeRO needs (coat/zero.h);
-// a send and a receive of bytes.
+// the reduce-to-owner of BF16 buffers that ZeRO needs (coat/zero.h); a send and a receive of bytes.
 #pragma once
 #include <errno.h>
 #include <stdint.h>
@@ -244,18 +243,6 @@ static inline void comm_all_reduce_sum_bf16(const Comm *c, uint16_t *data, size_
         size_t piece = n - done < COMM_PIECE ? n - done : COMM_PIECE;
         MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data + done, (int)piece, MPI_UINT16_T, comm_bf16_sum_op(), MPI_COMM_WORLD));
     }
-}
-
-// Every rank's shard[shard] BF16 into out[world * shard], rank r's at r shard (ZeRO's parameters
-// after a step). shard may point into out, at this rank's place.
-static inline void comm_all_gather_bf16(const Comm *c, const uint16_t *shard_data, uint16_t *out, size_t shard) {
-    if (c->world == 1) {
-        if (out != shard_data) memmove(out, shard_data, 2 * shard);
-        return;
-    }
-    int count = comm_int_count(shard, "comm_all_gather_bf16");
-    const void *send = shard_data == out + (size_t)c->rank * shard ? MPI_IN_PLACE : (const void *)shard_data;
-    MPI_CHECK(MPI_Allgather(send, count, MPI_UINT16_T, out, count, MPI_UINT16_T, MPI_COMM_WORLD));
 }
 
 // data[n] BF16 summed over the ranks into out[n] on rank `root` (ZeRO stage 2: a bucket's part

@@ -60,17 +60,20 @@ typedef struct {
 // linear layer, in that order.
 typedef enum { FP8_SLOT_INPUT = 0, FP8_SLOT_GRAD = LINEARS, FP8_SLOT_WEIGHT = 2 * LINEARS } Fp8SlotGroup;
 
-// Data-parallel backward (coat/zero.h's buckets, in the order backward completes them): `begin`
-// runs before a bucket's first gradient, `end` after its last, so that its reduce overlaps the
-// rest of backward. With bucket_elems 0 the gradients stay in place in the whole buffer; ZeRO
-// stage 2 sets bucket_elems and bucket b lives in buffer b % 2 of two such buffers in grads
-// (`begin` waits until the buffer is free and zeroes it).
+// Data parallelism's hooks on coat/zero.h's buckets. Backward (the buckets in the order it
+// completes them): `begin` runs before a bucket's first gradient, `end` after its last, so that
+// its reduce overlaps the rest of backward. With bucket_elems 0 the gradients stay in place in
+// the whole buffer; ZeRO stage 2 sets bucket_elems and bucket b lives in buffer b % 2 of two such
+// buffers in grads (`begin` waits until the buffer is free and zeroes it). Forward: `ready`
+// (NULL: none) runs before the first read of a bucket's parameters, so that their gather after
+// the previous step overlaps the forward.
 typedef struct {
     size_t bucket_elems;
     void (*begin)(void *context, int bucket);
     void (*end)(void *context, int bucket);
+    void (*ready)(void *context, int bucket);
     void *context;
-} GradBuckets;
+} BucketHooks;
 
 typedef struct {
     ModelShape shape;
@@ -79,7 +82,7 @@ typedef struct {
     int B, T;
     bf16 *params, *grads;          // params_elems and grads_elems (layout.total_padded, or ZeRO's sizes)
     size_t params_elems, grads_elems;
-    const GradBuckets *buckets;    // NULL: the whole gradient in grads
+    const BucketHooks *buckets;    // NULL: one rank (the whole gradient in grads)
     char *activations;             // saved for backward
     size_t activations_bytes;
     SavedTensor *saved;            // [n_layers][ACT_LAYER_KINDS] views into activations
@@ -119,6 +122,9 @@ static inline void model_bucket_begin(const LlamaModel *model, int bucket) {
 }
 static inline void model_bucket_end(const LlamaModel *model, int bucket) {
     if (model->buckets) model->buckets->end(model->buckets->context, bucket);
+}
+static inline void model_params_ready(const LlamaModel *model, int bucket) {
+    if (model->buckets && model->buckets->ready) model->buckets->ready(model->buckets->context, bucket);
 }
 static inline const SavedTensor *model_saved_tensor(const LlamaModel *model, int layer, LayerActivation kind) {
     return &model->saved[layer * ACT_LAYER_KINDS + kind];
@@ -383,16 +389,14 @@ static inline void model_cast_weights_part(LlamaModel *model, ZeroRange shard, c
         }
 }
 
-// Every weight's transposed codes and scale, once all its codes are here.
-static inline void model_transpose_weights(LlamaModel *model, cudaStream_t s) {
-    for (int l = 0; l < model->shape.n_layers; l++)
-        for (int i = 0; i < LINEARS; i++) {
-            Linear which = (Linear)i;
-            LinearShape shape = linear_shape(model, which);
-            fp8_transpose_codes(linear_fp8_weight(model, l, which, 1), linear_fp8_weight(model, l, which, 0),
-                                model_fp8_scale(model, l, FP8_SLOT_WEIGHT, which), shape.out, shape.in, FP8_E4M3, s);
-        }
-    model->fp8_weights_current = 1;
+// A layer's transposed weight codes and their scales, once all its codes are here.
+static inline void model_transpose_layer_weights(LlamaModel *model, int layer, cudaStream_t s) {
+    for (int i = 0; i < LINEARS; i++) {
+        Linear which = (Linear)i;
+        LinearShape shape = linear_shape(model, which);
+        fp8_transpose_codes(linear_fp8_weight(model, layer, which, 1), linear_fp8_weight(model, layer, which, 0),
+                            model_fp8_scale(model, layer, FP8_SLOT_WEIGHT, which), shape.out, shape.in, FP8_E4M3, s);
+    }
 }
 
 // The saved FP8 transpose of a linear layer's input (NULL when it is saved in BF16).
@@ -500,8 +504,10 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
     int B = model->B, T = model->T, N = B * T, H = m->dim, I = m->ffn_dim, hd = model_head_dim(m), L = m->n_layers;
     float eps = m->norm_eps;
     cudaStream_t s = gpu->stream;
-    if (model->precision.fp8_gemms && !model->fp8_weights_current)
+    if (model->precision.fp8_gemms && !model->fp8_weights_current) {
+        for (int b = 0; b < L + 2; b++) model_params_ready(model, b);  // the cast reads every layer
         TIMED("fp8 cast of the weights (once per step)", model_cast_weights(model, s));
+    }
     if (model->working_layout.fp8_scales_bytes) {
         // Every activation and gradient amax starts from zero; the weights' entries are kept.
         for (int l = 0; l < L; l++)
@@ -509,6 +515,8 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
                                       FP8_SLOT_WEIGHT * sizeof(Fp8Scale), s));
     }
 
+    model_params_ready(model, L + 1);  // zero_bucket's numbers: the embedding, then layer l is bucket L - l
+    model_params_ready(model, L);
     TIMED("embedding forward",
           embedding_forward(model_residual(model, 0, ACT_RESIDUAL_IN), model->tokens, model_param(model, PARAM_EMBEDDING, 0), N, H, s));
     TIMED("rmsnorm forward",
@@ -543,6 +551,7 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
         TIMED("matmul down forward", linear_forward(gpu, model, l, LINEAR_DOWN, model->branch));
         // The next block's attention norm (or the final norm, BF16 in every mode) is fused with this residual add.
         int last = l == L - 1;
+        model_params_ready(model, L - l - 1);  // the next layer's bucket, or the lm_head's with the final norm (0)
         TIMED("residual + rmsnorm forward",
               residual_rmsnorm_forward(last ? model->final_residual : model_residual(model, l + 1, ACT_RESIDUAL_IN),
                                        last ? model->final_norm_out : linear_input_bf16(model, l + 1, LINEAR_QKV),

@@ -8,10 +8,10 @@
 //         the host thread waiting in between; slow, but several ranks may share one GPU (tests),
 //         with the same call sites and the same numerics contract (BF16 sums rounded after each
 //         addition, in an order the library picks).
-// Besides the all-reduce, reduce, all-gather and broadcast: a bucket's reduce to the owners of its
-// parts (ZeRO stages 1 and 2, the latter with the owner's FP32 accumulation), its inverse (the
-// owners' parts of a range to every rank: the E4M3 weight gather), a max of FP32 maxima, and
-// the gather of checkpoint chunks to rank 0.
+// Besides the all-reduce, reduce and broadcast: a bucket's reduce to the owners of its parts
+// (ZeRO stages 1 and 2, the latter with the owner's FP32 accumulation), its inverse (the owners'
+// parts of a range to every rank: the parameter gather, in BF16 or E4M3), a max of FP32 maxima,
+// and the gather of checkpoint chunks to rank 0.
 // BF16 buffers are uint16-sized elements; n counts elements. Every rank calls every collective
 // in the same order with the same sizes.
 #pragma once
@@ -159,30 +159,6 @@ static inline void zero_all_reduce_bf16(ZeroComm *z, bf16 *data, size_t n, cudaS
     zero_stage_out(z, data, n, 0);
     comm_all_reduce_sum_bf16(z->comm, z->host, n);
     zero_stage_in(z, data, n, 0);
-#endif
-}
-
-// Every rank's shard[shard] BF16 into out[world shard], rank r's at r shard; shard may be this
-// rank's place in out (the parameters after a ZeRO step).
-static inline void zero_all_gather_bf16(ZeroComm *z, const bf16 *shard_data, bf16 *out, size_t shard, cudaStream_t producer) {
-    zero_comm_after(z, producer);
-    const Comm *c = z->comm;
-    if (c->world == 1) {
-        if (out != shard_data) cudaCheck(cudaMemcpyAsync(out, shard_data, 2 * shard, cudaMemcpyDeviceToDevice, z->stream));
-        return;
-    }
-#ifdef USE_NCCL
-    if (z->backend == ZERO_BACKEND_NCCL) {
-        ncclCheck(ncclAllGather(shard_data, out, shard, ncclBfloat16, z->nccl, z->stream));
-        return;
-    }
-#endif
-#ifdef USE_MPI
-    size_t n = (size_t)c->world * shard, place = (size_t)c->rank * shard;
-    zero_check_staging(z, n, "zero_all_gather_bf16");
-    zero_stage_out(z, shard_data, shard, place);
-    comm_all_gather_bf16(c, z->host + place, z->host, shard);
-    zero_stage_in(z, out, n, 0);
 #endif
 }
 

@@ -6,7 +6,9 @@
 //            multiple of 128 (FP8 groups never straddle shards, as they never straddle tensors):
 //            its FP32 master weights and optimizer states; in the step's last micro-batch each
 //            gradient bucket is reduced to the ranks that own its parts as backward finishes it
-//            (the bytes of a reduce-scatter), and the BF16 parameters are all-gathered after it.
+//            (the bytes of a reduce-scatter), and after the step each bucket's parameters are
+//            broadcast from the owners of its parts (the bytes of an all-gather) while the next
+//            forward runs.
 //   stage 2: no rank holds the whole gradient either: during backward each bucket (the lm_head
 //            with the final norm, then each layer from the last, then the embedding: the order in
 //            which backward completes them) is reduced as soon as it is done, straight to the
@@ -101,7 +103,7 @@ static inline ZeroRange zero_owned_part(const ZeroPlan *z, ZeroRange range, int 
 // not counted) and the embedding, norms and lm_head as BF16.
 typedef struct {
     double gradient_bytes;   // all-reduce (stage 0), per-bucket reduces once (1) or per micro-batch (2)
-    double parameter_bytes;  // all-gather after the step (stages 1 and 2)
+    double parameter_bytes;  // the gather after the step (stages 1 and 2), the bytes of an all-gather
 } ZeroTraffic;
 
 static inline size_t zero_block_linear_elems(const ParamLayout *layout) {

@@ -9,9 +9,8 @@ by scripts/bench.sh on an H200 (command-line options to change it), minus the op
 that ZeRO-1 divides by W. A collective over W ranks takes (W - 1) x latency + bytes / bandwidth,
 at NVLink's bandwidth within one node of 8 GPUs and at InfiniBand's (one NIC per GPU) beyond.
 A step is the forward (a third of the model's FLOPs), the backward (two thirds), the optimizer
-and the two collectives, overlapped three ways: none; as the trainer runs them (the gradient
-reduces under the backward pass, the parameter gather after the optimizer step); and with the
-gather under the next forward as well.
+and the two collectives, overlapped three ways: none; the gradient reduces under the backward
+pass only; and as the trainer runs them, also the parameter gather under the next forward.
 Prints a Markdown table. Usage: scripts/predict_scaling.py [--help for the assumptions]
 """
 import argparse
@@ -68,8 +67,8 @@ def main():
 
     measured_7b = None
     print("| model | GPUs | micro-batch | compute ms | sent per GPU, GB (bf16 / e4m3 gather) | gradients / parameters ms "
-          "(bf16 / e4m3) | tokens/s per GPU: no overlap (bf16 / e4m3) | as built (bf16 / e4m3) | gather under forward too "
-          "(bf16 / e4m3) |")
+          "(bf16 / e4m3) | tokens/s per GPU: no overlap (bf16 / e4m3) | reduces overlapped (bf16 / e4m3) | as built: the "
+          "gather overlapped too (bf16 / e4m3) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for model in ("llama-1b", "llama2-7b", "llama2-13b"):
         config = os.path.join(ROOT, "configs", "models", model + ".conf")
@@ -109,11 +108,11 @@ def main():
             reduce_s = latency + gradients * 1e9 / bandwidth
             gathers = [latency + p * 1e9 / bandwidth for p in (parameters, fp8_parameters)]
             none = [tokens / (compute_s + reduce_s + g) for g in gathers]
-            built = [tokens / (forward_s + max(backward_s, reduce_s) + optimizer_s + g) for g in gathers]
-            full = [tokens / (max(forward_s, g) + max(backward_s, reduce_s) + optimizer_s) for g in gathers]
+            reduces = [tokens / (forward_s + max(backward_s, reduce_s) + optimizer_s + g) for g in gathers]
+            built = [tokens / (max(forward_s, g) + max(backward_s, reduce_s) + optimizer_s) for g in gathers]
             print(f"| {model} | {gpus} | {b} x 2048 | {compute_s * 1e3:.0f} | {gradients + parameters:.2f} / "
                   f"{gradients + fp8_parameters:.2f} | {reduce_s * 1e3:.0f} / {gathers[0] * 1e3:.0f} / {gathers[1] * 1e3:.0f} | "
-                  f"{none[0]:,.0f} / {none[1]:,.0f} | {built[0]:,.0f} / {built[1]:,.0f} | {full[0]:,.0f} / {full[1]:,.0f} |")
+                  f"{none[0]:,.0f} / {none[1]:,.0f} | {reduces[0]:,.0f} / {reduces[1]:,.0f} | {built[0]:,.0f} / {built[1]:,.0f} |")
     print()
     print(f"Assumptions: NVLink {args.nvlink_gb_s:.0f} GB/s within {args.gpus_per_node} GPUs, InfiniBand "
           f"{args.ib_gb_s:.0f} GB/s per GPU beyond, {args.latency_us:.0f} us per ring step; ZeRO-1, one micro-batch per "

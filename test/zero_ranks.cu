@@ -1,7 +1,7 @@
 // The program test/test_zero_gpu.sh launches as several ranks to test coat/zero.cuh on GPU
 // buffers: zero_ranks BACKEND (nccl or mpi). Each rank drives GPU local_rank % GPUs (the MPI
-// backend lets several ranks share one); every collective (all-reduce, all-gather, reduce, a
-// bucket's reduce to its owners, the owners' parts broadcast, the max) on inputs each rank can
+// backend lets several ranks share one); every collective (all-reduce, reduce, a bucket's reduce
+// to its owners, the owners' parts broadcast, the max) on inputs each rank can
 // compute for all the others, checked exactly (sums of multiples of 1/8 below 32 are exact in
 // BF16, and in FP32).
 #include <math.h>
@@ -68,15 +68,6 @@ int main(int argc, char **argv) {
     cudaCheck(cudaMemcpyAsync(got, data, 2 * n, cudaMemcpyDeviceToHost, compute));
     cudaCheck(cudaStreamSynchronize(compute));
     if (memcmp(got, expected, 2 * n) != 0) { failures++; printf("rank %d: all-reduce wrong\n", comm.rank); }
-
-    // the all-gather in place of each rank's shard of the sums
-    cudaCheck(cudaMemcpyAsync(data, mine, 2 * n, cudaMemcpyHostToDevice, compute));
-    cudaCheck(cudaMemcpyAsync(data + place, expected + place, 2 * shard, cudaMemcpyHostToDevice, compute));
-    zero_all_gather_bf16(&z, data + place, data, shard, compute);
-    zero_comm_join(&z, compute);
-    cudaCheck(cudaMemcpyAsync(got, data, 2 * n, cudaMemcpyDeviceToHost, compute));
-    cudaCheck(cudaStreamSynchronize(compute));
-    if (memcmp(got, expected, 2 * n) != 0) { failures++; printf("rank %d: all-gather wrong\n", comm.rank); }
 
     for (int root = 0; root < comm.world; root++) {  // a part to each owner in turn
         cudaCheck(cudaMemcpyAsync(data, mine, 2 * n, cudaMemcpyHostToDevice, compute));
