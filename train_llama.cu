@@ -732,12 +732,13 @@ static void bucket_end(void *context, int bucket) {
         zero_all_reduce_bf16(&t->zero, t->model.grads + range.begin, range.end - range.begin, t->gpu.stream);
 }
 
-// Each rank's device buffers, all allocated by now, against its memory plan: a rank whose
-// allocation differs says so, and rank 0 prints the count over all ranks.
+// Each rank's device buffers, all allocated by now (the sizes given to cudaMalloc), against its
+// memory plan: a rank whose allocation differs says so, and rank 0 prints the count over all ranks.
 static void report_allocation(Trainer *t) {
     MemoryPlan plan;
     memory_plan_compute(&plan, t->c, t->comm->world, t->c->micro_batch_size);
-    size_t allocated = gpu_allocated_bytes();
+    size_t allocated = model_allocated_bytes(&t->model) + adamw_allocated_bytes(&t->opt) + t->gpu.cublaslt_workspace_bytes +
+                       (t->grad_sum ? 4 * t->sharding.shard_elems : 0) + (t->comm->world > 1 ? ZERO_SCALAR_BYTES : 0);
     double differ = allocated != plan.total_bytes;
     if (differ)
         fprintf(stderr, "warning: rank %d allocated %zu bytes on the GPU, its memory plan %zu\n", t->comm->rank, allocated,

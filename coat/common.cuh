@@ -24,10 +24,8 @@ static inline void cublas_check(cublasStatus_t status, const char *call, const c
 }
 #define cublasCheck(call) cublas_check((call), #call, __FILE__, __LINE__)
 
-// Every device buffer of the trainer comes from gpu_alloc, which counts them (nothing is
-// allocated after start): the measured allocation of a rank, which its memory plan must equal.
-static size_t gpu_allocated_total = 0;
-static inline size_t gpu_allocated_bytes(void) { return gpu_allocated_total; }
+// Every device buffer of the trainer comes from gpu_alloc (all of them at start): an allocation
+// that fails names what it was for.
 static inline void *gpu_alloc(size_t bytes, const char *what) {
     void *p = NULL;
     cudaError_t err = cudaMalloc(&p, bytes);
@@ -36,7 +34,6 @@ static inline void *gpu_alloc(size_t bytes, const char *what) {
                 cudaGetErrorString(err));
         exit(EXIT_FAILURE);
     }
-    gpu_allocated_total += bytes;
     return p;
 }
 

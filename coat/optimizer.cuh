@@ -546,6 +546,9 @@ static inline void adamw_create(AdamW *opt, OptimizerStateKind kind, const AdamW
     free(table);
 }
 
+// Device bytes adamw_create allocated: the state and the weight-decay table beside it.
+static inline size_t adamw_allocated_bytes(const AdamW *opt) { return opt->state_bytes + opt->n / ADAMW_GROUP; }
+
 static inline void adamw_free(AdamW *opt) {
     cudaCheck(cudaFree(opt->state));
     cudaCheck(cudaFree(opt->decay_group));

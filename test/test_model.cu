@@ -267,7 +267,7 @@ static void test_memory_plan_matches_allocation(GpuContext *gpu) {
         size_t planned_model = plan.params_bytes + plan.grads_bytes + plan.activations_bytes + plan.working_bytes -
                                CUBLASLT_WORKSPACE_BYTES;
         size_t planned_optimizer = plan.master_bytes + plan.states_bytes;
-        size_t optimizer = opt.state_bytes + opt.n / ADAMW_GROUP;  // the decay table beside the state
+        size_t optimizer = adamw_allocated_bytes(&opt);
         check(planned_model == model_allocated_bytes(&model) && planned_optimizer == optimizer &&
                   gpu->cublaslt_workspace_bytes == CUBLASLT_WORKSPACE_BYTES,
               "%s: the memory plan equals the allocation byte for byte (model %zu planned, %zu allocated; optimizer %zu "
@@ -301,7 +301,7 @@ static void test_memory_plan_matches_allocation(GpuContext *gpu) {
                      gpu->stream);
         size_t planned_model = plan.params_bytes + plan.grads_bytes + plan.activations_bytes + plan.working_bytes -
                                CUBLASLT_WORKSPACE_BYTES - ZERO_SCALAR_BYTES;
-        size_t planned_optimizer = plan.master_bytes + plan.states_bytes, optimizer = opt.state_bytes + opt.n / ADAMW_GROUP;
+        size_t planned_optimizer = plan.master_bytes + plan.states_bytes, optimizer = adamw_allocated_bytes(&opt);
         check(planned_model == model_allocated_bytes(&model) + grad_sum && planned_optimizer == optimizer &&
                   z.padded_elems > layout.total_padded,
               "ZeRO stage %d, rank %d of 3: the plan equals the allocation byte for byte (model %zu planned, %zu allocated; "
