@@ -241,6 +241,7 @@ for name in names:
     rows[name] = {
         "steps": train[-1]["step"] if train else 0,
         "tokens": train[-1].get("tokens", 0) if train else 0,
+        "train": {r["step"]: r["train_loss"] for r in train},
         "val": val[-1]["val_loss"] if val else float("nan"),
         "val_step": val[-1]["step"] if val else 0,
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train[5:]) if len(train) > 5 else 0,
@@ -280,6 +281,26 @@ for name in names:
         r = rows[name]
         lines.append(f"| {name} | {r['steps']} | {r['tokens'] / 1e6:.1f}M | {r['val']:.4f} (step {r['val_step']}) | "
                      f"{gap(name)} | {bf16_cell(name)} | {r['tokens_per_s']:,.0f} | {r['gib']:.2f} | {time_cell(r['seconds'])} |")
+# Where in the run a gap opens: the mean train loss over each quarter of the reference's steps
+# (those both runs logged), relative to the reference's.
+quarters = []
+for name in names:
+    base = rows.get(reference(name))
+    if name not in rows or not base or name == reference(name):
+        continue
+    steps = sorted(set(base["train"]) & set(rows[name]["train"]))
+    if len(steps) < 8:
+        continue
+    last = max(base["train"])
+    cells = []
+    for q in range(4):
+        part = [s for s in steps if q * last / 4 < s <= (q + 1) * last / 4]
+        mean = lambda run: sum(rows[run]["train"][s] for s in part) / len(part)
+        cells.append(f"{100 * (mean(name) / mean(reference(name)) - 1):+.2f}%" if part else "-")
+    quarters.append(f"| {name} | {reference(name)} | " + " | ".join(cells) + " |")
+if quarters:
+    lines += ["", "Train loss by quarter of the run (the mean over the steps of each quarter), relative to the reference:", "",
+              "| run | reference | 1st quarter | 2nd | 3rd | 4th |", "|---|---|---|---|---|---|"] + quarters
 lines += ["", "Commands (the corpus: `scripts/fetch_corpus.sh`; a GPU machine without it gets the parts of", "`pack` one per job and unpacks them):", "",
           "```sh", "scripts/reproduce_curves.sh pack", "scripts/reproduce_curves.sh unpack"]
 lines += [f"scripts/reproduce_curves.sh run {name}   # again while it exits 3" for name in names]
