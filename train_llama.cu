@@ -672,6 +672,7 @@ static void print_sample(Trainer *t) {
     if (bos >= 0) {
         capacity = 16;
         ids = (uint32_t *)malloc(capacity * sizeof(uint32_t));
+        if (!ids) fail("out of host memory for the sample's tokens");
         ids[count++] = (uint32_t)bos;
     }
     if (tokenizer_encode(t->tokenizer, c->sample_prompt, strlen(c->sample_prompt), &ids, &count, &capacity) != 0)
@@ -683,18 +684,22 @@ static void print_sample(Trainer *t) {
     float *logits = (float *)malloc((size_t)classifier_logits_stride(V) * sizeof(float));
     float *probs = (float *)malloc((size_t)V * sizeof(float));
     int *order = (int *)malloc((size_t)V * sizeof(int));
+    if (!logits || !probs || !order) fail("out of host memory for sampling");
     for (int i = 0; i < c->sample_tokens && count < (size_t)T_max; i++) {
         sequence_logits(t, ids, (int)count, (int)count - 1, logits);
         int next = sample_token(logits, V, c->top_p, c->temperature, &t->sample_rng, order, probs);
         if (count == capacity) {
             capacity = capacity ? 2 * capacity : 16;
-            ids = (uint32_t *)realloc(ids, capacity * sizeof(uint32_t));
+            uint32_t *grown = (uint32_t *)realloc(ids, capacity * sizeof(uint32_t));
+            if (!grown) fail("out of host memory for the sample's tokens");
+            ids = grown;
         }
         ids[count++] = (uint32_t)next;
         if (next == tokenizer_eos_id(t->tokenizer)) break;
     }
     size_t length = 0, skip = bos >= 0 ? 1 : 0;
     char *text = tokenizer_decode(t->tokenizer, ids + skip, count - skip, &length);
+    if (!text) fail("out of host memory decoding the sample");
     printf("sample (%s, %zu prompt tokens): %.*s\n", c->top_p > 0 ? "top-p" : "greedy", prompt_count, (int)length, text);
     fflush(stdout);
     free(text);
