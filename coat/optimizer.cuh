@@ -463,10 +463,8 @@ __global__ void adamw_params_to_master_kernel(float *master, const bf16 *params,
 
 // ---- host side --------------------------------------------------------------------------
 
-static inline void adamw_die(const char *what, const char *detail) { fail_with(what, detail); }
-
 static inline void adamw_check_aligned(const void *pointer, const char *what) {
-    if ((uintptr_t)pointer % 16 != 0) adamw_die(what, "pointer is not 16-byte aligned");
+    if ((uintptr_t)pointer % 16 != 0) fail_with(what, "pointer is not 16-byte aligned");
 }
 
 // The part [*begin, *end) of the elements [offset, offset + count) in the shard [shard_begin,
@@ -512,7 +510,7 @@ static inline void adamw_create(AdamW *opt, OptimizerStateKind kind, const AdamW
         char detail[160];
         snprintf(detail, sizeof(detail), "shard [%zu, %zu) must be a non-empty range of multiples of %d", shard_begin,
                  shard_end, ADAMW_GROUP);
-        adamw_die("adamw_create", detail);
+        fail_with("adamw_create", detail);
     }
     size_t n = shard_end - shard_begin, groups = n / ADAMW_GROUP;
     size_t scalars = adamw_group_scalars(kind), moment_bytes = adamw_moment_elem_bytes(kind) * n;
@@ -538,7 +536,7 @@ static inline void adamw_create(AdamW *opt, OptimizerStateKind kind, const AdamW
         cudaCheckLaunch();
     }
     unsigned char *table = (unsigned char *)malloc(groups);
-    if (!table) adamw_die("adamw_create", "out of host memory for the weight-decay table");
+    if (!table) fail_with("adamw_create", "out of host memory for the weight-decay table");
     adamw_build_decay_table(table, layout, shard_begin, shard_end, config->weight_decay_all);
     opt->decay_group = (unsigned char *)gpu_alloc(groups, "the weight-decay table");
     cudaCheck(cudaMemcpyAsync(opt->decay_group, table, groups, cudaMemcpyHostToDevice, stream));
@@ -774,7 +772,7 @@ static inline void adamw_write_section(const AdamW *opt, int section, FILE *file
         for (size_t done = 0; done < bytes; done += chunk_bytes) {
             size_t chunk = bytes - done < chunk_bytes ? bytes - done : chunk_bytes;
             gather(context, device + done, host, chunk, r);
-            if (rank == 0 && fwrite(host, 1, chunk, file) != chunk) adamw_die(path, "cannot write the optimizer state");
+            if (rank == 0 && fwrite(host, 1, chunk, file) != chunk) fail_with(path, "cannot write the optimizer state");
         }
     }
 }
@@ -787,11 +785,11 @@ static inline void adamw_read_section(AdamW *opt, int section, FILE *file, long 
     size_t bytes = adamw_shard_used(opt) / ADAMW_GROUP * group_bytes;
     if (bytes == 0) return;
     if (fseek(file, start + (long)(opt->shard_begin / ADAMW_GROUP * group_bytes), SEEK_SET) != 0)
-        adamw_die(path, "cannot seek to this rank's optimizer state");
+        fail_with(path, "cannot seek to this rank's optimizer state");
     unsigned char *device = adamw_section(opt, section);
     for (size_t done = 0; done < bytes; done += ADAMW_COPY_CHUNK_BYTES) {
         size_t chunk = bytes - done < ADAMW_COPY_CHUNK_BYTES ? bytes - done : ADAMW_COPY_CHUNK_BYTES;
-        if (fread(host, 1, chunk, file) != chunk) adamw_die(path, section == 0 ? "truncated weights" : "truncated optimizer state");
+        if (fread(host, 1, chunk, file) != chunk) fail_with(path, section == 0 ? "truncated weights" : "truncated optimizer state");
         cudaCheck(cudaMemcpyAsync(device + done, host, chunk, cudaMemcpyHostToDevice, stream));
         cudaCheck(cudaStreamSynchronize(stream));
     }
@@ -802,7 +800,7 @@ static inline void adamw_save(const AdamW *opt, FILE *file, const char *path, in
                               void *context, unsigned char *host, size_t chunk_bytes) {
     AdamWCheckpointHeader h;
     adamw_checkpoint_header(opt, &h);
-    if (rank == 0 && fwrite(&h, sizeof(h), 1, file) != 1) adamw_die(path, "cannot write the optimizer state header");
+    if (rank == 0 && fwrite(&h, sizeof(h), 1, file) != 1) fail_with(path, "cannot write the optimizer state header");
     for (int section = 1; section < ADAMW_SECTIONS; section++)
         adamw_write_section(opt, section, file, path, ranks, rank, gather, context, host, chunk_bytes);
 }
@@ -811,14 +809,14 @@ static inline void adamw_save(const AdamW *opt, FILE *file, const char *path, in
 static inline void adamw_load(AdamW *opt, FILE *file, const char *path, unsigned char *host, cudaStream_t stream) {
     AdamWCheckpointHeader h;
     char error[256];
-    if (fread(&h, sizeof(h), 1, file) != 1) adamw_die(path, "truncated optimizer state (header)");
-    if (adamw_checkpoint_header_check(opt, &h, error, sizeof(error)) != 0) adamw_die(path, error);
+    if (fread(&h, sizeof(h), 1, file) != 1) fail_with(path, "truncated optimizer state (header)");
+    if (adamw_checkpoint_header_check(opt, &h, error, sizeof(error)) != 0) fail_with(path, error);
     long start = ftell(file);
     for (int section = 1; section < ADAMW_SECTIONS; section++) {
         adamw_read_section(opt, section, file, start, path, host, stream);
         start += (long)(opt->total / ADAMW_GROUP * adamw_section_group_bytes(opt->kind, section));
     }
-    if (fseek(file, start, SEEK_SET) != 0) adamw_die(path, "cannot seek past the optimizer state");
+    if (fseek(file, start, SEEK_SET) != 0) fail_with(path, "cannot seek past the optimizer state");
     opt->step = (long long)h.step;
 }
 
@@ -882,7 +880,7 @@ __global__ void __launch_bounds__(GRAD_NORM_BLOCKS) grad_norm_final_kernel(float
 // The sum of squares of grads[n] (BF16 or FP32) into *out_device.
 template <typename T>
 static inline void grad_norm_squared(float *out_device, const T *grads, size_t n, double *scratch, cudaStream_t stream) {
-    if (n % 8 != 0) adamw_die("grad_norm_squared", "the element count must be a multiple of 8");
+    if (n % 8 != 0) fail_with("grad_norm_squared", "the element count must be a multiple of 8");
     adamw_check_aligned(grads, "grad_norm_squared: grads");
     grad_norm_partial_kernel<T><<<GRAD_NORM_BLOCKS, GRAD_NORM_THREADS, 0, stream>>>(scratch, grads, n / 8);
     cudaCheckLaunch();
