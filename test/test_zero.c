@@ -86,6 +86,46 @@ static void test_tiling(void) {
           "tiny over 4096 ranks: shards of one group (%zu elements), the last ranks own only padding", z.shard_elems);
 }
 
+// The E4M3 parameter gather casts each rank's part of a linear weight as rows of 128 values: with
+// the dims FP8 GEMMs need (multiples of 16) the fused weights (wq|wk|wv, w_gate|w_up) lie back to
+// back, and every weight's range and every part a rank owns of it begin and end on multiples of 128.
+static void test_linear_weight_parts(void) {
+    struct { const char *name; ModelShape shape; } shapes[] = {
+        {"tiny", shape_of(512, 64, 2, 4, 2, 128)},
+        {"odd (dims multiples of 16 only)", shape_of(1001, 208, 3, 13, 1, 336)},
+        {"llama-1b", shape_of(32000, 2048, 16, 32, 8, 5632)},
+        {"llama2-7b", shape_of(32000, 4096, 32, 32, 32, 11008)},
+    };
+    static const ParamKind first[4] = {PARAM_WQ, PARAM_WO, PARAM_W_GATE, PARAM_W_DOWN};
+    static const ParamKind last[4] = {PARAM_WV, PARAM_WO, PARAM_W_UP, PARAM_W_DOWN};
+    int world_sizes[] = {2, 3, 5, 8, 17, 64, 512};
+    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+        ParamLayout layout;
+        param_layout_init(&layout, &shapes[s].shape);
+        int ok = 1;
+        for (int l = 0; l < layout.shape.n_layers; l++)
+            for (int i = 0; i < 4; i++) {
+                size_t begin = param_offset(&layout, first[i], l), elems = 0;
+                for (int k = (int)first[i]; k <= (int)last[i]; k++) {
+                    ok &= param_offset(&layout, (ParamKind)k, l) == begin + elems;  // back to back
+                    elems += param_numel(&layout, (ParamKind)k);
+                }
+                ZeroRange range = {begin, begin + elems};
+                ok &= range.begin % 128 == 0 && range.end % 128 == 0;
+                for (size_t w = 0; w < sizeof(world_sizes) / sizeof(world_sizes[0]); w++) {
+                    ZeroPlan z;
+                    zero_plan_init(&z, &layout, world_sizes[w], 1);
+                    for (int r = 0; r < world_sizes[w]; r++) {
+                        ZeroRange part = zero_owned_part(&z, range, r);
+                        ok &= part.begin % 128 == 0 && part.end % 128 == 0;
+                    }
+                }
+            }
+        check(ok, "%s: every linear weight (fused ones back to back) and every rank's part of it start and end on "
+                  "multiples of 128 elements, 2 to 512 ranks", shapes[s].name);
+    }
+}
+
 static void test_largest_bucket(void) {
     ModelShape one = shape_of(32000, 2048, 16, 32, 8, 5632), seven = shape_of(32000, 4096, 32, 32, 32, 11008);
     ParamLayout a, b;
@@ -209,6 +249,7 @@ static void test_memory(void) {
 
 int main(void) {
     test_tiling();
+    test_linear_weight_parts();
     test_largest_bucket();
     test_traffic();
     test_memory();
