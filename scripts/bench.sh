@@ -24,17 +24,7 @@ done
 steps=${1:-30}
 dir=build/bench
 mkdir -p "$dir"
-python3 - "$dir" <<'PY'
-import os, random, struct, sys
-# 8M random tokens below 32000 in llm.c's uint16 shard format (throughput only: content is irrelevant).
-path = os.path.join(sys.argv[1], "train_000000.bin")
-count = 8 << 20
-if not os.path.exists(path):
-    rng = random.Random(0)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<256i", 20240520, 1, count, *([0] * 253)))
-        f.write(struct.pack(f"<{count}H", *(rng.randrange(32000) for _ in range(count))))
-PY
+python3 scripts/random_shard.py "$dir/train_000000.bin"  # 8M random tokens (throughput only)
 
 # Median tokens/s and MFU over the steps after the first five, and the memory plan's total.
 ours() {  # ours NAME CONFIG B T [PRECISION]

@@ -433,6 +433,16 @@ check "report tabulates each run's final val loss, its gap to bf16 (the one-epoc
 out=$(RUNS="bf16 nonsense" scripts/loss_parity.sh "$tmp/no_parity_data" "$tmp/no_parity_out" 2>&1); rc=$?
 check "loss_parity.sh refuses an unknown run in RUNS before training anything, exit 2" \
     "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q "RUNS: unknown run 'nonsense'" && [ ! -e "$tmp/no_parity_out" ]; echo $?)" "$out"
+# bench_scaling.sh refuses what it cannot run before it looks for GPUs (so these never start a benchmark).
+out=$(scripts/bench_scaling.sh --precision int4 2>&1); rc=$?
+check "bench_scaling.sh with an unknown precision prints its usage, exit 2" \
+    "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q 'usage: scripts/bench_scaling.sh'; echo $?)" "$out"
+out=$(scripts/bench_scaling.sh --model llama-nonsense 2>&1); rc=$?
+check "bench_scaling.sh with an unknown model names the missing config, exit 2" \
+    "$([ $rc -eq 2 ] && [ "$out" = "error: configs/models/llama-nonsense.conf: no such model config" ]; echo $?)" "$out"
+out=$(scripts/bench_scaling.sh --steps 3 2>&1); rc=$?
+check "bench_scaling.sh with too few steps for its median says so, exit 2" \
+    "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q 'at least 8'; echo $?)" "$out"
 out=$(scripts/reproduce_curves.sh run nonsense 2>&1); rc=$?
 check "reproduce_curves.sh run with an unknown name prints its usage, exit 2" \
     "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q 'usage: scripts/reproduce_curves.sh'; echo $?)" "$out"
