@@ -8,8 +8,9 @@
 # Usage: [SEED=N] [RUNS="..."] scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]   (SEED: another
 #        initialisation and data order than the config's, for the seed-to-seed spread; RUNS: the
 #        runs, default "bf16 fp8 coat", or also the ablations coat-fp32-states (coat with FP32
-#        optimizer states), coat-fp8-activations (coat with TE-like activations) and
-#        coat-stochastic (coat with stochastically rounded states))
+#        optimizer states), coat-fp8-activations (coat with TE-like activations),
+#        coat-stochastic (coat with stochastically rounded states) and coat-fast-accum (coat with
+#        fast accumulation in its FP8 GEMMs))
 #   DATA_DIR (default data/parity): train_*.bin and val_*.bin shards; *.bin.xz files without their
 #            .bin are decompressed there first (xz -dk). When it holds no shards, it is made from
 #            the local corpus (data/corpus/llama2, scripts/fetch_corpus.sh): 366 chunks of one
@@ -85,6 +86,7 @@ run_settings() {
     coat-fp32-states) RUN_PRECISION=coat RUN_FLAGS=(--optimizer_states=fp32) ;;
     coat-fp8-activations) RUN_PRECISION=coat RUN_FLAGS=(--activations=fp8) ;;
     coat-stochastic) RUN_PRECISION=coat RUN_FLAGS=(--optimizer_rounding=stochastic) ;;
+    coat-fast-accum) RUN_PRECISION=coat RUN_FLAGS=(--fp8_fast_accum=1) ;;
     *) return 1 ;;
     esac
 }
@@ -170,7 +172,7 @@ PYTHON
 }
 
 for name in "${RUN_NAMES[@]}"; do
-    run_settings "$name" || { echo "error: RUNS: unknown run '$name' (bf16, fp8, coat, coat-fp32-states, coat-fp8-activations, coat-stochastic)" >&2; exit 2; }
+    run_settings "$name" || { echo "error: RUNS: unknown run '$name' (bf16, fp8, coat, coat-fp32-states, coat-fp8-activations, coat-stochastic, coat-fast-accum)" >&2; exit 2; }
 done
 mkdir -p "$OUT"
 decompress_shards

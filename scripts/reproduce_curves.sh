@@ -12,7 +12,8 @@
 #   run NAME     trains NAME (bf16, fp8, coat, bf16-seed2; the ablations: coat-fp32-states, coat
 #                with FP32 optimizer states; coat-stochastic, coat with its FP8 states rounded
 #                stochastically; fp8-gemms, FP8 GEMMs alone, activations and states as in bf16;
-#                coat-activations, COAT's activation storage alone, with BF16 GEMMs) into
+#                coat-activations, COAT's activation storage alone, with BF16 GEMMs; coat-fast-accum,
+#                coat with Hopper's fast accumulation in its FP8 GEMMs) into
 #                out/curves/NAME, resuming from its last checkpoint (every 50 steps) when one is
 #                there; at most RUN_TIMEOUT_S seconds (default 560) per call: exit 0 when the run
 #                is complete, 3 when the time ran out first (call again to continue). A complete
@@ -38,7 +39,8 @@ RESULTS=${RESULTS:-configs/results}
 PIECE_TOKENS=${PIECE_TOKENS:-40000000}
 PART_BYTES=${PART_BYTES:-$((60 * 1024 * 1024))}
 RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-560}
-RUNS=(bf16 fp8 coat bf16-seed2 coat-fp32-states coat-stochastic fp8-gemms coat-activations bf16-1epoch coat-1epoch)
+RUNS=(bf16 fp8 coat bf16-seed2 coat-fp32-states coat-stochastic fp8-gemms coat-activations coat-fast-accum bf16-1epoch
+      coat-1epoch)
 ONE_EPOCH_STEPS=240  # 125.8M tokens: one pass over the corpus's 127M training tokens
 
 usage() {
@@ -145,6 +147,7 @@ run() {
     coat-stochastic) precision=coat seed=1337 states=(--optimizer_rounding=stochastic) ;;
     fp8-gemms) precision=fp8 seed=1337 states=(--activations=bf16) ;;
     coat-activations) precision=bf16 seed=1337 states=(--activations=coat) ;;
+    coat-fast-accum) precision=coat seed=1337 states=(--fp8_fast_accum=1) ;;
     bf16-1epoch | coat-1epoch) precision=${name%-1epoch} seed=1337 states=(--max_steps=$ONE_EPOCH_STEPS) ;;
     *) usage ;;
     esac
@@ -267,12 +270,12 @@ lines = ["# Pretraining curves: llama-125m on the local corpus, bf16 vs fp8 vs c
          f"Config `{config}` (300M tokens, 524,288 per step); bf16, fp8 and coat from seed 1337 and the same",
          "data order, bf16-seed2 from seed 2 (another initialisation and data order) for the seed-to-seed",
          "spread; the ablations coat-fp32-states (coat with FP32 optimizer states), coat-stochastic (its FP8",
-         "states rounded stochastically), fp8-gemms (FP8 GEMMs alone) and coat-activations (COAT's",
-         "activation storage alone, BF16 GEMMs); bf16-1epoch and coat-1epoch: 240 steps (one pass over",
-         "the data, the whole cosine schedule in it), against each other: the learning-rate decay without",
-         "repeated data (not in the figure). Final val loss: the mean over 16 fixed validation batches",
-         "after the last step; with BF16 compute: the same final weights and batches through the bf16",
-         "forward (what the FP8 forward itself costs at the end).", "",
+         "states rounded stochastically), fp8-gemms (FP8 GEMMs alone), coat-activations (COAT's activation",
+         "storage alone, BF16 GEMMs) and coat-fast-accum (fast accumulation in the FP8 GEMMs); bf16-1epoch",
+         "and coat-1epoch: 240 steps (one pass over the data, the whole cosine schedule in it), against",
+         "each other: the learning-rate decay without repeated data (not in the figure). Final val loss:",
+         "the mean over 16 fixed validation batches after the last step; with BF16 compute: the same",
+         "final weights and batches through the bf16 forward (what the FP8 forward itself costs at the end).", "",
          "![curves](curves.png)", "",
          HEADER,
          "|---|---|---|---|---|---|---|---|---|"]
