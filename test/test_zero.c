@@ -58,14 +58,27 @@ static int check_plan(const char *name, const ParamLayout *layout, int ranks, in
     return ok;
 }
 
-static void test_tiling(void) {
-    struct { const char *name; ModelShape shape; } shapes[] = {
+typedef struct {
+    const char *name;
+    ModelShape shape;
+} NamedShape;
+
+// The shapes both the tiling and the linear-weight tests walk (dims multiples of 16, as FP8 needs).
+static size_t test_shapes(NamedShape shapes[5]) {
+    NamedShape all[5] = {
         {"tiny", shape_of(512, 64, 2, 4, 2, 128)},
         {"odd (no size a multiple of 128)", shape_of(1001, 192, 3, 3, 1, 208)},
         {"llama-125m", shape_of(32000, 768, 12, 12, 4, 2048)},
         {"llama-1b", shape_of(32000, 2048, 16, 32, 8, 5632)},
         {"llama2-7b", shape_of(32000, 4096, 32, 32, 32, 11008)},
     };
+    memcpy(shapes, all, sizeof(all));
+    return 5;
+}
+
+static void test_tiling(void) {
+    NamedShape shapes[5];
+    test_shapes(shapes);
     int world_sizes[] = {1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 31, 64, 100, 512, 1000, 4096};
     for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
         ParamLayout layout;
@@ -90,16 +103,12 @@ static void test_tiling(void) {
 // the dims FP8 GEMMs need (multiples of 16) the fused weights (wq|wk|wv, w_gate|w_up) lie back to
 // back, and every weight's range and every part a rank owns of it begin and end on multiples of 128.
 static void test_linear_weight_parts(void) {
-    struct { const char *name; ModelShape shape; } shapes[] = {
-        {"tiny", shape_of(512, 64, 2, 4, 2, 128)},
-        {"odd (dims multiples of 16 only)", shape_of(1001, 208, 3, 13, 1, 336)},
-        {"llama-1b", shape_of(32000, 2048, 16, 32, 8, 5632)},
-        {"llama2-7b", shape_of(32000, 4096, 32, 32, 32, 11008)},
-    };
+    NamedShape shapes[5];
+    size_t count = test_shapes(shapes);
     static const ParamKind first[4] = {PARAM_WQ, PARAM_WO, PARAM_W_GATE, PARAM_W_DOWN};
     static const ParamKind last[4] = {PARAM_WV, PARAM_WO, PARAM_W_UP, PARAM_W_DOWN};
     int world_sizes[] = {2, 3, 5, 8, 17, 64, 512};
-    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+    for (size_t s = 0; s < count; s++) {
         ParamLayout layout;
         param_layout_init(&layout, &shapes[s].shape);
         int ok = 1;
