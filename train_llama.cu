@@ -483,6 +483,7 @@ static void params_ready(void *context, int bucket) {
     cudaCheck(cudaStreamWaitEvent(t->gpu.stream, t->params_gathered[bucket], 0));
     int L = t->model.shape.n_layers;
     if (t->e4m3_gather && bucket >= 1 && bucket <= L) model_transpose_layer_weights(&t->model, L - bucket, t->gpu.stream);
+    op_timer_mark(t->model.timer, "parameter gather: waiting for a bucket (+ its E4M3 transposes)", t->gpu.stream);
 }
 
 // Reads a checkpoint's weights (this rank's shard of them) into the optimizer's master copy and
