@@ -16,7 +16,11 @@ static float input_value(int rank, size_t i) { return (float)((rank * 5 + (int)(
 static int collectives(const Comm *c) {
     int failures = 0;
     size_t shard = 1000 + 3, n = (size_t)c->world * shard;
-    uint16_t *data = malloc(2 * n), *expected = malloc(2 * n), *out = malloc(2 * n);
+    uint16_t *data = calloc(n, 2), *expected = calloc(n, 2), *out = calloc(n, 2);
+    if (!data || !expected || !out) {
+        fprintf(stderr, "error: out of host memory for %zu values\n", n);
+        exit(2);
+    }
     for (size_t i = 0; i < n; i++) {
         float sum = 0.0f;
         for (int r = 0; r < c->world; r++) sum += input_value(r, i);
