@@ -10,7 +10,10 @@
 #        runs, default "bf16 fp8 coat", or also the ablations coat-fp32-states (coat with FP32
 #        optimizer states), coat-fp8-activations (coat with TE-like activations),
 #        coat-stochastic (coat with stochastically rounded states) and coat-fast-accum (coat with
-#        fast accumulation in its FP8 GEMMs))
+#        fast accumulation in its FP8 GEMMs); and the pair bf16-accum2 (bf16 in two micro-batches of
+#        32 a step) and bf16-2ranks (one micro-batch of 32 on each of two ranks sharing the GPU:
+#        mpirun, comm_backend = mpi): the same seed, batches and math in another reduction order,
+#        so bf16-2ranks against bf16-accum2 is what rounding alone does to a same-seed comparison)
 #   DATA_DIR (default data/parity): train_*.bin and val_*.bin shards; *.bin.xz files without their
 #            .bin are decompressed there first (xz -dk). When it holds no shards, it is made from
 #            the local corpus (data/corpus/llama2, scripts/fetch_corpus.sh): 366 chunks of one
@@ -78,11 +81,16 @@ shutil.copyfile(f"{corpus}/val_000000.bin", f"{out}/val_000000.bin")
 PYTHON
 }
 
-# The precision and extra flags of run NAME, in RUN_PRECISION and RUN_FLAGS; status 1 for an unknown name.
+# The precision, extra flags and launcher of run NAME, in RUN_PRECISION, RUN_FLAGS and RUN_LAUNCH;
+# status 1 for an unknown name.
 run_settings() {
-    RUN_FLAGS=()
+    RUN_FLAGS=() RUN_LAUNCH=()
     case $1 in
     bf16 | fp8 | coat) RUN_PRECISION=$1 ;;
+    bf16-accum2) RUN_PRECISION=bf16 RUN_FLAGS=(--micro_batch_size=32) ;;
+    bf16-2ranks)  # the batches of bf16-accum2 (batches of 32 rows), a rank each
+        RUN_PRECISION=bf16 RUN_FLAGS=(--micro_batch_size=32 --comm_backend=mpi) RUN_LAUNCH=(mpirun --oversubscribe -np 2)
+        [ "$(id -u)" -eq 0 ] && RUN_LAUNCH+=(--allow-run-as-root) ;;
     coat-fp32-states) RUN_PRECISION=coat RUN_FLAGS=(--optimizer_states=fp32) ;;
     coat-fp8-activations) RUN_PRECISION=coat RUN_FLAGS=(--activations=fp8) ;;
     coat-stochastic) RUN_PRECISION=coat RUN_FLAGS=(--optimizer_rounding=stochastic) ;;
@@ -102,7 +110,7 @@ run_precision() {
     rm -f "$dir"/log.jsonl "$dir"/train.log "$dir"/ckpt_*
     echo "loss_parity: $name: training (at most ${RUN_TIMEOUT_S} s), output in $dir/train.log"
     # stdbuf: line-buffered output, so that a run killed by the timeout keeps its last step lines.
-    timeout --kill-after="$KILL_AFTER_S" "$RUN_TIMEOUT_S" stdbuf -oL "$ROOT/train_llama" "$CONFIG" \
+    timeout --kill-after="$KILL_AFTER_S" "$RUN_TIMEOUT_S" "${RUN_LAUNCH[@]}" stdbuf -oL "$ROOT/train_llama" "$CONFIG" \
         --precision="$RUN_PRECISION" "${RUN_FLAGS[@]}" --out_dir="$dir" --train_data="$DATA/train_*.bin" \
         --val_data="$DATA/val_*.bin" ${SEED:+--seed="$SEED"} >"$dir/train.log" 2>&1 || status=$?
     if [ "$status" -eq 0 ]; then
@@ -156,10 +164,10 @@ for precision, status in runs:
     rows[precision] = (loss, loss_text, f"{statistics.median(speeds):,.0f}" if speeds else "-",
                        f"{max(memory):.2f}" if memory else "-")
 
-reference = rows.get("bf16", (None,))[0]
-print("| run | final val loss | relative difference to bf16 | median tokens/s | peak GPU memory (GiB) |")
+print("| run | final val loss | relative difference to bf16 (bf16-2ranks: to bf16-accum2) | median tokens/s | peak GPU memory (GiB) |")
 print("|---|---|---|---|---|")
 for precision, (loss, loss_text, speed, memory) in rows.items():
+    reference = rows.get("bf16-accum2" if precision == "bf16-2ranks" else "bf16", (None,))[0]
     if precision == "bf16":
         relative = "reference"
     elif loss is None or reference is None:
@@ -172,7 +180,11 @@ PYTHON
 }
 
 for name in "${RUN_NAMES[@]}"; do
-    run_settings "$name" || { echo "error: RUNS: unknown run '$name' (bf16, fp8, coat, coat-fp32-states, coat-fp8-activations, coat-stochastic, coat-fast-accum)" >&2; exit 2; }
+    run_settings "$name" || { echo "error: RUNS: unknown run '$name' (bf16, fp8, coat, coat-fp32-states, coat-fp8-activations, coat-stochastic, coat-fast-accum, bf16-accum2, bf16-2ranks)" >&2; exit 2; }
+    if [ ${#RUN_LAUNCH[@]} -gt 0 ] && ! command -v mpirun > /dev/null; then
+        echo "error: RUNS: $name needs mpirun (apt-get install openmpi-bin)" >&2
+        exit 2
+    fi
 done
 mkdir -p "$OUT"
 decompress_shards

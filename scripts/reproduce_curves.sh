@@ -13,7 +13,10 @@
 #                with FP32 optimizer states; coat-stochastic, coat with its FP8 states rounded
 #                stochastically; fp8-gemms, FP8 GEMMs alone, activations and states as in bf16;
 #                coat-activations, COAT's activation storage alone, with BF16 GEMMs; coat-fast-accum,
-#                coat with Hopper's fast accumulation in its FP8 GEMMs) into
+#                coat with Hopper's fast accumulation in its FP8 GEMMs; bf16-2ranks, bf16 on two
+#                ranks sharing the GPU (mpirun, comm_backend = mpi): the same seed, batches and math
+#                in another reduction order, what rounding alone does to a same-seed comparison;
+#                coat-seed2, coat from seed 2, against bf16-seed2: the gap on a second seed) into
 #                out/curves/NAME, resuming from its last checkpoint (every 50 steps) when one is
 #                there; at most RUN_TIMEOUT_S seconds (default 560) per call: exit 0 when the run
 #                is complete, 3 when the time ran out first (call again to continue). A complete
@@ -39,8 +42,8 @@ RESULTS=${RESULTS:-configs/results}
 PIECE_TOKENS=${PIECE_TOKENS:-40000000}
 PART_BYTES=${PART_BYTES:-$((60 * 1024 * 1024))}
 RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-560}
-RUNS=(bf16 fp8 coat bf16-seed2 coat-fp32-states coat-stochastic fp8-gemms coat-activations coat-fast-accum bf16-1epoch
-      coat-1epoch)
+RUNS=(bf16 fp8 coat bf16-seed2 bf16-2ranks coat-seed2 coat-fp32-states coat-stochastic fp8-gemms coat-activations
+      coat-fast-accum bf16-1epoch coat-1epoch)
 ONE_EPOCH_STEPS=240  # 125.8M tokens: one pass over the corpus's 127M training tokens
 
 usage() {
@@ -139,10 +142,14 @@ PY
 }
 
 run() {
-    local name=$1 precision seed states=()
+    local name=$1 precision seed states=() launch=()
     case $name in
     bf16 | fp8 | coat) precision=$name seed=1337 ;;
-    bf16-seed2) precision=bf16 seed=2 ;;
+    bf16-seed2 | coat-seed2) precision=${name%-seed2} seed=2 ;;
+    bf16-2ranks)
+        precision=bf16 seed=1337 states=(--comm_backend=mpi) launch=(mpirun --oversubscribe -np 2)
+        [ "$(id -u)" -eq 0 ] && launch+=(--allow-run-as-root)
+        command -v mpirun > /dev/null || { echo "error: $name needs mpirun (apt-get install openmpi-bin)" >&2; return 1; } ;;
     coat-fp32-states) precision=coat seed=1337 states=(--optimizer_states=fp32) ;;
     coat-stochastic) precision=coat seed=1337 states=(--optimizer_rounding=stochastic) ;;
     fp8-gemms) precision=fp8 seed=1337 states=(--activations=bf16) ;;
@@ -158,13 +165,13 @@ run() {
     if ls "$dir"/ckpt_*.bin > /dev/null 2>&1; then continue=(--resume=1); fi
     mkdir -p "$dir"
     echo "run $name: precision $precision, seed $seed, ${continue[0]#--}, at most $RUN_TIMEOUT_S s, log in $dir/train.log"
-    timeout --kill-after=10 "$RUN_TIMEOUT_S" stdbuf -oL ./train_llama "$CONFIG" --precision="$precision" --seed="$seed" \
+    timeout --kill-after=10 "$RUN_TIMEOUT_S" "${launch[@]}" stdbuf -oL ./train_llama "$CONFIG" --precision="$precision" --seed="$seed" \
         --train_data="$DATA/train_*.bin" --val_data="$DATA/val_*.bin" --out_dir="$dir" "${states[@]}" "${continue[@]}" \
         >> "$dir/train.log" 2>&1 || status=$?
     echo $((SECONDS - start)) >> "$dir/gpu_seconds"
     if grep -q "^{\"step\": $max_steps, \"val_loss\"" "$dir/log.jsonl" 2>/dev/null; then
         echo "run $name: complete ($max_steps steps)"
-        [ "$precision" = bf16 ] && { [ ${#states[@]} -eq 0 ] || [[ $name == *-1epoch ]]; } && return 0
+        [ "$precision" = bf16 ] && { [ ${#states[@]} -eq 0 ] || [[ $name == *-1epoch ]] || [ ${#launch[@]} -gt 0 ]; } && return 0
         evaluate_in_bf16 "$dir" "$max_steps" || return 1
         return 0
     fi
@@ -198,8 +205,8 @@ evaluate_in_bf16() {
 
 report() {
     local present=()
-    for name in "${RUNS[@]}"; do  # the figure: the runs of the full schedule
-        [[ $name == *-1epoch ]] || { [ -s "$OUT/$name/log.jsonl" ] && present+=("$OUT/$name:$name"); } || true
+    for name in "${RUNS[@]}"; do  # the figure: the runs of the full schedule that compare with bf16 of seed 1337
+        [[ $name == *-1epoch || $name == coat-seed2 ]] || { [ -s "$OUT/$name/log.jsonl" ] && present+=("$OUT/$name:$name"); } || true
     done
     [ ${#present[@]} -gt 0 ] || { echo "error: no run has a log in $OUT (scripts/reproduce_curves.sh run NAME)" >&2; exit 1; }
     mkdir -p "$RESULTS/curves"
@@ -252,8 +259,10 @@ for name in names:
         "seconds": seconds,
         "bf16_val": bf16_val,
     }
-def reference(name):  # the one-epoch runs against the one-epoch bf16 run
-    return "bf16-1epoch" if name.endswith("-1epoch") else "bf16"
+def reference(name):  # the one-epoch runs against the one-epoch bf16 run, coat-seed2 against bf16-seed2
+    if name.endswith("-1epoch"):
+        return "bf16-1epoch"
+    return "bf16-seed2" if name == "coat-seed2" else "bf16"
 def time_cell(seconds):
     return f"{seconds / 60:.1f} min" if seconds else "-"
 def gap(name, key="val"):
@@ -269,8 +278,10 @@ HEADER = ("| run | steps | tokens | final val loss | vs bf16 | final weights, BF
 lines = ["# Pretraining curves: llama-125m on the local corpus, bf16 vs fp8 vs coat", "",
          f"Config `{config}` (300M tokens, 524,288 per step); bf16, fp8 and coat from seed 1337 and the same",
          "data order, bf16-seed2 from seed 2 (another initialisation and data order) for the seed-to-seed",
-         "spread; the ablations coat-fp32-states (coat with FP32 optimizer states), coat-stochastic (its FP8",
-         "states rounded stochastically), fp8-gemms (FP8 GEMMs alone), coat-activations (COAT's activation",
+         "spread, bf16-2ranks (bf16 on two ranks: the same batches in another reduction order) for what rounding",
+         "alone does, coat-seed2 against bf16-seed2 for coat's gap on a second seed (not in the figure); the",
+         "ablations coat-fp32-states (coat with FP32 optimizer states), coat-stochastic (its FP8 states",
+         "rounded stochastically), fp8-gemms (FP8 GEMMs alone), coat-activations (COAT's activation",
          "storage alone, BF16 GEMMs) and coat-fast-accum (fast accumulation in the FP8 GEMMs); bf16-1epoch",
          "and coat-1epoch: 240 steps (one pass over the data, the whole cosine schedule in it), against",
          "each other: the learning-rate decay without repeated data (not in the figure). Final val loss:",

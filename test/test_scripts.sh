@@ -416,19 +416,23 @@ for run in bf16 fp8 coat; do
     cp "configs/results/parity/$run.log.jsonl" "$curves/out/$run/log.jsonl"
     echo 400 > "$curves/out/$run/gpu_seconds"
 done
-for run in bf16 coat; do  # the one-epoch pair, compared with each other
-    mkdir -p "$curves/out/$run-1epoch"
-    cp "configs/results/parity/seed2/$run.log.jsonl" "$curves/out/$run-1epoch/log.jsonl"
+for run in bf16 coat; do  # the one-epoch pair and the second seed's, each compared within itself
+    for suffix in 1epoch seed2; do
+        mkdir -p "$curves/out/$run-$suffix"
+        cp "configs/results/parity/seed2/$run.log.jsonl" "$curves/out/$run-$suffix/log.jsonl"
+    done
 done
 mkdir -p "$curves/out/coat/bf16-eval"
 printf '{"step": 0, "val_loss": 5.000000}\n{"step": 1, "train_loss": 4.9, "lr": 0.0015, "grad_norm": 0.3}\n{"step": 1, "val_loss": 4.990000}\n' \
     > "$curves/out/coat/bf16-eval/log.jsonl"
 out=$("${export_curves[@]}" scripts/reproduce_curves.sh report 2>&1); rc=$?
-check "report tabulates each run's final val loss, its gap to bf16 (the one-epoch runs' to bf16-1epoch), by quarter of the run, and the final weights' loss with BF16 compute" \
+check "report tabulates each run's final val loss, its gap to bf16 (the one-epoch runs' to bf16-1epoch, coat-seed2's to bf16-seed2), by quarter of the run, and the final weights' loss with BF16 compute" \
     "$([ $rc -eq 0 ] && grep -q '^| fp8 | 300 | 19.7M | 5.0398 (step 300) | +0.96% |  | 715,678 | 17.99 | 6.7 min |$' "$curves/results/curves.md" &&
        grep -q '^| coat | 300 | .* | +1.45% | 5.0000 (+0.16%) |' "$curves/results/curves.md" &&
        grep -q '^| coat-1epoch | 300 | .* | 5.1779 (step 300) | +0.37% |' "$curves/results/curves.md" &&
        grep -Eq '^\| coat-1epoch \| bf16-1epoch( \| [+-][0-9]+\.[0-9]{2}%){4} \|$' "$curves/results/curves.md" &&
+       grep -q '^| coat-seed2 | 300 | .* | 5.1779 (step 300) | +0.37% |' "$curves/results/curves.md" &&
+       grep -q '^| bf16-seed2 | 300 | .* | 5.1586 (step 300) | +3.34% |' "$curves/results/curves.md" &&
        [ -s "$curves/results/curves/coat.bf16-eval.log.jsonl" ]; echo $?)" "$out"
 out=$(RUNS="bf16 nonsense" scripts/loss_parity.sh "$tmp/no_parity_data" "$tmp/no_parity_out" 2>&1); rc=$?
 check "loss_parity.sh refuses an unknown run in RUNS before training anything, exit 2" \
