@@ -209,7 +209,7 @@ static inline int dataloader_set_position(Dataloader *loader, DataloaderPosition
     return 0;
 }
 
-// Back to the first batch of epoch 0 (validation runs call this before each evaluation).
+// Back to the first batch of epoch 0.
 static inline void dataloader_reset(Dataloader *loader) {
     DataloaderPosition start = {0, 0};
     loader->position = start;

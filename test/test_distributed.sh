@@ -93,6 +93,17 @@ for stage in 1 2; do
         check_close "ZeRO stage $stage, $ranks ranks against 1" "$tmp/s1_one/log.jsonl" "$tmp/$run/log.jsonl"
     done
 done
+# Validation splits its batches over the ranks (rank r: r, r + W, ...) and adds their FP64 sums:
+# before any step every world size gives one rank's loss bit for bit, 3 batches on 4 ranks too.
+val0() { grep -o '"step": 0, "val_loss": [0-9.e+-]*' "$1"; }
+./train_llama "${stage1[@]}" --val_batches=3 --max_steps=1 --out_dir="$tmp/val3_one" > "$tmp/val3_one.out" 2>&1
+"${mpi[@]}" 4 ./train_llama "${stage1[@]}" --val_batches=3 --max_steps=1 --comm_backend=mpi --out_dir="$tmp/val3_4" \
+    > "$tmp/val3_4.out" 2>&1
+check "the step-0 validation loss on 2 and 4 ranks (4 batches) and on 4 ranks (3 batches) is one rank's, bit for bit" \
+    "$(v=$(val0 "$tmp/s1_one/log.jsonl") && [ -n "$v" ] && [ "$(val0 "$tmp/s1_2/log.jsonl")" = "$v" ] &&
+       [ "$(val0 "$tmp/s1_4/log.jsonl")" = "$v" ] && v3=$(val0 "$tmp/val3_one/log.jsonl") && [ -n "$v3" ] &&
+       [ "$(val0 "$tmp/val3_4/log.jsonl")" = "$v3" ]; echo $?)" \
+    "$(val0 "$tmp/s1_one/log.jsonl"); $(val0 "$tmp/s1_2/log.jsonl"); $(val0 "$tmp/s1_4/log.jsonl"); $(val0 "$tmp/val3_one/log.jsonl"); $(val0 "$tmp/val3_4/log.jsonl"); $(tail -2 "$tmp/val3_4.out")"
 "${mpi[@]}" 2 ./train_llama "${stage1[@]}" --zero_stage=0 --comm_backend=mpi --out_dir="$tmp/s0_2" > "$tmp/s0_2.out" 2>&1
 check_close "2 ranks, ZeRO stage 1 against stage 0" "$tmp/s0_2/log.jsonl" "$tmp/s1_2/log.jsonl"
 check_close "2 ranks, ZeRO stage 2 against stage 1" "$tmp/s1_2/log.jsonl" "$tmp/s2_2/log.jsonl"
