@@ -5,21 +5,25 @@
 # difference relative to bf16, the median tokens/s and the peak GPU memory, printed and written to
 # OUT_DIR/parity.md. When the bf16 run (FP32 AdamW moments) left a checkpoint, the COAT paper's
 # Table 1 on its optimizer states (scripts/optimizer_state_mse.py) is appended to parity.md.
-# Usage: [SEED=N] [RUNS="..."] scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]   (SEED: another
+# Usage: [SEED=N] [RUNS="..."] [PASSES=N] scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]   (SEED: another
 #        initialisation and data order than the config's, for the seed-to-seed spread; RUNS: the
 #        runs, default "bf16 fp8 coat", or also the ablations coat-fp32-states (coat with FP32
 #        optimizer states), coat-fp8-activations (coat with TE-like activations),
-#        coat-stochastic (coat with stochastically rounded states) and coat-fast-accum (coat with
-#        fast accumulation in its FP8 GEMMs); and the pair bf16-accum2 (bf16 in two micro-batches of
+#        coat-stochastic (coat with stochastically rounded states), coat-fast-accum (coat with
+#        fast accumulation in its FP8 GEMMs), fp8-gemms (FP8 GEMMs alone, activations and states
+#        as in bf16), coat-activations (COAT's activation storage alone, BF16 GEMMs); and the pair bf16-accum2 (bf16 in two micro-batches of
 #        32 a step) and bf16-2ranks (one micro-batch of 32 on each of two ranks sharing the GPU:
 #        mpirun, comm_backend = mpi): the same seed, batches and math in another reduction order,
-#        so bf16-2ranks against bf16-accum2 is what rounding alone does to a same-seed comparison)
+#        so bf16-2ranks against bf16-accum2 is what rounding alone does to a same-seed comparison;
+#        PASSES: the 300 steps make N passes over the first 300/N batches of the training data
+#        instead of one pass over 300 of its 366, in DATA_DIR/passes-N/: what repeated data does
+#        to the gaps, in minutes rather than the hours of scripts/reproduce_curves.sh)
 #   DATA_DIR (default data/parity): train_*.bin and val_*.bin shards; *.bin.xz files without their
 #            .bin are decompressed there first (xz -dk). When it holds no shards, it is made from
 #            the local corpus (data/corpus/llama2, scripts/fetch_corpus.sh): 366 chunks of one
 #            batch (64 x 1025 tokens) spread evenly over the training tokens, and the whole
 #            validation shard; `xz -6` of them is what a GPU machine without the corpus is sent.
-#   OUT_DIR  (default out/parity): one folder per precision (log.jsonl, train.log, the final
+#   OUT_DIR  (default out/parity, with PASSES out/parity-passes-N): one folder per precision (log.jsonl, train.log, the final
 #            checkpoint) and parity.md; each run's old log and checkpoints are removed first.
 # Each run is bounded by RUN_TIMEOUT_S seconds (default 155) and the Table 1 script by MSE_TIMEOUT_S
 # (default 45), so the whole script ends within 9 minutes; an H200 trains the 300 steps in about
@@ -36,8 +40,10 @@ KILL_AFTER_S=5
 usage() { echo "usage: scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]" >&2; exit 2; }
 case ${1:-} in -h|--help) usage ;; esac
 [ $# -le 2 ] || usage
+PASSES=${PASSES:-1}
+[[ $PASSES =~ ^[1-9][0-9]*$ ]] && [ "$PASSES" -le 300 ] || { echo "error: PASSES=$PASSES: a whole number from 1 to 300" >&2; exit 2; }
 DATA=${1:-$ROOT/data/parity}
-OUT=${2:-$ROOT/out/parity}
+OUT=${2:-$ROOT/out/parity$([ "$PASSES" = 1 ] || echo "-passes-$PASSES")}
 DATA=${DATA%/}
 OUT=${OUT%/}
 
@@ -81,6 +87,34 @@ shutil.copyfile(f"{corpus}/val_000000.bin", f"{out}/val_000000.bin")
 PYTHON
 }
 
+# DATA/passes-N/: the first 300/N training batches of DATA (N passes in 300 steps) and its
+# validation shards; DATA becomes that folder.
+repeat_parity_data() {
+    local sub=$DATA/passes-$PASSES
+    if [ ! -e "$sub/train_000000.bin" ]; then
+        echo "loss_parity: making $sub: the first $((300 / PASSES)) batches of $DATA's training data"
+        mkdir -p "$sub"
+        cp "$DATA"/val_*.bin "$sub/"
+        python3 - "$DATA" "$sub" "$((300 / PASSES))" <<'PYTHON'
+import glob, struct, sys
+data, out, batches = sys.argv[1], sys.argv[2], int(sys.argv[3])
+tokens = batches * 64 * 1025  # batches of 64 sequences of 1024 + 1
+path = sorted(glob.glob(f"{data}/train_*.bin"))[0]
+with open(path, "rb") as f:
+    header = struct.unpack("<256i", f.read(1024))
+    if header[0] != 20240520 or header[1] != 1 or header[2] < tokens:
+        sys.exit(f"error: {path}: not a shard of at least {tokens} 2-byte tokens (magic {header[0]}, "
+                 f"version {header[1]}, {header[2]} tokens)")
+    body = f.read(2 * tokens)
+with open(f"{out}/train_000000.bin.partial", "wb") as f:
+    f.write(struct.pack("<256i", 20240520, 1, tokens, *([0] * 253)))
+    f.write(body)
+PYTHON
+        mv "$sub/train_000000.bin.partial" "$sub/train_000000.bin"
+    fi
+    DATA=$sub
+}
+
 # The precision, extra flags and launcher of run NAME, in RUN_PRECISION, RUN_FLAGS and RUN_LAUNCH;
 # status 1 for an unknown name.
 run_settings() {
@@ -95,6 +129,8 @@ run_settings() {
     coat-fp8-activations) RUN_PRECISION=coat RUN_FLAGS=(--activations=fp8) ;;
     coat-stochastic) RUN_PRECISION=coat RUN_FLAGS=(--optimizer_rounding=stochastic) ;;
     coat-fast-accum) RUN_PRECISION=coat RUN_FLAGS=(--fp8_fast_accum=1) ;;
+    fp8-gemms) RUN_PRECISION=fp8 RUN_FLAGS=(--activations=bf16) ;;
+    coat-activations) RUN_PRECISION=bf16 RUN_FLAGS=(--activations=coat) ;;
     *) return 1 ;;
     esac
 }
@@ -180,7 +216,7 @@ PYTHON
 }
 
 for name in "${RUN_NAMES[@]}"; do
-    run_settings "$name" || { echo "error: RUNS: unknown run '$name' (bf16, fp8, coat, coat-fp32-states, coat-fp8-activations, coat-stochastic, coat-fast-accum, bf16-accum2, bf16-2ranks)" >&2; exit 2; }
+    run_settings "$name" || { echo "error: RUNS: unknown run '$name' (bf16, fp8, coat, coat-fp32-states, coat-fp8-activations, coat-stochastic, coat-fast-accum, fp8-gemms, coat-activations, bf16-accum2, bf16-2ranks)" >&2; exit 2; }
     if [ ${#RUN_LAUNCH[@]} -gt 0 ] && ! command -v mpirun > /dev/null; then
         echo "error: RUNS: $name needs mpirun (apt-get install openmpi-bin)" >&2
         exit 2
@@ -189,6 +225,7 @@ done
 mkdir -p "$OUT"
 decompress_shards
 compgen -G "$DATA/train_*.bin" > /dev/null || make_parity_data
+[ "$PASSES" = 1 ] || repeat_parity_data
 results=()
 for name in "${RUN_NAMES[@]}"; do
     status=0
@@ -199,7 +236,7 @@ done
 table_status=0
 table=$(summarize "$OUT" "${results[@]}") || table_status=$?
 {
-    echo "# Loss parity: llama-125m, 300 steps of 64 x 1024 tokens ($(basename "$CONFIG"))"
+    echo "# Loss parity: llama-125m, 300 steps of 64 x 1024 tokens ($(basename "$CONFIG")$([ "$PASSES" = 1 ] || echo ", $PASSES passes over $((300 / PASSES)) batches"))"
     echo
     echo "Data: $DATA. Final val loss: the mean over the $(sed -n 's/^val_batches *= *//p' "$CONFIG") fixed validation"
     echo "batches after the last step; tokens/s: the median over the steps after the first 5."

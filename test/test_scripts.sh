@@ -434,6 +434,18 @@ check "report tabulates each run's final val loss, its gap to bf16 (the one-epoc
        grep -q '^| coat-seed2 | 300 | .* | 5.1779 (step 300) | +0.37% |' "$curves/results/curves.md" &&
        grep -q '^| bf16-seed2 | 300 | .* | 5.1586 (step 300) | +3.34% |' "$curves/results/curves.md" &&
        [ -s "$curves/results/curves/coat.bf16-eval.log.jsonl" ]; echo $?)" "$out"
+# PASSES=N trains on the first 300/N batches of the data: here 300 passes over its first batch.
+mkdir -p "$tmp/passes"
+write_pattern_shards "$tmp/passes" 5 $((3 * 64 * 1025)) 70000
+out=$(PASSES=300 RUNS=bf16 RUN_TIMEOUT_S=1 scripts/loss_parity.sh "$tmp/passes" "$tmp/passes_out" 2>&1)
+check "loss_parity.sh PASSES=300: DATA_DIR/passes-300 holds the first batch of 64 x 1025 tokens and the validation shard" \
+    "$(cmp -s <(tail -c +1025 "$tmp/passes/passes-300/train_000000.bin") <(tail -c +1025 "$tmp/passes/train_000000.bin" | head -c $((2 * 64 * 1025))) &&
+       [ "$(od -An -td4 -j8 -N4 "$tmp/passes/passes-300/train_000000.bin" | tr -d ' ')" = $((64 * 1025)) ] &&
+       cmp -s "$tmp/passes/val_000000.bin" "$tmp/passes/passes-300/val_000000.bin" &&
+       grep -q '300 passes over 1 batches' "$tmp/passes_out/parity.md"; echo $?)" "$out"
+out=$(PASSES=0 scripts/loss_parity.sh "$tmp/passes" "$tmp/passes_out0" 2>&1); rc=$?
+check "loss_parity.sh refuses PASSES=0 with one line, exit 2" \
+    "$([ $rc -eq 2 ] && [ "$out" = "error: PASSES=0: a whole number from 1 to 300" ]; echo $?)" "$out"
 out=$(RUNS="bf16 nonsense" scripts/loss_parity.sh "$tmp/no_parity_data" "$tmp/no_parity_out" 2>&1); rc=$?
 check "loss_parity.sh refuses an unknown run in RUNS before training anything, exit 2" \
     "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q "RUNS: unknown run 'nonsense'" && [ ! -e "$tmp/no_parity_out" ]; echo $?)" "$out"
