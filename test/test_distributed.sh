@@ -5,7 +5,9 @@
 # writes the log and the checkpoints; checkpoints resume on other world sizes and stages; ZeRO
 # stage 0 (every rank steps everything), 1 (sharded master weights and states, checkpoints
 # gathered by rank 0) and 2 (also the gradients, per bucket during backward) in bf16 and coat,
-# coat's E4M3 parameter gather against its BF16 one; one rank under mpirun with NCCL equals the plain run bit for bit.
+# coat's E4M3 parameter gather against its BF16 one; validation split over the ranks; one rank
+# under mpirun with NCCL equals the plain run bit for bit, and on a machine with several GPUs NCCL
+# with one rank per GPU follows one rank too.
 cd "$(dirname "$0")/.." || exit 1
 source test/check.sh
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -142,6 +144,22 @@ done
 resume_on coat_s2_4 2 "$tmp/coat_s2_4-on-2-stage1" "${stage1[@]}" --precision=coat --zero_stage=1
 resume_on coat_s1 1 "$tmp/coat_s1-on-1" "${stage1[@]}" --precision=coat
 
+# NCCL refuses two ranks on one GPU: with several GPUs, one rank per GPU at stages 1 and 2, bf16
+# and coat, against one rank.
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if grep -qa ncclCommInitRank ./train_llama && [ "$gpus" -ge 2 ]; then
+    for ranks in 2 4; do
+        [ "$gpus" -ge $ranks ] || continue
+        for run in "1 bf16 s1_one" "2 bf16 s1_one" "2 coat coat_one"; do
+            set -- $run
+            dir=nccl_s$1_$2_$ranks
+            "${mpi[@]}" $ranks ./train_llama "${stage1[@]}" --zero_stage="$1" --precision="$2" --comm_backend=nccl \
+                --out_dir="$tmp/$dir" > "$tmp/$dir.out" 2>&1
+            check "NCCL, ZeRO stage $1, $2, $ranks ranks on $ranks GPUs: 20 steps" $? "$(tail -5 "$tmp/$dir.out")"
+            check_close "NCCL, ZeRO stage $1, $2, $ranks ranks against 1" "$tmp/$3/log.jsonl" "$tmp/$dir/log.jsonl"
+        done
+    done
+fi
 if grep -qa ncclCommInitRank ./train_llama; then
     "${mpi[@]}" 1 ./train_llama "${common[@]}" --comm_backend=nccl --out_dir="$tmp/nccl1" > "$tmp/nccl1.out" 2>&1
     check "one rank under mpirun (nccl) logs the plain run's losses bit for bit" \
