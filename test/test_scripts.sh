@@ -446,6 +446,13 @@ check "loss_parity.sh PASSES=300: DATA_DIR/passes-300 holds the first batch of 6
 out=$(PASSES=0 scripts/loss_parity.sh "$tmp/passes" "$tmp/passes_out0" 2>&1); rc=$?
 check "loss_parity.sh refuses PASSES=0 with one line, exit 2" \
     "$([ $rc -eq 2 ] && [ "$out" = "error: PASSES=0: a whole number from 1 to 300" ]; echo $?)" "$out"
+# The table over seeds, from the committed parity results (logs, and parity.md where no log was kept).
+out=$(python3 scripts/parity_seeds.py 1337=configs/results/parity 2=configs/results/parity/seed2 \
+      3=configs/results/parity/seed3 4=configs/results/parity/seed4 2>&1)
+check "parity_seeds.py: each seed's gap to its bf16, their mean and standard error (coat +0.99% +- 0.33% over 4 seeds)" \
+    "$(printf '%s\n' "$out" | grep -q '^| coat | 5.0641 (+1.45%) | 5.1779 (+0.37%) | 5.1939 (+1.65%) | 4.9123 (+0.48%) | +0.99% | 0.33% | 4 |$' &&
+       printf '%s\n' "$out" | grep -q '^| coat-fp32-states | 4.9754 (-0.33%) |  | 5.0899 (-0.39%) | 4.9217 (+0.67%) | -0.02% | 0.34% | 3 |$' &&
+       ! printf '%s\n' "$out" | grep -q E4M3; echo $?)" "$out"
 out=$(RUNS="bf16 nonsense" scripts/loss_parity.sh "$tmp/no_parity_data" "$tmp/no_parity_out" 2>&1); rc=$?
 check "loss_parity.sh refuses an unknown run in RUNS before training anything, exit 2" \
     "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q "RUNS: unknown run 'nonsense'" && [ ! -e "$tmp/no_parity_out" ]; echo $?)" "$out"
