@@ -121,9 +121,11 @@ run_settings() {
     RUN_FLAGS=() RUN_LAUNCH=()
     case $1 in
     bf16 | fp8 | coat) RUN_PRECISION=$1 ;;
-    bf16-accum2) RUN_PRECISION=bf16 RUN_FLAGS=(--micro_batch_size=32) ;;
-    bf16-2ranks)  # the batches of bf16-accum2 (batches of 32 rows), a rank each
-        RUN_PRECISION=bf16 RUN_FLAGS=(--micro_batch_size=32 --comm_backend=mpi) RUN_LAUNCH=(mpirun --oversubscribe -np 2)
+    # Batches of 32 rows; 32 validation batches of them are the config's 16 of 64.
+    bf16-accum2) RUN_PRECISION=bf16 RUN_FLAGS=(--micro_batch_size=32 --val_batches=32) ;;
+    bf16-2ranks)  # bf16-accum2's batches, a rank each
+        RUN_PRECISION=bf16 RUN_FLAGS=(--micro_batch_size=32 --val_batches=32 --comm_backend=mpi)
+        RUN_LAUNCH=(mpirun --oversubscribe -np 2)
         [ "$(id -u)" -eq 0 ] && RUN_LAUNCH+=(--allow-run-as-root) ;;
     coat-fp32-states) RUN_PRECISION=coat RUN_FLAGS=(--optimizer_states=fp32) ;;
     coat-fp8-activations) RUN_PRECISION=coat RUN_FLAGS=(--activations=fp8) ;;
