@@ -11,9 +11,10 @@
 #        optimizer states), coat-fp8-activations (coat with TE-like activations),
 #        coat-stochastic (coat with stochastically rounded states), coat-fast-accum (coat with
 #        fast accumulation in its FP8 GEMMs), fp8-gemms (FP8 GEMMs alone, activations and states
-#        as in bf16), coat-activations (COAT's activation storage alone, BF16 GEMMs); and the pair bf16-accum2 (bf16 in two micro-batches of
-#        32 a step) and bf16-2ranks (one micro-batch of 32 on each of two ranks sharing the GPU:
-#        mpirun, comm_backend = mpi): the same seed, batches and math in another reduction order,
+#        as in bf16), coat-activations (COAT's activation storage alone, BF16 GEMMs); and the pair
+#        bf16-accum2 (bf16 in two micro-batches of 32 a step) and bf16-2ranks (one micro-batch of
+#        32 on each of two ranks sharing the GPU: mpirun, comm_backend = mpi): the same seed,
+#        batches and math in another reduction order,
 #        so bf16-2ranks against bf16-accum2 is what rounding alone does to a same-seed comparison;
 #        PASSES: the 300 steps make N passes over the first 300/N batches of the training data
 #        instead of one pass over 300 of its 366, in DATA_DIR/passes-N/: what repeated data does
@@ -23,8 +24,9 @@
 #            the local corpus (data/corpus/llama2, scripts/fetch_corpus.sh): 366 chunks of one
 #            batch (64 x 1025 tokens) spread evenly over the training tokens, and the whole
 #            validation shard; `xz -6` of them is what a GPU machine without the corpus is sent.
-#   OUT_DIR  (default out/parity, with PASSES out/parity-passes-N): one folder per precision (log.jsonl, train.log, the final
-#            checkpoint) and parity.md; each run's old log and checkpoints are removed first.
+#   OUT_DIR  (default out/parity, with PASSES out/parity-passes-N): one folder per run (log.jsonl,
+#            train.log, the final checkpoint) and parity.md; each run's old log and checkpoints
+#            are removed first.
 # Each run is bounded by RUN_TIMEOUT_S seconds (default 155) and the Table 1 script by MSE_TIMEOUT_S
 # (default 45), so the whole script ends within 9 minutes; an H200 trains the 300 steps in about
 # 30 s. Needs ./train_llama built (make train_llama), python3, timeout, stdbuf and xz. A run that

@@ -4,11 +4,12 @@
   parity_seeds.py SEED=DIR [SEED=DIR ...]
 
 Each DIR holds one seed's runs, as RUN/log.jsonl (loss_parity.sh's OUT_DIR) or RUN.log.jsonl
-(configs/results/parity/), and for the runs without a log there, the table of its parity.md. Prints a Markdown table: each run's final validation loss per seed,
-in brackets its difference to bf16 of the same seed (bf16-2ranks: to bf16-accum2, the same
-batches on one rank), and over the seeds that have both, the mean difference and its standard
-error (the standard deviation of the differences over sqrt(n)). One seed's difference mixes the
-mode's effect with what any perturbation does to a run; the mean over seeds separates them.
+(configs/results/parity/), and for the runs without a log there, the table of its parity.md.
+Prints a Markdown table: each run's final validation loss per seed, in brackets its difference
+to bf16 of the same seed (bf16-2ranks: to bf16-accum2, the same batches on one rank), and over
+the seeds that have both, the mean difference and its standard error (the standard deviation of
+the differences over sqrt(n)). One seed's difference mixes the mode's effect with what any
+perturbation does to a run; the mean over seeds separates them.
 """
 import json
 import math
