@@ -129,7 +129,8 @@ $(BUILD)/zero_ranks: test/zero_ranks.cu coat/zero.cuh coat/comm.h coat/common.cu
 
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 CPU_SCRIPT_TESTS := test/test_cli.sh test/test_shards.sh test/test_scripts.sh test/test_corpus.sh test/test_comm.sh
-GPU_SCRIPT_TESTS := test/test_train.sh test/test_crash.sh test/test_zero_gpu.sh test/test_distributed.sh test/test_hf.sh
+GPU_SCRIPT_TESTS := test/test_train.sh test/test_crash.sh test/test_zero_gpu.sh test/test_distributed.sh test/test_hf.sh \
+                    test/test_pytorch_fp8.sh
 
 # The PyTorch reference's debug state that test_model compares against (needs python3 with
 # torch; without it test_model reports the comparison as failed).

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Benchmarks beside PyTorch, measured in the same call on the same GPU:
 #  1. training throughput of train_llama in bf16, fp8 and coat against the PyTorch reference
-#     (torch.compile, BF16 autocast, fused AdamW) on random tokens: tokens/s, MFU and peak memory
+#     (torch.compile, BF16 autocast, fused AdamW) and its FP8 recipe (the block's linear layers on
+#     torch._scaled_mm, E4M3 forward, E5M2 gradients) on random tokens: tokens/s, MFU and peak memory
 #     for llama-125m and llama-1b at the ANCHORS.md micro-batches; llama2-7b at the largest
 #     micro-batch each precision fits; then llama-1b 4x2048's peak memory beside PyTorch (eager)
 #     with SDPA and with attention written out (what storing the probabilities costs);
@@ -43,32 +44,33 @@ print(json.dumps({"impl": "train_llama " + sys.argv[3], "tokens_per_s": statisti
                   "used_gib": max(r["gpu_mem_gib"] for r in records)}))
 PY
 }
-pytorch() {  # pytorch CONFIG B T
-    python3 scripts/train_llama.py --bench --compile --config "configs/models/$1.conf" --batch "$2" --seq "$3" \
-        --steps "$steps" 2>"$dir/pytorch-$1.err" | tail -1 || echo '{"impl": "pytorch-compile", "error": "failed"}'
+pytorch() {  # pytorch CONFIG B T [--fp8]
+    python3 scripts/train_llama.py --bench --compile ${4:-} --config "configs/models/$1.conf" --batch "$2" --seq "$3" \
+        --steps "$steps" 2>"$dir/pytorch-$1${4:-}.err" | tail -1 || echo "{\"impl\": \"pytorch-compile${4:+-fp8}\", \"error\": \"failed\"}"
 }
 
 {
-    echo "| model | micro-batch | implementation | tokens/s | MFU | peak GiB | GiB in use | tokens/s vs PyTorch |"
-    echo "|---|---|---|---|---|---|---|---|"
+    echo "| model | micro-batch | implementation | tokens/s | MFU | peak GiB | GiB in use | tokens/s vs PyTorch | vs PyTorch FP8 |"
+    echo "|---|---|---|---|---|---|---|---|---|"
     for spec in "llama-125m 64 1024" "llama-1b 16 2048"; do
         set -- $spec
         a=$(ours "$1" "$1" "$2" "$3" bf16); a8=$(ours "$1" "$1" "$2" "$3" fp8); ac=$(ours "$1" "$1" "$2" "$3" coat)
-        b=$(pytorch "$1" "$2" "$3")
-        python3 - "$1" "$2x$3" "$b" "$a" "$a8" "$ac" <<'PY'
+        b=$(pytorch "$1" "$2" "$3"); b8=$(pytorch "$1" "$2" "$3" --fp8)
+        python3 - "$1" "$2x$3" "$b" "$b8" "$a" "$a8" "$ac" <<'PY'
 import json, sys
-name, batch, ref = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-def row(r, ratio):
+name, batch, ref, ref8 = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+def ratio(r, base):
+    return f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if "error" not in r and "error" not in base else ""
+def row(r):
     if "error" in r:
-        return f"| {name} | {batch} | {r.get('impl')} | {r['error']} | | | | |"
+        return f"| {name} | {batch} | {r.get('impl')} | {r['error']} | | | | | |"
     used = f"{r['used_gib']:.1f}" if "used_gib" in r else ""
     return (f"| {name} | {batch} | {r['impl']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
-            f"{r['peak_gib']:.1f} | {used} | {ratio} |")
-for arg in sys.argv[4:]:
-    ours = json.loads(arg)
-    ok = "error" not in ours and "error" not in ref
-    print(row(ours, f"{ours['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ok else ""))
-print(row(ref, "1.00x"))
+            f"{r['peak_gib']:.1f} | {used} | {ratio(r, ref)} | {ratio(r, ref8)} |")
+for arg in sys.argv[5:]:
+    print(row(json.loads(arg)))
+print(row(ref))
+print(row(ref8))
 PY
     done
     echo

@@ -4,12 +4,13 @@
   --debug-state OUT.bin --config CONF [--batch B --seq T --steps N --seed S --lr LR]
       FP32 model, one random batch: writes the initial weights, the batch, logits, loss and every
       gradient, then the loss before each of N AdamW steps on that batch (format below)
-  --bench --config CONF --batch B [--seq T] [--compile] [--steps N --warmup W] [--profile]
+  --bench --config CONF --batch B [--seq T] [--compile] [--fp8] [--steps N --warmup W] [--profile]
           [--exact-attention]
       training throughput as a user runs it (BF16 autocast, FP32 master weights, fused AdamW,
-      SDPA flash attention): one JSON line; --profile adds, on stderr, the GPU kernels of two more
-      steps by total time (torch.profiler); --exact-attention writes attention out instead of SDPA
-      (the memory of an attention that stores its probabilities)
+      SDPA flash attention): one JSON line; --fp8 puts the block's linear layers on FP8 GEMMs
+      (FP8Linear: the PyTorch FP8 recipe of ANCHORS.md); --profile adds, on stderr, the GPU
+      kernels of two more steps by total time (torch.profiler); --exact-attention writes
+      attention out instead of SDPA (the memory of an attention that stores its probabilities)
   --logits CKPT --tokens "1 2 3" [--out FILE]
       our checkpoint in this model, FP32: logits statistics as JSON; FILE gets the logits in the
       format check_hf_export.py reads
@@ -160,6 +161,59 @@ class Llama(nn.Module):
         return logits, loss
 
 
+# ---- FP8 linear layers (the PyTorch FP8 peer of the benchmark) -------------------------------
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+
+
+def fp8_per_tensor(x: torch.Tensor, dtype: torch.dtype, limit: float):
+    """x as FP8 codes and one FP32 scale from its current amax: x ~ codes * scale."""
+    scale = (x.abs().amax().float() + 1e-10) / limit
+    return (x.float() / scale).clamp(-limit, limit).to(dtype), scale
+
+
+def column_major(t: torch.Tensor) -> torch.Tensor:
+    """The same matrix stored column by column, the layout torch._scaled_mm wants for its second operand."""
+    return t.t().contiguous().t()
+
+
+class FP8LinearFunction(torch.autograd.Function):
+    """y = x W^T with E4M3 x and W, dx = dy W and dW = dy^T x with E5M2 dy, on torch._scaled_mm;
+    per-tensor scales from the current amax; the FP8 x and W are what backward keeps."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.bfloat16)
+    def forward(ctx, x, weight):
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, xs = fp8_per_tensor(x2, torch.float8_e4m3fn, E4M3_MAX)
+        wq, ws = fp8_per_tensor(weight, torch.float8_e4m3fn, E4M3_MAX)
+        ctx.save_for_backward(xq, xs, wq, ws)
+        y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dy):
+        xq, xs, wq, ws = ctx.saved_tensors
+        gq, gs = fp8_per_tensor(dy.reshape(-1, dy.shape[-1]), torch.float8_e5m2, E5M2_MAX)
+        dx = torch._scaled_mm(gq, column_major(wq), scale_a=gs, scale_b=ws, out_dtype=torch.bfloat16)
+        dw = torch._scaled_mm(gq.t().contiguous(), column_major(xq), scale_a=gs, scale_b=xs, out_dtype=torch.bfloat16)
+        return dx.reshape(*dy.shape[:-1], wq.shape[1]), dw
+
+
+class FP8Linear(nn.Linear):
+    def forward(self, x):
+        return FP8LinearFunction.apply(x, self.weight)
+
+
+def use_fp8_linears(model: "Llama") -> None:
+    """The block's linear layers (not the lm_head) on FP8 GEMMs, as the FP8 recipes do."""
+    for layer in model.model.layers:
+        for module in layer.modules():
+            if type(module) is nn.Linear:
+                module.__class__ = FP8Linear
+
+
 @torch.no_grad()
 def init_weights(model: Llama, generator: torch.Generator) -> None:
     """Norms 1, matrices N(0, 0.02), output projections (o_proj, down_proj) / sqrt(2 * n_layers)."""
@@ -270,7 +324,8 @@ def profile_steps(train_step, steps: int) -> None:
 def bench(args, shape: ModelShape) -> int:
     """Median step time over --steps timed steps after --warmup; tokens/s, MFU and peak memory."""
     config_name = os.path.splitext(os.path.basename(args.config))[0]
-    impl = "pytorch" + ("-compile" if args.compile else "") + ("-exact-attention" if args.exact_attention else "")
+    impl = ("pytorch" + ("-compile" if args.compile else "") + ("-fp8" if args.fp8 else "") +
+            ("-exact-attention" if args.exact_attention else ""))
     result = {"impl": impl, "config": config_name,
               "batch": args.batch, "seq": args.seq}
     layout = ParamLayout(shape)
@@ -281,6 +336,8 @@ def bench(args, shape: ModelShape) -> int:
         with device:
             model = Llama(shape, exact=args.exact_attention)
         init_weights(model, generator)
+        if args.fp8:
+            use_fp8_linears(model)
         optimizer = make_optimizer(model, args.lr, fused=True)
         forward = torch.compile(model) if args.compile else model
         tokens, targets = random_batch(shape.vocab_size, args.batch, args.seq, torch.Generator().manual_seed(args.seed))
@@ -379,6 +436,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (bench)")
+    parser.add_argument("--fp8", action="store_true", help="--bench: the block's linear layers on FP8 GEMMs")
     parser.add_argument("--exact-attention", action="store_true",
                         help="--bench: attention written out (stores the T x T probabilities) instead of SDPA")
     parser.add_argument("--profile", action="store_true", help="--bench: also print the GPU kernels of two steps")
