@@ -22,6 +22,8 @@
 #                is complete, 3 when the time ran out first (call again to continue). A complete
 #                run that is not plain bf16 also validates its final weights with BF16 compute
 #                (out/curves/NAME/bf16-eval/). Each call's seconds are added to out/curves/NAME/gpu_seconds.
+#   status       each run's progress: complete, or the step it resumes from and the GPU time it
+#                has taken and will still take at its pace so far, or not started
 #   report       configs/results/curves.png (train and validation curves; each mode's validation loss
 #                relative to bf16 beside the seed spread) and configs/results/curves.md (final losses,
 #                gaps, tokens/s, peak memory, GPU time, the commands), the logs in configs/results/curves/
@@ -47,7 +49,7 @@ RUNS=(bf16 fp8 coat bf16-seed2 bf16-2ranks coat-seed2 coat-fp32-states coat-stoc
 ONE_EPOCH_STEPS=240  # 125.8M tokens: one pass over the corpus's 127M training tokens
 
 usage() {
-    echo "usage: scripts/reproduce_curves.sh pack|unpack|run NAME|report|all   (NAME: ${RUNS[*]})" >&2
+    echo "usage: scripts/reproduce_curves.sh pack|unpack|run NAME|status|report|all   (NAME: ${RUNS[*]})" >&2
     exit 2
 }
 
@@ -327,8 +329,42 @@ print(f"report: wrote {md}")
 PY
 }
 
+status() {
+    local max_steps
+    max_steps=$(sed -n 's/^max_steps *= *\([0-9]*\).*/\1/p' "$CONFIG")
+    python3 - "$OUT" "$max_steps" "$ONE_EPOCH_STEPS" "${RUNS[@]}" <<'PY'
+import glob, json, os, re, sys
+out, full, one_epoch, names = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+for name in names:
+    steps = one_epoch if name.endswith("-1epoch") else full
+    folder = os.path.join(out, name)
+    log = os.path.join(folder, "log.jsonl")
+    if not os.path.exists(log):
+        print(f"{name}: not started ({steps} steps)")
+        continue
+    records = []
+    for line in open(log):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            pass
+    seconds_path = os.path.join(folder, "gpu_seconds")
+    seconds = sum(int(x) for x in open(seconds_path).read().split()) if os.path.exists(seconds_path) else 0
+    if any(r.get("step") == steps and "val_loss" in r for r in records):
+        print(f"{name}: complete, {seconds / 60:.1f} GPU-min")
+        continue
+    checkpoints = [int(m.group(1)) for m in (re.search(r"ckpt_(\d+)\.bin$", p) for p in glob.glob(f"{folder}/ckpt_*.bin")) if m]
+    at = max(checkpoints, default=0)
+    done = max((r["step"] for r in records if "train_loss" in r), default=0)
+    left = f", about {seconds / done * (steps - at) / 60:.1f} GPU-min left" if done and seconds else ""
+    where = f"resumes from step {at}" if checkpoints else "starts over (no checkpoint)"
+    print(f"{name}: {where} of {steps}, logged up to step {done}, {seconds / 60:.1f} GPU-min so far{left}")
+PY
+}
+
 case ${1:-} in
 pack) pack ;;
+status) status ;;
 unpack) unpack ;;
 run) [ $# -eq 2 ] || usage; run "$2" ;;
 report) report ;;

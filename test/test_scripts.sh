@@ -453,6 +453,20 @@ check "parity_seeds.py: each seed's gap to its bf16, their mean and standard err
     "$(printf '%s\n' "$out" | grep -q '^| coat | 5.0641 (+1.45%) | 5.1779 (+0.37%) | 5.1939 (+1.65%) | 4.9123 (+0.48%) | +0.99% | 0.33% | 4 |$' &&
        printf '%s\n' "$out" | grep -q '^| coat-fp32-states | 4.9754 (-0.33%) |  | 5.0899 (-0.39%) | 4.9217 (+0.67%) | -0.02% | 0.34% | 3 |$' &&
        ! printf '%s\n' "$out" | grep -q E4M3; echo $?)" "$out"
+# status: complete runs, a run cut by a job's limit (its checkpoint, its pace), runs not started.
+mkdir -p "$curves/out/coat-fp32-states"
+for step in $(seq 1 120); do echo "{\"step\": $step, \"train_loss\": 5.0}"; done > "$curves/out/coat-fp32-states/log.jsonl"
+: > "$curves/out/coat-fp32-states/ckpt_00000100.bin"
+printf '200\n100\n' > "$curves/out/coat-fp32-states/gpu_seconds"
+mkdir -p "$curves/out/coat-fast-accum"
+printf '{"step": 573, "train_loss": 3.0}\n{"step": 573, "val_loss": 3.3}\n' > "$curves/out/coat-fast-accum/log.jsonl"
+echo 480 > "$curves/out/coat-fast-accum/gpu_seconds"
+out=$("${export_curves[@]}" scripts/reproduce_curves.sh status 2>&1); rc=$?
+check "reproduce_curves.sh status: each run complete, resumable with its GPU time so far and to go, or not started" \
+    "$([ $rc -eq 0 ] && printf '%s\n' "$out" | grep -qx 'coat-fast-accum: complete, 8.0 GPU-min' &&
+       printf '%s\n' "$out" | grep -qx 'coat-fp32-states: resumes from step 100 of 573, logged up to step 120, 5.0 GPU-min so far, about 19.7 GPU-min left' &&
+       printf '%s\n' "$out" | grep -qx 'fp8: starts over (no checkpoint) of 573, logged up to step 300, 6.7 GPU-min so far, about 12.7 GPU-min left' &&
+       printf '%s\n' "$out" | grep -qx 'coat-stochastic: not started (573 steps)'; echo $?)" "$out"
 out=$(RUNS="bf16 nonsense" scripts/loss_parity.sh "$tmp/no_parity_data" "$tmp/no_parity_out" 2>&1); rc=$?
 check "loss_parity.sh refuses an unknown run in RUNS before training anything, exit 2" \
     "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q "RUNS: unknown run 'nonsense'" && [ ! -e "$tmp/no_parity_out" ]; echo $?)" "$out"
