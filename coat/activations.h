@@ -28,6 +28,11 @@ typedef enum {
     ACT_LAYER_KINDS
 } LayerActivation;
 
+// COAT keeps two kinds of non-linear inputs as 1x16-group copies: the residual stream (the
+// RMSNorms' inputs) and gate|up (SwiGLU's); coat_residual and coat_gate_up keep one kind each.
+static inline int activations_group_residual(ActivationsChoice mode) { return mode == ACTS_COAT || mode == ACTS_COAT_RESIDUAL; }
+static inline int activations_group_gate_up(ActivationsChoice mode) { return mode == ACTS_COAT || mode == ACTS_COAT_GATE_UP; }
+
 typedef struct {
     const char *name;
     size_t per_token;          // elements per token
@@ -40,18 +45,19 @@ static inline void activation_table(ActivationInfo table[ACT_LAYER_KINDS], const
     // Linear-layer inputs go FP8 per tensor in fp8 and coat; non-linear inputs 1x16 in coat only.
     // The attention output stays BF16 (its backward reads it); its FP8 transpose is remade there.
     ActivationStorage linear = mode == ACTS_BF16 ? STORE_BF16 : STORE_E4M3_TENSOR;
-    ActivationStorage nonlinear = mode == ACTS_COAT ? STORE_E4M3_GROUP16 : STORE_BF16;
+    ActivationStorage residual = activations_group_residual(mode) ? STORE_E4M3_GROUP16 : STORE_BF16;
+    ActivationStorage gate_up = activations_group_gate_up(mode) ? STORE_E4M3_GROUP16 : STORE_BF16;
     const ActivationInfo rows[ACT_LAYER_KINDS] = {
-        {"residual_in", H, nonlinear},
+        {"residual_in", H, residual},
         {"attn_rstd", 1, STORE_FP32},
         {"attn_norm_out", H, linear},
         {"qkv", (NH + 2 * NKV) * hd, STORE_BF16},
         {"attn_out", NH * hd, STORE_BF16},
         {"attn_lse", NH, STORE_FP32},
-        {"residual_mid", H, nonlinear},
+        {"residual_mid", H, residual},
         {"mlp_rstd", 1, STORE_FP32},
         {"mlp_norm_out", H, linear},
-        {"gate_up", 2 * I, nonlinear},
+        {"gate_up", 2 * I, gate_up},
         {"swiglu_out", I, linear},
     };
     for (int i = 0; i < ACT_LAYER_KINDS; i++) table[i] = rows[i];

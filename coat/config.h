@@ -20,7 +20,8 @@
 
 typedef enum { PRECISION_BF16, PRECISION_FP8, PRECISION_COAT } Precision;
 typedef enum { STATES_AUTO, STATES_FP32, STATES_BF16, STATES_FP8, STATES_FP8_DRE } StatesChoice;
-typedef enum { ACTS_AUTO, ACTS_BF16, ACTS_FP8, ACTS_COAT } ActivationsChoice;
+// coat_residual and coat_gate_up: COAT's 1x16 copies of one kind of non-linear input only (ablations).
+typedef enum { ACTS_AUTO, ACTS_BF16, ACTS_FP8, ACTS_COAT, ACTS_COAT_RESIDUAL, ACTS_COAT_GATE_UP } ActivationsChoice;
 typedef enum { SCHEDULE_COSINE, SCHEDULE_LINEAR, SCHEDULE_WSD, SCHEDULE_CONSTANT } Schedule;
 typedef enum { COMM_NCCL, COMM_MPI } CommBackendChoice;
 typedef enum { GATHER_AUTO, GATHER_BF16, GATHER_E4M3 } ParamGatherChoice;
@@ -116,8 +117,9 @@ static const ConfigKey config_keys[] = {
      "GEMMs, activations and optimizer states: bf16, TransformerEngine-like fp8, or COAT"},
     {"optimizer_states", KEY_CHOICE, CFG(optimizer_states), "auto", 0, 0, "auto|fp32|bf16|fp8|fp8_dre",
      "AdamW moment storage (auto: fp8_dre for coat, else fp32)"},
-    {"activations", KEY_CHOICE, CFG(activations), "auto", 0, 0, "auto|bf16|fp8|coat",
-     "storage of activations saved for backward (auto: follows precision)"},
+    {"activations", KEY_CHOICE, CFG(activations), "auto", 0, 0, "auto|bf16|fp8|coat|coat_residual|coat_gate_up",
+     "storage of activations saved for backward (auto: follows precision; coat_residual, coat_gate_up: "
+     "coat's 1x16 copies of the residual stream only, or of gate|up only)"},
     {"fp8_fast_accum", KEY_INT, CFG(fp8_fast_accum), "0", 0, 1, NULL, "Hopper fast accumulation in the FP8 GEMMs (precision fp8 or coat)"},
     {"optimizer_rounding", KEY_CHOICE, CFG(optimizer_rounding), "nearest", 0, 0, "nearest|stochastic",
      "how FP8 optimizer states are stored: nearest even (COAT) or stochastic rounding (unbiased)"},

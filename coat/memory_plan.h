@@ -21,9 +21,10 @@
 // GEMM (in backward: the remade transpose of an input saved in BF16), the E5M2 output gradient
 // and its transpose, every layer's E4M3 weights and their transposes (cast once per optimizer
 // step); the table of per-tensor FP8 scales (also for FP8 activations with BF16 GEMMs). With
-// COAT activations, the BF16 residual stream, updated in place (only its 1x16 copies are
-// saved); and the forward's BF16 gate_up output (before its 1x16 cast) lives in the two
-// output-gradient buffers, idle in forward (with BF16 GEMMs: in wide, idle in forward too).
+// COAT's 1x16 copies of the residual stream, the BF16 residual stream, updated in place (only
+// the copies are saved); with those of gate_up, the forward's BF16 gate_up output (before its
+// 1x16 cast) lives in the two output-gradient buffers, idle in forward (with BF16 GEMMs: in
+// wide, idle in forward too).
 typedef struct {
     size_t branch, d_residual, wide, rope_cos, rope_sin, logits, kernel_scratch, small;  // byte offsets
     size_t residual, fp8_input, fp8_grad, fp8_grad_t, fp8_weights, fp8_scales;         // 0 bytes when unused
@@ -69,7 +70,7 @@ static inline void working_layout_init(WorkingLayout *w, const ModelShape *m, in
         widest_out = max_size(widest_out, out[i]);
         layer_linear += in[i] * out[i];
     }
-    w->residual_bytes = activations == ACTS_COAT ? 2 * tokens * H : 0;
+    w->residual_bytes = activations_group_residual(activations) ? 2 * tokens * H : 0;
     w->fp8_input_bytes = fp8_gemms ? tokens * widest_in : 0;
     w->fp8_grad_bytes = fp8_gemms ? tokens * widest_out : 0;
     w->fp8_weights_bytes = fp8_gemms ? 2 * layer_linear * (size_t)m->n_layers : 0;

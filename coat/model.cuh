@@ -95,7 +95,7 @@ typedef struct {
     bf16 *d_residual;
     bf16 *wide;                    // backward: the block intermediates' gradients
     bf16 *logits;
-    bf16 *residual;                // COAT activations: the BF16 residual stream (NULL otherwise)
+    bf16 *residual;                // with 1x16 copies of the residual stream: the BF16 stream (NULL otherwise)
     uint8_t *fp8_input;            // E4M3 input of the current FP8 GEMM, or in backward a remade input transpose
     uint8_t *fp8_grad, *fp8_grad_t;  // E5M2 output gradient [N, out] and its transpose [out, N]
     bf16 *gate_up_working;         // COAT forward: gate_up before its 1x16 cast (in fp8_grad and fp8_grad_t, or wide)
@@ -242,8 +242,9 @@ static inline void model_create_sized(LlamaModel *model, const ModelShape *shape
     model->fp8_grad_t = (uint8_t *)(model->working + w->fp8_grad_t);
     model->fp8_weights = (uint8_t *)(model->working + w->fp8_weights);
     model->fp8_scales = (Fp8Scale *)(model->working + w->fp8_scales);
-    if (precision.activations == ACTS_COAT && !precision.fp8_gemms) model->gate_up_working = model->wide;
-    if (precision.activations == ACTS_COAT && precision.fp8_gemms) {
+    int gate_up_grouped = activations_group_gate_up(precision.activations);
+    if (gate_up_grouped && !precision.fp8_gemms) model->gate_up_working = model->wide;
+    if (gate_up_grouped && precision.fp8_gemms) {
         model->gate_up_working = (bf16 *)model->fp8_grad;
         if (w->fp8_grad_t + w->fp8_grad_bytes - w->fp8_grad < sizeof(bf16) * N * 2 * (size_t)shape->ffn_dim)
             fail_with("model_create", "the output-gradient buffers cannot hold the forward's gate_up");
@@ -490,7 +491,7 @@ static inline void linear_backward(GpuContext *gpu, LlamaModel *model, int layer
     } while (0)
 
 // The BF16 residual stream at layer l's `kind` (RESIDUAL_IN or RESIDUAL_MID): the saved tensor,
-// or with COAT activations the one working buffer, updated in place (its 1x16 copies are saved).
+// or with 1x16 copies of the residual stream the one working buffer, updated in place (the copies are saved).
 static inline bf16 *model_residual(const LlamaModel *model, int layer, LayerActivation kind) {
     return model->residual != NULL ? model->residual : model_saved(model, layer, kind);
 }

@@ -11,7 +11,9 @@
 #        optimizer states), coat-fp8-activations (coat with TE-like activations),
 #        coat-stochastic (coat with stochastically rounded states), coat-fast-accum (coat with
 #        fast accumulation in its FP8 GEMMs), fp8-gemms (FP8 GEMMs alone, activations and states
-#        as in bf16), coat-activations (COAT's activation storage alone, BF16 GEMMs); and the pair
+#        as in bf16), coat-activations (COAT's activation storage alone, BF16 GEMMs),
+#        bf16-residual-1x16 and bf16-gate-up-1x16 (bf16 but for COAT's 1x16 copies of the residual
+#        stream, or of gate|up: which of the two costs the loss); and the pair
 #        bf16-accum2 (bf16 in two micro-batches of 32 a step) and bf16-2ranks (one micro-batch of
 #        32 on each of two ranks sharing the GPU: mpirun, comm_backend = mpi): the same seed,
 #        batches and math in another reduction order,
@@ -135,6 +137,8 @@ run_settings() {
     coat-fast-accum) RUN_PRECISION=coat RUN_FLAGS=(--fp8_fast_accum=1) ;;
     fp8-gemms) RUN_PRECISION=fp8 RUN_FLAGS=(--activations=bf16) ;;
     coat-activations) RUN_PRECISION=bf16 RUN_FLAGS=(--activations=coat) ;;
+    bf16-residual-1x16) RUN_PRECISION=bf16 RUN_FLAGS=(--activations=coat_residual) ;;
+    bf16-gate-up-1x16) RUN_PRECISION=bf16 RUN_FLAGS=(--activations=coat_gate_up) ;;
     *) return 1 ;;
     esac
 }
@@ -220,7 +224,7 @@ PYTHON
 }
 
 for name in "${RUN_NAMES[@]}"; do
-    run_settings "$name" || { echo "error: RUNS: unknown run '$name' (bf16, fp8, coat, coat-fp32-states, coat-fp8-activations, coat-stochastic, coat-fast-accum, fp8-gemms, coat-activations, bf16-accum2, bf16-2ranks)" >&2; exit 2; }
+    run_settings "$name" || { echo "error: RUNS: unknown run '$name' (bf16, fp8, coat, coat-fp32-states, coat-fp8-activations, coat-stochastic, coat-fast-accum, fp8-gemms, coat-activations, bf16-residual-1x16, bf16-gate-up-1x16, bf16-accum2, bf16-2ranks)" >&2; exit 2; }
     if [ ${#RUN_LAUNCH[@]} -gt 0 ] && ! command -v mpirun > /dev/null; then
         echo "error: RUNS: $name needs mpirun (apt-get install openmpi-bin)" >&2
         exit 2

@@ -12,7 +12,9 @@
 #   run NAME     trains NAME (bf16, fp8, coat, bf16-seed2; the ablations: coat-fp32-states, coat
 #                with FP32 optimizer states; coat-stochastic, coat with its FP8 states rounded
 #                stochastically; fp8-gemms, FP8 GEMMs alone, activations and states as in bf16;
-#                coat-activations, COAT's activation storage alone, with BF16 GEMMs; coat-fast-accum,
+#                coat-activations, COAT's activation storage alone, with BF16 GEMMs; bf16-residual-1x16
+#                and bf16-gate-up-1x16, bf16 but for COAT's 1x16 copies of the residual stream, or
+#                of gate|up; coat-fast-accum,
 #                coat with Hopper's fast accumulation in its FP8 GEMMs; bf16-2ranks, bf16 on two
 #                ranks sharing the GPU (mpirun, comm_backend = mpi): the same seed, batches and math
 #                in another reduction order, what rounding alone does to a same-seed comparison;
@@ -45,7 +47,7 @@ PIECE_TOKENS=${PIECE_TOKENS:-40000000}
 PART_BYTES=${PART_BYTES:-$((60 * 1024 * 1024))}
 RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-560}
 RUNS=(bf16 fp8 coat bf16-seed2 bf16-2ranks coat-seed2 coat-fp32-states coat-stochastic fp8-gemms coat-activations
-      coat-fast-accum bf16-1epoch coat-1epoch)
+      bf16-residual-1x16 bf16-gate-up-1x16 coat-fast-accum bf16-1epoch coat-1epoch)
 ONE_EPOCH_STEPS=240  # 125.8M tokens: one pass over the corpus's 127M training tokens
 
 usage() {
@@ -156,6 +158,8 @@ run() {
     coat-stochastic) precision=coat seed=1337 states=(--optimizer_rounding=stochastic) ;;
     fp8-gemms) precision=fp8 seed=1337 states=(--activations=bf16) ;;
     coat-activations) precision=bf16 seed=1337 states=(--activations=coat) ;;
+    bf16-residual-1x16) precision=bf16 seed=1337 states=(--activations=coat_residual) ;;
+    bf16-gate-up-1x16) precision=bf16 seed=1337 states=(--activations=coat_gate_up) ;;
     coat-fast-accum) precision=coat seed=1337 states=(--fp8_fast_accum=1) ;;
     bf16-1epoch | coat-1epoch) precision=${name%-1epoch} seed=1337 states=(--max_steps=$ONE_EPOCH_STEPS) ;;
     *) usage ;;
@@ -284,9 +288,11 @@ lines = ["# Pretraining curves: llama-125m on the local corpus, bf16 vs fp8 vs c
          "alone does, coat-seed2 against bf16-seed2 for coat's gap on a second seed (not in the figure); the",
          "ablations coat-fp32-states (coat with FP32 optimizer states), coat-stochastic (its FP8 states",
          "rounded stochastically), fp8-gemms (FP8 GEMMs alone), coat-activations (COAT's activation",
-         "storage alone, BF16 GEMMs) and coat-fast-accum (fast accumulation in the FP8 GEMMs); bf16-1epoch",
-         "and coat-1epoch: 240 steps (one pass over the data, the whole cosine schedule in it), against",
-         "each other: the learning-rate decay without repeated data (not in the figure). Final val loss:",
+         "storage alone, BF16 GEMMs), bf16-residual-1x16 and bf16-gate-up-1x16 (bf16 but for COAT's 1x16",
+         "copies of the residual stream, or of gate|up) and coat-fast-accum (fast accumulation in the FP8",
+         "GEMMs); bf16-1epoch and coat-1epoch: 240 steps (one pass over the data, the whole cosine",
+         "schedule in it), against each other: the learning-rate decay without repeated data (not in the",
+         "figure). Final val loss:",
          "the mean over 16 fixed validation batches after the last step; with BF16 compute: the same",
          "final weights and batches through the bf16 forward (what the FP8 forward itself costs at the end).", "",
          "![curves](curves.png)", "",

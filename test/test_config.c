@@ -381,6 +381,26 @@ static void test_memory_plan(ConfigParser *p) {
     memory_plan_compute(&coat, &p->values, 1, 16);
     check(coat.activations_bytes < bf16.activations_bytes && coat.total_bytes < bf16.total_bytes,
           "coat plans less memory than bf16 (%.1f vs %.1f GiB)", gib(coat.total_bytes), gib(bf16.total_bytes));
+    // The ablations keep COAT's 1x16 copies of one kind of non-linear input only, and the BF16
+    // residual working buffer exactly when the residual stream is kept as copies.
+    const ModelShape *m = &p->values.model;
+    const struct { const char *name; ActivationsChoice mode; ActivationStorage residual, gate_up; int working_residual; } ablations[] = {
+        {"coat", ACTS_COAT, STORE_E4M3_GROUP16, STORE_E4M3_GROUP16, 1},
+        {"coat_residual", ACTS_COAT_RESIDUAL, STORE_E4M3_GROUP16, STORE_BF16, 1},
+        {"coat_gate_up", ACTS_COAT_GATE_UP, STORE_BF16, STORE_E4M3_GROUP16, 0},
+    };
+    for (size_t i = 0; i < sizeof(ablations) / sizeof(ablations[0]); i++) {
+        ActivationInfo table[ACT_LAYER_KINDS];
+        activation_table(table, m, ablations[i].mode);
+        WorkingLayout w;
+        working_layout_init(&w, m, 16, 2048, 1, ablations[i].mode);
+        check(table[ACT_RESIDUAL_IN].storage == ablations[i].residual && table[ACT_RESIDUAL_MID].storage == ablations[i].residual &&
+              table[ACT_GATE_UP].storage == ablations[i].gate_up && table[ACT_SWIGLU_OUT].storage == STORE_E4M3_TENSOR &&
+              (w.residual_bytes > 0) == ablations[i].working_residual,
+              "activations = %s: residual stream %s, gate_up %s, linear inputs e4m3/tensor, residual working buffer %zu bytes",
+              ablations[i].name, activation_storage_name(table[ACT_RESIDUAL_IN].storage),
+              activation_storage_name(table[ACT_GATE_UP].storage), w.residual_bytes);
+    }
     MemoryPlan b8, b16;
     memory_plan_compute(&b8, &p->values, 1, 8);
     memory_plan_compute(&b16, &p->values, 1, 16);

@@ -251,6 +251,9 @@ static void test_memory_plan_matches_allocation(GpuContext *gpu) {
         {"coat GEMMs, fp8 activations", PRECISION_COAT, ACTS_FP8, STATES_AUTO},
         {"bf16 GEMMs, coat activations", PRECISION_BF16, ACTS_COAT, STATES_FP8_DRE},
         {"bf16 GEMMs, fp8 activations", PRECISION_BF16, ACTS_FP8, STATES_AUTO},
+        {"coat, 1x16 copies of the residual stream only", PRECISION_COAT, ACTS_COAT_RESIDUAL, STATES_AUTO},
+        {"coat, 1x16 copies of gate_up only", PRECISION_COAT, ACTS_COAT_GATE_UP, STATES_AUTO},
+        {"bf16 GEMMs, 1x16 copies of gate_up only", PRECISION_BF16, ACTS_COAT_GATE_UP, STATES_AUTO},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         c->precision = cases[i].precision;
@@ -326,6 +329,9 @@ int main(int argc, char **argv) {
         {"coat, fast accumulation", {1, ACTS_COAT, 1}, 0.02, 0.10, 0.25, 0.03},
         {"bf16 GEMMs, fp8 activations", {0, ACTS_FP8, 0}, 0.02, 0.10, 0.25, 0.03},
         {"bf16 GEMMs, coat activations", {0, ACTS_COAT, 0}, 0.02, 0.10, 0.25, 0.03},
+        {"coat, 1x16 copies of the residual stream only", {1, ACTS_COAT_RESIDUAL, 0}, 0.02, 0.10, 0.25, 0.03},
+        {"coat, 1x16 copies of gate_up only", {1, ACTS_COAT_GATE_UP, 0}, 0.02, 0.10, 0.25, 0.03},
+        {"bf16 GEMMs, 1x16 copies of the residual stream only", {0, ACTS_COAT_RESIDUAL, 0}, 0.02, 0.10, 0.25, 0.03},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
         test_against_pytorch(&gpu, argc > 1 ? argv[1] : "build/debug_state.bin", &cases[i]);
