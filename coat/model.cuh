@@ -224,9 +224,10 @@ static inline void model_create_sized(LlamaModel *model, const ModelShape *shape
     working_layout_init(w, shape, B, T, precision.fp8_gemms, precision.activations);
     size_t scratch_needed = model_kernel_scratch_needed(shape, B, T);
     if (scratch_needed > w->kernel_scratch_bytes) {
-        fprintf(stderr, "error: kernels need %zu bytes of scratch, the memory plan reserves %zu\n", scratch_needed,
-                w->kernel_scratch_bytes);
-        exit(EXIT_FAILURE);
+        char message[160];
+        snprintf(message, sizeof(message), "kernels need %zu bytes of scratch, the memory plan reserves %zu", scratch_needed,
+                 w->kernel_scratch_bytes);
+        fail_with("model_create", message);
     }
     model->working = (char *)gpu_alloc(w->total_bytes, "working buffers");
     model->branch = (bf16 *)(model->working + w->branch);
