@@ -11,7 +11,8 @@ if ! python3 -c 'import torch; assert torch.cuda.is_available()' 2> /dev/null; t
     exit
 fi
 
-out=$(cd scripts && python3 - <<'PY' 2>&1
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+out=$(cd scripts && python3 - <<'PY' 2>"$tmp/err"
 import torch
 from train_llama import FP8LinearFunction
 torch.manual_seed(0)
@@ -28,11 +29,11 @@ print(f"forward {relative(y, x32 @ w32.t()):.4f} dx {relative(x.grad, dy @ w32):
       f"dw {relative(w.grad, dy.reshape(-1, 256).t() @ x32.reshape(-1, 768)):.4f} dtypes {y.dtype} {w.grad.dtype}")
 PY
 )
-read -r _ fwd _ dx _ dw _ dtypes <<< "$out"
+read -r _ fwd _ dx _ dw _ dtypes <<< "$(tail -1 <<< "$out")"
 check "FP8Linear: output within 8% of the FP32 product ($fwd), dx and dW within 15% ($dx, $dw), BF16 out, FP32 weight gradient" \
     "$(awk -v f="$fwd" -v a="$dx" -v b="$dw" 'BEGIN { exit !(f > 0 && f < 0.08 && a > 0 && a < 0.15 && b > 0 && b < 0.15) }' &&
-       [ "$dtypes" = "torch.bfloat16 torch.float32" ]; echo $?)" "$out"
-out=$(python3 scripts/train_llama.py --bench --fp8 --config configs/models/tiny.conf --batch 4 --seq 64 --steps 3 --warmup 1 2>&1)
+       [ "$dtypes" = "torch.bfloat16 torch.float32" ]; echo $?)" "$out $(tail -3 "$tmp/err")"
+out=$(python3 scripts/train_llama.py --bench --fp8 --config configs/models/tiny.conf --batch 4 --seq 64 --steps 3 --warmup 1 2>"$tmp/err")
 check "train_llama.py --bench --fp8 trains the tiny model and prints its tokens/s" \
-    "$(printf '%s' "$out" | tail -1 | python3 -c 'import json, sys; r = json.loads(sys.stdin.read()); sys.exit(not (r["impl"] == "pytorch-fp8" and r["tokens_per_s"] > 0))'; echo $?)" "$out"
+    "$(printf '%s' "$out" | tail -1 | python3 -c 'import json, sys; r = json.loads(sys.stdin.read()); sys.exit(not (r["impl"] == "pytorch-fp8" and r["tokens_per_s"] > 0))'; echo $?)" "$out $(tail -3 "$tmp/err")"
 check_summary test_pytorch_fp8
