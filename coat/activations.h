@@ -42,7 +42,8 @@ typedef struct {
 static inline void activation_table(ActivationInfo table[ACT_LAYER_KINDS], const ModelShape *m, ActivationsChoice mode) {
     size_t H = (size_t)m->dim, I = (size_t)m->ffn_dim, hd = (size_t)model_head_dim(m);
     size_t NH = (size_t)m->n_heads, NKV = (size_t)m->n_kv_heads;
-    // Linear-layer inputs go FP8 per tensor in fp8 and coat; non-linear inputs 1x16 in coat only.
+    // Linear-layer inputs go FP8 per tensor in fp8 and coat; non-linear inputs 1x16 in coat (one
+    // kind of them in coat_residual and coat_gate_up).
     // The attention output stays BF16 (its backward reads it); its FP8 transpose is remade there.
     ActivationStorage linear = mode == ACTS_BF16 ? STORE_BF16 : STORE_E4M3_TENSOR;
     ActivationStorage residual = activations_group_residual(mode) ? STORE_E4M3_GROUP16 : STORE_BF16;
