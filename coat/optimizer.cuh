@@ -554,20 +554,21 @@ static inline void adamw_free(AdamW *opt) {
     opt->decay_group = NULL;
 }
 
-// Master weights from an FP32 host buffer of the whole model (a fresh initialisation), holding
-// at least shard_end elements.
 // Elements of this shard inside [0, total): ZeRO's last shards may end in padding (or be all padding).
 static inline size_t adamw_shard_used(const AdamW *opt) {
     return opt->shard_begin >= opt->total ? 0 : (opt->shard_end < opt->total ? opt->n : opt->total - opt->shard_begin);
 }
 
-// The shard's part of params_fp32[total] (the padding after it stays zero).
+// Master weights from an FP32 host buffer of the whole model, params_fp32[total]: the shard's
+// part of it (the padding after it stays zero).
 static inline void adamw_set_master_from_host(AdamW *opt, const float *params_fp32, cudaStream_t stream) {
     cudaCheck(cudaMemcpyAsync(opt->master, params_fp32 + opt->shard_begin, 4 * adamw_shard_used(opt), cudaMemcpyHostToDevice,
                               stream));
     cudaCheck(cudaStreamSynchronize(stream));
 }
 
+// master[i] = value * (normal ? random_normal_at(seed, first + i) : 1) for count elements: one
+// tensor's part of the shard, element e of the buffer at index first + i = e (params.h's rule).
 __global__ void adamw_init_kernel(float *master, unsigned long long seed, size_t first, size_t count, float value,
                                   int normal) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -628,9 +629,9 @@ static inline void adamw_copy_master_to_host(const AdamW *opt, float *host_param
     cudaCheck(cudaStreamSynchronize(stream));
 }
 
-// One AdamW step over the shard (t = ++opt->step): params is the whole buffer, grads_shard the
-// shard's n gradients. grad_scale multiplies every gradient first (the clip factor).
-// One step with the shard's gradients in BF16 (grads_shard) or FP32 (grads_f32, grads_shard NULL).
+// One AdamW step over the shard (t = ++opt->step): params is the whole buffer, the shard's n
+// gradients in BF16 (grads_shard) or FP32 (grads_f32, grads_shard NULL). grad_scale multiplies
+// every gradient first (the clip factor).
 static inline void adamw_step_any(AdamW *opt, bf16 *params, const bf16 *grads_shard, const float *grads_f32, float lr,
                                   float grad_scale, cudaStream_t stream) {
     adamw_check_aligned(params, "adamw_step: params");
@@ -723,6 +724,7 @@ static inline void adamw_checkpoint_header(const AdamW *opt, AdamWCheckpointHead
     h->payload_bytes = adamw_saved_bytes(opt);
 }
 
+// 0 when a saved header fits this optimizer; otherwise -1 with what is wrong in `error`.
 static inline int adamw_checkpoint_header_check(const AdamW *opt, const AdamWCheckpointHeader *h, char *error,
                                                 size_t error_size) {
     if (h->magic != ADAMW_CHECKPOINT_MAGIC) {
@@ -827,6 +829,11 @@ static inline void adamw_gather_copy(void *stream, const void *device, void *hos
     cudaCheck(cudaStreamSynchronize((cudaStream_t)stream));
 }
 
+// ---- global gradient norm ---------------------------------------------------------------
+// Sum of squares of n BF16 or FP32 values in two fixed-shape passes: GRAD_NORM_BLOCKS blocks each
+// sum a fixed grid-stride slice in FP32 per 8 values and FP64 across them, reduce in a fixed tree,
+// then one block adds the partials in a fixed tree. Same input, same bits, on any GPU.
+
 #define GRAD_NORM_BLOCKS 1024
 #define GRAD_NORM_THREADS 256
 
@@ -874,10 +881,9 @@ __global__ void __launch_bounds__(GRAD_NORM_BLOCKS) grad_norm_final_kernel(float
     if (threadIdx.x == 0) *out = (float)total;
 }
 
-// *out_device = sum of grads[i]^2 over n values (n a multiple of 8, grads 16-byte aligned);
-// scratch holds grad_norm_scratch_bytes(). Under ZeRO each rank sums its shard and the ranks
-// add their sums.
-// The sum of squares of grads[n] (BF16 or FP32) into *out_device.
+// *out_device = sum of grads[i]^2 over n values, BF16 or FP32 (n a multiple of 8, grads 16-byte
+// aligned); scratch holds grad_norm_scratch_bytes(). Under ZeRO each rank sums its shard and the
+// ranks add their sums.
 template <typename T>
 static inline void grad_norm_squared(float *out_device, const T *grads, size_t n, double *scratch, cudaStream_t stream) {
     if (n % 8 != 0) fail_with("grad_norm_squared", "the element count must be a multiple of 8");
