@@ -209,12 +209,6 @@ static inline int dataloader_set_position(Dataloader *loader, DataloaderPosition
     return 0;
 }
 
-// Back to the first batch of epoch 0.
-static inline void dataloader_reset(Dataloader *loader) {
-    DataloaderPosition start = {0, 0};
-    loader->position = start;
-}
-
 // Returns shard id open for reading, from the cache or opened in place of the least recently read;
 // checks that the file still has the size seen at open. NULL on an error.
 static inline Shard *dataloader_open_shard(Dataloader *loader, int64_t shard, char *error, size_t error_size) {
