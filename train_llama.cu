@@ -941,8 +941,8 @@ static void log_validation(Trainer *t) {
 // the gradients are summed over the ranks. ZeRO stage 0: every rank steps the whole optimizer
 // state; stage 1: each steps its shard of it (coat/zero.h) and the parameters are gathered after
 // the step, under the next forward (gather_params); stage 2: no rank holds the whole gradient
-// either (backward's buckets go to their owners as they are done). Rank 0 alone writes the log, the samples and the checkpoints
-// (any world size resumes from them).
+// either (backward's buckets go to their owners as they are done). Rank 0 alone writes the log,
+// the samples and the checkpoints (any world size resumes from them).
 static int train(ConfigParser *parser, const Comm *comm) {
     const TrainConfig *c = &parser->values;
     char error[1024];
