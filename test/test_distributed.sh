@@ -98,8 +98,8 @@ done
 # Validation splits its batches over the ranks (rank r: r, r + W, ...) and adds their FP64 sums:
 # before any step every world size gives one rank's loss bit for bit, 3 batches on 4 ranks too.
 val0() { grep -o '"step": 0, "val_loss": [0-9.e+-]*' "$1"; }
-./train_llama "${stage1[@]}" --val_batches=3 --max_steps=1 --out_dir="$tmp/val3_one" > "$tmp/val3_one.out" 2>&1
-"${mpi[@]}" 4 ./train_llama "${stage1[@]}" --val_batches=3 --max_steps=1 --comm_backend=mpi --out_dir="$tmp/val3_4" \
+./train_llama "${stage1[@]}" --val_batches=3 --max_steps=1 --warmup_steps=1 --out_dir="$tmp/val3_one" > "$tmp/val3_one.out" 2>&1
+"${mpi[@]}" 4 ./train_llama "${stage1[@]}" --val_batches=3 --max_steps=1 --warmup_steps=1 --comm_backend=mpi --out_dir="$tmp/val3_4" \
     > "$tmp/val3_4.out" 2>&1
 check "the step-0 validation loss on 2 and 4 ranks (4 batches) and on 4 ranks (3 batches) is one rank's, bit for bit" \
     "$(v=$(val0 "$tmp/s1_one/log.jsonl") && [ -n "$v" ] && [ "$(val0 "$tmp/s1_2/log.jsonl")" = "$v" ] &&
