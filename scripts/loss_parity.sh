@@ -5,7 +5,7 @@
 # difference relative to bf16, the median tokens/s and the peak GPU memory, printed and written to
 # OUT_DIR/parity.md. When the bf16 run (FP32 AdamW moments) left a checkpoint, the COAT paper's
 # Table 1 on its optimizer states (scripts/optimizer_state_mse.py) is appended to parity.md.
-# Usage: [SEED=N] [RUNS="..."] [PASSES=N] scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]   (SEED: another
+# Usage: [SEED=N] [RUNS="..."] scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]   (SEED: another
 #        initialisation and data order than the config's, for the seed-to-seed spread; RUNS: the
 #        runs, default "bf16 fp8 coat", or also the ablations coat-fp32-states (coat with FP32
 #        optimizer states), coat-fp8-activations (coat with TE-like activations),
@@ -17,18 +17,15 @@
 #        bf16-accum2 (bf16 in two micro-batches of 32 a step) and bf16-2ranks (one micro-batch of
 #        32 on each of two ranks sharing the GPU: mpirun, comm_backend = mpi): the same seed,
 #        batches and math in another reduction order,
-#        so bf16-2ranks against bf16-accum2 is what rounding alone does to a same-seed comparison;
-#        PASSES: the 300 steps make N passes over the first 300/N batches of the training data
-#        instead of one pass over 300 of its 366, in DATA_DIR/passes-N/: what repeated data does
-#        to the gaps, in minutes rather than the hours of scripts/reproduce_curves.sh)
+#        so bf16-2ranks against bf16-accum2 is what rounding alone does to a same-seed comparison)
 #   DATA_DIR (default data/parity): train_*.bin and val_*.bin shards; *.bin.xz files without their
 #            .bin are decompressed there first (xz -dk). When it holds no shards, it is made from
-#            the local corpus (data/corpus/llama2, scripts/fetch_corpus.sh): 366 chunks of one
-#            batch (64 x 1025 tokens) spread evenly over the training tokens, and the whole
-#            validation shard; `xz -6` of them is what a GPU machine without the corpus is sent.
-#   OUT_DIR  (default out/parity, with PASSES out/parity-passes-N): one folder per run (log.jsonl,
-#            train.log, the final checkpoint) and parity.md; each run's old log and checkpoints
-#            are removed first.
+#            the corpus in CORPUS (default data/corpus/llama2, scripts/fetch_corpus.sh): 366
+#            batches of 64 rows of 1025 tokens, the 23,424 rows spread evenly over the training
+#            tokens and each batch's rows from all over them, and the whole validation shard;
+#            `xz -6` of them is what a GPU machine without the corpus is sent.
+#   OUT_DIR  (default out/parity): one folder per run (log.jsonl, train.log, the final
+#            checkpoint) and parity.md; each run's old log and checkpoints are removed first.
 # Each run is bounded by RUN_TIMEOUT_S seconds (default 155) and the Table 1 script by MSE_TIMEOUT_S
 # (default 45), so the whole script ends within 9 minutes; an H200 trains the 300 steps in about
 # 30 s. Needs ./train_llama built (make train_llama), python3, timeout, stdbuf and xz. A run that
@@ -44,10 +41,8 @@ KILL_AFTER_S=5
 usage() { echo "usage: scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]" >&2; exit 2; }
 case ${1:-} in -h|--help) usage ;; esac
 [ $# -le 2 ] || usage
-PASSES=${PASSES:-1}
-[[ $PASSES =~ ^[1-9][0-9]*$ ]] && [ "$PASSES" -le 300 ] || { echo "error: PASSES=$PASSES: a whole number from 1 to 300" >&2; exit 2; }
 DATA=${1:-$ROOT/data/parity}
-OUT=${2:-$ROOT/out/parity$([ "$PASSES" = 1 ] || echo "-passes-$PASSES")}
+OUT=${2:-$ROOT/out/parity}
 DATA=${DATA%/}
 OUT=${OUT%/}
 
@@ -70,7 +65,7 @@ decompress_shards() {
 
 # The subset of the local corpus described at the top, in llm.c's shard format.
 make_parity_data() {
-    local corpus=$ROOT/data/corpus/llama2
+    local corpus=${CORPUS:-$ROOT/data/corpus/llama2}
     if [ ! -e "$corpus/val_000000.bin" ]; then
         echo "error: $DATA holds no shards and $corpus no corpus to make them from (run scripts/fetch_corpus.sh)" >&2
         exit 1
@@ -79,44 +74,21 @@ make_parity_data() {
     python3 - "$corpus" "$DATA" <<'PYTHON'
 import glob, os, shutil, struct, sys
 corpus, out = sys.argv[1], sys.argv[2]
-CHUNKS, CHUNK = 366, 64 * 1025  # tokens: one micro-batch of 64 sequences of 1024 + 1
-tokens = b"".join(open(path, "rb").read()[1024:] for path in sorted(glob.glob(f"{corpus}/train_*.bin")))
-count = len(tokens) // 2
-picked = b"".join(tokens[2 * (k * (count - CHUNK) // (CHUNKS - 1)):][:2 * CHUNK] for k in range(CHUNKS))
+BATCHES, ROWS, ROW = 366, 64, 1025  # batches of 64 sequences of 1024 tokens + 1
+tokens = memoryview(b"".join(open(path, "rb").read()[1024:] for path in sorted(glob.glob(f"{corpus}/train_*.bin"))))
+count, rows = len(tokens) // 2, BATCHES * ROWS
+def row(i):  # the i-th of the rows spread evenly over the tokens
+    start = 2 * (i * (count - ROW) // (rows - 1))
+    return tokens[start:start + 2 * ROW]
+# Batch k holds the rows k, k + 366, ...: 64 places all over the corpus, as a shuffled corpus
+# would give, instead of 64 consecutive sequences of one package's text.
+picked = b"".join(row(j * BATCHES + k) for k in range(BATCHES) for j in range(ROWS))
 os.makedirs(out, exist_ok=True)
 with open(f"{out}/train_000000.bin", "wb") as f:
-    f.write(struct.pack("<256i", 20240520, 1, CHUNKS * CHUNK, *([0] * 253)))
+    f.write(struct.pack("<256i", 20240520, 1, rows * ROW, *([0] * 253)))
     f.write(picked)
 shutil.copyfile(f"{corpus}/val_000000.bin", f"{out}/val_000000.bin")
 PYTHON
-}
-
-# DATA/passes-N/: the first 300/N training batches of DATA (N passes in 300 steps) and its
-# validation shards; DATA becomes that folder.
-repeat_parity_data() {
-    local sub=$DATA/passes-$PASSES
-    if [ ! -e "$sub/train_000000.bin" ]; then
-        echo "loss_parity: making $sub: the first $((300 / PASSES)) batches of $DATA's training data"
-        mkdir -p "$sub"
-        cp "$DATA"/val_*.bin "$sub/"
-        python3 - "$DATA" "$sub" "$((300 / PASSES))" <<'PYTHON'
-import glob, struct, sys
-data, out, batches = sys.argv[1], sys.argv[2], int(sys.argv[3])
-tokens = batches * 64 * 1025  # batches of 64 sequences of 1024 + 1
-path = sorted(glob.glob(f"{data}/train_*.bin"))[0]
-with open(path, "rb") as f:
-    header = struct.unpack("<256i", f.read(1024))
-    if header[0] != 20240520 or header[1] != 1 or header[2] < tokens:
-        sys.exit(f"error: {path}: not a shard of at least {tokens} 2-byte tokens (magic {header[0]}, "
-                 f"version {header[1]}, {header[2]} tokens)")
-    body = f.read(2 * tokens)
-with open(f"{out}/train_000000.bin.partial", "wb") as f:
-    f.write(struct.pack("<256i", 20240520, 1, tokens, *([0] * 253)))
-    f.write(body)
-PYTHON
-        mv "$sub/train_000000.bin.partial" "$sub/train_000000.bin"
-    fi
-    DATA=$sub
 }
 
 # The precision, extra flags and launcher of run NAME, in RUN_PRECISION, RUN_FLAGS and RUN_LAUNCH;
@@ -233,7 +205,6 @@ done
 mkdir -p "$OUT"
 decompress_shards
 compgen -G "$DATA/train_*.bin" > /dev/null || make_parity_data
-[ "$PASSES" = 1 ] || repeat_parity_data
 results=()
 for name in "${RUN_NAMES[@]}"; do
     status=0
@@ -244,7 +215,7 @@ done
 table_status=0
 table=$(summarize "$OUT" "${results[@]}") || table_status=$?
 {
-    echo "# Loss parity: llama-125m, 300 steps of 64 x 1024 tokens ($(basename "$CONFIG")$([ "$PASSES" = 1 ] || echo ", $PASSES passes over $((300 / PASSES)) batches"))"
+    echo "# Loss parity: llama-125m, 300 steps of 64 x 1024 tokens ($(basename "$CONFIG"))"
     echo
     echo "Data: $DATA. Final val loss: the mean over the $(sed -n 's/^val_batches *= *//p' "$CONFIG") fixed validation"
     echo "batches after the last step; tokens/s: the median over the steps after the first 5."

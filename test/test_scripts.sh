@@ -413,13 +413,13 @@ check "unpack finds a damaged piece, removes it and says so" \
     "$([ $rc -eq 1 ] && printf '%s' "$out" | grep -q 'train_000001.bin differ from the MANIFEST' && [ ! -e "$curves/data/train_000001.bin" ]; echo $?)" "$out"
 for run in bf16 fp8 coat; do
     mkdir -p "$curves/out/$run"
-    cp "configs/results/parity/$run.log.jsonl" "$curves/out/$run/log.jsonl"
+    cp "configs/results/parity-consecutive/$run.log.jsonl" "$curves/out/$run/log.jsonl"
     echo 400 > "$curves/out/$run/gpu_seconds"
 done
 for run in bf16 coat; do  # the one-epoch pair and the second seed's, each compared within itself
     for suffix in 1epoch seed2; do
         mkdir -p "$curves/out/$run-$suffix"
-        cp "configs/results/parity/seed2/$run.log.jsonl" "$curves/out/$run-$suffix/log.jsonl"
+        cp "configs/results/parity-consecutive/seed2/$run.log.jsonl" "$curves/out/$run-$suffix/log.jsonl"
     done
 done
 mkdir -p "$curves/out/coat/bf16-eval"
@@ -434,21 +434,38 @@ check "report tabulates each run's final val loss, its gap to bf16 (the one-epoc
        grep -q '^| coat-seed2 | 300 | .* | 5.1779 (step 300) | +0.37% |' "$curves/results/curves.md" &&
        grep -q '^| bf16-seed2 | 300 | .* | 5.1586 (step 300) | +3.34% |' "$curves/results/curves.md" &&
        [ -s "$curves/results/curves/coat.bf16-eval.log.jsonl" ]; echo $?)" "$out"
-# PASSES=N trains on the first 300/N batches of the data: here 300 passes over its first batch.
-mkdir -p "$tmp/passes"
-write_pattern_shards "$tmp/passes" 5 $((3 * 64 * 1025)) 70000
-out=$(PASSES=300 RUNS=bf16 RUN_TIMEOUT_S=1 scripts/loss_parity.sh "$tmp/passes" "$tmp/passes_out" 2>&1)
-check "loss_parity.sh PASSES=300: DATA_DIR/passes-300 holds the first batch of 64 x 1025 tokens and the validation shard" \
-    "$(cmp -s <(tail -c +1025 "$tmp/passes/passes-300/train_000000.bin") <(tail -c +1025 "$tmp/passes/train_000000.bin" | head -c $((2 * 64 * 1025))) &&
-       [ "$(od -An -td4 -j8 -N4 "$tmp/passes/passes-300/train_000000.bin" | tr -d ' ')" = $((64 * 1025)) ] &&
-       cmp -s "$tmp/passes/val_000000.bin" "$tmp/passes/passes-300/val_000000.bin" &&
-       grep -q '300 passes over 1 batches' "$tmp/passes_out/parity.md"; echo $?)" "$out"
-out=$(PASSES=0 scripts/loss_parity.sh "$tmp/passes" "$tmp/passes_out0" 2>&1); rc=$?
-check "loss_parity.sh refuses PASSES=0 with one line, exit 2" \
-    "$([ $rc -eq 2 ] && [ "$out" = "error: PASSES=0: a whole number from 1 to 300" ]; echo $?)" "$out"
+# Without shards, the parity data is made from CORPUS: 366 batches of 64 rows of 1025 tokens, each
+# row an intact slice of the corpus, the 23,424 rows at distinct places and each batch's rows
+# rising from the corpus' first 64th to its last (token i of this corpus is i, so a row's first
+# token is its place).
+mkdir -p "$tmp/parity_corpus" "$tmp/parity_made"
+python3 - "$tmp/parity_corpus" <<'PY'
+import struct, sys
+count = 64000
+for name in ("train_000000.bin", "val_000000.bin"):
+    with open(f"{sys.argv[1]}/{name}", "wb") as f:
+        f.write(struct.pack("<256i", 20240520, 1, count, *([0] * 253)))
+        f.write(struct.pack(f"<{count}H", *range(count)))
+PY
+out=$(CORPUS="$tmp/parity_corpus" RUNS=bf16 RUN_TIMEOUT_S=1 scripts/loss_parity.sh "$tmp/parity_made" "$tmp/parity_made_out" 2>&1)
+check "loss_parity.sh makes its data from CORPUS: 366 batches of 64 intact rows from all over the corpus" \
+    "$(python3 - "$tmp/parity_made/train_000000.bin" <<'PY'
+import struct, sys
+data = open(sys.argv[1], "rb").read()
+header = struct.unpack("<256i", data[:1024])
+tokens = struct.unpack(f"<{(len(data) - 1024) // 2}H", data[1024:])
+rows = [tokens[i:i + 1025] for i in range(0, len(tokens), 1025)]
+starts = [row[0] for row in rows]
+intact = all(list(row) == list(range(row[0], row[0] + 1025)) for row in rows)
+spread = all(starts[k * 64:(k + 1) * 64] == sorted(starts[k * 64:(k + 1) * 64]) and starts[k * 64] < 1000 and
+             starts[k * 64 + 63] > 61900 for k in range(366))
+sys.exit(0 if header[2] == 366 * 64 * 1025 == len(tokens) and len(rows) == 23424 and intact and spread and
+         len(set(starts)) == 23424 else 1)
+PY
+echo $?)" "$out"
 # The table over seeds, from the committed parity results (logs, and parity.md where no log was kept).
-out=$(python3 scripts/parity_seeds.py 1337=configs/results/parity 2=configs/results/parity/seed2 \
-      3=configs/results/parity/seed3 4=configs/results/parity/seed4 2>&1)
+out=$(python3 scripts/parity_seeds.py 1337=configs/results/parity-consecutive 2=configs/results/parity-consecutive/seed2 \
+      3=configs/results/parity-consecutive/seed3 4=configs/results/parity-consecutive/seed4 2>&1)
 check "parity_seeds.py: each seed's gap to its bf16, their mean and standard error (coat +0.99% +- 0.33% over 4 seeds)" \
     "$(printf '%s\n' "$out" | grep -q '^| coat | 5.0641 (+1.45%) | 5.1779 (+0.37%) | 5.1939 (+1.65%) | 4.9123 (+0.48%) | +0.99% | 0.33% | 4 |$' &&
        printf '%s\n' "$out" | grep -q '^| coat-fp32-states | 4.9754 (-0.33%) |  | 5.0899 (-0.39%) | 4.9217 (+0.67%) | -0.02% | 0.34% | 3 |$' &&
