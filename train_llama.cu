@@ -222,8 +222,9 @@ static size_t gpu_memory_budget(const TrainConfig *c) {
     return budget - budget / 50;
 }
 
-// Opens the shards that `key` (train_data or val_data) names, training order when shuffle, the
-// batches of rank `rank` of `world` (validation: every rank reads every batch, as rank 0 of 1).
+// Opens the shards that `key` (train_data or val_data) names in the order `shuffle` (a
+// DATALOADER_ order), the batches of rank `rank` of `world` (validation: every rank reads every
+// batch, as rank 0 of 1).
 static void open_loader_rank(Dataloader *loader, const ConfigParser *parser, const char *key, int shuffle, int rank,
                              int world) {
     const TrainConfig *c = &parser->values;
@@ -242,6 +243,11 @@ static void open_loader_rank(Dataloader *loader, const ConfigParser *parser, con
 
 static void open_loader(Dataloader *loader, const ConfigParser *parser, const char *key, int shuffle) {
     open_loader_rank(loader, parser, key, shuffle, 0, 1);
+}
+
+// The training data's order that the `shuffle` key names.
+static int training_order(const TrainConfig *c) {
+    return c->shuffle == SHUFFLE_ROWS ? DATALOADER_SHUFFLE_ROWS : DATALOADER_SHUFFLE_BATCHES;
 }
 
 // ---- inputs and the dry run ----------------------------------------------------------
@@ -357,7 +363,7 @@ static void validate_inputs(const ConfigParser *parser) {
     for (int i = 0; i < 2; i++) {
         if (patterns[i][0] == '\0') continue;
         const char *key = i == 0 ? "train_data" : "val_data";
-        open_loader(&loaders[i], parser, key, i == 0);
+        open_loader(&loaders[i], parser, key, i == 0 ? training_order(c) : DATALOADER_IN_ORDER);
         if (dataloader_validate_tokens(&loaders[i], c->model.vocab_size, error, sizeof(error)) != 0)
             fail_input(parser, key, error);
         printf("%s: %lld shard(s), %lld micro-batches per epoch, every token below vocab_size\n", patterns[i],
@@ -814,10 +820,10 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     adamw_create(&t->opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &layout, shard.begin, shard.end,
                  t->gpu.stream);
     report_allocation(t);
-    if (!c->generate) open_loader_rank(&t->train_loader, parser, "train_data", 1, comm->rank, ranks);
+    if (!c->generate) open_loader_rank(&t->train_loader, parser, "train_data", training_order(c), comm->rank, ranks);
     t->have_val = c->val_data[0] != '\0' && !c->generate;
     if (t->have_val) {
-        open_loader(&t->val_loader, parser, "val_data", 0);
+        open_loader(&t->val_loader, parser, "val_data", DATALOADER_IN_ORDER);
         t->val_batches = validation_batches(parser, &t->train_loader, &t->val_loader);
     }
     if (c->tokenizer[0]) t->tokenizer = load_tokenizer_or_exit(parser);

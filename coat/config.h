@@ -24,6 +24,7 @@ typedef enum { STATES_AUTO, STATES_FP32, STATES_BF16, STATES_FP8, STATES_FP8_DRE
 typedef enum { ACTS_AUTO, ACTS_BF16, ACTS_FP8, ACTS_COAT, ACTS_COAT_RESIDUAL, ACTS_COAT_GATE_UP } ActivationsChoice;
 typedef enum { SCHEDULE_COSINE, SCHEDULE_LINEAR, SCHEDULE_WSD, SCHEDULE_CONSTANT } Schedule;
 typedef enum { COMM_NCCL, COMM_MPI } CommBackendChoice;
+typedef enum { SHUFFLE_BATCHES, SHUFFLE_ROWS } ShuffleChoice;
 typedef enum { GATHER_AUTO, GATHER_BF16, GATHER_E4M3 } ParamGatherChoice;
 
 typedef struct {
@@ -37,6 +38,7 @@ typedef struct {
     // data and files
     char train_data[CONFIG_STRING_MAX];
     char val_data[CONFIG_STRING_MAX];
+    int shuffle;  // ShuffleChoice
     char tokenizer[CONFIG_STRING_MAX];
     char out_dir[CONFIG_STRING_MAX];
     int resume;
@@ -126,6 +128,9 @@ static const ConfigKey config_keys[] = {
     // data and files
     {"train_data", KEY_STRING, CFG(train_data), "", 0, 0, NULL, "glob of training token shards"},
     {"val_data", KEY_STRING, CFG(val_data), "", 0, 0, NULL, "glob of validation token shards"},
+    {"shuffle", KEY_CHOICE, CFG(shuffle), "batches", 0, 0, "batches|rows",
+     "training order: a permutation of whole batches (B consecutive rows of a shard), or of single rows, so that a "
+     "batch's rows come from all over the data (for shards whose neighbouring text is alike)"},
     {"tokenizer", KEY_STRING, CFG(tokenizer), "", 0, 0, NULL, "HF tokenizer.json (for sampling)"},
     {"out_dir", KEY_STRING, CFG(out_dir), "out", 0, 0, NULL, "logs and checkpoints go here"},
     {"resume", KEY_INT, CFG(resume), "0", 0, 1, NULL, "continue from the newest checkpoint in out_dir"},

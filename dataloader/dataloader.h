@@ -1,19 +1,24 @@
 // Batches of token sequences for the trainer, read from the shards (dataloader/shard.h) that a
 // glob(3) pattern names, in path order.
-//   A batch is B rows of T+1 consecutive tokens, B*(T+1) tokens contiguous in one shard:
+//   A batch is B rows of T+1 consecutive tokens of one shard:
 //   inputs[b*T + t] = row_b[t], targets[b*T + t] = row_b[t + 1], both int32, B*T each.
-//   A shard of N tokens holds floor(N / (B*(T+1))) batches; the tokens after the last are unused.
-// Batches have global ids: shard s holds ids [first_batch[s], first_batch[s+1]), in path order.
-// Step k of an epoch gives rank r (of W) the batch order[k*W + r], so the ranks read disjoint
-// batches; an epoch has floor(total batches / W) steps and the last total % W ids of its order
-// are left out that epoch.
-// Training (shuffle = 1): order is a uniform permutation of ALL batches of ALL shards, drawn per
-// epoch from (seed, epoch): consecutive batches come from anywhere in the corpus, so shards of
-// different content (code, prose) mix evenly instead of shifting the loss at each shard switch.
-// Only the seed, the epoch, the shards' sizes, B, T and W decide the order. The permutation costs
-// 8 bytes per batch and is drawn once per epoch.
-// Validation (shuffle = 0): order is the identity, shards in path order and batches in file
-// order, the same on every run.
+// The loader orders units: a unit is a whole batch, B*(T+1) contiguous tokens (a shard of N
+// tokens holds floor(N / (B*(T+1))) of them), or under DATALOADER_SHUFFLE_ROWS a single row
+// (floor(N / (T+1)) per shard), and a batch is then B consecutive units of the order; the tokens
+// after a shard's last unit are unused. Units have global ids: shard s holds ids
+// [first_unit[s], first_unit[s+1]), in path order. Step k of an epoch gives rank r (of W) the
+// batch k*W + r of the order, so the ranks read disjoint batches; an epoch has
+// floor(total units / (W * units per batch)) steps and the order's last units are left out that
+// epoch.
+// Training (DATALOADER_SHUFFLE_BATCHES or _ROWS): order is a uniform permutation of ALL units of
+// ALL shards, drawn per epoch from (seed, epoch): consecutive batches come from anywhere in the
+// corpus, so shards of different content (code, prose) mix evenly instead of shifting the loss at
+// each shard switch; with rows, so do the rows of one batch, which matters where neighbouring text
+// is alike (a corpus not shuffled by document). Only the seed, the epoch, the shards' sizes, B, T,
+// W and the unit decide the order. The permutation costs 8 bytes per unit and is drawn once per
+// epoch.
+// Validation (DATALOADER_IN_ORDER): order is the identity over whole batches, shards in path order
+// and batches in file order, the same on every run.
 // Shards are opened when first read; at most DATALOADER_MAX_OPEN_SHARDS stay open, the least
 // recently read is closed first.
 // The position (epoch, step within the epoch) is the same on every rank; a checkpoint saves it
@@ -26,6 +31,7 @@
 #include "../coat/random.h"
 
 enum { DATALOADER_MAX_OPEN_SHARDS = 16 };
+enum { DATALOADER_IN_ORDER, DATALOADER_SHUFFLE_BATCHES, DATALOADER_SHUFFLE_ROWS };  // DataloaderConfig.shuffle
 
 typedef struct {
     int64_t epoch;
@@ -38,7 +44,7 @@ typedef struct {
     int seq_len;          // T
     int rank;             // r in [0, W)
     int world_size;       // W
-    int shuffle;          // 1 for training order, 0 for validation order
+    int shuffle;          // DATALOADER_SHUFFLE_BATCHES or _ROWS for training, DATALOADER_IN_ORDER for validation
     uint64_t seed;        // decides the training order
     int64_t vocab_size;   // every token of a batch read must be below it (0: not checked)
 } DataloaderConfig;
@@ -54,15 +60,17 @@ typedef struct {
     DataloaderConfig config;
     char *pattern;                 // a copy of config.pattern
     int64_t tokens_per_batch;      // B * (T + 1)
-    int64_t shard_count;           // usable shards: those holding at least one batch
+    int64_t unit_tokens;           // tokens of one unit: B * (T + 1), or T + 1 when shuffling rows
+    int64_t units_per_batch;       // 1, or B when shuffling rows
+    int64_t shard_count;           // usable shards: those holding at least one unit
     int64_t skipped_shard_count;   // shards matched by the pattern but too small
     char **shard_paths;            // [shard_count], in path order
     int64_t *shard_token_counts;   // [shard_count], as validated at open
-    int64_t *shard_first_batch;    // [shard_count + 1] global id of each shard's first batch; last = batch_count
-    int64_t batch_count;           // batches in all usable shards
-    int64_t steps_per_epoch;       // floor(batch_count / W)
-    int64_t *batch_order;          // [batch_count] training: this epoch's order of global ids; NULL in validation
-    int64_t batch_order_epoch;     // the epoch batch_order belongs to, -1 for none
+    int64_t *shard_first_unit;     // [shard_count + 1] global id of each shard's first unit; last = unit_count
+    int64_t unit_count;            // units in all usable shards
+    int64_t steps_per_epoch;       // floor(unit_count / (W * units_per_batch))
+    int64_t *order;                // [unit_count] training: this epoch's order of global ids; NULL in validation
+    int64_t order_epoch;           // the epoch order belongs to, -1 for none
     DataloaderOpenShard open_shards[DATALOADER_MAX_OPEN_SHARDS];
     uint64_t use_counter;
     int32_t *rows;                 // [B * (T + 1)] tokens of one batch
@@ -77,10 +85,10 @@ static inline uint64_t dataloader_stream_seed(uint64_t seed, int64_t epoch) {
     return random_u64(&mixer);
 }
 
-// Draws the training order of an epoch (Fisher-Yates over all global batch ids) unless it is drawn.
+// Draws the training order of an epoch (Fisher-Yates over all global unit ids) unless it is drawn.
 static inline void dataloader_prepare_order(Dataloader *loader, int64_t epoch) {
-    if (!loader->batch_order || loader->batch_order_epoch == epoch) return;
-    int64_t *order = loader->batch_order, n = loader->batch_count;
+    if (!loader->order || loader->order_epoch == epoch) return;
+    int64_t *order = loader->order, n = loader->unit_count;
     for (int64_t i = 0; i < n; i++) order[i] = i;
     Random rng;
     random_seed(&rng, dataloader_stream_seed(loader->config.seed, epoch));
@@ -90,15 +98,15 @@ static inline void dataloader_prepare_order(Dataloader *loader, int64_t epoch) {
         order[i] = order[j];
         order[j] = swap;
     }
-    loader->batch_order_epoch = epoch;
+    loader->order_epoch = epoch;
 }
 
-// The shard holding global batch id `batch`: the last shard whose first id is <= batch.
-static inline int64_t dataloader_shard_of_batch(const Dataloader *loader, int64_t batch) {
+// The shard holding global unit id `unit`: the last shard whose first id is <= unit.
+static inline int64_t dataloader_shard_of_unit(const Dataloader *loader, int64_t unit) {
     int64_t low = 0, high = loader->shard_count - 1;
     while (low < high) {
         int64_t middle = low + (high - low + 1) / 2;
-        if (loader->shard_first_batch[middle] <= batch) low = middle;
+        if (loader->shard_first_unit[middle] <= unit) low = middle;
         else high = middle - 1;
     }
     return low;
@@ -109,20 +117,21 @@ static inline void dataloader_close(Dataloader *loader) {
     for (int64_t i = 0; loader->shard_paths && i < loader->shard_count; i++) free(loader->shard_paths[i]);
     free(loader->shard_paths);
     free(loader->shard_token_counts);
-    free(loader->shard_first_batch);
-    free(loader->batch_order);
+    free(loader->shard_first_unit);
+    free(loader->order);
     free(loader->rows);
     free(loader->pattern);
     memset(loader, 0, sizeof(*loader));
 }
 
-// Keeps a validated shard when it holds at least one batch; warns about it otherwise.
+// Keeps a validated shard when it holds at least one unit; warns about it otherwise.
 static inline int dataloader_add_shard(Dataloader *loader, const Shard *shard) {
-    int64_t batches = shard->token_count / loader->tokens_per_batch;
-    if (batches == 0) {
+    int64_t units = shard->token_count / loader->unit_tokens;
+    if (units == 0) {
         if (loader->config.rank == 0)
-            fprintf(stderr, "warning: %s: skipped: %lld tokens hold no batch of %d x %d tokens\n", shard->path,
-                    (long long)shard->token_count, loader->config.batch_size, loader->config.seq_len + 1);
+            fprintf(stderr, "warning: %s: skipped: %lld tokens hold no %s of %d x %d tokens\n", shard->path,
+                    (long long)shard->token_count, loader->units_per_batch == 1 ? "batch" : "row",
+                    loader->units_per_batch == 1 ? loader->config.batch_size : 1, loader->config.seq_len + 1);
         loader->skipped_shard_count++;
         return 0;
     }
@@ -130,9 +139,9 @@ static inline int dataloader_add_shard(Dataloader *loader, const Shard *shard) {
     loader->shard_paths[id] = shard_copy_string(shard->path);
     if (!loader->shard_paths[id]) return -1;
     loader->shard_token_counts[id] = shard->token_count;
-    loader->shard_first_batch[id] = loader->batch_count;
-    loader->batch_count += batches;
-    loader->shard_first_batch[id + 1] = loader->batch_count;
+    loader->shard_first_unit[id] = loader->unit_count;
+    loader->unit_count += units;
+    loader->shard_first_unit[id + 1] = loader->unit_count;
     loader->shard_count++;
     return 0;
 }
@@ -142,13 +151,16 @@ static inline int dataloader_open(Dataloader *loader, const DataloaderConfig *co
                                   size_t error_size) {
     memset(loader, 0, sizeof(*loader));
     loader->config = *config;
-    loader->batch_order_epoch = -1;
+    loader->order_epoch = -1;
     const char *pattern = config->pattern;
     if (config->batch_size <= 0 || config->seq_len <= 0 || config->world_size <= 0 || config->rank < 0 ||
-        config->rank >= config->world_size)
-        return shard_fail(error, error_size, pattern, "invalid loader settings: B %d, T %d, rank %d of %d",
-                          config->batch_size, config->seq_len, config->rank, config->world_size);
+        config->rank >= config->world_size || config->shuffle < DATALOADER_IN_ORDER ||
+        config->shuffle > DATALOADER_SHUFFLE_ROWS)
+        return shard_fail(error, error_size, pattern, "invalid loader settings: B %d, T %d, rank %d of %d, shuffle %d",
+                          config->batch_size, config->seq_len, config->rank, config->world_size, config->shuffle);
     loader->tokens_per_batch = (int64_t)config->batch_size * ((int64_t)config->seq_len + 1);
+    loader->units_per_batch = config->shuffle == DATALOADER_SHUFFLE_ROWS ? config->batch_size : 1;
+    loader->unit_tokens = loader->tokens_per_batch / loader->units_per_batch;
     glob_t matches;
     int glob_status = glob(pattern, GLOB_ERR, NULL, &matches);
     if (glob_status == GLOB_NOMATCH) return shard_fail(error, error_size, pattern, "no file matches");
@@ -157,10 +169,10 @@ static inline int dataloader_open(Dataloader *loader, const DataloaderConfig *co
     loader->pattern = shard_copy_string(pattern);
     loader->shard_paths = (char **)calloc(count, sizeof(char *));
     loader->shard_token_counts = (int64_t *)calloc(count, sizeof(int64_t));
-    loader->shard_first_batch = (int64_t *)calloc(count + 1, sizeof(int64_t));
+    loader->shard_first_unit = (int64_t *)calloc(count + 1, sizeof(int64_t));
     loader->rows = (int32_t *)malloc((size_t)loader->tokens_per_batch * sizeof(int32_t));
     int status = 0;
-    if (!loader->pattern || !loader->shard_paths || !loader->shard_token_counts || !loader->shard_first_batch ||
+    if (!loader->pattern || !loader->shard_paths || !loader->shard_token_counts || !loader->shard_first_unit ||
         !loader->rows)
         status = shard_fail(error, error_size, pattern, "out of memory");
     int64_t max_tokens = 0;
@@ -174,19 +186,21 @@ static inline int dataloader_open(Dataloader *loader, const DataloaderConfig *co
         shard_close(&shard);
     }
     globfree(&matches);
+    int rows = loader->units_per_batch > 1;
     if (status == 0 && loader->shard_count == 0)
         status = shard_fail(error, error_size, pattern,
-                            "no shard holds a batch of %d x %d tokens (the largest has %lld tokens)",
-                            config->batch_size, config->seq_len + 1, (long long)max_tokens);
-    if (status == 0 && loader->batch_count < config->world_size)
+                            "no shard holds a %s of %d x %d tokens (the largest has %lld tokens)", rows ? "row" : "batch",
+                            rows ? 1 : config->batch_size, config->seq_len + 1, (long long)max_tokens);
+    int64_t batches = loader->unit_count / loader->units_per_batch;
+    if (status == 0 && batches < config->world_size)
         status = shard_fail(error, error_size, pattern,
                             "%lld shard(s) hold %lld batches of %d x %d tokens, fewer than the %d ranks need",
-                            (long long)loader->shard_count, (long long)loader->batch_count, config->batch_size,
+                            (long long)loader->shard_count, (long long)batches, config->batch_size,
                             config->seq_len + 1, config->world_size);
-    loader->steps_per_epoch = loader->batch_count / config->world_size;
-    if (status == 0 && config->shuffle) {
-        loader->batch_order = (int64_t *)malloc((size_t)loader->batch_count * sizeof(int64_t));
-        if (!loader->batch_order) status = shard_fail(error, error_size, pattern, "out of memory");
+    loader->steps_per_epoch = batches / config->world_size;
+    if (status == 0 && config->shuffle != DATALOADER_IN_ORDER) {
+        loader->order = (int64_t *)malloc((size_t)loader->unit_count * sizeof(int64_t));
+        if (!loader->order) status = shard_fail(error, error_size, pattern, "out of memory");
     }
     if (status != 0) dataloader_close(loader);
     return status;
@@ -242,20 +256,23 @@ static inline int dataloader_next_batch(Dataloader *loader, int *inputs, int *ta
                                         size_t error_size) {
     DataloaderPosition *position = &loader->position;
     dataloader_prepare_order(loader, position->epoch);
-    int64_t index = position->step * loader->config.world_size + loader->config.rank;
-    int64_t batch = loader->batch_order ? loader->batch_order[index] : index;
-    int64_t shard_id = dataloader_shard_of_batch(loader, batch);
-    Shard *shard = dataloader_open_shard(loader, shard_id, error, error_size);
-    if (!shard) return -1;
-    int64_t first_token = (batch - loader->shard_first_batch[shard_id]) * loader->tokens_per_batch;
-    if (shard_read_tokens(shard, first_token, loader->tokens_per_batch, loader->rows, error, error_size) != 0)
-        return -1;
-    // A damaged shard's id past the vocabulary would index the embedding out of bounds on the GPU.
-    int64_t vocab_size = loader->config.vocab_size;
-    for (int64_t i = 0; vocab_size > 0 && i < loader->tokens_per_batch; i++)
-        if (loader->rows[i] < 0 || loader->rows[i] >= vocab_size)
-            return shard_fail(error, error_size, shard->path, "token id %lld >= vocab_size %lld at position %lld",
-                              (long long)(uint32_t)loader->rows[i], (long long)vocab_size, (long long)(first_token + i));
+    int64_t first_index = (position->step * loader->config.world_size + loader->config.rank) * loader->units_per_batch;
+    int64_t unit_tokens = loader->unit_tokens, vocab_size = loader->config.vocab_size;
+    for (int64_t u = 0; u < loader->units_per_batch; u++) {
+        int64_t index = first_index + u;
+        int64_t unit = loader->order ? loader->order[index] : index;
+        int64_t shard_id = dataloader_shard_of_unit(loader, unit);
+        Shard *shard = dataloader_open_shard(loader, shard_id, error, error_size);
+        if (!shard) return -1;
+        int64_t first_token = (unit - loader->shard_first_unit[shard_id]) * unit_tokens;
+        int32_t *tokens = loader->rows + u * unit_tokens;
+        if (shard_read_tokens(shard, first_token, unit_tokens, tokens, error, error_size) != 0) return -1;
+        // A damaged shard's id past the vocabulary would index the embedding out of bounds on the GPU.
+        for (int64_t i = 0; vocab_size > 0 && i < unit_tokens; i++)
+            if (tokens[i] < 0 || tokens[i] >= vocab_size)
+                return shard_fail(error, error_size, shard->path, "token id %lld >= vocab_size %lld at position %lld",
+                                  (long long)(uint32_t)tokens[i], (long long)vocab_size, (long long)(first_token + i));
+    }
     int batch_size = loader->config.batch_size, seq_len = loader->config.seq_len;
     for (int b = 0; b < batch_size; b++) {
         const int32_t *row = loader->rows + (int64_t)b * (seq_len + 1);

@@ -90,6 +90,25 @@ out=$(./train_llama "${data[@]}" 2>&1); rc=$?
 check "the default val_batches (20) is cut to the 10 batches the validation set holds" \
     "$([ $rc -eq 0 ] && printf '%s' "$out" | grep -q 'fewer than the default 20: a pass reads 10'; echo $?)" "$out"
 
+# shuffle = rows orders the rows of all shards: two shards of 6 rows of 65 tokens each hold one
+# batch of 4 rows apiece, but 12 rows make 3 batches of 4.
+mkdir -p "$tmp/rows"
+python3 - "$tmp/rows" <<'PY'
+import struct, sys
+for name in ("train_000000.bin", "train_000001.bin"):
+    with open(f"{sys.argv[1]}/{name}", "wb") as f:
+        f.write(struct.pack("<256i", 20240520, 1, 390, *([0] * 253)))
+        f.write(struct.pack("<390H", *((i * 7) % 1000 for i in range(390))))
+PY
+rows=(configs/models/tiny.conf --dry_run=1 --micro_batch_size=4 --seq_len=64 --total_batch_tokens=256
+      --train_data="$tmp/rows/train_*.bin" --out_dir="$tmp/rowsrun")
+out=$(./train_llama "${rows[@]}" 2>&1); out_rows=$(./train_llama "${rows[@]}" --shuffle=rows 2>&1)
+check "dry_run: shuffle = batches reads 2 micro-batches an epoch from these shards, shuffle = rows 3" \
+    "$(printf '%s' "$out" | grep -q '2 shard(s), 2 micro-batches per epoch' &&
+       printf '%s' "$out_rows" | grep -q '2 shard(s), 3 micro-batches per epoch'; echo $?)" "$out $out_rows"
+expect_error "an unknown shuffle" "command line: shuffle: 'lines' is not one of batches|rows" \
+    configs/models/tiny.conf --dry_run=1 --shuffle=lines
+
 # A checkpoint whose model differs from the config in any key, or whose header announces sizes
 # past any model, is refused by dry_run with the key's name (the file's sections are zeros).
 make_checkpoint() {  # make_checkpoint PATH KEY=VALUE...: tiny.conf's model unless overridden

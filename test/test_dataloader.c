@@ -977,7 +977,7 @@ static void test_loader_errors(const char *pattern) {
     int64_t largest_id = -1;
     if (dataloader_open(&loader, &config, error, sizeof(error)) == 0) {
         int64_t last = loader.shard_count - 1;
-        int64_t batches = loader.shard_first_batch[last + 1] - loader.shard_first_batch[last];
+        int64_t batches = loader.shard_first_unit[last + 1] - loader.shard_first_unit[last];
         largest_id = (last << POSITION_BITS) + batches * loader.tokens_per_batch - 1;
         dataloader_close(&loader);
     }
@@ -1006,6 +1006,127 @@ static void test_loader_errors(const char *pattern) {
                     "token id 1 >= vocab_size 1 at position 1");
         dataloader_close(&loader);
     }
+}
+
+// Under DATALOADER_SHUFFLE_ROWS each row is a unit of its own. The loader shards (T+1 = 8 tokens a
+// row) hold 20, 14, 18, 4 and 1 rows: the fifth shard, too small for a batch, takes part.
+enum { ROW_B = 4, ROW_TOTAL = 57 };
+
+// Reads one batch in rows order: each row's (shard, first position), and whether every row is
+// T+1 consecutive tokens starting at a multiple of T+1 of its shard.
+static int read_row_batch(Dataloader *loader, BatchId *rows, int *rows_ok) {
+    int b_count = loader->config.batch_size, t_count = loader->config.seq_len;
+    int *inputs = (int *)malloc((size_t)b_count * t_count * sizeof(int));
+    int *targets = (int *)malloc((size_t)b_count * t_count * sizeof(int));
+    char error[SHARD_ERROR_SIZE];
+    int status = dataloader_next_batch(loader, inputs, targets, error, sizeof(error));
+    if (status != 0) check(0, "next batch (rows): %s", error);
+    for (int b = 0; status == 0 && b < b_count; b++) {
+        const int *row = inputs + (int64_t)b * t_count;
+        rows[b].shard = row[0] >> POSITION_BITS;
+        rows[b].first_position = row[0] & ((1 << POSITION_BITS) - 1);
+        if (rows[b].first_position % (t_count + 1) != 0) *rows_ok = 0;
+        for (int t = 0; t < t_count; t++)
+            if (row[t] != row[0] + t || targets[(int64_t)b * t_count + t] != row[0] + t + 1) *rows_ok = 0;
+    }
+    free(inputs);
+    free(targets);
+    return status;
+}
+
+// Reads `steps` batches in rows order into rows[steps * B].
+static int read_row_sequence(Dataloader *loader, int steps, BatchId *rows, int *rows_ok) {
+    int status = 0;
+    for (int k = 0; k < steps && status == 0; k++)
+        status = read_row_batch(loader, rows + (int64_t)k * loader->config.batch_size, rows_ok);
+    return status;
+}
+
+static void test_row_shuffle(const char *pattern) {
+    enum { STEPS = ROW_TOTAL / (ROW_B * WORLD) };  // 4 steps; 9 rows left out each epoch
+    BatchId rows[WORLD][STEPS * ROW_B];
+    int rows_ok = 1, status = 0, mixed_batches = 0;
+    int64_t steps = -1, skipped = -1;
+    for (int rank = 0; rank < WORLD && status == 0; rank++) {
+        Dataloader loader;
+        if (open_loader(&loader, pattern, ROW_B, T, rank, WORLD, DATALOADER_SHUFFLE_ROWS, 99) != 0) return;
+        steps = dataloader_steps_per_epoch(&loader);
+        skipped = loader.skipped_shard_count;
+        if (steps == STEPS) status = read_row_sequence(&loader, STEPS, rows[rank], &rows_ok);
+        dataloader_close(&loader);
+        if (steps != STEPS) break;
+    }
+    check(steps == STEPS && skipped == 0, "rows: floor(%d rows / (%d x %d)) = %d steps, no shard skipped: got %lld, %lld",
+          ROW_TOTAL, ROW_B, WORLD, STEPS, (long long)steps, (long long)skipped);
+    if (status != 0 || steps != STEPS) return;
+    check(rows_ok, "rows: every row is T+1 consecutive tokens of one shard at a row boundary, targets shifted by one");
+    int distinct = 1;
+    for (int i = 0; i < WORLD * STEPS * ROW_B; i++)
+        for (int j = 0; j < i; j++) {
+            const BatchId *a = &rows[i / (STEPS * ROW_B)][i % (STEPS * ROW_B)];
+            const BatchId *b = &rows[j / (STEPS * ROW_B)][j % (STEPS * ROW_B)];
+            distinct &= a->shard != b->shard || a->first_position != b->first_position;
+        }
+    for (int rank = 0; rank < WORLD; rank++)
+        for (int k = 0; k < STEPS; k++) {
+            const BatchId *batch = &rows[rank][k * ROW_B];
+            int consecutive = 1;
+            for (int b = 1; b < ROW_B; b++)
+                consecutive &= batch[b].shard == batch[0].shard &&
+                               batch[b].first_position == batch[0].first_position + b * (T + 1);
+            mixed_batches += !consecutive;
+        }
+    check(distinct, "rows: in an epoch the ranks read %d distinct rows", WORLD * STEPS * ROW_B);
+    check(mixed_batches >= WORLD * STEPS / 2, "rows: a batch's rows come from anywhere: %d of %d batches are not "
+          "consecutive rows", mixed_batches, WORLD * STEPS);
+
+    // The order is over rows alone: batch k of B = 4 on one rank is what ranks 0 and 1 read at step
+    // k with B = 2, and what one rank reads in batches 2k and 2k + 1 with B = 2.
+    enum { SPLIT_STEPS = 10 };
+    BatchId whole[SPLIT_STEPS * ROW_B], ranks[2][SPLIT_STEPS * 2], halves[SPLIT_STEPS * ROW_B];
+    Dataloader loader;
+    if (open_loader(&loader, pattern, ROW_B, T, 0, 1, DATALOADER_SHUFFLE_ROWS, 5) != 0) return;
+    status = read_row_sequence(&loader, SPLIT_STEPS, whole, &rows_ok);
+    dataloader_close(&loader);
+    for (int rank = 0; rank < 2 && status == 0; rank++) {
+        if (open_loader(&loader, pattern, 2, T, rank, 2, DATALOADER_SHUFFLE_ROWS, 5) != 0) return;
+        status = read_row_sequence(&loader, SPLIT_STEPS, ranks[rank], &rows_ok);
+        dataloader_close(&loader);
+    }
+    if (status == 0 && open_loader(&loader, pattern, 2, T, 0, 1, DATALOADER_SHUFFLE_ROWS, 5) != 0) return;
+    if (status == 0) status = read_row_sequence(&loader, 2 * SPLIT_STEPS, halves, &rows_ok);
+    if (status == 0) dataloader_close(&loader);
+    if (status != 0) return;
+    int same_split = same_sequence(whole, halves, SPLIT_STEPS * ROW_B);
+    for (int k = 0; k < SPLIT_STEPS; k++)
+        same_split &= same_sequence(whole + k * ROW_B, ranks[0] + k * 2, 2) &&
+                      same_sequence(whole + k * ROW_B + 2, ranks[1] + k * 2, 2);
+    check(same_split, "rows: a batch of 4 is the same rows as 2 ranks' or 2 micro-batches' batches of 2, over %d steps "
+          "(two epochs)", SPLIT_STEPS);
+
+    // Resume: the position after 3 steps, set on a fresh loader, gives the same next batches.
+    BatchId resumed[(SPLIT_STEPS - 3) * ROW_B];
+    char error[SHARD_ERROR_SIZE];
+    if (open_loader(&loader, pattern, ROW_B, T, 0, 1, DATALOADER_SHUFFLE_ROWS, 5) != 0) return;
+    DataloaderPosition at_three = {0, 3};
+    status = dataloader_set_position(&loader, at_three, error, sizeof(error));
+    if (status == 0) status = read_row_sequence(&loader, SPLIT_STEPS - 3, resumed, &rows_ok);
+    dataloader_close(&loader);
+    check(status == 0 && same_sequence(whole + 3 * ROW_B, resumed, (SPLIT_STEPS - 3) * ROW_B),
+          "rows: resuming at step 3 continues with the same rows");
+    check(rows_ok, "rows: every row read intact in every split");
+
+    DataloaderConfig config = {pattern, ROW_B, 1000, 0, 1, DATALOADER_SHUFFLE_ROWS, 1, 0};
+    check_error("rows: no shard holds a row", dataloader_open(&loader, &config, error, sizeof(error)), error, pattern,
+                "no shard holds a row of 1 x 1001 tokens");
+    const char *one_row = temp_path("train_000004.bin");
+    config.pattern = one_row;
+    config.seq_len = T;
+    check_error("rows: fewer rows than a batch", dataloader_open(&loader, &config, error, sizeof(error)), error, one_row,
+                "1 shard(s) hold 0 batches of 4 x 8 tokens, fewer than the 1 ranks need");
+    config.shuffle = DATALOADER_SHUFFLE_ROWS + 1;
+    check_error("an unknown shuffle", dataloader_open(&loader, &config, error, sizeof(error)), error, one_row,
+                "invalid loader settings");
 }
 
 // A shard that changes, disappears or shrinks after the loader opened: the read fails naming it.
@@ -1075,6 +1196,7 @@ int main(void) {
     test_smallest_batch();
     test_skip_warning(pattern);
     test_loader_errors(pattern);
+    test_row_shuffle(pattern);
     test_read_errors();
     remove_test_files();
     return check_summary("test_dataloader");

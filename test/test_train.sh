@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The trainer end to end on the GPU, on random-token shards. Bit-exact resume in bf16, fp8 and
-# coat: 20 steps straight, against 10 steps + resume + 10 steps from the step-10 checkpoint; every
+# coat (and with shuffle = rows): 20 steps straight, against 10 steps + resume + 10 steps from the step-10 checkpoint; every
 # logged loss must match to the last digit; fp8 and coat end near bf16. Also: the run's validation loss falls, a corrupt checkpoint is refused with
 # its name, a micro-batch that does not fit is refused, and profile = 1 prints per-op times that
 # add up to the measured step time.
@@ -13,11 +13,12 @@ common=(configs/models/tiny.conf --train_data="$tmp/train_*.bin" --val_data="$tm
         --seq_len=64 --max_steps=20 --warmup_steps=5 --learning_rate=3e-3 --val_every=5 --val_batches=4
         --checkpoint_every=10 --checkpoints_keep=5)
 losses() { grep -o '"step": [0-9]*, "\(train\|val\)_loss": [0-9.]*' "$1"; }
-# Every precision (and BF16 GEMMs over COAT's activations and optimizer): 20 steps straight
-# against 10 + resume + 10, bit for bit; the loss falls.
-for precision in bf16 fp8 coat bf16-gemms-coat-activations; do
+# Every precision (and BF16 GEMMs over COAT's activations and optimizer, and bf16 with the
+# training order over rows): 20 steps straight against 10 + resume + 10, bit for bit; the loss falls.
+for precision in bf16 fp8 coat bf16-gemms-coat-activations bf16-shuffle-rows; do
     run=(--precision=$precision)
     [ "$precision" = bf16-gemms-coat-activations ] && run=(--precision=bf16 --activations=coat --optimizer_states=fp8_dre)
+    [ "$precision" = bf16-shuffle-rows ] && run=(--precision=bf16 --shuffle=rows)
     # out_dir's parent does not exist yet: it is created like mkdir -p.
     ./train_llama "${common[@]}" "${run[@]}" --out_dir="$tmp/runs/straight-$precision" > "$tmp/straight.out" 2>&1
     check "$precision: 20 steps straight run" $? "$(tail -3 "$tmp/straight.out")"
