@@ -5,8 +5,9 @@
 # difference relative to bf16, the median tokens/s and the peak GPU memory, printed and written to
 # OUT_DIR/parity.md. When the bf16 run (FP32 AdamW moments) left a checkpoint, the COAT paper's
 # Table 1 on its optimizer states (scripts/optimizer_state_mse.py) is appended to parity.md.
-# Usage: [SEED=N] [RUNS="..."] scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]   (SEED: another
-#        initialisation and data order than the config's, for the seed-to-seed spread; RUNS: the
+# Usage: [SEED=N] [RUNS="..."] [ARGS="..."] scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]   (SEED:
+#        another initialisation and data order than the config's, for the seed-to-seed spread;
+#        ARGS: trainer arguments added to every run, e.g. "--learning_rate=6e-4"; RUNS: the
 #        runs, default "bf16 fp8 coat", or also the ablations coat-fp32-states (coat with FP32
 #        optimizer states), coat-fp8-activations (coat with TE-like activations),
 #        coat-stochastic (coat with stochastically rounded states), coat-fast-accum (coat with
@@ -34,6 +35,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 CONFIG=$ROOT/configs/llama-125m-parity.conf
 read -r -a RUN_NAMES <<< "${RUNS:-bf16 fp8 coat}"
+read -r -a EXTRA_ARGS <<< "${ARGS:-}"
 RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-155}
 MSE_TIMEOUT_S=${MSE_TIMEOUT_S:-45}
 KILL_AFTER_S=5
@@ -127,8 +129,9 @@ run_precision() {
     echo "loss_parity: $name: training (at most ${RUN_TIMEOUT_S} s), output in $dir/train.log"
     # stdbuf: line-buffered output, so that a run killed by the timeout keeps its last step lines.
     timeout --kill-after="$KILL_AFTER_S" "$RUN_TIMEOUT_S" "${RUN_LAUNCH[@]}" stdbuf -oL "$ROOT/train_llama" "$CONFIG" \
-        --precision="$RUN_PRECISION" "${RUN_FLAGS[@]}" --out_dir="$dir" --train_data="$DATA/train_*.bin" \
-        --val_data="$DATA/val_*.bin" ${SEED:+--seed="$SEED"} >"$dir/train.log" 2>&1 || status=$?
+        --precision="$RUN_PRECISION" "${RUN_FLAGS[@]}" "${EXTRA_ARGS[@]}" --out_dir="$dir" \
+        --train_data="$DATA/train_*.bin" --val_data="$DATA/val_*.bin" ${SEED:+--seed="$SEED"} >"$dir/train.log" 2>&1 ||
+        status=$?
     if [ "$status" -eq 0 ]; then
         echo "loss_parity: $name: done in $((SECONDS - start)) s"
     else
@@ -219,6 +222,7 @@ table=$(summarize "$OUT" "${results[@]}") || table_status=$?
     echo
     echo "Data: $DATA. Final val loss: the mean over the $(sed -n 's/^val_batches *= *//p' "$CONFIG") fixed validation"
     echo "batches after the last step; tokens/s: the median over the steps after the first 5."
+    [ ${#EXTRA_ARGS[@]} -eq 0 ] || echo "Every run also takes: ${EXTRA_ARGS[*]}"
     echo
     echo "$table"
 } >"$OUT/parity.md"

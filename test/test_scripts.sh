@@ -484,6 +484,14 @@ check "reproduce_curves.sh status: each run complete, resumable with its GPU tim
        printf '%s\n' "$out" | grep -qx 'coat-fp32-states: resumes from step 100 of 573, logged up to step 120, 5.0 GPU-min so far, about 19.7 GPU-min left' &&
        printf '%s\n' "$out" | grep -qx 'fp8: starts over (no checkpoint) of 573, logged up to step 300, 6.7 GPU-min so far, about 12.7 GPU-min left' &&
        printf '%s\n' "$out" | grep -qx 'coat-stochastic: not started (573 steps)'; echo $?)" "$out"
+# ARGS reach every run's command line (here a learning rate the trainer refuses) and parity.md says so.
+mkdir -p "$tmp/args_data"
+write_pattern_shards "$tmp/args_data" 6 $((2 * 64 * 1025)) 70000
+out=$(ARGS="--learning_rate=-1" RUNS="bf16 coat" RUN_TIMEOUT_S=5 scripts/loss_parity.sh "$tmp/args_data" "$tmp/args_out" 2>&1)
+check "loss_parity.sh ARGS: every run gets them, and parity.md names them" \
+    "$(grep -q 'learning_rate: -1 is outside' "$tmp/args_out/bf16/train.log" &&
+       grep -q 'learning_rate: -1 is outside' "$tmp/args_out/coat/train.log" &&
+       grep -qx 'Every run also takes: --learning_rate=-1' "$tmp/args_out/parity.md"; echo $?)" "$out"
 out=$(RUNS="bf16 nonsense" scripts/loss_parity.sh "$tmp/no_parity_data" "$tmp/no_parity_out" 2>&1); rc=$?
 check "loss_parity.sh refuses an unknown run in RUNS before training anything, exit 2" \
     "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q "RUNS: unknown run 'nonsense'" && [ ! -e "$tmp/no_parity_out" ]; echo $?)" "$out"
