@@ -20,7 +20,8 @@
 // Validation (DATALOADER_IN_ORDER): order is the identity over whole batches, shards in path order
 // and batches in file order, the same on every run.
 // Shards are opened when first read; at most DATALOADER_MAX_OPEN_SHARDS stay open, the least
-// recently read is closed first.
+// recently read is closed first (with rows, one batch reads up to B shards: over more shards than
+// that, its rows reopen files).
 // The position (epoch, step within the epoch) is the same on every rank; a checkpoint saves it
 // and dataloader_set_position continues exactly from it.
 // Functions that can fail return 0 or -1 and write "error: <path>: <what is wrong>" into the
