@@ -1093,9 +1093,9 @@ static void test_row_shuffle(const char *pattern) {
         status = read_row_sequence(&loader, SPLIT_STEPS, ranks[rank], &rows_ok);
         dataloader_close(&loader);
     }
-    if (status == 0 && open_loader(&loader, pattern, 2, T, 0, 1, DATALOADER_SHUFFLE_ROWS, 5) != 0) return;
-    if (status == 0) status = read_row_sequence(&loader, 2 * SPLIT_STEPS, halves, &rows_ok);
-    if (status == 0) dataloader_close(&loader);
+    if (status != 0 || open_loader(&loader, pattern, 2, T, 0, 1, DATALOADER_SHUFFLE_ROWS, 5) != 0) return;
+    status = read_row_sequence(&loader, 2 * SPLIT_STEPS, halves, &rows_ok);
+    dataloader_close(&loader);
     if (status != 0) return;
     int same_split = same_sequence(whole, halves, SPLIT_STEPS * ROW_B);
     for (int k = 0; k < SPLIT_STEPS; k++)
