@@ -448,7 +448,7 @@ static void gather_bucket(Trainer *t, int bucket) {
                              linear_weight_range(m, layer, (Linear)i), t->gpu.stream);
     ParamKind norms[2] = {PARAM_ATTN_NORM, PARAM_MLP_NORM};
     for (int k = 0; k < 2; k++) {
-        ZeroRange norm = {param_offset(layout, norms[k], layer), param_offset(layout, norms[k], layer) + param_numel(layout, norms[k])};
+        ZeroRange norm = zero_tensor_range(layout, norms[k], layer);
         zero_broadcast_parts(&t->zero, &t->sharding, m->params + norm.begin, 2, norm, t->gpu.stream);
     }
 }

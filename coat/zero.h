@@ -86,6 +86,13 @@ static inline void zero_plan_init(ZeroPlan *z, const ParamLayout *layout, int ra
     }
 }
 
+// The elements of tensor `kind` of `layer` in the parameter buffer.
+static inline ZeroRange zero_tensor_range(const ParamLayout *layout, ParamKind kind, int layer) {
+    size_t begin = param_offset(layout, kind, layer);
+    ZeroRange r = {begin, begin + param_numel(layout, kind)};
+    return r;
+}
+
 // The elements in both ranges (empty: begin == end).
 static inline ZeroRange zero_intersection(ZeroRange a, ZeroRange b) {
     ZeroRange r = {a.begin > b.begin ? a.begin : b.begin, a.end < b.end ? a.end : b.end};
