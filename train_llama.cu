@@ -176,19 +176,45 @@ static void check_run_config(const ConfigParser *parser) {
     check_out_dir(parser);
 }
 
-// A GPU is there, and one that this build's kernels run on.
-// Rank r drives GPU local_rank % GPUs (several ranks share one only with comm_backend = mpi).
+// NCCL needs a GPU per rank. Under mpirun the ranks compare their GPUs' UUIDs, which also serves
+// a launcher that gives each rank one GPU through CUDA_VISIBLE_DEVICES (every rank sees "GPU 0");
+// ranks started without MPI are left to ncclCommInitRank, which refuses a shared GPU itself.
+static void refuse_shared_gpu(int device, const Comm *comm, const ConfigParser *parser) {
+#ifdef USE_MPI
+    if (comm->launch != LAUNCH_MPI || parser->values.comm_backend != COMM_NCCL) return;
+    cudaDeviceProp prop;
+    cudaCheck(cudaGetDeviceProperties(&prop, device));
+    unsigned char *uuids = (unsigned char *)malloc((size_t)comm->world * sizeof(prop.uuid));
+    if (!uuids) fail("out of host memory for the ranks' GPU UUIDs");
+    comm_all_gather(comm, &prop.uuid, uuids, sizeof(prop.uuid));
+    int a, b;
+    if (comm_first_equal_ids(uuids, sizeof(prop.uuid), comm->world, &a, &b) != 0) {
+        free(uuids);
+        return;
+    }
+    const unsigned char *u = uuids + (size_t)a * sizeof(prop.uuid);
+    char message[320];
+    snprintf(message, sizeof(message), "nccl needs a GPU per rank, and ranks %d and %d drive the same GPU "
+             "(GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x in nvidia-smi -L): "
+             "comm_backend = mpi lets ranks share a GPU", a, b, u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8],
+             u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+    fail_config(parser, "comm_backend", message);
+#else
+    (void)device;
+    (void)comm;
+    (void)parser;
+#endif
+}
+
+// A GPU is there, and one that this build's kernels run on. Rank r drives GPU local_rank % GPUs:
+// its own on a node whose GPUs every rank sees, the one it sees when the launcher gave it one,
+// and a shared one only with comm_backend = mpi.
 static void check_gpu(GpuContext *gpu, const Comm *comm, const ConfigParser *parser) {
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
         fail("no CUDA GPU found: training needs one (dry_run = 1 checks a config without a GPU)");
-    if (comm->world > 1 && comm->local_rank >= count && parser->values.comm_backend == COMM_NCCL) {
-        char message[256];
-        snprintf(message, sizeof(message), "nccl needs a GPU per rank, and node-local rank %d finds %d GPU(s): "
-                 "comm_backend = mpi lets ranks share a GPU", comm->local_rank, count);
-        fail_config(parser, "comm_backend", message);
-    }
     gpu_context_create(gpu, comm->local_rank % count);
+    if (comm->world > 1) refuse_shared_gpu(comm->local_rank % count, comm, parser);
     // The kernels are built for one architecture (GPU_ARCH, Hopper by default: TMA and wgmma):
     // another GPU would fail at its first kernel, so say which GPU and what the build is for.
     char message[512];

@@ -8,7 +8,8 @@
 // Collectives (MPI only; the GPU path is NCCL): sums of FP64 and of BF16, the latter rounded to
 // nearest even after every addition as NCCL's reductions are, in the order MPI picks (so a
 // multi-rank sum differs from a one-rank run by BF16 rounding noise); a max of ints; broadcast;
-// the reduce-to-owner of BF16 buffers that ZeRO needs (coat/zero.h); a send and a receive of bytes.
+// the reduce-to-owner of BF16 buffers that ZeRO needs (coat/zero.h); a send and a receive of bytes;
+// an all-gather of bytes (the ranks compare their GPUs).
 #pragma once
 #include <errno.h>
 #include <stdint.h>
@@ -170,6 +171,18 @@ static inline int comm_rendezvous(const Comm *c, const char *dir, const char *na
     return -1;
 }
 
+// The pair of ranks a < b with equal ids and the lowest b (its a is then the only one), the ids
+// id_bytes each in rank order in ids[world * id_bytes]: two ranks on one GPU when the ids are GPU
+// UUIDs. Returns 0, or -1 (a = b = -1) when every id differs.
+static inline int comm_first_equal_ids(const void *ids, size_t id_bytes, int world, int *a, int *b) {
+    const unsigned char *bytes = (const unsigned char *)ids;
+    for (*b = 1; *b < world; (*b)++)
+        for (*a = 0; *a < *b; (*a)++)
+            if (memcmp(bytes + (size_t)*a * id_bytes, bytes + (size_t)*b * id_bytes, id_bytes) == 0) return 0;
+    *a = *b = -1;
+    return -1;
+}
+
 // ---- collectives over MPI ---------------------------------------------------------------------
 #ifdef USE_MPI
 
@@ -275,6 +288,16 @@ static inline void comm_recv(const Comm *c, void *bytes, size_t n, int from) {
         size_t piece = n - done < COMM_PIECE ? n - done : COMM_PIECE;
         MPI_CHECK(MPI_Recv((char *)bytes + done, (int)piece, MPI_BYTE, from, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE));
     }
+}
+
+// Every rank's n bytes of `mine`, in rank order, into all[world * n] on every rank.
+static inline void comm_all_gather(const Comm *c, const void *mine, void *all, size_t n) {
+    if (c->world == 1) {
+        memcpy(all, mine, n);
+        return;
+    }
+    int count = comm_int_count(n, "comm_all_gather");
+    MPI_CHECK(MPI_Allgather(mine, count, MPI_BYTE, all, count, MPI_BYTE, MPI_COMM_WORLD));
 }
 
 static inline void comm_barrier(const Comm *c) {

@@ -88,7 +88,12 @@ static inline int zero_comm_init(ZeroComm *z, const Comm *comm, ZeroBackend back
     } else if (comm->world > 1) {
         if (comm_rendezvous(comm, rendezvous_dir, "nccl_id", &id, sizeof(id), 120.0, error, error_size) != 0) return -1;
     }
-    ncclCheck(ncclCommInitRank(&z->nccl, comm->world, id, comm->rank));
+    ncclResult_t joined = ncclCommInitRank(&z->nccl, comm->world, id, comm->rank);
+    if (joined != ncclSuccess) {
+        snprintf(error, error_size, "ncclCommInitRank on rank %d of %d: %s (one cause: two ranks on one GPU, which NCCL "
+                 "refuses; comm_backend = mpi lets ranks share one)", comm->rank, comm->world, ncclGetErrorString(joined));
+        return -1;
+    }
     return 0;
 #else
     (void)max_elems;

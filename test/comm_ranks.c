@@ -2,6 +2,7 @@
 //   comm_ranks init         prints "rank R of W, local L" (or the error, exit 2)
 //   comm_ranks collectives  (MPI) every collective on inputs each rank can compute for all the
 //                           others, checked exactly: sums of multiples of 1/8 below 32 are exact in BF16
+//   comm_ranks ids          comm_first_equal_ids on crafted ids (no MPI needed)
 //   comm_ranks rendezvous DIR NAME [TIMEOUT_S]   rank 0 shares 64 bytes through DIR/NAME (the others
 //                           wait up to TIMEOUT_S, default 20); prints them in hex
 #include <stdint.h>
@@ -12,6 +13,11 @@
 
 #ifdef USE_MPI
 static float input_value(int rank, size_t i) { return (float)((rank * 5 + (int)(i % 17)) % 16) / 8.0f; }  // 0..1.875
+
+// Byte i of rank r's 16-byte id: r's own, except that the last rank repeats the one before it.
+static unsigned char id_byte(const Comm *c, int r, int i) {
+    return (unsigned char)((r == c->world - 1 && r > 0 ? r - 1 : r) * 16 + i);
+}
 
 static int collectives(const Comm *c) {
     int failures = 0;
@@ -45,6 +51,16 @@ static int collectives(const Comm *c) {
     for (int i = 0; i < 128; i++) id[i] = c->rank == 0 ? (char)(i * 3 + 1) : 0;
     comm_broadcast(c, id, sizeof(id), 0);
     for (int i = 0; i < 128; i++) failures += id[i] != (char)(i * 3 + 1);
+    // the all-gather of 16-byte ids (as the GPUs' UUIDs are gathered), and the pair that shares one
+    unsigned char mine[16], *all = calloc((size_t)c->world, 16);
+    if (!all) exit(2);
+    for (int i = 0; i < 16; i++) mine[i] = id_byte(c, c->rank, i);
+    comm_all_gather(c, mine, all, sizeof(mine));
+    for (int r = 0; r < c->world; r++)
+        for (int i = 0; i < 16; i++) failures += all[r * 16 + i] != id_byte(c, r, i);
+    int a, b, found = comm_first_equal_ids(all, 16, c->world, &a, &b) == 0;
+    failures += c->world == 1 ? found : !found || a != c->world - 2 || b != c->world - 1;
+    free(all);
     comm_barrier(c);
     free(data);
     free(expected);
@@ -54,6 +70,33 @@ static int collectives(const Comm *c) {
     return failures ? 1 : 0;
 }
 #endif
+
+// comm_first_equal_ids on ids of one byte: "abcb" has its first pair at (1, 3), "abab" at (0, 2)
+// (the lowest second rank), "abc" none. Returns the failures.
+static int equal_ids_checks(void) {
+    struct { const char *ids; int a, b; } cases[] = {{"abcb", 1, 3}, {"abab", 0, 2}, {"aab", 0, 1}, {"abcc", 2, 3},
+                                                     {"abca", 0, 3}, {"abc", -1, -1}, {"a", -1, -1}};
+    int failures = 0;
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        int a = 7, b = 7, world = (int)strlen(cases[i].ids);
+        int status = comm_first_equal_ids(cases[i].ids, 1, world, &a, &b);
+        if (status != (cases[i].a < 0 ? -1 : 0) || a != cases[i].a || b != cases[i].b) {
+            printf("FAIL ids \"%s\": expected ranks %d and %d, got %d and %d (status %d)\n", cases[i].ids, cases[i].a,
+                   cases[i].b, a, b, status);
+            failures++;
+        }
+    }
+    unsigned char wide[3 * 16] = {0};  // ids equal but for their last byte are not equal
+    wide[16 + 15] = 1;
+    wide[32 + 15] = 2;
+    int a, b;
+    if (comm_first_equal_ids(wide, 16, 3, &a, &b) != -1) {
+        printf("FAIL 16-byte ids differing in their last byte taken for equal (ranks %d and %d)\n", a, b);
+        failures++;
+    }
+    if (!failures) printf("ids ok\n");
+    return failures;
+}
 
 int main(int argc, char **argv) {
     char error[512];
@@ -72,6 +115,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "error: built without MPI\n");
         status = 2;
 #endif
+    } else if (argc >= 2 && strcmp(argv[1], "ids") == 0) {
+        status = equal_ids_checks() ? 1 : 0;
     } else if ((argc == 4 || argc == 5) && strcmp(argv[1], "rendezvous") == 0) {
         unsigned char bytes[64];
         for (int i = 0; i < 64; i++) bytes[i] = c.rank == 0 ? (unsigned char)(i * 37 + 11) : 0;
@@ -85,7 +130,7 @@ int main(int argc, char **argv) {
             printf("\n");
         }
     } else {
-        fprintf(stderr, "usage: comm_ranks init | collectives | rendezvous DIR NAME [TIMEOUT_S]\n");
+        fprintf(stderr, "usage: comm_ranks init | collectives | ids | rendezvous DIR NAME [TIMEOUT_S]\n");
         status = 2;
     }
     comm_finish(&c);

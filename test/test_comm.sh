@@ -12,7 +12,7 @@ if command -v mpirun > /dev/null && grep -qa MPI_Init build/comm_ranks; then
     [ "$(id -u)" -eq 0 ] && mpi=(timeout 60 mpirun --allow-run-as-root --oversubscribe -np)
     for ranks in 1 2 3 4; do
         out=$("${mpi[@]}" $ranks build/comm_ranks collectives 2>&1); rc=$?
-        check "mpirun -np $ranks: every rank's all-reduce, reduce to each owner, sums, max and broadcast are exact" \
+        check "mpirun -np $ranks: every rank's all-reduce, reduce to each owner, sums, max, broadcast and all-gather are exact" \
             "$([ $rc -eq 0 ] && [ "$(printf '%s\n' "$out" | grep -c "of $ranks: collectives ok")" -eq $ranks ]; echo $?)" "$out"
     done
     out=$("${mpi[@]}" 3 build/comm_ranks init 2>&1 | sort); rc=$?
@@ -22,6 +22,9 @@ else
     echo "SKIP the MPI collectives (no mpirun, or build/comm_ranks built without MPI)"
 fi
 
+out=$(build/comm_ranks_single ids 2>&1); rc=$?
+check "the first pair of ranks with equal ids (two ranks on one GPU): the one with the lowest second rank" \
+    "$([ $rc -eq 0 ] && [ "$out" = "ids ok" ]; echo $?)" "$out"
 out=$(OMPI_COMM_WORLD_SIZE=2 build/comm_ranks_single init 2>&1); rc=$?
 check "a build without MPI launched by mpirun as 2 processes refuses, naming why" \
     "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q 'launched by MPI as one of 2 processes (OMPI_COMM_WORLD_SIZE=2), but this build has no MPI'; echo $?)" "$out"

@@ -6,8 +6,9 @@
 # stage 0 (every rank steps everything), 1 (sharded master weights and states, checkpoints
 # gathered by rank 0) and 2 (also the gradients, per bucket during backward) in bf16 and coat,
 # coat's E4M3 parameter gather against its BF16 one; validation split over the ranks; one rank
-# under mpirun with NCCL equals the plain run bit for bit, and on a machine with several GPUs NCCL
-# with one rank per GPU follows one rank too.
+# under mpirun with NCCL equals the plain run bit for bit, two NCCL ranks on one GPU are refused by
+# name, and on a machine with several GPUs NCCL with one rank per GPU follows one rank too, also
+# when each rank sees only its own GPU.
 cd "$(dirname "$0")/.." || exit 1
 source test/check.sh
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -144,10 +145,27 @@ done
 resume_on coat_s2_4 2 "$tmp/coat_s2_4-on-2-stage1" "${stage1[@]}" --precision=coat --zero_stage=1
 resume_on coat_s1 1 "$tmp/coat_s1-on-1" "${stage1[@]}" --precision=coat
 
-# NCCL refuses two ranks on one GPU: with several GPUs, one rank per GPU at stages 1 and 2, bf16
-# and coat, against one rank.
+# NCCL refuses two ranks on one GPU, and so does the trainer before it: the ranks compare their
+# GPUs' UUIDs. (Logs of refused runs are *.log: the allocation check below reads every *.out.)
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if grep -qa ncclCommInitRank ./train_llama; then
+    visible=()
+    [ "$gpus" -ge 2 ] && visible=(env CUDA_VISIBLE_DEVICES=0)  # all ranks on GPU 0
+    "${mpi[@]}" 2 "${visible[@]}" ./train_llama "${common[@]}" --comm_backend=nccl --out_dir="$tmp/nccl_shared" \
+        > "$tmp/nccl_shared.log" 2>&1
+    rc=$?
+    uuid=$(grep -o 'ranks 0 and 1 drive the same GPU (GPU-[0-9a-f-]* in nvidia-smi -L)' "$tmp/nccl_shared.log" | grep -o 'GPU-[0-9a-f-]*' | head -1)
+    check "two NCCL ranks on one GPU are refused, naming both ranks and the GPU's UUID (${uuid:-none})" \
+        "$([ $rc -ne 0 ] && [ ${#uuid} -eq 40 ] && nvidia-smi -L | grep -q "(UUID: $uuid)" &&
+           [ ! -e "$tmp/nccl_shared/log.jsonl" ]; echo $?)" "$(tail -3 "$tmp/nccl_shared.log")"
+fi
+# With several GPUs, one rank per GPU at stages 1 and 2, bf16 and coat, against one rank, and a
+# launch that gives each rank one GPU through CUDA_VISIBLE_DEVICES (every rank sees its GPU as 0).
 if grep -qa ncclCommInitRank ./train_llama && [ "$gpus" -ge 2 ]; then
+    "${mpi[@]}" 2 bash -c 'CUDA_VISIBLE_DEVICES=$OMPI_COMM_WORLD_LOCAL_RANK exec "$@"' rank ./train_llama "${stage1[@]}" \
+        --comm_backend=nccl --out_dir="$tmp/nccl_visible" > "$tmp/nccl_visible.out" 2>&1
+    check "NCCL, 2 ranks each seeing only its own GPU (CUDA_VISIBLE_DEVICES per rank): 20 steps" $? "$(tail -5 "$tmp/nccl_visible.out")"
+    check_close "NCCL, 2 ranks each seeing only its own GPU, against 1" "$tmp/s1_one/log.jsonl" "$tmp/nccl_visible/log.jsonl"
     for ranks in 2 4; do
         [ "$gpus" -ge $ranks ] || continue
         for run in "1 bf16 s1_one" "2 bf16 s1_one" "2 coat coat_one"; do
