@@ -2,10 +2,13 @@
 # Loss parity of the three precisions: llama-125m trained in bf16, fp8 and coat from the same seed
 # (same initialisation, same data order) for 300 steps of 64 x 1024 tokens on the local corpus
 # (configs/llama-125m-parity.conf), then a Markdown table of each run's final validation loss, its
-# difference relative to bf16, the median tokens/s and the peak GPU memory, printed and written to
+# difference relative to bf16, its largest gradient norm from step 10 (the warmup's spikes, which
+# decide where a run ends), the median tokens/s and the peak GPU memory, printed and written to
 # OUT_DIR/parity.md. When the bf16 run (FP32 AdamW moments) left a checkpoint, the COAT paper's
 # Table 1 on its optimizer states (scripts/optimizer_state_mse.py) is appended to parity.md.
-# Usage: [SEED=N] [RUNS="..."] [ARGS="..."] scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]   (SEED:
+# Usage: [SEED=N] [RUNS="..."] [ARGS="..."] scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]
+#        [RUNS="..."] scripts/loss_parity.sh --table [OUT_DIR]   (the table again from the runs'
+#        logs in OUT_DIR, nothing trained; SEED:
 #        another initialisation and data order than the config's, for the seed-to-seed spread;
 #        ARGS: trainer arguments added to every run, e.g. "--learning_rate=6e-4"; RUNS: the
 #        runs, default "bf16 fp8 coat", or also the ablations coat-fp32-states (coat with FP32
@@ -40,15 +43,19 @@ RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-155}
 MSE_TIMEOUT_S=${MSE_TIMEOUT_S:-45}
 KILL_AFTER_S=5
 
-usage() { echo "usage: scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]" >&2; exit 2; }
-case ${1:-} in -h|--help) usage ;; esac
+usage() { echo "usage: scripts/loss_parity.sh [DATA_DIR [OUT_DIR]] | --table [OUT_DIR]" >&2; exit 2; }
+TABLE_ONLY=0
+case ${1:-} in
+-h | --help) usage ;;
+--table) [ $# -le 2 ] || usage; TABLE_ONLY=1; set -- "" "${2:-}" ;;
+esac
 [ $# -le 2 ] || usage
 DATA=${1:-$ROOT/data/parity}
 OUT=${2:-$ROOT/out/parity}
 DATA=${DATA%/}
 OUT=${OUT%/}
 
-if [ ! -x "$ROOT/train_llama" ]; then
+if [ "$TABLE_ONLY" -eq 0 ] && [ ! -x "$ROOT/train_llama" ]; then
     echo "error: $ROOT/train_llama is not built (make train_llama)" >&2
     exit 1
 fi
@@ -180,12 +187,17 @@ for precision, status in runs:
         loss = val[-1]["val_loss"]
         loss_text = f"{loss:.4f}"
     failed |= loss is None
-    rows[precision] = (loss, loss_text, f"{statistics.median(speeds):,.0f}" if speeds else "-",
+    # The warmup's gradient-norm spikes, which decide where a run ends (steps 1-9 are the
+    # initialisation's large norms, alike in every run).
+    norms = [(r["grad_norm"], r["step"]) for r in train if r["step"] >= 10 and isinstance(r.get("grad_norm"), (int, float))]
+    spike = "{:.1f} (step {})".format(*max(norms)) if norms else "-"
+    rows[precision] = (loss, loss_text, spike, f"{statistics.median(speeds):,.0f}" if speeds else "-",
                        f"{max(memory):.2f}" if memory else "-")
 
-print("| run | final val loss | relative difference to bf16 (bf16-2ranks: to bf16-accum2) | median tokens/s | peak GPU memory (GiB) |")
-print("|---|---|---|---|---|")
-for precision, (loss, loss_text, speed, memory) in rows.items():
+print("| run | final val loss | relative difference to bf16 (bf16-2ranks: to bf16-accum2) | "
+      "largest gradient norm from step 10 | median tokens/s | peak GPU memory (GiB) |")
+print("|---|---|---|---|---|---|")
+for precision, (loss, loss_text, spike, speed, memory) in rows.items():
     reference = rows.get("bf16-accum2" if precision == "bf16-2ranks" else "bf16", (None,))[0]
     if precision == "bf16":
         relative = "reference"
@@ -193,11 +205,17 @@ for precision, (loss, loss_text, speed, memory) in rows.items():
         relative = "-"
     else:
         relative = f"{(loss - reference) / reference:+.2%}"
-    print(f"| {precision} | {loss_text} | {relative} | {speed} | {memory} |")
+    print(f"| {precision} | {loss_text} | {relative} | {spike} | {speed} | {memory} |")
 sys.exit(1 if failed else 0)
 PYTHON
 }
 
+if [ "$TABLE_ONLY" -eq 1 ]; then  # the runs' table from the logs already in OUT_DIR
+    results=()
+    for name in "${RUN_NAMES[@]}"; do results+=("$name:0"); done
+    summarize "$OUT" "${results[@]}"
+    exit
+fi
 for name in "${RUN_NAMES[@]}"; do
     run_settings "$name" || { echo "error: RUNS: unknown run '$name' (bf16, fp8, coat, coat-fp32-states, coat-fp8-activations, coat-stochastic, coat-fast-accum, fp8-gemms, coat-activations, bf16-residual-1x16, bf16-gate-up-1x16, bf16-accum2, bf16-2ranks)" >&2; exit 2; }
     if [ ${#RUN_LAUNCH[@]} -gt 0 ] && ! command -v mpirun > /dev/null; then

@@ -492,6 +492,17 @@ check "loss_parity.sh ARGS: every run gets them, and parity.md names them" \
     "$(grep -q 'learning_rate: -1 is outside' "$tmp/args_out/bf16/train.log" &&
        grep -q 'learning_rate: -1 is outside' "$tmp/args_out/coat/train.log" &&
        grep -qx 'Every run also takes: --learning_rate=-1' "$tmp/args_out/parity.md"; echo $?)" "$out"
+# --table: the table again from logs already there (the committed seed-1337 runs), nothing trained:
+# each run's loss, gap, largest gradient norm from step 10 with its step, speed and memory.
+for run in bf16 fp8 coat; do mkdir -p "$tmp/table_out/$run" && cp "configs/results/parity/$run.log.jsonl" "$tmp/table_out/$run/log.jsonl"; done
+out=$(scripts/loss_parity.sh --table "$tmp/table_out" 2>&1); rc=$?
+check "loss_parity.sh --table: each run's final loss, gap, largest gradient norm from step 10 (bf16: 39.4 at step 22)" \
+    "$([ $rc -eq 0 ] && printf '%s\n' "$out" | grep -qx '| bf16 | 3.3707 | reference | 39.4 (step 22) | 646,812 | 20.35 |' &&
+       printf '%s\n' "$out" | grep -qx '| coat | 3.3524 | -0.54% | 12.6 (step 14) | 676,209 | 13.80 |' &&
+       [ ! -e "$tmp/table_out/parity.md" ]; echo $?)" "$out"
+out=$(RUNS="bf16 bf16-accum2" scripts/loss_parity.sh --table "$tmp/table_out" 2>&1); rc=$?
+check "loss_parity.sh --table: a run without a log is a failed row, exit 1" \
+    "$([ $rc -eq 1 ] && printf '%s\n' "$out" | grep -qx '| bf16-accum2 | failed (no final val_loss) | - | - | - | - |'; echo $?)" "$out"
 out=$(RUNS="bf16 nonsense" scripts/loss_parity.sh "$tmp/no_parity_data" "$tmp/no_parity_out" 2>&1); rc=$?
 check "loss_parity.sh refuses an unknown run in RUNS before training anything, exit 2" \
     "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q "RUNS: unknown run 'nonsense'" && [ ! -e "$tmp/no_parity_out" ]; echo $?)" "$out"
