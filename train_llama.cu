@@ -213,8 +213,9 @@ static void check_gpu(GpuContext *gpu, const Comm *comm, const ConfigParser *par
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
         fail("no CUDA GPU found: training needs one (dry_run = 1 checks a config without a GPU)");
-    gpu_context_create(gpu, comm->local_rank % count);
-    if (comm->world > 1) refuse_shared_gpu(comm->local_rank % count, comm, parser);
+    int device = comm->local_rank % count;
+    gpu_context_create(gpu, device);
+    if (comm->world > 1) refuse_shared_gpu(device, comm, parser);
     // The kernels are built for one architecture (GPU_ARCH, Hopper by default: TMA and wgmma):
     // another GPU would fail at its first kernel, so say which GPU and what the build is for.
     char message[512];
