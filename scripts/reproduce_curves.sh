@@ -46,7 +46,7 @@ RESULTS=${RESULTS:-configs/results}
 PIECE_TOKENS=${PIECE_TOKENS:-40000000}
 PART_BYTES=${PART_BYTES:-$((60 * 1024 * 1024))}
 RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-560}
-RUNS=(bf16 fp8 coat bf16-seed2 bf16-2ranks coat-seed2 coat-fp32-states coat-stochastic fp8-gemms coat-activations
+RUNS=(bf16 fp8 coat bf16-seed2 fp8-seed2 coat-seed2 bf16-seed3 fp8-seed3 coat-seed3 bf16-2ranks coat-fp32-states coat-stochastic fp8-gemms coat-activations
       bf16-residual-1x16 bf16-gate-up-1x16 coat-fast-accum bf16-1epoch coat-1epoch)
 ONE_EPOCH_STEPS=240  # 125.8M tokens: one pass over the corpus's 127M training tokens
 
@@ -149,7 +149,7 @@ run() {
     local name=$1 precision seed states=() launch=()
     case $name in
     bf16 | fp8 | coat) precision=$name seed=1337 ;;
-    bf16-seed2 | coat-seed2) precision=${name%-seed2} seed=2 ;;
+    bf16-seed[23] | fp8-seed[23] | coat-seed[23]) precision=${name%-seed?} seed=${name##*-seed} ;;
     bf16-2ranks)
         precision=bf16 seed=1337 states=(--comm_backend=mpi) launch=(mpirun --oversubscribe -np 2)
         [ "$(id -u)" -eq 0 ] && launch+=(--allow-run-as-root)
