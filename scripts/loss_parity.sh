@@ -6,10 +6,13 @@
 # decide where a run ends), the median tokens/s and the peak GPU memory, printed and written to
 # OUT_DIR/parity.md. When the bf16 run (FP32 AdamW moments) left a checkpoint, the COAT paper's
 # Table 1 on its optimizer states (scripts/optimizer_state_mse.py) is appended to parity.md.
-# Usage: [SEED=N] [RUNS="..."] [ARGS="..."] scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]
-#        [RUNS="..."] scripts/loss_parity.sh --table [OUT_DIR]   (the table again from the runs'
-#        logs in OUT_DIR, nothing trained; SEED:
-#        another initialisation and data order than the config's, for the seed-to-seed spread;
+# Usage: [SEED=N | SEEDS="N ..."] [RUNS="..."] [ARGS="..."] scripts/loss_parity.sh [DATA_DIR [OUT_DIR]]
+#        [SEEDS="N ..."] [RUNS="..."] scripts/loss_parity.sh --table [OUT_DIR]   (the table again
+#        from the runs' logs in OUT_DIR, nothing trained); SEED: another initialisation and data
+#        order than the config's; SEEDS: every run at each of these seeds, into OUT_DIR/seed-N, then
+#        the table over the seeds (scripts/parity_seeds.py: each run's gap to bf16 of the same seed,
+#        the mean gap and its standard error) in OUT_DIR/parity.md: one seed's gap mixes the
+#        precision's effect with what any perturbation does to a run, the mean separates them;
 #        ARGS: trainer arguments added to every run, e.g. "--learning_rate=6e-4"; RUNS: the
 #        runs, default "bf16 fp8 coat", or also the ablations coat-fp32-states (coat with FP32
 #        optimizer states), coat-fp8-activations (coat with TE-like activations),
@@ -54,6 +57,31 @@ DATA=${1:-$ROOT/data/parity}
 OUT=${2:-$ROOT/out/parity}
 DATA=${DATA%/}
 OUT=${OUT%/}
+
+# Every seed of SEEDS in its own OUT_DIR/seed-N (this script again, one seed each), then the table
+# over the seeds; --table only prints it again.
+if [ -n "${SEEDS:-}" ]; then
+    read -r -a SEED_LIST <<< "$SEEDS"
+    for seed in "${SEED_LIST[@]}"; do
+        [[ $seed =~ ^[0-9]+$ ]] || { echo "error: SEEDS: '$seed' is not a seed (a whole number)" >&2; exit 2; }
+    done
+    seeds_status=0 folders=()
+    for seed in "${SEED_LIST[@]}"; do
+        if [ "$TABLE_ONLY" -eq 0 ]; then
+            echo "loss_parity: seed $seed into $OUT/seed-$seed"
+            SEEDS="" SEED=$seed "$0" "$DATA" "$OUT/seed-$seed" || seeds_status=1
+        fi
+        [ -d "$OUT/seed-$seed" ] || { echo "error: $OUT/seed-$seed: no runs of seed $seed" >&2; exit 1; }
+        folders+=("$seed=$OUT/seed-$seed")
+    done
+    table=$(python3 "$ROOT/scripts/parity_seeds.py" "${folders[@]}")
+    echo "$table"
+    if [ "$TABLE_ONLY" -eq 0 ]; then
+        { echo "# Loss parity over seeds ${SEED_LIST[*]}: llama-125m, $(basename "$CONFIG")"; echo; echo "$table"; } > "$OUT/parity.md"
+        echo "loss_parity: wrote $OUT/parity.md"
+    fi
+    exit "$seeds_status"
+fi
 
 if [ "$TABLE_ONLY" -eq 0 ] && [ ! -x "$ROOT/train_llama" ]; then
     echo "error: $ROOT/train_llama is not built (make train_llama)" >&2

@@ -411,29 +411,43 @@ printf 'x' >> "$curves/data/train_000001.bin"
 out=$("${export_curves[@]}" scripts/reproduce_curves.sh unpack 2>&1); rc=$?
 check "unpack finds a damaged piece, removes it and says so" \
     "$([ $rc -eq 1 ] && printf '%s' "$out" | grep -q 'train_000001.bin differ from the MANIFEST' && [ ! -e "$curves/data/train_000001.bin" ]; echo $?)" "$out"
-for run in bf16 fp8 coat; do
-    mkdir -p "$curves/out/$run"
-    cp "configs/results/parity-consecutive/$run.log.jsonl" "$curves/out/$run/log.jsonl"
-    echo 400 > "$curves/out/$run/gpu_seconds"
-done
-for run in bf16 coat; do  # the one-epoch pair and the second seed's, each compared within itself
-    for suffix in 1epoch seed2; do
-        mkdir -p "$curves/out/$run-$suffix"
-        cp "configs/results/parity-consecutive/seed2/$run.log.jsonl" "$curves/out/$run-$suffix/log.jsonl"
-    done
-done
+# Runs of 573 steps (the config's) whose final validation losses give known statistics: at seeds
+# 1337 and 2, fp8 +1.00% and +0.00% (mean +0.50%, standard error 0.50%), coat -1.00% and +1.00%
+# (+0.00%, 1.00%); bf16 3.0 and 3.1 (standard deviation 2.32% of their mean, 3.33% apart); coat-seed3
+# stopped at step 300 and counts nowhere.
+"$PYTHON" - "$curves/out" <<'PY'
+import json, os, sys
+def write(name, final, steps=573):
+    os.makedirs(f"{sys.argv[1]}/{name}", exist_ok=True)
+    with open(f"{sys.argv[1]}/{name}/log.jsonl", "w") as f:
+        for step in range(1, steps + 1):
+            f.write(json.dumps({"step": step, "train_loss": final + 1, "tokens": step * 524288, "tokens_per_s": 600000.0,
+                                "gpu_mem_gib": 20.0}) + "\n")
+            if step % 25 == 0 or step == steps:
+                f.write(json.dumps({"step": step, "val_loss": final + (steps - step) / 1000}) + "\n")
+    with open(f"{sys.argv[1]}/{name}/gpu_seconds", "w") as f:
+        f.write("400\n80\n")
+for name, final in (("bf16", 3.0), ("fp8", 3.03), ("coat", 2.97), ("bf16-seed2", 3.1), ("fp8-seed2", 3.1), ("coat-seed2", 3.131)):
+    write(name, final)
+write("coat-seed3", 3.5, steps=300)
+PY
 mkdir -p "$curves/out/coat/bf16-eval"
-printf '{"step": 0, "val_loss": 5.000000}\n{"step": 1, "train_loss": 4.9, "lr": 0.0015, "grad_norm": 0.3}\n{"step": 1, "val_loss": 4.990000}\n' \
+printf '{"step": 0, "val_loss": 2.940000}\n{"step": 1, "train_loss": 4.9, "lr": 0.0015, "grad_norm": 0.3}\n' \
     > "$curves/out/coat/bf16-eval/log.jsonl"
 out=$("${export_curves[@]}" scripts/reproduce_curves.sh report 2>&1); rc=$?
-check "report tabulates each run's final val loss, its gap to bf16 (the one-epoch runs' to bf16-1epoch, coat-seed2's to bf16-seed2), by quarter of the run, and the final weights' loss with BF16 compute" \
-    "$([ $rc -eq 0 ] && grep -q '^| fp8 | 300 | 19.7M | 5.0398 (step 300) | +0.96% |  | 715,678 | 17.99 | 6.7 min |$' "$curves/results/curves.md" &&
-       grep -q '^| coat | 300 | .* | +1.45% | 5.0000 (+0.16%) |' "$curves/results/curves.md" &&
-       grep -q '^| coat-1epoch | 300 | .* | 5.1779 (step 300) | +0.37% |' "$curves/results/curves.md" &&
-       grep -Eq '^\| coat-1epoch \| bf16-1epoch( \| [+-][0-9]+\.[0-9]{2}%){4} \|$' "$curves/results/curves.md" &&
-       grep -q '^| coat-seed2 | 300 | .* | 5.1779 (step 300) | +0.37% |' "$curves/results/curves.md" &&
-       grep -q '^| bf16-seed2 | 300 | .* | 5.1586 (step 300) | +3.34% |' "$curves/results/curves.md" &&
-       [ -s "$curves/results/curves/coat.bf16-eval.log.jsonl" ]; echo $?)" "$out"
+check "report: per seed each precision's final val loss and gap to bf16, the mean gap and its standard error, bf16's seed spread; an unfinished run counts nowhere" \
+    "$([ $rc -eq 0 ] && grep -qx '| 1337 | 3.0000 | 3.0300 (+1.00%) | 2.9700 (-1.00%) |' "$curves/results/curves.md" &&
+       grep -qx '| 2 | 3.1000 | 3.1000 (+0.00%) | 3.1310 (+1.00%) |' "$curves/results/curves.md" &&
+       grep -qx '| 3 | - | - | step 300 of 573 |' "$curves/results/curves.md" &&
+       grep -qx -- '- fp8: mean gap to bf16 +0.50% +- 0.50% (standard error) over 2 seed(s)' "$curves/results/curves.md" &&
+       grep -qx -- '- coat: mean gap to bf16 +0.00% +- 1.00% (standard error) over 2 seed(s)' "$curves/results/curves.md" &&
+       grep -qx -- '- bf16 over 2 seeds: 3.0500, standard deviation 2.32% of the mean, lowest to highest 3.33% apart' "$curves/results/curves.md" &&
+       grep -qx '| coat | 1337 | 573 | 300.4M | 2.9700 (step 573) | -1.00% | 2.9400 (-2.00%) | 600,000 | 20.00 | 8.0 min |' "$curves/results/curves.md" &&
+       [ -s "$curves/results/curves/coat.bf16-eval.log.jsonl" ] && [ -s "$curves/results/curves/coat-seed3.log.jsonl" ]; echo $?)" "$out"
+if "$PYTHON" -c 'import matplotlib' 2>/dev/null; then
+    check "report draws llama-125m's figure, and none for the size without runs" \
+        "$([ "$(head -c 4 "$curves/results/curves-125m.png" | tail -c 3)" = PNG ] && [ ! -e "$curves/results/curves-1b.png" ]; echo $?)" "$out"
+fi
 # Without shards, the parity data is made from CORPUS: 366 batches of 64 rows of 1025 tokens, each
 # row an intact slice of the corpus, the 23,424 rows at distinct places and each batch's rows
 # rising from the corpus' first 64th to its last (token i of this corpus is i, so a row's first
@@ -482,7 +496,8 @@ out=$("${export_curves[@]}" scripts/reproduce_curves.sh status 2>&1); rc=$?
 check "reproduce_curves.sh status: each run complete, resumable with its GPU time so far and to go, or not started" \
     "$([ $rc -eq 0 ] && printf '%s\n' "$out" | grep -qx 'coat-fast-accum: complete, 8.0 GPU-min' &&
        printf '%s\n' "$out" | grep -qx 'coat-fp32-states: resumes from step 100 of 573, logged up to step 120, 5.0 GPU-min so far, about 19.7 GPU-min left' &&
-       printf '%s\n' "$out" | grep -qx 'fp8: starts over (no checkpoint) of 573, logged up to step 300, 6.7 GPU-min so far, about 12.7 GPU-min left' &&
+       printf '%s\n' "$out" | grep -qx 'coat-seed3: starts over (no checkpoint) of 573, logged up to step 300, 8.0 GPU-min so far, about 15.3 GPU-min left' &&
+       printf '%s\n' "$out" | grep -qx '1b-coat: not started (250 steps)' &&
        printf '%s\n' "$out" | grep -qx 'coat-stochastic: not started (573 steps)'; echo $?)" "$out"
 # ARGS reach every run's command line (here a learning rate the trainer refuses) and parity.md says so.
 mkdir -p "$tmp/args_data"
@@ -503,6 +518,23 @@ check "loss_parity.sh --table: each run's final loss, gap, largest gradient norm
 out=$(RUNS="bf16 bf16-accum2" scripts/loss_parity.sh --table "$tmp/table_out" 2>&1); rc=$?
 check "loss_parity.sh --table: a run without a log is a failed row, exit 1" \
     "$([ $rc -eq 1 ] && printf '%s\n' "$out" | grep -qx '| bf16-accum2 | failed (no final val_loss) | - | - | - | - |'; echo $?)" "$out"
+# SEEDS with --table: the table over the seeds from each OUT_DIR/seed-N (the committed runs at
+# three seeds; seed 2 kept only bf16's log, its other losses come from its parity.md).
+for seed in 1337 2 3; do
+    from=configs/results/parity; [ "$seed" = 1337 ] || from=$from/seed$seed
+    mkdir -p "$tmp/seeds_out/seed-$seed"
+    cp "$from/parity.md" "$tmp/seeds_out/seed-$seed/" 2>/dev/null
+    for run in bf16 fp8 coat; do
+        [ -e "$from/$run.log.jsonl" ] && mkdir -p "$tmp/seeds_out/seed-$seed/$run" && cp "$from/$run.log.jsonl" "$tmp/seeds_out/seed-$seed/$run/log.jsonl"
+    done
+done
+out=$(SEEDS="1337 2 3" scripts/loss_parity.sh --table "$tmp/seeds_out" 2>&1); rc=$?
+check "loss_parity.sh SEEDS: each seed's gap to its bf16, the mean over the seeds and its standard error (coat +0.20% +- 1.00%)" \
+    "$([ $rc -eq 0 ] && printf '%s\n' "$out" | grep -qx '| coat | 3.3524 (-0.54%) | 3.2775 (-1.03%) | 3.3242 (+2.17%) | +0.20% | 1.00% | 3 |' &&
+       printf '%s\n' "$out" | grep -qx '| fp8 | 3.3211 (-1.47%) | 3.2848 (-0.81%) | 3.3209 (+2.06%) | -0.07% | 1.09% | 3 |'; echo $?)" "$out"
+out=$(SEEDS="1337 two" scripts/loss_parity.sh "$tmp/no_parity_data" "$tmp/no_parity_out" 2>&1); rc=$?
+check "loss_parity.sh refuses a SEEDS entry that is no number before training anything, exit 2" \
+    "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q "SEEDS: 'two' is not a seed" && [ ! -e "$tmp/no_parity_out" ]; echo $?)" "$out"
 out=$(RUNS="bf16 nonsense" scripts/loss_parity.sh "$tmp/no_parity_data" "$tmp/no_parity_out" 2>&1); rc=$?
 check "loss_parity.sh refuses an unknown run in RUNS before training anything, exit 2" \
     "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q "RUNS: unknown run 'nonsense'" && [ ! -e "$tmp/no_parity_out" ]; echo $?)" "$out"
