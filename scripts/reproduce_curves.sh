@@ -7,7 +7,7 @@
 # One stage per command, so that a GPU machine without the corpus, whose jobs last minutes, can be
 # fed and run job by job:
 #   pack         where the corpus is (scripts/fetch_corpus.sh): its shards cut into pieces of at most
-#                40M tokens, xz-compressed, in transport parts of at most 60 MiB each
+#                40M tokens, xz-compressed, in transport parts of at most 44 MiB each
 #                (data/curves-pack/part_N/, each with the MANIFEST of all pieces)
 #   unpack       decompresses the pieces present under data/curves-pack into data/curves/, checking
 #                each against the MANIFEST (parts may arrive one per job: it says which are missing)
@@ -44,7 +44,7 @@ DATA=${DATA:-data/curves}
 OUT=${OUT:-out/curves}
 RESULTS=${RESULTS:-configs/results}
 PIECE_TOKENS=${PIECE_TOKENS:-40000000}
-PART_BYTES=${PART_BYTES:-$((60 * 1024 * 1024))}
+PART_BYTES=${PART_BYTES:-$((44 * 1024 * 1024))}
 RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-560}
 RUNS=(bf16 fp8 coat bf16-seed2 fp8-seed2 coat-seed2 bf16-seed3 fp8-seed3 coat-seed3 1b-bf16 1b-coat
       bf16-2ranks coat-fp32-states coat-stochastic fp8-gemms coat-activations bf16-residual-1x16 bf16-gate-up-1x16
