@@ -50,10 +50,15 @@ case ${1:-} in
 --table) [ $# -le 2 ] || usage; TABLE_ONLY=1; set -- "" "${2:-}" ;;
 esac
 [ $# -le 2 ] || usage
+# Anything else that looks like an option is refused before a folder is made under its name.
+for argument in "$@"; do case $argument in -*) usage ;; esac; done
 DATA=${1:-$ROOT/data/parity}
 OUT=${2:-$ROOT/out/parity}
 DATA=${DATA%/}
 OUT=${OUT%/}
+for dir in "$DATA" "$OUT"; do
+    if [ -e "$dir" ] && [ ! -d "$dir" ]; then echo "error: $dir: not a directory" >&2; exit 2; fi
+done
 
 if [ "$TABLE_ONLY" -eq 0 ] && [ ! -x "$ROOT/train_llama" ]; then
     echo "error: $ROOT/train_llama is not built (make train_llama)" >&2
