@@ -5,7 +5,7 @@
 #   make bench      GPU benchmarks beside the PyTorch reference
 #   make clean
 # snprintf cuts messages to their buffers on purpose, hence -Wno-format-truncation.
-# Options: GPU_ARCH=90a (default, Hopper), CUDA_HOME=/usr/local/cuda, NO_MPI=1, NO_NCCL=1.
+# Options: GPU_ARCH=90a (default, Hopper), CUDA_HOME=/usr/local/cuda, NO_MPI=1, NO_NCCL=1, NO_ZLIB=1, NO_ZSTD=1.
 
 CC ?= cc
 CUDA_HOME ?= /usr/local/cuda
@@ -55,6 +55,28 @@ NVCCFLAGS += -DUSE_MPI $(filter -I%,$(MPI_COMPILE))
 NVCC_LIBS += $(foreach flag,$(MPI_LINK),$(if $(filter -Wl%,$(flag)),-Xlinker $(subst -Wl$(comma),,$(flag)),$(flag)))
 endif
 
+# Compressed inputs of ./tokenize shards (tokenizer/input_file.c): the header found by the C compiler.
+has_header = $(shell printf '\043include <$(1)>\n' | $(CC) -E -x c - >/dev/null 2>&1 && echo 1)
+TOKENIZER_LIBS :=
+ifeq ($(NO_ZLIB),1)
+$(info zlib: disabled (NO_ZLIB=1): tokenize refuses .gz inputs)
+else ifneq ($(call has_header,zlib.h),1)
+$(info zlib: missing (no zlib.h; apt-get install zlib1g-dev): tokenize refuses .gz inputs)
+else
+$(info zlib: found (.gz inputs))
+CFLAGS += -DUSE_ZLIB
+TOKENIZER_LIBS += -lz
+endif
+ifeq ($(NO_ZSTD),1)
+$(info libzstd: disabled (NO_ZSTD=1): tokenize refuses .zst inputs)
+else ifneq ($(call has_header,zstd.h),1)
+$(info libzstd: missing (no zstd.h; apt-get install libzstd-dev): tokenize refuses .zst inputs)
+else
+$(info libzstd: found (.zst inputs))
+CFLAGS += -DUSE_ZSTD
+TOKENIZER_LIBS += -lzstd
+endif
+
 # ---- programs --------------------------------------------------------------------------
 TOKENIZER_LIB_SRCS := $(filter-out tokenizer/tokenize.c,$(wildcard tokenizer/*.c))
 TOKENIZER_LIB := $(BUILD)/libtokenizer.a
@@ -64,10 +86,10 @@ COAT_HEADERS := $(wildcard coat/*.h coat/*.cuh dataloader/*.h)
 all: train_llama tokenize
 
 train_llama: train_llama.cu $(COAT_HEADERS) $(TOKENIZER_LIB)
-	$(NVCC) $(NVCCFLAGS) $< $(TOKENIZER_LIB) -o $@ $(NVCC_LIBS)
+	$(NVCC) $(NVCCFLAGS) $< $(TOKENIZER_LIB) -o $@ $(NVCC_LIBS) $(TOKENIZER_LIBS)
 
 tokenize: tokenizer/tokenize.c $(TOKENIZER_LIB) $(wildcard tokenizer/*.h dataloader/*.h)
-	$(CC) $(CFLAGS) $< $(TOKENIZER_LIB) -o $@ -lm
+	$(CC) $(CFLAGS) $< $(TOKENIZER_LIB) -o $@ -lm $(TOKENIZER_LIBS)
 
 $(BUILD)/tokenizer/%.o: tokenizer/%.c $(wildcard tokenizer/*.h dataloader/*.h)
 	@mkdir -p $(dir $@)
@@ -98,7 +120,7 @@ $(BUILD)/lib%.a: $(BUILD)/%.o
 	rm -f $@ && ar rcs $@ $<
 
 $(BUILD)/test_%: test/test_%.c $(TOKENIZER_LIB) $(REFERENCE_DOUBLE) $(TEST_HEADERS) $(COAT_HEADERS) $(wildcard tokenizer/*.h)
-	$(CC) $(CFLAGS) -DREF_REAL=double $< $(TOKENIZER_LIB) $(REFERENCE_DOUBLE) -o $@ -lm
+	$(CC) $(CFLAGS) -DREF_REAL=double $< $(TOKENIZER_LIB) $(REFERENCE_DOUBLE) -o $@ -lm $(TOKENIZER_LIBS)
 
 $(BUILD)/test_%: test/test_%.cu $(REFERENCE_FLOAT) $(TEST_HEADERS) $(COAT_HEADERS)
 	$(NVCC) $(NVCCFLAGS) $< $(REFERENCE_FLOAT) -o $@ $(NVCC_LIBS)

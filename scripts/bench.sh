@@ -15,14 +15,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 profile=0 training_only=0
+usage() { echo "usage: scripts/bench.sh [--profile] [--training-only] [STEPS]   (STEPS: at least 6)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
     case $1 in
     --profile) profile=1; shift ;;
     --training-only) training_only=1; shift ;;
+    -*) usage ;;
     *) break ;;
     esac
 done
+[ $# -le 1 ] || usage
 steps=${1:-30}
+[[ $steps =~ ^[0-9]+$ ]] && [ "$steps" -ge 6 ] || usage  # the medians skip the first 5 steps
 dir=build/bench
 mkdir -p "$dir"
 python3 scripts/random_shard.py "$dir/train_000000.bin"  # 8M random tokens (throughput only)
@@ -145,7 +149,8 @@ for shape, (fwd, both) in ours.items():
     cells = [" / ".join(sdpa.get((backend,) + shape, ("-", "-"))) for backend in ("flash", "cudnn")]
     print(f"| {', '.join(shape)} | {fwd} / {both} | {cells[0]} | {cells[1]} |")
 PY
-} | tee "$dir/results.md"
+} | tee "$dir/results.md.partial"
+mv "$dir/results.md.partial" "$dir/results.md"  # a bench that fails keeps the last complete results
 if [ -n "${OUT:-}" ]; then cp "$dir/results.md" "$OUT/bench.md"; fi
 
 if [ "$profile" = 1 ]; then
@@ -158,7 +163,8 @@ if [ "$profile" = 1 ]; then
         echo "== PyTorch (torch.compile) llama-1b 16x2048 =="
         python3 scripts/train_llama.py --bench --compile --config configs/models/llama-1b.conf --batch 16 --seq 2048 \
             --steps 3 --profile 2>&1 | sed -n '/^profile of/,$p'
-    } > "$dir/profile.txt" 2>&1
+    } > "$dir/profile.txt.partial" 2>&1
+    mv "$dir/profile.txt.partial" "$dir/profile.txt"
     cat "$dir/profile.txt"
     if [ -n "${OUT:-}" ]; then cp "$dir/profile.txt" "$OUT/profile.txt"; fi
 fi

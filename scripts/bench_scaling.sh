@@ -77,5 +77,6 @@ PY
         done
     done
     [ "$gpus" -eq 1 ] && echo && echo "One GPU here: nothing to scale; the row is the one-GPU reference."
-} | tee "$dir/scaling.md"
+} | tee "$dir/scaling.md.partial"
+mv "$dir/scaling.md.partial" "$dir/scaling.md"  # a bench that fails keeps the last complete table
 if [ -n "${OUT:-}" ]; then cp "$dir/scaling.md" "$OUT/scaling.md"; fi

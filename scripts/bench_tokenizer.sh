@@ -12,7 +12,14 @@
 # Needs python3 with tokenizers and tiktoken (the GPU machine has them). Best of 3 runs each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 2 ] || { echo "usage: scripts/bench_tokenizer.sh TEXT NAME=TOKENIZER.json [NAME=...]" >&2; exit 2; }
+usage() { echo "usage: scripts/bench_tokenizer.sh TEXT NAME=TOKENIZER.json [NAME=...]" >&2; exit 2; }
+[ $# -ge 2 ] || usage
+# Every input a regular file before anything runs: a FIFO would block its first read.
+for path in "$1" "${@:2}"; do
+    [ "$path" = "$1" ] || [[ $path == ?*=?* ]] || usage
+    [ "$path" = "$1" ] || path=${path#*=}
+    [ -f "$path" ] || { echo "error: $path: not a regular file" >&2; exit 2; }
+done
 text=$1
 shift
 make -s tokenize >/dev/null

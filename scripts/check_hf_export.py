@@ -16,7 +16,7 @@ import sys
 import torch
 from transformers import LlamaForCausalLM
 
-from llama_layout import FormatError, read_logits_file
+from llama_layout import FormatError, open_regular, read_logits_file
 
 
 def main() -> int:
@@ -39,7 +39,7 @@ def main() -> int:
         return 1
     config_path = os.path.join(args.hf_dir, "config.json")
     try:
-        with open(config_path, encoding="utf-8") as f:
+        with open_regular(config_path, encoding="utf-8") as f:
             hf_vocab = json.load(f)["vocab_size"]
     except (OSError, ValueError, KeyError):
         print(f"error: {config_path}: cannot read vocab_size", file=sys.stderr)

@@ -20,7 +20,7 @@ import sys
 from functools import lru_cache
 from typing import Callable, Dict, Iterable, List, Tuple
 
-from llama_layout import (CHECKPOINT_HEADER_BYTES, CheckpointHeader, FormatError, ModelShape, ParamLayout,
+from llama_layout import (CHECKPOINT_HEADER_BYTES, CheckpointHeader, FormatError, ModelShape, ParamLayout, open_regular,
                           TensorSlot, float32, pack_checkpoint_header, read_checkpoint_header)
 
 CHUNK_ELEMS = 1 << 20  # converted at a time: bounds memory for multi-GB tensors
@@ -134,7 +134,7 @@ def read_safetensors_header(path: str) -> Tuple[int, Dict[str, dict]]:
     """(file offset of the data, {name: {dtype, shape, data_offsets}}), checked against the file."""
     try:
         size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with open_regular(path, "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise FormatError(f"{path}: not a safetensors file (shorter than 8 bytes)")
@@ -295,7 +295,7 @@ def find_hf_tensors(hf_dir: str) -> Dict[str, Tuple[str, int, dict]]:
     single_path = os.path.join(hf_dir, "model.safetensors")
     if os.path.exists(index_path):
         try:
-            with open(index_path, encoding="utf-8") as f:
+            with open_regular(index_path, encoding="utf-8") as f:
                 files = sorted(set(json.load(f)["weight_map"].values()))
         except (OSError, ValueError, KeyError):
             raise FormatError(f"{index_path}: cannot read its weight_map") from None
@@ -315,7 +315,7 @@ def find_hf_tensors(hf_dir: str) -> Dict[str, Tuple[str, int, dict]]:
 def import_hf(hf_dir: str, checkpoint_path: str) -> str:
     config_path = os.path.join(hf_dir, "config.json")
     try:
-        with open(config_path, encoding="utf-8") as f:
+        with open_regular(config_path, encoding="utf-8") as f:
             config = json.load(f)
     except OSError as e:
         raise FormatError(f"{config_path}: cannot read: {e.strerror}") from None

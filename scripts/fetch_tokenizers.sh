@@ -16,6 +16,7 @@
 #        and special tokens <unk> <s> </s>) with model.vocab and model.merges replaced.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+[ $# -eq 0 ] || { echo "usage: scripts/fetch_tokenizers.sh   (no arguments)" >&2; exit 2; }
 
 LLAMA3_SHA256=c05a3c2174e9edd5be19dc5a0748c42a9037bec2811ce062728bfd71f8702d78
 LLAMA2_SHA256=3c16d6a8e5f4a940956e8a45a4f95d0046ffc798975eab188eff5078d3888e3f

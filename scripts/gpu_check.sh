@@ -5,6 +5,7 @@
 # Usage: scripts/gpu_check.sh [--no-bench]
 set -uo pipefail
 cd "$(dirname "$0")/.."
+case ${1:-} in "" | --no-bench) [ $# -le 1 ] ;; *) false ;; esac || { echo "usage: scripts/gpu_check.sh [--no-bench]" >&2; exit 2; }
 out=${OUT:-build/gpu_check}
 mkdir -p "$out"
 nvidia-smi -L

@@ -9,8 +9,10 @@ Parameter layout (one flat float32 buffer, layer-major, as coat/params.h):
   multiple of 128 elements. Names are the Hugging Face ones.
 All binary formats are little-endian.
 """
+import errno
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Tuple
@@ -23,6 +25,16 @@ class FormatError(Exception):
 
 
 # ---- config files ---------------------------------------------------------------------------
+
+def open_regular(path: str, mode: str = "r", **kwargs):
+    """open() of a regular file only: a FIFO would block until a writer comes and a device might
+    never end, so they raise OSError (strerror "not a regular file (a FIFO)") before any open."""
+    kind = os.stat(path).st_mode
+    if not stat.S_ISREG(kind):
+        what = "a directory" if stat.S_ISDIR(kind) else "a FIFO" if stat.S_ISFIFO(kind) else "a device or other special file"
+        raise OSError(errno.EINVAL, f"not a regular file ({what})", path)
+    return open(path, mode, **kwargs)
+
 
 def read_config(path: str) -> Dict[str, str]:
     """Reads `key = value` lines with `#` comments and `include = other.conf` (relative to the
@@ -37,7 +49,7 @@ def _read_config_into(path: str, values: Dict[str, str], include_stack: List[str
     if resolved in include_stack:
         raise FormatError(f"{path}: include cycle")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_regular(path, encoding="utf-8") as f:
             lines = f.readlines()
     except OSError as e:
         raise FormatError(f"{path}: cannot open config: {e.strerror}") from None
@@ -326,7 +338,7 @@ def unpack_checkpoint_header(data: bytes, path: str) -> CheckpointHeader:
 def read_checkpoint_header(path: str) -> CheckpointHeader:
     """The header of a checkpoint file, checked against the file size and the layout of its shape."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, "rb") as f:
             header = unpack_checkpoint_header(f.read(CHECKPOINT_HEADER_BYTES), path)
         size = os.path.getsize(path)
     except OSError as e:
@@ -370,7 +382,7 @@ def pack_logits_header(tokens: List[int], vocab: int) -> bytes:
 def read_logits_file(path: str) -> Tuple[List[int], int, bytes]:
     """(tokens, vocab, float32 logits bytes) of a logits file."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, "rb") as f:
             data = f.read()
     except OSError as e:
         raise FormatError(f"{path}: cannot read: {e.strerror}") from None

@@ -53,10 +53,15 @@ case ${1:-} in
 --table) [ $# -le 2 ] || usage; TABLE_ONLY=1; set -- "" "${2:-}" ;;
 esac
 [ $# -le 2 ] || usage
+# Anything else that looks like an option is refused before a folder is made under its name.
+for argument in "$@"; do case $argument in -*) usage ;; esac; done
 DATA=${1:-$ROOT/data/parity}
 OUT=${2:-$ROOT/out/parity}
 DATA=${DATA%/}
 OUT=${OUT%/}
+for dir in "$DATA" "$OUT"; do
+    if [ -e "$dir" ] && [ ! -d "$dir" ]; then echo "error: $dir: not a directory" >&2; exit 2; fi
+done
 
 # Every seed of SEEDS in its own OUT_DIR/seed-N (this script again, one seed each), then the table
 # over the seeds; --table only prints it again.

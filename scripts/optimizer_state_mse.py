@@ -33,7 +33,7 @@ from typing import Callable, Dict, NamedTuple
 import numpy as np
 import torch
 
-from llama_layout import CHECKPOINT_HEADER_BYTES, PARAM_ALIGN_ELEMS, FormatError, read_checkpoint_header
+from llama_layout import CHECKPOINT_HEADER_BYTES, PARAM_ALIGN_ELEMS, FormatError, open_regular, read_checkpoint_header
 
 GROUP = PARAM_ALIGN_ELEMS      # ADAMW_GROUP: one quantization group
 EPS = 1e-8                     # AdamW's default eps
@@ -134,7 +134,7 @@ def read_fp32_adamw_state(path: str) -> AdamWState:
         raise FormatError(f"{path}: truncated optimizer state ({header.optimizer_state_bytes} bytes)")
     offset = CHECKPOINT_HEADER_BYTES + 4 * header.total_padded
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, "rb") as f:
             f.seek(offset)
             fields = ADAMW_HEADER.unpack(f.read(ADAMW_HEADER.size))
     except OSError as e:

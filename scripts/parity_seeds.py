@@ -16,12 +16,15 @@ import math
 import os
 import sys
 
+from llama_layout import open_regular
+
 
 def final_val_loss(path):
     """The last validation loss of a JSONL log, or None."""
     loss = None
     try:
-        lines = open(path, encoding="utf-8").readlines()
+        with open_regular(path, encoding="utf-8") as f:
+            lines = f.readlines()
     except OSError:
         return None
     for line in lines:
@@ -38,7 +41,8 @@ def table_losses(path):
     """{run: final val loss} from the table of a parity.md (runs whose logs were not kept)."""
     runs = {}
     try:
-        lines = open(path, encoding="utf-8").readlines()
+        with open_regular(path, encoding="utf-8") as f:
+            lines = f.readlines()
     except OSError:
         return runs
     in_table = False

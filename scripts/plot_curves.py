@@ -18,9 +18,15 @@ import os
 import sys
 from typing import List, NamedTuple, Optional, Tuple
 
-import matplotlib
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402 (after the backend is chosen)
+from llama_layout import open_regular
+
+try:
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+except ImportError as e:  # a missing or broken install: one line, not a traceback
+    raise SystemExit(f"error: scripts/plot_curves.py needs matplotlib ({e}; apt-get install python3-matplotlib, "
+                     "or pip install matplotlib)")
 
 
 class Run(NamedTuple):
@@ -45,7 +51,7 @@ def is_finite_number(value) -> bool:
 def read_run(directory: str, label: str) -> Run:
     path = os.path.join(directory, "log.jsonl")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_regular(path, encoding="utf-8") as f:
             lines = f.readlines()
     except OSError as e:
         raise SystemExit(f"error: {path}: cannot open: {e.strerror}")

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llama_layout import (CHECKPOINT_HEADER_BYTES, FormatError, ModelShape, ParamLayout, model_shape_from_config,
-                          pack_debug_state_header, pack_logits_header, read_checkpoint_header, read_config,
+                          open_regular, pack_debug_state_header, pack_logits_header, read_checkpoint_header, read_config,
                           rope_inv_frequencies)
 
 BETAS = (0.9, 0.95)
@@ -392,7 +392,7 @@ def logits_of_checkpoint(args) -> int:
         raise FormatError(f"--tokens: '{args.tokens}' is not a list of integers") from None
     if not tokens or len(tokens) > shape.max_seq_len or not all(0 <= t < shape.vocab_size for t in tokens):
         raise FormatError(f"--tokens: give 1 to {shape.max_seq_len} token ids below {shape.vocab_size}")
-    with open(args.logits, "rb") as f:
+    with open_regular(args.logits, "rb") as f:
         f.seek(CHECKPOINT_HEADER_BYTES)
         flat = torch.frombuffer(bytearray(f.read(4 * layout.total_padded)), dtype=torch.float32)
     model = Llama(shape, exact=True)

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Runs each test program given, echoes its output, adds up every closing
-# "<program>: N passed, N failed" line and prints the total as the last line.
+# "<program>: N passed, N failed" line and prints the total as the last line, followed by
+# ", N skipped" when some program printed "SKIP ..." lines (checks it could not run here).
 # A program that crashes, prints no closing line or runs past TEST_TIMEOUT seconds (default 600)
 # counts as one failure.
-passed=0; failed=0
+passed=0; failed=0; skipped=0
 for prog in "$@"; do
     out=$(timeout "${TEST_TIMEOUT:-600}" "$prog" 2>&1); rc=$?
     printf '%s\n' "$out"
+    skipped=$((skipped + $(printf '%s\n' "$out" | grep -c '^SKIP ')))
     if [ "$rc" -eq 124 ]; then
         echo "FAIL $prog ran past ${TEST_TIMEOUT:-600} seconds"
         failed=$((failed + 1)); continue
@@ -24,5 +26,5 @@ for prog in "$@"; do
         failed=$((failed + 1))
     fi
 done
-echo "$passed passed, $failed failed"
+echo "$passed passed, $failed failed$([ "$skipped" -eq 0 ] || echo ", $skipped skipped")"
 [ "$failed" -eq 0 ]

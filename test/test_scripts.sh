@@ -562,4 +562,106 @@ if [ -x ./train_llama ]; then
         "$([ $rc -eq 0 ] && [ "$rows" -eq 12 ] && [ "$fp8_less" -eq 0 ]; echo $?)" "$out"
 fi
 
+# ---- robustness: arguments checked first, nothing deleted before its replacement exists ----
+# fetch_corpus.sh in a copy of the tree whose download is done: a step that fails (a broken
+# package, a JSONL line without text) leaves what the previous run built as it was.
+repo=$tmp/corpus_repo
+corpus=$repo/data/corpus-small
+mkdir -p "$repo/scripts" "$repo/data/tokenizers/llama2" "$corpus/.done" "$corpus/download/deb" "$corpus/extract/old" \
+         "$corpus/text/src" "$corpus/llama2"
+cp scripts/fetch_corpus.sh "$repo/scripts/"
+cp tokenize "$repo/"
+printf 'tokenize:\n\t@true\n' > "$repo/Makefile"
+printf '{"version": "none"}\n' > "$repo/data/tokenizers/llama2/tokenizer.json"
+touch "$corpus/.done/download"
+echo 'not a package' > "$corpus/download/deb/broken_1.0_all.deb"
+echo kept > "$corpus/extract/old/file"
+out=$("$repo/scripts/fetch_corpus.sh" --small 2>&1); rc=$?
+check "fetch_corpus.sh: an extract step that fails keeps the previous extract" \
+    "$([ $rc -ne 0 ] && [ "$(cat "$corpus/extract/old/file" 2>/dev/null)" = kept ] && [ ! -e "$corpus/.done/extract" ]; echo $?)" "exit $rc: $(printf '%s' "$out" | tail -2)"
+touch "$corpus/.done/extract" "$corpus/.done/text"
+printf '{"txt": "no text field"}\n' > "$corpus/text/src/a.jsonl"
+write_pattern_shards "$corpus/llama2" 3 5000 500
+echo "documents: 7" > "$corpus/llama2.summary.txt"
+cp -r "$corpus/llama2" "$tmp/corpus_shards_before"
+out=$("$repo/scripts/fetch_corpus.sh" --small 2>&1); rc=$?
+check "fetch_corpus.sh: a tokenize step that fails keeps the previous shards and summary" \
+    "$([ $rc -ne 0 ] && diff -r "$corpus/llama2" "$tmp/corpus_shards_before" > /dev/null &&
+       [ "$(cat "$corpus/llama2.summary.txt")" = "documents: 7" ] && [ ! -e "$corpus/llama2.partial" ]; echo $?)" \
+    "exit $rc: $(printf '%s' "$out" | tail -2)"
+for script in fetch_corpus.sh fetch_tinystories.sh; do
+    out=$(timeout 20 "scripts/$script" --threads 2>&1); rc=$?
+    check "$script --threads without a value prints its usage, exit 2" \
+        "$([ $rc -eq 2 ] && [ "$out" = "usage: scripts/$script $([ $script = fetch_corpus.sh ] && echo '[--small] ')[--threads N]" ]; echo $?)" "exit $rc: $out"
+done
+out=$(timeout 20 scripts/bench.sh --bogus 2>&1); rc=$?
+check "bench.sh with an unknown option prints its usage before it writes anything, exit 2" \
+    "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q '^usage: scripts/bench.sh'; echo $?)" "exit $rc: $(printf '%s' "$out" | tail -2)"
+mkfifo "$tmp/fifo_text"
+out=$(timeout 20 scripts/bench_tokenizer.sh "$tmp/fifo_text" "llama2=data/tokenizers/llama2/tokenizer.json" 2>&1); rc=$?
+check "bench_tokenizer.sh refuses a FIFO as its text without blocking, exit 2" \
+    "$([ $rc -eq 2 ] && [ "$out" = "error: $tmp/fifo_text: not a regular file" ]; echo $?)" "exit $rc: $out"
+
+# quickstart.sh in a copy of the tree whose build, downloads, GPU, trainer and Python are stand-ins
+# that log their calls: a bad argument is refused before the build; --out_dir is where it plots.
+repo=$tmp/quick_repo
+mkdir -p "$repo/scripts" "$repo/configs" "$repo/coat" "$repo/bin"
+cp scripts/quickstart.sh "$repo/scripts/"
+cp configs/llama-125m-corpus.conf "$repo/configs/"
+cp coat/config.h "$repo/coat/"
+printf 'all:\n\t@echo make >> calls.log\n' > "$repo/Makefile"
+for stub in scripts/fetch_tokenizers.sh scripts/fetch_corpus.sh train_llama bin/python3; do
+    printf '#!/bin/sh\necho "%s $*" >> "%s/calls.log"\n' "$(basename "$stub")" "$repo" > "$repo/$stub"
+    chmod +x "$repo/$stub"
+done
+printf '#!/bin/sh\necho "GPU 0: stand-in"\n' > "$repo/bin/nvidia-smi"; chmod +x "$repo/bin/nvidia-smi"
+out=$(PATH="$repo/bin:$PATH" "$repo/scripts/quickstart.sh" --bogus=1 2>&1); rc=$?
+check "quickstart.sh refuses an unknown key before the build, exit 2" \
+    "$([ $rc -eq 2 ] && [ ! -e "$repo/calls.log" ] && printf '%s' "$out" | grep -q '^error: --bogus=1: not --key=value'; echo $?)" \
+    "exit $rc: $out; calls: $(cat "$repo/calls.log" 2>/dev/null | tr '\n' ' ')"
+out=$(PATH="$repo/bin:$PATH" "$repo/scripts/quickstart.sh" --max_steps=5 --out_dir="$tmp/quick_out" 2>&1); rc=$?
+check "quickstart.sh --out_dir=X trains into X and plots X's log" \
+    "$([ $rc -eq 0 ] && grep -q "^python3 scripts/plot_curves.py $tmp/quick_out/curves.png $tmp/quick_out:llama-125m bf16$" "$repo/calls.log";
+       echo $?)" "exit $rc: $out; calls: $(cat "$repo/calls.log" 2>/dev/null | tr '\n' ' ')"
+
+out=$(cd "$tmp" && "$OLDPWD/scripts/loss_parity.sh" --bogus 2>&1); rc=$?
+check "loss_parity.sh --bogus prints its usage and makes no folder, exit 2" \
+    "$([ $rc -eq 2 ] && [ ! -e "$tmp/--bogus" ] && printf '%s' "$out" | grep -q '^usage: scripts/loss_parity.sh'; echo $?)" \
+    "exit $rc: $(printf '%s' "$out" | tail -2); $(ls "$tmp" | tr '\n' ' ')"
+
+# plot_curves.py without matplotlib (a stand-in package that fails to import): one line, exit 1.
+mkdir -p "$tmp/no_matplotlib/matplotlib" "$tmp/fake_matplotlib/matplotlib" "$tmp/fifo_run"
+echo 'raise ImportError("No module named matplotlib")' > "$tmp/no_matplotlib/matplotlib/__init__.py"
+out=$(PYTHONPATH="$tmp/no_matplotlib:$PYTHONPATH" "$PYTHON" scripts/plot_curves.py "$tmp/x.png" "$tmp/runs" 2>&1); rc=$?
+check "plot_curves.py without matplotlib: a one-line error, exit 1" \
+    "$([ $rc -eq 1 ] && [ "$(printf '%s\n' "$out" | wc -l)" -eq 1 ] && printf '%s' "$out" | grep -q '^error: .*needs matplotlib'; echo $?)" "$out"
+# FIFOs where the scripts read files: refused at once, naming them (a stand-in matplotlib that
+# imports, so that plot_curves.py gets as far as the log).
+echo 'def use(backend): pass' > "$tmp/fake_matplotlib/matplotlib/__init__.py"
+: > "$tmp/fake_matplotlib/matplotlib/pyplot.py"
+mkfifo "$tmp/fifo_run/log.jsonl"
+out=$(PYTHONPATH="$tmp/fake_matplotlib:$PYTHONPATH" timeout 20 "$PYTHON" scripts/plot_curves.py "$tmp/x.png" "$tmp/fifo_run" 2>&1); rc=$?
+check "plot_curves.py refuses a FIFO log without blocking" \
+    "$([ $rc -eq 1 ] && [ "$out" = "error: $tmp/fifo_run/log.jsonl: cannot open: not a regular file (a FIFO)" ]; echo $?)" "exit $rc: $out"
+mkdir -p "$tmp/fifo_hf"; mkfifo "$tmp/fifo_hf/config.json"
+out=$(timeout 20 "$PYTHON" scripts/convert_hf.py import "$tmp/fifo_hf" "$tmp/fifo_hf.bin" 2>&1); rc=$?
+check "convert_hf.py import refuses a FIFO config.json without blocking" \
+    "$([ $rc -eq 1 ] && printf '%s' "$out" | grep -q "config.json: cannot read: not a regular file (a FIFO)" && [ ! -e "$tmp/fifo_hf.bin" ]; echo $?)" "exit $rc: $out"
+out=$(timeout 20 scripts/loss_parity.sh "$tmp/fifo_text" "$tmp/fifo_parity_out" 2>&1); rc=$?
+check "loss_parity.sh refuses a FIFO as DATA_DIR before it makes anything, exit 2" \
+    "$([ $rc -eq 2 ] && [ "$out" = "error: $tmp/fifo_text: not a directory" ] && [ ! -e "$tmp/fifo_parity_out" ]; echo $?)" "exit $rc: $out"
+
+# test_corpus.sh on a machine without the package network (apt-get and npm stand-ins that fail):
+# its checks are skipped, said why, and run_tests.sh counts them.
+repo=$tmp/offline_repo
+mkdir -p "$repo/test" "$repo/scripts" "$repo/bin"
+cp test/test_corpus.sh test/check.sh "$repo/test/"
+cp scripts/fetch_corpus.sh "$repo/scripts/"
+printf '#!/bin/sh\necho "offline" >&2\nexit 100\n' > "$repo/bin/apt-get"
+cp "$repo/bin/apt-get" "$repo/bin/npm"; chmod +x "$repo/bin/apt-get" "$repo/bin/npm"
+out=$(PATH="$repo/bin:$PATH" test/run_tests.sh "$repo/test/test_corpus.sh" 2>&1); rc=$?
+check "test_corpus.sh offline: 4 checks skipped naming apt-get, the total says '0 passed, 0 failed, 4 skipped'" \
+    "$([ $rc -eq 0 ] && [ "$(printf '%s\n' "$out" | tail -n 1)" = "0 passed, 0 failed, 4 skipped" ] &&
+       [ "$(printf '%s\n' "$out" | grep -c '^SKIP .*(apt-get download jargon-text failed')" -eq 4 ]; echo $?)" "exit $rc: $(printf '%s' "$out" | tail -3)"
+
 check_summary test_scripts

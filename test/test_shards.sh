@@ -272,4 +272,88 @@ out=$(printf '72 1x' | ./tokenize decode -t "$tmp/tokenizer.json" 2>&1); rc=$?
 check "decode refuses text that is no number" \
     "$([ $rc -ne 0 ] && [ "$out" = "error: stdin: not a token id at byte 3" ]; echo $?)" "$out"
 
+# Malformed input under AddressSanitizer and UBSan (tokenize built here from tokenizer/*.c): a
+# release build may survive reading memory it never set, a sanitized one stops at the first read.
+if ${CC:-cc} -std=c11 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -pthread -D_DEFAULT_SOURCE \
+        -D_FILE_OFFSET_BITS=64 tokenizer/*.c -o "$tmp/tokenize_asan" -lm > "$tmp/asan_build.log" 2>&1; then
+    printf '{"text": "\\ud800"}\n{"text": ""}\n{"text": "a"}\n' > "$tmp/edges.jsonl"
+    : > "$tmp/empty.txt"
+    problems=""
+    for input in 'x' '72 abc' '' ' ' '1 -2' '+1'; do
+        out=$(printf '%s' "$input" | ASAN_OPTIONS=detect_leaks=0 "$tmp/tokenize_asan" decode -t "$tmp/tokenizer.json" 2>&1); rc=$?
+        printf '%s' "$out" | grep -qE 'runtime error|AddressSanitizer' && problems+="decode '$input': $(printf '%s' "$out" | head -3 | tr '\n' ' '); "
+        [ $rc -le 1 ] || problems+="decode '$input': exit $rc; "
+    done
+    for args in "shards -t $tmp/tokenizer.json -o $tmp/asan_out1 $tmp/edges.jsonl" "shards -t $tmp/tokenizer.json -o $tmp/asan_out2 $tmp/empty.txt" \
+                "shards -t $tmp/tokenizer.json" "shards -o" "encode -t" "decode" "shards -t $tmp/empty.txt -o $tmp/asan_out3 $tmp/blank.txt"; do
+        # shellcheck disable=SC2086
+        out=$(ASAN_OPTIONS=detect_leaks=0 "$tmp/tokenize_asan" $args < /dev/null 2>&1); rc=$?
+        printf '%s' "$out" | grep -qE 'runtime error|AddressSanitizer' && problems+="$args: $(printf '%s' "$out" | head -3 | tr '\n' ' '); "
+        [ $rc -le 2 ] || problems+="$args: exit $rc; "
+    done
+    check "malformed ids, JSONL edges, empty files and missing option values: no sanitizer report, exit 1 or 2" \
+        "$([ -z "$problems" ]; echo $?)" "$problems"
+else
+    echo "SKIP the sanitizer checks (${CC:-cc} cannot build with -fsanitize=address,undefined: $(tail -1 "$tmp/asan_build.log"))"
+fi
+out=$(printf 'x' | ./tokenize decode -t "$tmp/tokenizer.json" 2>&1); rc=$?
+check "decode refuses text that starts with no digit" \
+    "$([ $rc -eq 1 ] && [ "$out" = "error: stdin: not a token id at byte 0" ]; echo $?)" "$out"
+
+# Special files: a FIFO as an input or as the tokenizer is refused at once, naming what it is
+# (opening one would block until a writer comes); an empty -o is no output folder.
+mkfifo "$tmp/fifo"
+out=$(timeout 10 ./tokenize shards -t "$tmp/tokenizer.json" -o "$tmp/fifo_out" "$tmp/fifo" 2>&1); rc=$?
+check "a FIFO as an input is refused naming it, without blocking" \
+    "$([ $rc -eq 1 ] && [ "$out" = "error: $tmp/fifo: neither a regular file nor a directory (a FIFO)" ] && [ ! -e "$tmp/fifo_out" ]; echo $?)" "exit $rc: $out"
+out=$(timeout 10 ./tokenize encode -t "$tmp/fifo" < /dev/null 2>&1); rc=$?
+check "a FIFO as the tokenizer is refused naming it, without blocking" \
+    "$([ $rc -eq 1 ] && [ "$out" = "error: $tmp/fifo: not a regular file (a FIFO)" ]; echo $?)" "exit $rc: $out"
+out=$(cd "$tmp" && "$OLDPWD/tokenize" shards -t "$tmp/tokenizer.json" -o '' "$tmp/blank.txt" 2>&1); rc=$?
+check "an empty -o is refused before anything is written" \
+    "$([ $rc -eq 1 ] && [ "$out" = "error: no output directory: give -o DIR" ] && [ ! -e "$tmp/.partial" ]; echo $?)" "exit $rc: $out"
+
+# Compressed inputs: NAME.gz (zlib) and NAME.zst (libzstd) give the same shards as NAME, for text
+# split at a separator and for JSONL, across several read blocks and gzip members; a cut file is
+# an error. A build without the library refuses the file instead, naming the package.
+mkdir -p "$tmp/packed"
+cp "$tmp/in/a.txt" "$tmp/packed/a.txt"
+cat "$tmp/in/sub/c.jsonl" "$tmp/in/sub/c.jsonl" > "$tmp/packed/c.jsonl"
+python3 - "$tmp/packed" <<'PYTHON'
+import gzip, sys
+root = sys.argv[1]
+for name in ("a.txt", "c.jsonl"):
+    data = open(f"{root}/{name}", "rb").read()
+    with open(f"{root}/{name}.gz", "wb") as f:  # two gzip members, as `cat a.gz b.gz` makes
+        f.write(gzip.compress(data[:len(data) // 3]) + gzip.compress(data[len(data) // 3:]))
+open(f"{root}/cut.txt.gz", "wb").write(open(f"{root}/a.txt.gz", "rb").read()[:5000])
+PYTHON
+formats=$(./tokenize shards --help | grep -o 'this build reads .*')
+for suffix in gz zst; do
+    library=$([ $suffix = gz ] && echo zlib || echo zstd)
+    if [ $suffix = zst ]; then
+        if ! command -v zstd > /dev/null; then echo "SKIP .zst inputs (no zstd command to make them)"; continue; fi
+        for name in a.txt c.jsonl; do zstd -q -f "$tmp/packed/$name" -o "$tmp/packed/$name.zst"; done
+        head -c 5000 "$tmp/packed/a.txt.zst" > "$tmp/packed/cut.txt.zst"
+    fi
+    if printf '%s' "$formats" | grep -q "^this build reads [^;]*(.$suffix)"; then
+        same=0; detail=""
+        for name in a.txt c.jsonl; do
+            run_shards "$tmp/plain_${suffix}_$name" --separator '<|sep|>' --threads 2 "$tmp/packed/$name" || { same=1; detail+="$(cat "$tmp/plain_${suffix}_$name.log") "; }
+            run_shards "$tmp/${suffix}_$name" --separator '<|sep|>' --threads 2 "$tmp/packed/$name.$suffix" ||
+                { same=1; detail+="$(cat "$tmp/${suffix}_$name.log") "; }
+            diff -r "$tmp/plain_${suffix}_$name" "$tmp/${suffix}_$name" > /dev/null || same=1
+        done
+        check ".$suffix text and JSONL give byte-identical shards to the plain files" $same "$detail"
+        out=$(./tokenize shards -t "$tmp/tokenizer.json" -o "$tmp/cut_$suffix" "$tmp/packed/cut.txt.$suffix" 2>&1); rc=$?
+        check "a cut .$suffix file is an error naming it, and leaves no output" \
+            "$([ $rc -eq 1 ] && [ "$out" = "error: $tmp/packed/cut.txt.$suffix: the compressed data ends early (a truncated file?)" ] &&
+               [ ! -e "$tmp/cut_$suffix" ]; echo $?)" "exit $rc: $out"
+    else
+        out=$(./tokenize shards -t "$tmp/tokenizer.json" -o "$tmp/no_$suffix" "$tmp/packed/a.txt.$suffix" 2>&1); rc=$?
+        check "a build without $library refuses .$suffix inputs naming the package" \
+            "$([ $rc -eq 1 ] && printf '%s' "$out" | grep -q "cannot read .$suffix files (install"; echo $?)" "exit $rc: $out"
+    fi
+done
+
 check_summary test_shards

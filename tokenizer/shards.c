@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include "../dataloader/shard.h"
+#include "input_file.h"
 #include "tokenizer.h"
 
 enum {
@@ -76,6 +77,7 @@ static int bytes_reserve(Bytes *bytes, size_t extra) {
 }
 
 static int bytes_append(Bytes *bytes, const char *data, size_t size) {
+    if (size == 0) return 0;  // an empty buffer has no data pointer to copy to
     if (bytes_reserve(bytes, size) != 0) return -1;
     memcpy(bytes->data + bytes->size, data, size);
     bytes->size += size;
@@ -149,7 +151,9 @@ static int collect_inputs(const char *path, FileList *list, char *error) {
         if (file_list_add(list, path, (uint64_t)info.st_size) != 0) return fail(error, "error: out of memory");
         return 0;
     }
-    if (!S_ISDIR(info.st_mode)) return fail(error, "error: %s: neither a file nor a directory", path);
+    if (!S_ISDIR(info.st_mode))  // a FIFO would block the read, a device never end
+        return fail(error, "error: %s: neither a regular file nor a directory (%s)", path,
+                    S_ISFIFO(info.st_mode) ? "a FIFO" : "a device, a socket or another special file");
     DIR *dir = opendir(path);
     if (!dir) return fail(error, "error: %s: cannot open the directory: %s", path, strerror(errno));
     char **names = NULL;
@@ -361,13 +365,13 @@ static int json_text_field(const char *line, size_t length, Bytes *text, Bytes *
 typedef struct {
     const ShardsOptions *options;
     const char *path;
-    FILE *file;
+    InputFile *input;
     int is_jsonl;
     Bytes buffer;          // unread input in [start, buffer.size)
     size_t start;
     size_t scan_from;      // separator search resumes here
     int at_end;            // the whole file is in the buffer
-    uint64_t bytes_read;
+    uint64_t bytes_read;   // of the file itself (compressed bytes for a compressed file)
     int64_t line_number;
     Bytes document;        // assembled or decoded document text
     Bytes key;             // scratch for JSON keys
@@ -382,11 +386,11 @@ static int reader_fill(DocumentReader *reader, char *error) {
         reader->start = 0;
     }
     if (bytes_reserve(&reader->buffer, READ_BLOCK_BYTES) != 0) return fail(error, "error: out of memory");
-    size_t got = fread(reader->buffer.data + reader->buffer.size, 1, reader->buffer.capacity - reader->buffer.size,
-                       reader->file);
-    if (ferror(reader->file)) return fail(error, "error: %s: cannot read: %s", reader->path, strerror(errno));
-    reader->buffer.size += got;
-    reader->bytes_read += got;
+    long got = input_read(reader->input, reader->buffer.data + reader->buffer.size,
+                          reader->buffer.capacity - reader->buffer.size, error, SHARDS_ERROR_SIZE);
+    if (got < 0) return -1;
+    reader->buffer.size += (size_t)got;
+    reader->bytes_read = input_file_bytes(reader->input);
     if (got == 0) reader->at_end = 1;
     return 0;
 }
@@ -394,19 +398,20 @@ static int reader_fill(DocumentReader *reader, char *error) {
 static int reader_open(DocumentReader *reader, const ShardsOptions *options, const char *path, char *error) {
     reader->options = options;
     reader->path = path;
-    reader->is_jsonl = ends_with(path, ".jsonl");
+    char plain_name[4096];
+    input_plain_name(path, plain_name, sizeof(plain_name));
+    reader->is_jsonl = ends_with(plain_name, ".jsonl");
     reader->buffer.size = reader->start = reader->scan_from = 0;
     reader->at_end = 0;
     reader->bytes_read = 0;
     reader->line_number = 0;
-    reader->file = fopen(path, "rb");
-    if (!reader->file) return fail(error, "error: %s: cannot open: %s", path, strerror(errno));
-    return 0;
+    reader->input = input_open(path, error, SHARDS_ERROR_SIZE);
+    return reader->input ? 0 : -1;
 }
 
 static void reader_close(DocumentReader *reader) {
-    if (reader->file) fclose(reader->file);
-    reader->file = NULL;
+    input_close(reader->input);
+    reader->input = NULL;
 }
 
 static void reader_free(DocumentReader *reader) {
@@ -1027,7 +1032,8 @@ static void print_usage(FILE *out) {
             "Tokenizes text into DIR/train_000000.bin ... and DIR/val_000000.bin ... (llm.c shard format).\n"
             "INPUT: text files (one document each unless split), .jsonl files (one document per line, its\n"
             "\"text\" field), or directories, walked recursively in sorted order (skipping names that start\n"
-            "with '.').\n"
+            "with '.'). NAME.gz and NAME.zst are read decompressed, as NAME; this build reads %s.\n"
+            "Parquet: convert it to JSONL first (scripts/parquet_to_jsonl.py).\n"
             "  -t, --tokenizer PATH   tokenizer.json\n"
             "  -o, --output DIR       output directory: created, or empty (written as DIR.partial, renamed at the end)\n"
             "  --overwrite            replace the shards of an output directory that holds some\n"
@@ -1038,7 +1044,7 @@ static void print_usage(FILE *out) {
             "  --val-docs N           put N documents, evenly spread, in validation\n"
             "  --shard-tokens N       tokens per shard (default %lld)\n"
             "  --threads N            tokenizing threads (default: the number of online processors)\n",
-            (long long)default_shard_tokens);
+            input_compressions(), (long long)default_shard_tokens);
 }
 
 static int parse_integer(const char *option, const char *text, int64_t minimum, int64_t maximum, int64_t *value,
@@ -1110,7 +1116,7 @@ static int parse_options(int argc, char **argv, ShardsOptions *options, char *er
         }
     }
     if (!options->tokenizer_path) return fail(error, "error: no tokenizer: give -t TOKENIZER.json");
-    if (!options->output_dir) return fail(error, "error: no output directory: give -o DIR");
+    if (!options->output_dir || !options->output_dir[0]) return fail(error, "error: no output directory: give -o DIR");
     if (options->input_count == 0) return fail(error, "error: no inputs: give files or directories");
     if (have_fraction && options->val_docs >= 0) return fail(error, "error: give --val-fraction or --val-docs, not both");
     return 0;

@@ -100,7 +100,7 @@ static int decode_command(const Tokenizer *tok) {
     for (char *p = text; status == 0;) {
         while (*p == ' ' || *p == '\n' || *p == '\t' || *p == '\r') p++;
         if (*p == '\0') break;
-        char *end;
+        char *end = p;  // stays at p when the text is no number: strtoull is not called then
         errno = 0;
         unsigned long long id = (*p >= '0' && *p <= '9') ? strtoull(p, &end, 10) : 0;
         int separated = !*end || *end == ' ' || *end == '\n' || *end == '\t' || *end == '\r';
