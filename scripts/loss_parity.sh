@@ -32,7 +32,8 @@
 #            tokens and each batch's rows from all over them, and the whole validation shard;
 #            `xz -6` of them is what a GPU machine without the corpus is sent.
 #   OUT_DIR  (default out/parity): one folder per run (log.jsonl, train.log, the final
-#            checkpoint) and parity.md; each run's old log and checkpoints are removed first.
+#            checkpoint) and parity.md; a run trains into NAME.partial, which replaces NAME only
+#            when it ends well.
 # Each run is bounded by RUN_TIMEOUT_S seconds (default 155) and the Table 1 script by MSE_TIMEOUT_S
 # (default 45), so the whole script ends within 9 minutes; an H200 trains the 300 steps in about
 # 30 s. Needs ./train_llama built (make train_llama), python3, timeout, stdbuf and xz. A run that
@@ -126,10 +127,13 @@ def row(i):  # the i-th of the rows spread evenly over the tokens
 # would give, instead of 64 consecutive sequences of one package's text.
 picked = b"".join(row(j * BATCHES + k) for k in range(BATCHES) for j in range(ROWS))
 os.makedirs(out, exist_ok=True)
-with open(f"{out}/train_000000.bin", "wb") as f:
+# Written as NAME.partial and renamed: a killed run never leaves a short shard that looks whole.
+with open(f"{out}/train_000000.bin.partial", "wb") as f:
     f.write(struct.pack("<256i", 20240520, 1, rows * ROW, *([0] * 253)))
     f.write(picked)
-shutil.copyfile(f"{corpus}/val_000000.bin", f"{out}/val_000000.bin")
+shutil.copyfile(f"{corpus}/val_000000.bin", f"{out}/val_000000.bin.partial")
+for name in ("train_000000.bin", "val_000000.bin"):
+    os.replace(f"{out}/{name}.partial", f"{out}/{name}")
 PYTHON
 }
 
@@ -161,11 +165,13 @@ run_settings() {
 run_precision() {
     local name=$1
     run_settings "$name"
-    local dir=$OUT/$name
+    # Trained into NAME.partial, which replaces NAME only when the run ends well: a failed or
+    # killed run keeps the previous run's results (and leaves its own in NAME.partial).
+    local dir=$OUT/$name.partial
     local start=$SECONDS
     local status=0
+    rm -rf "$dir"
     mkdir -p "$dir"
-    rm -f "$dir"/log.jsonl "$dir"/train.log "$dir"/ckpt_*
     echo "loss_parity: $name: training (at most ${RUN_TIMEOUT_S} s), output in $dir/train.log"
     # stdbuf: line-buffered output, so that a run killed by the timeout keeps its last step lines.
     timeout --kill-after="$KILL_AFTER_S" "$RUN_TIMEOUT_S" "${RUN_LAUNCH[@]}" stdbuf -oL "$ROOT/train_llama" "$CONFIG" \
@@ -173,11 +179,13 @@ run_precision() {
         --train_data="$DATA/train_*.bin" --val_data="$DATA/val_*.bin" ${SEED:+--seed="$SEED"} >"$dir/train.log" 2>&1 ||
         status=$?
     if [ "$status" -eq 0 ]; then
+        rm -rf "${dir%.partial}"
+        mv "$dir" "${dir%.partial}"
         echo "loss_parity: $name: done in $((SECONDS - start)) s"
     else
         local why=""
         if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then why=" (timed out after ${RUN_TIMEOUT_S} s)"; fi
-        echo "loss_parity: $name: FAILED with exit status $status$why after $((SECONDS - start)) s; last lines:"
+        echo "loss_parity: $name: FAILED with exit status $status$why after $((SECONDS - start)) s; last lines of $dir/train.log:"
         tail -n 15 "$dir/train.log" | sed 's/^/    /'
     fi
     return "$status"

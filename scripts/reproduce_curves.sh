@@ -62,9 +62,12 @@ usage() {
 pack() {
     ls "$CORPUS"/train_*.bin "$CORPUS"/val_*.bin > /dev/null 2>&1 ||
         { echo "error: $CORPUS holds no train_*.bin and val_*.bin shards (scripts/fetch_corpus.sh builds them)" >&2; exit 1; }
-    rm -rf "$PACK"
-    mkdir -p "$PACK/pieces"
-    python3 - "$CORPUS" "$PACK/pieces" "$PIECE_TOKENS" <<'PY'
+    # Built as PACK.partial and renamed over the old pack at the end: a failed or killed pack keeps
+    # the previous one, and a half-built one never passes for a pack.
+    local build=$PACK.partial
+    rm -rf "$build"
+    mkdir -p "$build/pieces"
+    python3 - "$CORPUS" "$build/pieces" "$PIECE_TOKENS" <<'PY'
 import glob, hashlib, os, struct, sys
 # Cuts every shard into pieces of at most 40M tokens, in order: the same tokens in the same
 # order, in more files (the loader reads whole batches inside one shard, so a cut drops at most
@@ -96,22 +99,24 @@ with open(os.path.join(out, "MANIFEST"), "w") as f:
     f.write("\n".join(manifest) + "\n")
 print(f"pack: {len(manifest)} pieces")
 PY
-    xz -6 -T0 "$PACK"/pieces/*.bin
+    xz -6 -T0 "$build"/pieces/*.bin
     # Parts of at most 60 MiB, each piece whole, in order; every part carries the MANIFEST.
     local part=1 size=0 limit=$PART_BYTES
-    mkdir -p "$PACK/part_$part"
-    for piece in "$PACK"/pieces/*.bin.xz; do
+    mkdir -p "$build/part_$part"
+    for piece in "$build"/pieces/*.bin.xz; do
         local bytes
         bytes=$(stat -c %s "$piece")
         if [ $((size + bytes)) -gt "$limit" ] && [ "$size" -gt 0 ]; then
             part=$((part + 1)) size=0
-            mkdir -p "$PACK/part_$part"
+            mkdir -p "$build/part_$part"
         fi
-        mv "$piece" "$PACK/part_$part/"
+        mv "$piece" "$build/part_$part/"
         size=$((size + bytes))
     done
-    for dir in "$PACK"/part_*; do cp "$PACK/pieces/MANIFEST" "$dir/"; done
-    rm -rf "$PACK/pieces"
+    for dir in "$build"/part_*; do cp "$build/pieces/MANIFEST" "$dir/"; done
+    rm -rf "$build/pieces"
+    rm -rf "$PACK"
+    mv "$build" "$PACK"
     du -sh "$PACK"/part_* | sed 's/^/pack: /'
 }
 
@@ -261,6 +266,9 @@ for name, steps in (arg.split("=") for arg in sys.argv[2:]):
 PY
 }
 
+case ${1:-} in
+pack | status | unpack | report | all) [ $# -eq 1 ] || usage ;;
+esac
 case ${1:-} in
 pack) pack ;;
 status) status ;;

@@ -387,6 +387,13 @@ parts=$(ls -d "$curves"/pack/part_* 2>/dev/null | wc -l)
 check "reproduce_curves.sh pack: 5 pieces of at most 2000 tokens in parts of at most 6000 bytes, each with the MANIFEST" \
     "$([ $rc -eq 0 ] && [ "$parts" -ge 2 ] && [ "$(cat "$curves"/pack/part_*/MANIFEST | sort -u | wc -l)" -eq 5 ] &&
        [ "$(ls "$curves"/pack/part_*/MANIFEST | wc -l)" -eq "$parts" ]; echo $?)" "$out"
+mkdir -p "$curves/bad_corpus" && printf 'not a shard' > "$curves/bad_corpus/train_000000.bin" && cp "$curves/corpus/val_000000.bin" "$curves/bad_corpus/"
+out=$(env CORPUS="$curves/bad_corpus" PACK="$curves/pack" scripts/reproduce_curves.sh pack 2>&1); rc=$?
+check "a pack that fails (a damaged shard) keeps the previous pack whole" \
+    "$([ $rc -ne 0 ] && [ "$(cat "$curves"/pack/part_*/MANIFEST | sort -u | wc -l)" -eq 5 ] && [ ! -e "$curves/pack.partial/part_1" ]; echo $?)" "$out"
+out=$("${export_curves[@]}" scripts/reproduce_curves.sh pack --bogus 2>&1); rc=$?
+check "reproduce_curves.sh pack with an extra argument prints its usage, exit 2" \
+    "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q 'usage: scripts/reproduce_curves.sh'; echo $?)" "$out"
 mv "$curves/pack/part_2" "$curves/part_2"
 out=$("${export_curves[@]}" scripts/reproduce_curves.sh unpack 2>&1); rc=$?
 check "unpack with a part still missing exits 1 naming its pieces" \
@@ -502,11 +509,13 @@ check "reproduce_curves.sh status: each run complete, resumable with its GPU tim
 # ARGS reach every run's command line (here a learning rate the trainer refuses) and parity.md says so.
 mkdir -p "$tmp/args_data"
 write_pattern_shards "$tmp/args_data" 6 $((2 * 64 * 1025)) 70000
+mkdir -p "$tmp/args_out/bf16" && echo '{"step": 300, "val_loss": 3.25}' > "$tmp/args_out/bf16/log.jsonl"  # an earlier run's
 out=$(ARGS="--learning_rate=-1" RUNS="bf16 coat" RUN_TIMEOUT_S=5 scripts/loss_parity.sh "$tmp/args_data" "$tmp/args_out" 2>&1)
-check "loss_parity.sh ARGS: every run gets them, and parity.md names them" \
-    "$(grep -q 'learning_rate: -1 is outside' "$tmp/args_out/bf16/train.log" &&
-       grep -q 'learning_rate: -1 is outside' "$tmp/args_out/coat/train.log" &&
-       grep -qx 'Every run also takes: --learning_rate=-1' "$tmp/args_out/parity.md"; echo $?)" "$out"
+check "loss_parity.sh ARGS: every run gets them, parity.md names them, and a failed run leaves the earlier run's log" \
+    "$(grep -q 'learning_rate: -1 is outside' "$tmp/args_out/bf16.partial/train.log" &&
+       grep -q 'learning_rate: -1 is outside' "$tmp/args_out/coat.partial/train.log" &&
+       grep -qx 'Every run also takes: --learning_rate=-1' "$tmp/args_out/parity.md" &&
+       grep -q '"val_loss": 3.25' "$tmp/args_out/bf16/log.jsonl"; echo $?)" "$out"
 # --table: the table again from logs already there (the committed seed-1337 runs), nothing trained:
 # each run's loss, gap, largest gradient norm from step 10 with its step, speed and memory.
 for run in bf16 fp8 coat; do mkdir -p "$tmp/table_out/$run" && cp "configs/results/parity/$run.log.jsonl" "$tmp/table_out/$run/log.jsonl"; done
