@@ -1,5 +1,5 @@
 // The table of activations that one Llama block saves for its backward pass: name, size per
-// token and storage for each precision mode (COAT_SPEC.md section 4). Storing a tensor in
+// token and storage for each precision mode (coat/README.md, Saved activations). Storing a tensor in
 // FP8 is a change to this table and to the kernel that produces it. Plain C: the memory plan
 // (dry_run) and the GPU model both size their buffers from it.
 // Storage: BF16; FP32; E4M3 with one scale per tensor (linear-layer inputs, stored as the

@@ -1,5 +1,5 @@
-// FP8 casts and quantizers (COAT_SPEC.md sections 2 and 4), shared by the activations, the
-// FP8 linear layers and the optimizer.
+// FP8 casts and quantizers (coat/README.md, FP8 formats; Scaling), shared by the activations,
+// the FP8 linear layers and the optimizer.
 //   cast:        q = fp8_satfinite(x / s), round to nearest even, +-max on overflow, NaN stays NaN
 //   per tensor:  s = (amax + 1e-10) / 448 (E4M3) or / 57344 (E5M2), amax = max |x| of the tensor
 //   1x16 groups: the same rule per 16 consecutive values of a row, E4M3, one BF16 scale each

@@ -1,8 +1,8 @@
 // GPU memory per rank, planned from the config before anything is allocated: parameters,
 // gradients, master weights, optimizer states, saved activations and working buffers.
 // dry_run prints it; the trainer allocates exactly these buffers and refuses a micro-batch
-// that does not fit. Bytes per parameter follow ANCHORS.md (ZeRO-1: 4P + 12P/N, ZeRO-2:
-// 2P + 14P/N with FP32 states).
+// that does not fit. Bytes per parameter with FP32 states (coat/README.md, Memory per parameter):
+// ZeRO-1 4P + 12P/N, ZeRO-2 2P + 16P/N plus two BF16 bucket buffers.
 #pragma once
 #include <stdio.h>
 #include "activations.h"

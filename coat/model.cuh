@@ -1,7 +1,7 @@
 // The Llama model on the GPU: parameter, gradient, activation and working buffers (one
 // allocation each, laid out by coat/params.h, coat/activations.h and coat/memory_plan.h) and
 // the forward and backward passes of one micro-batch, in BF16 or with FP8 GEMMs and FP8
-// activation storage (COAT_SPEC.md).
+// activation storage (coat/README.md).
 //   x = embed(tokens); per layer: x += Wo attn(rope(Wqkv rmsnorm(x)));
 //                                 x += Wdown (silu(Wgate h) * Wup h), h = rmsnorm(x)
 //   loss = mean cross-entropy(Wlm rmsnorm(x), targets)

@@ -1,6 +1,7 @@
 // AdamW with FP32 master weights over one contiguous shard of the padded parameter buffer, its
 // moments m and v stored as FP32, BF16, FP8 E4M3 per 128-group, or FP8 E4M3 with COAT's Dynamic
-// Range Expansion (COAT_SPEC.md section 3); and the global gradient norm used for clipping.
+// Range Expansion (coat/README.md, Dynamic Range Expansion); and the global gradient norm used
+// for clipping.
 //
 // One step, all in FP32, g = grad * grad_scale, t counted from 1, decoupled weight decay:
 //   m = b1 m + (1-b1) g;   v = b2 v + (1-b2) g^2
@@ -52,7 +53,7 @@ typedef struct {
     float beta1, beta2, eps;
     float weight_decay;
     int weight_decay_all;     // 0: decay the matrices (param_kind_is_matrix) only; 1: every tensor
-    int stochastic_rounding;  // FP8 states: 0 round to nearest even (COAT_SPEC), 1 stochastically
+    int stochastic_rounding;  // FP8 states: 0 round to nearest even (as COAT), 1 stochastically
 } AdamWConfig;
 
 typedef struct {
@@ -213,7 +214,7 @@ typedef struct {
     size_t first_index;        // the shard's first element in the whole buffer
 } AdamWStepScalars;
 
-// Stochastic rounding of the FP8 states (stochastic_rounding = 1), an extension of COAT_SPEC,
+// Stochastic rounding of the FP8 states (stochastic_rounding = 1), an extension of COAT's recipe,
 // whose casts round to nearest: a moment that changes by less than half an E4M3 step per update
 // (v by 5% with beta2 = 0.95) is then stored back unchanged, step after step, and its rounding
 // errors add up instead of averaging out. Stochastic rounding stores either neighbour of y with

@@ -3,11 +3,12 @@
 #  1. training throughput of train_llama in bf16, fp8 and coat against the PyTorch reference
 #     (torch.compile, BF16 autocast, fused AdamW) and its FP8 recipe (the block's linear layers on
 #     torch._scaled_mm, E4M3 forward, E5M2 gradients) on random tokens: tokens/s, MFU and peak memory
-#     for llama-125m and llama-1b at the ANCHORS.md micro-batches; llama2-7b at the largest
+#     for llama-125m and llama-1b at the micro-batches of coat/README.md's model shapes (64 x 1024,
+#     16 x 2048); llama2-7b at the largest
 #     micro-batch each precision fits; then llama-1b 4x2048's peak memory beside PyTorch (eager)
 #     with SDPA and with attention written out (what storing the probabilities costs);
 #  2. our flash attention (build/test_attention's timings) against PyTorch SDPA's flash and cuDNN
-#     backends (scripts/bench_attention.py) at the ANCHORS.md shapes.
+#     backends (scripts/bench_attention.py) at the shapes of coat/README.md's attention peers.
 #  3. with --profile, where the time of a llama-1b step goes: train_llama's per-op GPU times
 #     (profile = 1) and PyTorch's kernels by total time (torch.profiler), one after the other.
 # Usage: scripts/bench.sh [--profile] [--training-only] [STEPS]   (writes build/bench/results.md,

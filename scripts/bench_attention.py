@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """PyTorch side of the attention benchmark: causal BF16 attention through
 torch.nn.functional.scaled_dot_product_attention with the flash and the cuDNN backends
-(torch.nn.attention.sdpa_kernel), at the four shapes of docs ANCHORS.md, the shapes that
-test/test_attention.cu times our kernels at. Prints one line per backend and shape, then
-one JSON line with every figure.
+(torch.nn.attention.sdpa_kernel), at the four shapes of the attention peers in coat/README.md,
+the shapes that test/test_attention.cu times our kernels at. Prints one line per backend and
+shape, then one JSON line with every figure.
 
   scripts/bench_attention.py [--runs N] [--warmup W]
 

@@ -260,7 +260,7 @@ class ParamLayout:
 
     @property
     def non_embedding_params(self) -> int:
-        """Parameters counted by the MFU convention (ANCHORS.md): all but the embedding."""
+        """Parameters counted by the MFU convention (coat/README.md): all but the embedding."""
         return self.total_params - self.rows[0] * self.cols[0]
 
 

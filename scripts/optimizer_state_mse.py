@@ -9,7 +9,8 @@ one every checkpoint_every steps and at the end, e.g. OUT_DIR/ckpt_<step>.bin of
   ./train_llama configs/llama-125m-corpus.conf --optimizer_states=fp32 --checkpoint_every=100
 For every 128-group of the parameter buffer (or a random sample of N of them, seeded), m and v each go
 through a quantize-dequantize round trip in BF16 (the reference), E4M3, E4M3 + DRE, E5M2 and
-E5M2 + DRE, by the rules of COAT_SPEC.md section 3 (our fixed version, not the reference kernel's).
+E5M2 + DRE, by the rules of coat/README.md, Dynamic Range Expansion (our fixed version, not the
+reference kernel's).
 It prints a Markdown table, rows m's format and columns v's, of the mean over the elements of
 (m / (sqrt(v) + eps) - m' / (sqrt(v') + eps))^2 with AdamW's eps = 1e-8 (no bias correction: it
 scales both sides alike, up to eps). Groups whose v is all zero are skipped and counted: padding,
@@ -54,7 +55,7 @@ class Fp8(NamedTuple):
 
     @property
     def k_numerator(self) -> float:
-        """16 log2(FMAX^2 / 2): the spec's constant for E4M3, and for E5M2 its natural generalisation
+        """16 log2(FMAX^2 / 2): DRE's constant for E4M3, and for E5M2 its natural generalisation
         (in both formats the smallest nonzero magnitude of a group then maps to 2 / FMAX)."""
         return 16.0 * math.log2(self.fmax * self.fmax / 2.0)
 

@@ -8,7 +8,7 @@
           [--exact-attention]
       training throughput as a user runs it (BF16 autocast, FP32 master weights, fused AdamW,
       SDPA flash attention): one JSON line; --fp8 puts the block's linear layers on FP8 GEMMs
-      (FP8Linear: the PyTorch FP8 recipe of ANCHORS.md); --profile adds, on stderr, the GPU
+      (FP8Linear: the PyTorch FP8 peer of coat/README.md); --profile adds, on stderr, the GPU
       kernels of two more steps by total time (torch.profiler); --exact-attention writes
       attention out instead of SDPA (the memory of an attention that stores its probabilities)
   --logits CKPT --tokens "1 2 3" [--out FILE]
@@ -45,7 +45,7 @@ BETAS = (0.9, 0.95)
 ADAM_EPS = 1e-8
 WEIGHT_DECAY = 0.1
 GRAD_CLIP = 1.0
-BF16_DENSE_PEAK_FLOPS = 989e12  # H200 datasheet (ANCHORS.md)
+BF16_DENSE_PEAK_FLOPS = 989e12  # H200 datasheet, dense BF16 (coat/README.md)
 
 
 # ---- model ----------------------------------------------------------------------------------

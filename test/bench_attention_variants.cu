@@ -10,7 +10,8 @@
 // BF16 tensors out, dq, dk, dv and below 1e-4 for lse (FP32), and its two backward runs agree
 // bitwise. Timing: CUDA events, median of 10 runs after 3 warm-ups, of the forward and of forward +
 // backward; TFLOP/s with causal FLOPs counted as test/test_attention.cu does (forward 4 B NH T^2
-// head_dim / 2, forward + backward 3.5 times that). Shapes: the four of ANCHORS.md (timed) and a
+// head_dim / 2, forward + backward 3.5 times that). Shapes: the four of the attention peers
+// (coat/README.md, Peers and hardware figures; timed) and a
 // small odd one per head_dim, T = 100 (checked only). At the end, per timed shape, the fastest
 // passing forward, backward (forward + backward time less forward time) and forward + backward.
 //

@@ -6,7 +6,8 @@
 // shows. The backward runs twice and must be bitwise equal. Then random shapes against PyTorch SDPA
 // (build/attention_sdpa.bin, written by scripts/attention_sdpa.py on a machine with torch): our
 // out, dq, dk, dv against SDPA in float64 must be within twice the error of SDPA in BF16. Prints
-// forward and forward+backward TFLOP/s at the four ANCHORS.md shapes (information, not a check),
+// forward and forward+backward TFLOP/s at the four shapes of the attention peers (coat/README.md,
+// Peers and hardware figures; information, not a check),
 // and checks there that two backward runs from poisoned outputs agree bitwise and leave no element
 // unwritten.
 //
@@ -316,7 +317,7 @@ static void test_against_sdpa(const char *path) {
     fclose(f);
 }
 
-// ---- timing at the ANCHORS.md shapes -----------------------------------------------------------
+// ---- timing at the attention peers' shapes (coat/README.md) -----------------------------------
 
 // counts[0] += elements where a and b differ bitwise, counts[1] += elements of a that are NaN.
 __global__ void count_mismatches_kernel(unsigned long long *counts, const bf16 *a, const bf16 *b, size_t n) {

@@ -307,7 +307,7 @@ static void test_params(ConfigParser *p) {
         int ok = load(p, shapes[i].file, error) == 0;
         param_layout_init(&layout, &p->values.model);
         double rel = fabs((double)layout.total_params - shapes[i].params) / shapes[i].params;
-        check(ok && rel < 0.01, "%s has %.4gB parameters (ANCHORS.md: %.4gB) %s", shapes[i].file,
+        check(ok && rel < 0.01, "%s has %.4gB parameters (expected %.4gB) %s", shapes[i].file,
               layout.total_params / 1e9, shapes[i].params / 1e9, error);
     }
     ModelShape tiny = {37, 20, 3, 4, 2, 24, 16, 10000.0f, 1e-5f, 0, 1, 4, 8192};

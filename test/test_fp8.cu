@@ -1,6 +1,6 @@
 // GPU tests of coat/fp8.cuh against a C reference of the two FP8 formats written here from
-// COAT_SPEC.md section 2, without cuda_fp8.h's conversions:
-//   - the reference on anchors derived by hand from the spec (zeros, ties to even, subnormal
+// coat/README.md, FP8 formats, without cuda_fp8.h's conversions:
+//   - the reference on anchors derived by hand from the formats (zeros, ties to even, subnormal
 //     steps, max, saturation of overflow and infinity, NaN) and encode(decode(c)) = c;
 //   - fp8_encode on the device against it for every BF16 bit pattern and the floats one ulp either
 //     side (196608 values), both formats, bit for bit (NaN codes as "both NaN"); fp8_decode for
@@ -36,7 +36,7 @@
 #define THREADS 256
 #define ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 
-// ---- the formats, from the spec ------------------------------------------------------------
+// ---- the formats, from their definitions ---------------------------------------------------
 
 typedef struct {
     const char *name;
@@ -182,7 +182,7 @@ typedef struct {
     uint8_t code;
 } CodePair;
 
-// Derived by hand from the spec: E4M3 steps are 2^-9 below 2^-6, 1/8 of the binade above; E5M2
+// Derived by hand from the formats: E4M3 steps are 2^-9 below 2^-6, 1/8 of the binade above; E5M2
 // steps are 2^-16 below 2^-14, 1/4 of the binade above. Ties go to the even mantissa; past max
 // (its tie too: 464 for E4M3, 61440 for E5M2, whose even neighbour would be infinity) and
 // infinity saturate.

@@ -1,4 +1,4 @@
-// GPU tests of the FP8 (COAT) forms of the RMSNorm and SwiGLU kernels (COAT_SPEC.md section 4)
+// GPU tests of the FP8 (COAT) forms of the RMSNorm and SwiGLU kernels (coat/README.md, Scaling)
 // against host references written here in plain C from the kernels' header comments:
 //   1x16 copy:  per 16 consecutive values of a row, scale = bf16((max |x| + 1e-10f) / 448) and
 //               code = e4m3_satfinite(x / scale); the kernel then computes from decode(code) * scale

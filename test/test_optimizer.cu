@@ -1,11 +1,11 @@
 // GPU tests of coat/optimizer.cuh. AdamW with FP32 states against the CPU reference's
 // ref_adamw_update; every state kind (fp32, bf16, fp8, fp8_dre) bit for bit against a C
-// re-implementation of the kernel's arithmetic written here from the spec (the FP8 casts and
+// re-implementation of the kernel's arithmetic written here from its rules (the FP8 casts and
 // BF16 rounding included, only dre_log2/dre_exp2 shared and checked against libm); weight decay
 // on matrices only; save -> load -> continue; ZeRO shards; the FP8/DRE quantizer on crafted
 // groups (the reference kernel's two defects), 50 steps against FP32 AdamW and the m/sqrt(v) error
-// ranking of COAT_SPEC.md section 3; the gradient norm. Ends with the step's GB/s at 1e9
-// parameters (informational).
+// ranking of coat/README.md, Dynamic Range Expansion; the gradient norm. Ends with the step's
+// GB/s at 1e9 parameters (informational).
 // Model: a small Llama whose embedding, lm_head and norms are not multiples of 128 (padding),
 // gradients from a fixed seed with a log-normal spread of magnitudes inside every 128-group, and
 // one tensor whose gradient is always zero (all-zero groups).
@@ -226,7 +226,7 @@ static uint16_t *download_params(const Fixture *fx) {
 
 // ---- the C re-implementation of one step --------------------------------------------------
 // Same state layout as the device (so states compare with memcmp), same operation order: every
-// product rounded on its own, fmaf where the kernel uses fmaf. Written from COAT_SPEC.md.
+// product rounded on its own, fmaf where the kernel uses fmaf. Rules: coat/README.md, Optimizer.
 
 typedef struct {
     OptimizerStateKind kind;
