@@ -832,7 +832,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
         for (int i = 0; i < 2; i++) cudaCheck(cudaEventCreateWithFlags(&t->bucket_free[i], cudaEventDisableTiming));
     }
     if (ranks > 1 && zero_comm_init(&t->zero, comm, c->comm_backend == COMM_MPI ? ZERO_BACKEND_MPI : ZERO_BACKEND_NCCL,
-                                    z->padded_elems, c->collective_timeout_s, error, sizeof(error)) != 0)
+                                    z->padded_elems, error, sizeof(error)) != 0)
         fail_config(parser, "comm_backend", error);
     t->host_chunk = (unsigned char *)malloc(2 * ADAMW_COPY_CHUNK_BYTES);
     if (!t->host_chunk) fail("out of host memory for the checkpoint buffer");

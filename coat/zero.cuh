@@ -51,14 +51,14 @@ static inline void nccl_check(ncclResult_t result, const char *call, const char 
 #endif
 
 // Sets up the backend on the current device for collectives of at most max_elems BF16 elements
-// (the MPI backend's staging holds max_elems and a shard of them to reduce into). NCCL waits
-// for a collective at most timeout_s seconds (zero_watchdog). Returns 0, or -1 with a message.
-static inline int zero_comm_init(ZeroComm *z, const Comm *comm, ZeroBackend backend, size_t max_elems, double timeout_s,
-                                 char *error, size_t error_size) {
+// (the MPI backend's staging holds max_elems and a shard of them to reduce into). For NCCL ranks
+// started without MPI the unique id travels through the rendezvous channel (comm_meet).
+// Returns 0, or -1 with a message.
+static inline int zero_comm_init(ZeroComm *z, const Comm *comm, ZeroBackend backend, size_t max_elems, char *error,
+                                 size_t error_size) {
     memset(z, 0, sizeof(*z));
     z->comm = comm;
     z->backend = backend;
-    (void)timeout_s;
     cudaCheck(cudaStreamCreateWithFlags(&z->stream, cudaStreamNonBlocking));
     cudaCheck(cudaEventCreateWithFlags(&z->produced, cudaEventDisableTiming));
     cudaCheck(cudaEventCreateWithFlags(&z->finished, cudaEventDisableTiming));
@@ -97,7 +97,6 @@ static inline int zero_comm_init(ZeroComm *z, const Comm *comm, ZeroBackend back
     return 0;
 #else
     (void)max_elems;
-    (void)timeout_s;
     snprintf(error, error_size, "comm_backend = nccl needs a build with NCCL (nccl.h)");
     return -1;
 #endif
