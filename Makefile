@@ -138,14 +138,14 @@ $(BUILD)/bench_attention_variants: test/bench_attention_variants.cu $(TEST_HEADE
 # The ranks test/test_comm.sh launches: comm_ranks with MPI when this build has it, and
 # comm_ranks_single, a build without MPI (its refusal of an MPI launch, the file rendezvous)...
 COMM_PROGRAMS := $(BUILD)/comm_ranks $(BUILD)/comm_ranks_single $(BUILD)/zero_ranks
-$(BUILD)/comm_ranks: test/comm_ranks.c coat/comm.h
+$(BUILD)/comm_ranks: test/comm_ranks.c coat/comm.h coat/rendezvous.h
 	@mkdir -p $(BUILD)
 	$(CC) $(CFLAGS) $(if $(HAVE_MPI),-DUSE_MPI $(MPI_COMPILE)) $< -o $@ $(if $(HAVE_MPI),$(MPI_LINK))
-$(BUILD)/comm_ranks_single: test/comm_ranks.c coat/comm.h
+$(BUILD)/comm_ranks_single: test/comm_ranks.c coat/comm.h coat/rendezvous.h
 	@mkdir -p $(BUILD)
 	$(CC) $(CFLAGS) $< -o $@
 # ... and zero_ranks, which test/test_zero_gpu.sh launches: coat/zero.cuh on GPU buffers.
-$(BUILD)/zero_ranks: test/zero_ranks.cu coat/zero.cuh coat/comm.h coat/common.cuh
+$(BUILD)/zero_ranks: test/zero_ranks.cu coat/zero.cuh coat/comm.h coat/rendezvous.h coat/common.cuh
 	@mkdir -p $(BUILD)
 	$(NVCC) $(NVCCFLAGS) $< -o $@ $(NVCC_LIBS)
 

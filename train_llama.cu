@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "coat/comm.h"
+#include "coat/agree.h"
 #include "coat/checkpoint.h"
 #include "coat/config.h"
 #include "coat/log.h"
@@ -831,7 +832,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
         for (int i = 0; i < 2; i++) cudaCheck(cudaEventCreateWithFlags(&t->bucket_free[i], cudaEventDisableTiming));
     }
     if (ranks > 1 && zero_comm_init(&t->zero, comm, c->comm_backend == COMM_MPI ? ZERO_BACKEND_MPI : ZERO_BACKEND_NCCL,
-                                    z->padded_elems, c->out_dir, error, sizeof(error)) != 0)
+                                    z->padded_elems, error, sizeof(error)) != 0)
         fail_config(parser, "comm_backend", error);
     t->host_chunk = (unsigned char *)malloc(2 * ADAMW_COPY_CHUNK_BYTES);
     if (!t->host_chunk) fail("out of host memory for the checkpoint buffer");
@@ -981,10 +982,13 @@ static int train(ConfigParser *parser, const Comm *comm) {
     char error[1024];
     int ranks = comm->world, rank0 = comm->rank == 0;
     check_run_config(parser);
+    agree_check(NULL, 0);  // every rank passed the checks that need no GPU (coat/agree.h)
     if (rank0 && shard_make_directories(c->out_dir, error, sizeof(error)) != 0) {
         fprintf(stderr, "%s\n", error);
         return EXIT_FAILURE;
     }
+    agree_out_dir(c->out_dir);
+    agree_end();
     if (ranks > 1)
         printf("ranks: %d (comm_backend %s, ZeRO stage %d%s)\n", ranks, c->comm_backend == COMM_MPI ? "mpi" : "nccl",
                c->zero_stage, c->zero_stage == 0 ? "" : config_param_gather(c) == GATHER_E4M3 ? ", parameters gathered in e4m3"
@@ -1082,27 +1086,32 @@ int main(int argc, char **argv) {
     }
     ConfigParser *parser = (ConfigParser *)malloc(sizeof(ConfigParser));
     if (!parser) fail("out of host memory");
+    // MPI ranks join before reading the config, so that an error every rank hits is printed
+    // once, by rank 0; the others exit with its code (coat/agree.h). Launch errors print everywhere.
+    Comm comm;
+    char error[512];
+    if (comm_init(&comm, &argc, &argv, error, sizeof(error)) != 0) fail(error);
+    agree_begin(&comm);
     load_config_or_exit(parser, argc, argv);
-    // dry_run plans world_size ranks, or those launched (mpirun -np N ... --dry_run=1: rank 0
-    // prints the plan, every rank checks its inputs); training runs on the launched ranks.
-    int launched = 1;
-    const char *variable = "";
-    if (comm_detect_launch(&launched, &variable) == LAUNCH_INVALID) {
-        fprintf(stderr, "error: %s='%s' is not a number of processes: is this one of several?\n", variable, getenv(variable));
-        return EXIT_FAILURE;
-    }
     // Rank 0 alone prints: the others' progress lines would repeat its own.
-    if (comm_env_rank() > 0 && freopen("/dev/null", "w", stdout) == NULL) fail("cannot silence stdout");
+    if (comm.rank > 0 && freopen("/dev/null", "w", stdout) == NULL) fail("cannot silence stdout");
+    // Ranks started without MPI meet now (dry_run: each checks alone); then every rank compares its config with rank 0's.
+    if (!parser->values.dry_run &&
+        comm_meet(&comm, parser->values.out_dir, parser->values.collective_timeout_s, error, sizeof(error)) != 0)
+        fail(error);
+    agree_begin(&comm);
+    agree_check(parser, 0);
     int status;
     if (parser->values.dry_run) {
-        status = dry_run(parser, parser->values.world_size > 0 ? parser->values.world_size : launched);
+        // dry_run plans world_size ranks, or those launched (mpirun -np N ... --dry_run=1: rank 0
+        // prints the plan, every rank checks its inputs).
+        status = dry_run(parser, parser->values.world_size > 0 ? parser->values.world_size : comm.world);
+        agree_check(NULL, status);
+        agree_end();
     } else {
-        Comm comm;
-        char error[512];
-        if (comm_init(&comm, &argc, &argv, error, sizeof(error)) != 0) fail(error);
         status = train(parser, &comm);
-        comm_finish(&comm);
     }
+    if (status == 0) comm_finish(&comm);  // a failing rank leaves MPI up: its exit reports to the others (coat/agree.h)
     free(parser);
     return status;
 }

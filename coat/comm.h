@@ -1,15 +1,31 @@
 // The ranks of a run, one process per GPU, and the collectives between them on host memory.
-// Launch: under mpirun (OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_SIZE or SLURM_NTASKS set) MPI gives
-// rank, world size and the node-local rank (the GPU a rank drives); under a launcher that sets
-// RANK, WORLD_SIZE and LOCAL_RANK instead (a shell loop, torchrun-like tools), the ranks meet
-// through a file in a shared folder (comm_rendezvous: rank 0 writes, the others read), which is
-// how they share what NCCL needs to connect. A build without MPI that finds itself launched by
-// mpirun as several processes refuses: N copies of one job must never run.
+// Launch: the rank, world size and node-local rank (the GPU a rank drives) come from the first
+// launcher whose world-size variable is set, in this order:
+//   1. torchrun (or any tool that sets them): WORLD_SIZE, RANK, LOCAL_RANK. The ranks meet
+//      without MPI (coat/rendezvous.h: TCP through MASTER_ADDR / MASTER_PORT, else files in
+//      out_dir).
+//   2. mpirun: OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_LOCAL_RANK.
+//   3. srun: SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID.
+//   4. PMI / PMIx: PMI_SIZE, PMI_RANK; PMIX_SIZE, PMIX_RANK.
+// 2 to 4 run under MPI, whose MPI_Comm_rank and _size must then equal the variables'.
+// torchrun comes first because it runs inside the others (srun --ntasks-per-node=1 torchrun
+// --nproc_per_node=8: SLURM_NTASKS=1, SLURM_PROCID=0 describe the srun task, not the 8 ranks);
+// mpirun comes before srun because it only ever runs inside an allocation, whose SLURM
+// variables (an sbatch script's SLURM_NTASKS, SLURM_PROCID=0) describe the allocation, not the
+// processes mpirun started. Refused, naming the variables and values: a size that is no count,
+// RANK without WORLD_SIZE, a size > 1 without its rank, a rank >= its size (WORLD_SIZE=1 with
+// RANK=1), torchrun's WORLD_SIZE no multiple of an enclosing launcher's size (torchrun starts as
+// many ranks in each of its tasks), and an MPI-family source that disagrees with a lower one
+// about the same processes (PMI_SIZE or PMI_RANK against mpirun's or srun's).
+// A build without MPI that finds itself launched by mpirun as several processes refuses: N
+// copies of one job must never run.
 // Collectives (MPI only; the GPU path is NCCL): sums of FP64 and of BF16, the latter rounded to
 // nearest even after every addition as NCCL's reductions are, in the order MPI picks (so a
 // multi-rank sum differs from a one-rank run by BF16 rounding noise); a max of ints; broadcast;
 // the reduce-to-owner of BF16 buffers that ZeRO needs (coat/zero.h); a send and a receive of bytes;
-// an all-gather of bytes (the ranks compare their GPUs).
+// an all-gather of bytes (the ranks compare their GPUs). Under either launch: a gather of bytes
+// to rank 0 and a broadcast from it (comm_gather0, comm_bcast0: MPI, or the rendezvous channel),
+// on which the ranks' start-up checks run (coat/agree.h).
 #pragma once
 #include <errno.h>
 #include <stdint.h>
@@ -19,21 +35,39 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#include "rendezvous.h"
 #ifdef USE_MPI
 #define OMPI_SKIP_MPICXX 1  // the C API only, also when compiled as C++ (nvcc)
 #define MPICH_SKIP_MPICXX 1
 #include <mpi.h>
 #endif
 
-typedef enum { LAUNCH_SINGLE, LAUNCH_MPI, LAUNCH_ENV, LAUNCH_INVALID } LaunchKind;
+typedef enum { LAUNCH_SINGLE, LAUNCH_MPI, LAUNCH_ENV } LaunchKind;
 
 typedef struct {
     LaunchKind launch;
-    int rank, world;  // this process, of world
-    int local_rank;   // among the ranks of its node: the GPU it drives
-    int mpi_started;  // MPI_Init was called here (comm_finish finalizes)
-    time_t started;   // when comm_init ran: rendezvous files older than a launch are stale
+    int rank, world;          // this process, of world
+    int local_rank;           // among the ranks of its node: the GPU it drives
+    int mpi_started;          // MPI_Init was called here (comm_finish finalizes)
+    const char *size_var;     // the variable the world size came from ("" for one process)
+    const char *rank_var;
+    Rendezvous *meet;         // LAUNCH_ENV after comm_meet: the channel to the other ranks
 } Comm;
+
+// One launcher's variables, in the order of precedence.
+typedef struct {
+    const char *size, *rank, *local;  // local: NULL where MPI tells it
+    LaunchKind kind;
+} LaunchSource;
+
+static const LaunchSource comm_sources[] = {
+    {"WORLD_SIZE", "RANK", "LOCAL_RANK", LAUNCH_ENV},
+    {"OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", NULL, LAUNCH_MPI},
+    {"SLURM_NTASKS", "SLURM_PROCID", NULL, LAUNCH_MPI},
+    {"PMI_SIZE", "PMI_RANK", NULL, LAUNCH_MPI},
+    {"PMIX_SIZE", "PMIX_RANK", NULL, LAUNCH_MPI},
+};
+#define COMM_SOURCES (sizeof(comm_sources) / sizeof(comm_sources[0]))
 
 // The integer value of environment variable `name` (-1 when unset; -2 when not a number >= 0).
 static inline int comm_env_int(const char *name) {
@@ -46,84 +80,139 @@ static inline int comm_env_int(const char *name) {
     return (int)n;
 }
 
-// This process's rank as its launcher announces it (0 when none does), before any MPI call.
-static inline int comm_env_rank(void) {
-    const char *variables[] = {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID", "RANK"};
-    for (size_t i = 0; i < sizeof(variables) / sizeof(variables[0]); i++) {
-        int rank = comm_env_int(variables[i]);
-        if (rank >= 0) return rank;
+// One source's size and rank (-1 when unset), checked on their own. Returns 0, or -1 with a message.
+static inline int comm_source_read(const LaunchSource *s, int *size, int *rank, char *error, size_t error_size) {
+    *size = comm_env_int(s->size);
+    *rank = comm_env_int(s->rank);
+    if (*size == -2 || *size == 0) {
+        snprintf(error, error_size, "%s='%s' is not a number of processes", s->size, getenv(s->size));
+        return -1;
     }
+    if (*rank == -2) {
+        snprintf(error, error_size, "%s='%s' is not a rank", s->rank, getenv(s->rank));
+        return -1;
+    }
+    if (*size < 0 && *rank >= 0 && s->kind == LAUNCH_ENV) {  // (mpirun sets PMIX_RANK alone: PMIx tells the size)
+        snprintf(error, error_size, "%s=%d is set but %s is not: which world is it a rank of?", s->rank, *rank, s->size);
+        return -1;
+    }
+    if (*size < 0) return 0;
+    if (*size > 1 && *rank < 0) {
+        snprintf(error, error_size, "%s=%d needs %s set to 0..%d (got nothing)", s->size, *size, s->rank, *size - 1);
+        return -1;
+    }
+    if (*rank >= 0 && *rank >= *size) {
+        snprintf(error, error_size, "%s=%d is not below %s=%d", s->rank, *rank, s->size, *size);
+        return -1;
+    }
+    if (*rank < 0) *rank = 0;
     return 0;
 }
 
-// The launcher that started this process and the world size it announces (1 for none).
-// LAUNCH_INVALID: `variable` is set but is no count (N copies must not start because of a typo).
-static inline LaunchKind comm_detect_launch(int *world, const char **variable) {
-    const char *variables[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS", "WORLD_SIZE"};
-    *world = 1;
-    for (size_t i = 0; i < sizeof(variables) / sizeof(variables[0]); i++) {
-        int n = comm_env_int(variables[i]);
-        *variable = variables[i];
-        if (n == -2 || n == 0) return LAUNCH_INVALID;
-        if (n < 0) continue;
-        *world = n;
-        if (n == 1) return LAUNCH_SINGLE;
-        return i + 1 < sizeof(variables) / sizeof(variables[0]) ? LAUNCH_MPI : LAUNCH_ENV;
-    }
-    *variable = "";
-    return LAUNCH_SINGLE;
-}
-
-// Fills `c` for this process. Returns 0, or -1 with a message (a launch this build cannot serve,
-// inconsistent launcher variables).
-static inline int comm_init(Comm *c, int *argc, char ***argv, char *error, size_t error_size) {
-    memset(c, 0, sizeof(*c));
-    c->world = 1;
-    c->started = time(NULL);
-    int announced = 1;
-    const char *variable = "";
-    c->launch = comm_detect_launch(&announced, &variable);
-    if (c->launch == LAUNCH_INVALID) {
-        snprintf(error, error_size, "%s='%s' is not a number of processes", variable, getenv(variable));
+// Whether `outer`, a source of lower precedence also set, can describe the same launch as the
+// chosen source `in` (size n, rank r). Returns 0, or -1 with a message naming both.
+static inline int comm_source_agrees(const LaunchSource *in, int n, int r, const LaunchSource *outer, int on, int orank,
+                                     char *error, size_t error_size) {
+    if (in->kind == LAUNCH_ENV) {  // torchrun inside srun or mpirun: the same ranks in each of their tasks
+        if (n % on == 0) return 0;
+        snprintf(error, error_size, "%s=%d is no multiple of %s=%d: torchrun starts as many ranks in each task of the "
+                 "launcher it runs in", in->size, n, outer->size, on);
         return -1;
     }
-    if (c->launch == LAUNCH_SINGLE) return 0;
-    if (c->launch == LAUNCH_ENV) {
-        int rank = comm_env_int("RANK"), local = comm_env_int("LOCAL_RANK");
-        if (rank < 0 || rank >= announced) {
-            snprintf(error, error_size, "WORLD_SIZE=%d needs RANK set to 0..%d (got %s)", announced, announced - 1,
-                     getenv("RANK") ? getenv("RANK") : "nothing");
+    if (strcmp(outer->size, "SLURM_NTASKS") == 0) return 0;  // the allocation mpirun runs in
+    if (n == on && r == orank) return 0;
+    snprintf(error, error_size, "%s=%d, %s=%d but %s=%d, %s=%d: two launchers disagree about this process", in->size, n,
+             in->rank, r, outer->size, on, outer->rank, orank);
+    return -1;
+}
+
+// Fills c's launch, rank, world and local rank (MPI's local rank comes in comm_init) from the
+// environment. Returns 0, or -1 with a message.
+static inline int comm_resolve(Comm *c, char *error, size_t error_size) {
+    memset(c, 0, sizeof(*c));
+    c->world = 1;
+    c->size_var = c->rank_var = "";
+    int chosen = -1, n = 1, r = 0;
+    for (size_t i = 0; i < COMM_SOURCES; i++) {
+        int size, rank;
+        if (comm_source_read(&comm_sources[i], &size, &rank, error, error_size) != 0) return -1;
+        if (size < 0) continue;
+        if (chosen < 0) {
+            chosen = (int)i, n = size, r = rank;
+        } else if (comm_source_agrees(&comm_sources[chosen], n, r, &comm_sources[i], size, rank, error, error_size) != 0) {
             return -1;
         }
-        c->rank = rank;
-        c->world = announced;
-        c->local_rank = local >= 0 ? local : rank;
-        return 0;
     }
+    if (chosen < 0) return 0;
+    const LaunchSource *s = &comm_sources[chosen];
+    c->size_var = s->size, c->rank_var = s->rank;
+    c->world = n, c->rank = r, c->local_rank = r;
+    if (s->local && comm_env_int(s->local) >= 0) c->local_rank = comm_env_int(s->local);
+    c->launch = n == 1 ? LAUNCH_SINGLE : s->kind;
+    return 0;
+}
+
+// This process's rank as its launcher announces it (0 for none, or a launch comm_resolve refuses).
+static inline int comm_env_rank(void) {
+    Comm c;
+    char error[256];
+    return comm_resolve(&c, error, sizeof(error)) == 0 ? c.rank : 0;
+}
+
 #ifdef USE_MPI
-    int initialized = 0;
+// MPI's own numbering must be the launcher's: the ranks' data, checkpoints and silence follow it.
+static inline int comm_mpi_join(Comm *c, int *argc, char ***argv, char *error, size_t error_size) {
+    int initialized = 0, rank = 0, world = 1;
     MPI_Initialized(&initialized);
     if (!initialized) {
         if (MPI_Init(argc, argv) != MPI_SUCCESS) {
-            snprintf(error, error_size, "MPI_Init failed (launched by mpirun as %d processes)", announced);
+            snprintf(error, error_size, "MPI_Init failed (launched by mpirun as %d processes)", c->world);
             return -1;
         }
         c->mpi_started = 1;
     }
-    MPI_Comm_rank(MPI_COMM_WORLD, &c->rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &c->world);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    if (rank != c->rank || world != c->world) {
+        snprintf(error, error_size, "MPI numbers this process rank %d of %d, but %s=%d, %s=%d", rank, world, c->rank_var,
+                 c->rank, c->size_var, c->world);
+        return -1;
+    }
     MPI_Comm node;
     MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL, &node);
     MPI_Comm_rank(node, &c->local_rank);
     MPI_Comm_free(&node);
     return 0;
+}
+#endif
+
+// Fills `c` for this process (MPI_Init under an MPI launch). Returns 0, or -1 with a message (a
+// launch this build cannot serve, launcher variables that contradict each other or MPI).
+static inline int comm_init(Comm *c, int *argc, char ***argv, char *error, size_t error_size) {
+    if (comm_resolve(c, error, error_size) != 0) return -1;
+    if (c->launch != LAUNCH_MPI) return 0;
+#ifdef USE_MPI
+    return comm_mpi_join(c, argc, argv, error, error_size);
 #else
     (void)argc;
     (void)argv;
     snprintf(error, error_size, "launched by MPI as one of %d processes (%s=%d), but this build has no MPI: rebuild with "
-             "MPI (libopenmpi-dev) or start one process", announced, variable, announced);
+             "MPI (libopenmpi-dev) or start one process", c->world, c->size_var, c->world);
     return -1;
 #endif
+}
+
+// Ranks launched without MPI meet through the rendezvous channel (coat/rendezvous.h), its files
+// (without MASTER_ADDR) in `dir`; every later wait on a peer gives up after timeout_s.
+// Returns 0, or -1 with a message.
+static inline int comm_meet(Comm *c, const char *dir, double timeout_s, char *error, size_t error_size) {
+    if (c->launch != LAUNCH_ENV || c->meet) return 0;
+    c->meet = (Rendezvous *)calloc(1, sizeof(Rendezvous));
+    if (!c->meet) {
+        snprintf(error, error_size, "out of host memory for the rendezvous");
+        return -1;
+    }
+    return rendezvous_open(c->meet, c->rank, c->world, dir, timeout_s, error, error_size);
 }
 
 static inline void comm_finish(Comm *c) {
@@ -131,43 +220,34 @@ static inline void comm_finish(Comm *c) {
     if (c->mpi_started) MPI_Finalize();
 #endif
     c->mpi_started = 0;
+    if (c->meet) rendezvous_close(c->meet);
+    free(c->meet);
+    c->meet = NULL;
 }
 
-// ---- rendezvous through a shared folder (no MPI) ------------------------------------------------
-
-#define COMM_LAUNCH_SPREAD_S 30  // how far apart a launcher may start the ranks of one run
-
-// Rank 0 writes `bytes` (n of them) to DIR/NAME (through DIR/NAME.tmp and a rename, so that a
-// reader never sees a partial file); the other ranks wait for it up to timeout_s seconds and read
-// it, ignoring a file from before their launch (more than COMM_LAUNCH_SPREAD_S seconds older than
-// their comm_init: an earlier run's). Returns 0, or -1 with a message.
-static inline int comm_rendezvous(const Comm *c, const char *dir, const char *name, void *bytes, size_t n,
-                                  double timeout_s, char *error, size_t error_size) {
-    char path[4096], tmp[4200];
-    snprintf(path, sizeof(path), "%s/%s", dir, name);
-    snprintf(tmp, sizeof(tmp), "%s.tmp", path);
-    if (c->rank == 0) {
-        FILE *f = fopen(tmp, "wb");
-        if (!f || fwrite(bytes, 1, n, f) != n || fclose(f) != 0 || rename(tmp, path) != 0) {
-            snprintf(error, error_size, "%s: cannot write the rendezvous file: %s", path, strerror(errno));
-            return -1;
-        }
+// Every rank's n bytes of `mine`, in rank order, into all[world * n] on rank 0 (others: unused).
+// Returns 0, or -1 with a message (a rank that left or never answered: the channel's).
+static inline int comm_gather0(const Comm *c, const void *mine, void *all, size_t n, char *error, size_t error_size) {
+    if (c->world == 1) {
+        memcpy(all, mine, n);
         return 0;
     }
-    struct timespec pause = {0, 10 * 1000 * 1000};
-    for (double waited = 0.0; waited < timeout_s; waited += 0.01) {
-        struct stat info;
-        FILE *f = stat(path, &info) == 0 && info.st_mtime + COMM_LAUNCH_SPREAD_S >= c->started ? fopen(path, "rb") : NULL;
-        if (f) {
-            size_t got = fread(bytes, 1, n, f);
-            fclose(f);
-            if (got == n) return 0;
-            snprintf(error, error_size, "%s: %zu bytes, expected %zu", path, got, n);
-            return -1;
-        }
-        nanosleep(&pause, NULL);
-    }
-    snprintf(error, error_size, "%s: rank 0 wrote nothing in %.0f s (is %s shared by every rank?)", path, timeout_s, dir);
+    if (c->launch == LAUNCH_ENV) return rendezvous_gather(c->meet, mine, all, n, error, error_size);
+#ifdef USE_MPI
+    if (MPI_Gather(mine, (int)n, MPI_BYTE, all, (int)n, MPI_BYTE, 0, MPI_COMM_WORLD) == MPI_SUCCESS) return 0;
+#endif
+    snprintf(error, error_size, "rank %d: the gather to rank 0 failed", c->rank);
+    return -1;
+}
+
+// Rank 0's n bytes to every rank. Returns 0, or -1 with a message.
+static inline int comm_bcast0(const Comm *c, void *bytes, size_t n, char *error, size_t error_size) {
+    if (c->world == 1) return 0;
+    if (c->launch == LAUNCH_ENV) return rendezvous_broadcast(c->meet, bytes, n, error, error_size);
+#ifdef USE_MPI
+    if (MPI_Bcast(bytes, (int)n, MPI_BYTE, 0, MPI_COMM_WORLD) == MPI_SUCCESS) return 0;
+#endif
+    snprintf(error, error_size, "rank %d: the broadcast from rank 0 failed", c->rank);
     return -1;
 }
 

@@ -76,6 +76,7 @@ typedef struct {
     int zero_stage;
     int world_size;
     int comm_backend;  // CommBackendChoice
+    float collective_timeout_s;
     int param_gather;  // ParamGatherChoice
     float gpu_memory_gib;
     unsigned long long seed;
@@ -179,6 +180,8 @@ static const ConfigKey config_keys[] = {
     {"param_gather", KEY_CHOICE, CFG(param_gather), "auto", 0, 0, "auto|bf16|e4m3",
      "how ZeRO stages 1 and 2 gather the parameters after the step: all bf16, or the block weights as the E4M3 "
      "copies the FP8 GEMMs read (auto: e4m3 with FP8 GEMMs)"},
+    {"collective_timeout_s", KEY_FLOAT, CFG(collective_timeout_s), "600", 1, 1e6, NULL,
+     "seconds a rank launched without MPI waits for the others at the rendezvous before it gives up, naming the missing rank"},
     {"world_size", KEY_INT, CFG(world_size), "0", 0, 1 << 20, NULL, "ranks to plan for in dry_run (0: the launched ranks)"},
     {"gpu_memory_gib", KEY_FLOAT, CFG(gpu_memory_gib), "0", 0, 1e6, NULL,
      "GPU memory to plan against (0: ask the GPU; dry_run without a GPU skips the fit check)"},

@@ -3,7 +3,8 @@
 // producer stream had queued, and a consumer stream waits for the collectives (zero_comm_join).
 // Backends:
 //   nccl: NCCL on the GPUs (one rank per GPU: NCCL refuses two ranks on one device). Rank 0 makes
-//         the unique id; MPI broadcasts it, or, for ranks started without MPI, a rendezvous file.
+//         the unique id; MPI broadcasts it, or, for ranks started without MPI, the rendezvous
+//         channel (coat/rendezvous.h).
 //   mpi:  through pinned host memory: copy out, MPI's host collective (coat/comm.h), copy back,
 //         the host thread waiting in between; slow, but several ranks may share one GPU (tests),
 //         with the same call sites and the same numerics contract (BF16 sums rounded after each
@@ -51,10 +52,10 @@ static inline void nccl_check(ncclResult_t result, const char *call, const char 
 
 // Sets up the backend on the current device for collectives of at most max_elems BF16 elements
 // (the MPI backend's staging holds max_elems and a shard of them to reduce into). For NCCL ranks
-// started without MPI, rendezvous_dir is the shared folder of comm_rendezvous.
+// started without MPI the unique id travels through the rendezvous channel (comm_meet).
 // Returns 0, or -1 with a message.
-static inline int zero_comm_init(ZeroComm *z, const Comm *comm, ZeroBackend backend, size_t max_elems,
-                                 const char *rendezvous_dir, char *error, size_t error_size) {
+static inline int zero_comm_init(ZeroComm *z, const Comm *comm, ZeroBackend backend, size_t max_elems, char *error,
+                                 size_t error_size) {
     memset(z, 0, sizeof(*z));
     z->comm = comm;
     z->backend = backend;
@@ -73,7 +74,6 @@ static inline int zero_comm_init(ZeroComm *z, const Comm *comm, ZeroBackend back
         return 0;
 #else
         (void)max_elems;
-        (void)rendezvous_dir;
         snprintf(error, error_size, "comm_backend = mpi needs a build with MPI (libopenmpi-dev)");
         return -1;
 #endif
@@ -86,7 +86,7 @@ static inline int zero_comm_init(ZeroComm *z, const Comm *comm, ZeroBackend back
         comm_broadcast(comm, &id, sizeof(id), 0);
 #endif
     } else if (comm->world > 1) {
-        if (comm_rendezvous(comm, rendezvous_dir, "nccl_id", &id, sizeof(id), 120.0, error, error_size) != 0) return -1;
+        if (comm_bcast0(comm, &id, sizeof(id), error, error_size) != 0) return -1;
     }
     ncclResult_t joined = ncclCommInitRank(&z->nccl, comm->world, id, comm->rank);
     if (joined != ncclSuccess) {
@@ -97,7 +97,6 @@ static inline int zero_comm_init(ZeroComm *z, const Comm *comm, ZeroBackend back
     return 0;
 #else
     (void)max_elems;
-    (void)rendezvous_dir;
     snprintf(error, error_size, "comm_backend = nccl needs a build with NCCL (nccl.h)");
     return -1;
 #endif

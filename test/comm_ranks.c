@@ -3,8 +3,11 @@
 //   comm_ranks collectives  (MPI) every collective on inputs each rank can compute for all the
 //                           others, checked exactly: sums of multiples of 1/8 below 32 are exact in BF16
 //   comm_ranks ids          comm_first_equal_ids on crafted ids (no MPI needed)
-//   comm_ranks rendezvous DIR NAME [TIMEOUT_S]   rank 0 shares 64 bytes through DIR/NAME (the others
-//                           wait up to TIMEOUT_S, default 20); prints them in hex
+//   comm_ranks meet DIR TIMEOUT_S [STALL_S]   ranks launched without MPI meet (coat/rendezvous.h:
+//                           tcp with MASTER_ADDR / MASTER_PORT, else files in DIR), rank 0 sends 64
+//                           bytes it draws and gathers each rank's sum of them; every rank prints
+//                           "rank R: HEX" and rank 0 "sums ok"; then rank 0 gathers once more, which
+//                           the last rank joins only after STALL_S seconds (a rank to kill meanwhile).
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -98,6 +101,34 @@ static int equal_ids_checks(void) {
     return failures;
 }
 
+// Each rank's sum of the 64 bytes rank 0 sent, gathered: what rank 0 computes itself.
+static int meet(Comm *c, const char *dir, double timeout_s, double stall_s) {
+    char error[512];
+    unsigned char bytes[64];
+    uint64_t x = rendezvous_random();
+    for (int i = 0; i < 64; i++) bytes[i] = (unsigned char)(x >> (i % 8 * 8)) ^ (unsigned char)i;
+    uint32_t sum = 0, *sums = calloc((size_t)c->world, sizeof(uint32_t));
+    int failures = 0;
+    if (!sums || comm_meet(c, dir, timeout_s, error, sizeof(error)) != 0 || comm_bcast0(c, bytes, 64, error, sizeof(error)) != 0)
+        goto failed;
+    for (int i = 0; i < 64; i++) sum += bytes[i] * (uint32_t)(i + 1);
+    if (comm_gather0(c, &sum, sums, sizeof(sum), error, sizeof(error)) != 0) goto failed;
+    printf("rank %d:", c->rank);
+    for (int i = 0; i < 64; i++) printf("%02x", bytes[i]);
+    printf("\n");
+    for (int r = 0; c->rank == 0 && r < c->world; r++) failures += sums[r] != sum;
+    if (c->rank == 0) printf("%s\n", failures ? "sums wrong" : "sums ok");
+    fflush(stdout);
+    if (c->rank == c->world - 1 && stall_s > 0) sleep((unsigned)stall_s);
+    if (comm_gather0(c, &sum, sums, sizeof(sum), error, sizeof(error)) != 0) goto failed;
+    free(sums);
+    return failures ? 1 : 0;
+failed:
+    fprintf(stderr, "error: %s\n", error);
+    free(sums);
+    return 1;
+}
+
 int main(int argc, char **argv) {
     char error[512];
     Comm c;
@@ -117,20 +148,10 @@ int main(int argc, char **argv) {
 #endif
     } else if (argc >= 2 && strcmp(argv[1], "ids") == 0) {
         status = equal_ids_checks() ? 1 : 0;
-    } else if ((argc == 4 || argc == 5) && strcmp(argv[1], "rendezvous") == 0) {
-        unsigned char bytes[64];
-        for (int i = 0; i < 64; i++) bytes[i] = c.rank == 0 ? (unsigned char)(i * 37 + 11) : 0;
-        double timeout_s = argc == 5 ? atof(argv[4]) : 20.0;
-        if (comm_rendezvous(&c, argv[2], argv[3], bytes, sizeof(bytes), timeout_s, error, sizeof(error)) != 0) {
-            fprintf(stderr, "error: %s\n", error);
-            status = 1;
-        } else {
-            printf("rank %d:", c.rank);
-            for (int i = 0; i < 64; i++) printf("%02x", bytes[i]);
-            printf("\n");
-        }
+    } else if ((argc == 4 || argc == 5) && strcmp(argv[1], "meet") == 0) {
+        status = meet(&c, argv[2], atof(argv[3]), argc == 5 ? atof(argv[4]) : 0.0);
     } else {
-        fprintf(stderr, "usage: comm_ranks init | collectives | ids | rendezvous DIR NAME [TIMEOUT_S]\n");
+        fprintf(stderr, "usage: comm_ranks init | collectives | ids | meet DIR TIMEOUT_S [STALL_S]\n");
         status = 2;
     }
     comm_finish(&c);

@@ -192,6 +192,53 @@ done
 err=$(OMPI_COMM_WORLD_SIZE=1 ./train_llama "${data[@]}" --dry_run=0 2>&1 >/dev/null)
 check "OMPI_COMM_WORLD_SIZE=1 is one process" "$(! printf '%s' "$err" | grep -q 'launched as one of'; echo $?)" "$err"
 
+# Ranks check each other at start (coat/agree.h): configs that differ in a key are refused by rank
+# 0, naming the rank and the key; an error every rank hits is printed once, by rank 0.
+if command -v mpirun > /dev/null && grep -qa MPI_Init ./train_llama; then
+    mpmd=(timeout 60 mpirun --allow-run-as-root --oversubscribe)
+    out=$("${mpmd[@]}" -np 1 ./train_llama "${data[@]}" : -np 1 ./train_llama "${data[@]}" --micro_batch_size=2 2>&1); rc=$?
+    check "mpirun, one rank with another micro_batch_size: refused by rank 0 alone, naming rank 1 and the key, exit 2" \
+        "$([ $rc -eq 2 ] && [ "$(printf '%s\n' "$out" | grep -c '^error')" = 1 ] &&
+           printf '%s' "$out" | grep -q "^error: rank 1's micro_batch_size differs from rank 0's (set at command line there)" &&
+           ! printf '%s' "$out" | grep -q 'configuration is valid'; echo $?)" "$out"
+    out=$("${mpmd[@]}" -np 2 ./train_llama "${data[@]}" --learning_rat=1 2>&1); rc=$?
+    check "mpirun -np 2, a config error on both ranks: printed once, exit 2" \
+        "$([ $rc -eq 2 ] && [ "$(printf '%s\n' "$out" | grep -c "^error: command line: unknown key 'learning_rat'")" = 1 ]; echo $?)" "$out"
+fi
+# Ranks launched without MPI (TCP through MASTER_ADDR / MASTER_PORT), training (they get as far
+# as the GPU): another seed, or an out_dir that is not rank 0's folder, is refused by rank 0; the
+# same folder under another path is not.
+port=$((20000 + RANDOM % 20000))
+pair() {  # pair OUT RANK0-ARGS -- RANK1-ARGS: both ranks' output in OUT, their exit codes in OUT.rc
+    local out=$1; shift
+    local first=() second=()
+    while [ "$1" != "--" ]; do first+=("$1"); shift; done; shift; second=("$@")
+    port=$((port + 1))
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=$port WORLD_SIZE=2 RANK=1 LOCAL_RANK=1 timeout 60 ./train_llama "${second[@]}" > "$out.1" 2>&1 &
+    local other=$!
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=$port WORLD_SIZE=2 RANK=0 LOCAL_RANK=0 timeout 60 ./train_llama "${first[@]}" > "$out.0" 2>&1
+    local rc0=$?
+    wait $other
+    echo "$rc0 $?" > "$out.rc"
+}
+if ! nvidia-smi -L > /dev/null 2>&1; then
+    mkdir -p "$tmp/shared_run" && ln -s "$tmp/shared_run" "$tmp/shared_link"
+    train=("${data[@]}" --dry_run=0 --collective_timeout_s=20)
+    pair "$tmp/seed" "${train[@]}" --out_dir="$tmp/shared_run" -- "${train[@]}" --out_dir="$tmp/shared_run" --seed=7
+    check "torchrun-style ranks, another seed on rank 1: rank 0 alone refuses, naming the key; both exit 2" \
+        "$([ "$(cat "$tmp/seed.rc")" = "2 2" ] && [ ! -s "$tmp/seed.1" ] &&
+           grep -q "^error: rank 1's seed differs from rank 0's" "$tmp/seed.0"; echo $?)" "$(cat "$tmp/seed.0" "$tmp/seed.1")"
+    pair "$tmp/dirs" "${train[@]}" --out_dir="$tmp/shared_run" -- "${train[@]}" --out_dir="$tmp/other_run"
+    check "torchrun-style ranks with different out_dirs: refused by rank 0, naming rank 1's folder" \
+        "$([ "$(cat "$tmp/dirs.rc")" = "1 1" ] && [ ! -s "$tmp/dirs.1" ] &&
+           grep -q "^error: rank 1: out_dir '$tmp/other_run' is not the folder rank 0 writes to" "$tmp/dirs.0"; echo $?)" \
+        "$(cat "$tmp/dirs.0" "$tmp/dirs.1")"
+    pair "$tmp/link" "${train[@]}" --out_dir="$tmp/shared_run" -- "${train[@]}" --out_dir="$tmp/shared_link"
+    check "torchrun-style ranks, one out_dir under two paths: both pass the checks and get as far as the GPU" \
+        "$([ "$(cat "$tmp/link.0" "$tmp/link.1" | grep -c 'no CUDA GPU found')" = 2 ] && [ ! -e "$tmp/shared_run/.rank0_token" ]; echo $?)" \
+        "$(cat "$tmp/link.0" "$tmp/link.1")"
+fi
+
 # The trainer's start-up refusals, made by dry_run too (one function, the same messages).
 expect_error "dry_run without train_data" "default: train_data is empty: name the training shards" \
     configs/models/tiny.conf --dry_run=1

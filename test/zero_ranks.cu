@@ -33,7 +33,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: zero_ranks nccl|mpi\n");
         return 2;
     }
-    if (comm_init(&comm, &argc, &argv, error, sizeof(error)) != 0) {
+    if (comm_init(&comm, &argc, &argv, error, sizeof(error)) != 0 || comm_meet(&comm, ".", 120.0, error, sizeof(error)) != 0) {
         fprintf(stderr, "error: %s\n", error);
         return 2;
     }
@@ -43,7 +43,7 @@ int main(int argc, char **argv) {
     size_t shard = 4096 + 8, n = (size_t)comm.world * shard;
     ZeroComm z;
     ZeroBackend backend = strcmp(argv[1], "nccl") == 0 ? ZERO_BACKEND_NCCL : ZERO_BACKEND_MPI;
-    if (zero_comm_init(&z, &comm, backend, n, ".", error, sizeof(error)) != 0) {
+    if (zero_comm_init(&z, &comm, backend, n, error, sizeof(error)) != 0) {
         fprintf(stderr, "error: %s\n", error);
         return 2;
     }
