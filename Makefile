@@ -18,7 +18,7 @@ CFLAGS := -std=c11 -O2 -g -Wall -Wextra -Wno-format-truncation -Werror -pthread 
 NVCC_HOST_FLAGS := -Wall,-Wextra,-Wno-format-truncation
 NVCCFLAGS := -std=c++17 -O3 -g -lineinfo --Werror all-warnings -Xcompiler $(NVCC_HOST_FLAGS) \
              -gencode arch=compute_$(GPU_ARCH),code=sm_$(GPU_ARCH) -DTRAIN_LLAMA_GPU_ARCH='"sm_$(GPU_ARCH)"'
-NVCC_LIBS := -lcublasLt
+NVCC_LIBS := -lcublasLt -lz
 
 # ---- dependencies: one line each, found or missing -------------------------------------
 ifeq ($(wildcard $(NVCC)),)
