@@ -98,7 +98,7 @@ $(BUILD)/lib%.a: $(BUILD)/%.o
 	rm -f $@ && ar rcs $@ $<
 
 $(BUILD)/test_%: test/test_%.c $(TOKENIZER_LIB) $(REFERENCE_DOUBLE) $(TEST_HEADERS) $(COAT_HEADERS) $(wildcard tokenizer/*.h)
-	$(CC) $(CFLAGS) -DREF_REAL=double $< $(TOKENIZER_LIB) $(REFERENCE_DOUBLE) -o $@ -lm
+	$(CC) $(CFLAGS) -DREF_REAL=double $< $(TOKENIZER_LIB) $(REFERENCE_DOUBLE) -o $@ -lm -lz
 
 $(BUILD)/test_%: test/test_%.cu $(REFERENCE_FLOAT) $(TEST_HEADERS) $(COAT_HEADERS)
 	$(NVCC) $(NVCCFLAGS) $< $(REFERENCE_FLOAT) -o $@ $(NVCC_LIBS)
