@@ -472,7 +472,12 @@ static void check_trainer_state(const ConfigParser *parser, const char *path, co
     }
     DataloaderPosition position;
     const char *key;
-    if (resume_position(&parser->values, s, train, ranks, &position, &key, error, sizeof(error)) == 0) return;
+    if (resume_position(&parser->values, s, train, ranks, &position, &key, error, sizeof(error)) == 0) {
+        int64_t units = training_order(&parser->values) == DATALOADER_SHUFFLE_ROWS ? parser->values.micro_batch_size : 1;
+        printf("data position: epoch %lld, step %lld of %lld on %d rank(s)\n", (long long)position.epoch, (long long)position.step,
+               (long long)(train->unit_count / (units * ranks)), ranks);
+        return;
+    }
     if (key[0]) {
         fprintf(stderr, "error: %s: %s %s (resuming %s)\n", config_source(parser, key), key, error, path);
         exit(EXIT_CONFIG_ERROR);
