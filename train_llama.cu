@@ -436,13 +436,19 @@ static int resume_position(const TrainConfig *c, const TrainerState *s, const Da
                  (long long)s->data_micro_batch_size);
         return -1;
     }
+    if (s->data_micro_batch_size < 1 || s->data_micro_batch_size > 1 << 20) {
+        snprintf(error, size, "its trainer state holds micro_batch_size %lld: no run writes that",
+                 (long long)s->data_micro_batch_size);
+        return -1;
+    }
     int rows = training_order(c) == DATALOADER_SHUFFLE_ROWS;
     int64_t saved_units = rows ? s->data_micro_batch_size : 1, units = rows ? c->micro_batch_size : 1;
-    int64_t done = s->train_position.step * saved_units, per_step = units * ranks;
-    int64_t steps = train->unit_count / per_step;
+    int64_t per_step = units * ranks, steps = train->unit_count / per_step;
+    // (the position bounded before it is multiplied: no overflow on a crafted file)
+    int64_t done = s->train_position.step <= train->unit_count ? s->train_position.step * saved_units : INT64_MAX;
     if (s->train_position.epoch < 0 || s->train_position.step < 0 || done / per_step > steps) {
-        snprintf(error, size, "its data position (epoch %lld, %lld %s read) is outside train_data's %lld %s per epoch",
-                 (long long)s->train_position.epoch, (long long)done, rows ? "rows" : "batches", (long long)train->unit_count,
+        snprintf(error, size, "its data position (epoch %lld, %lld one-rank batches read) is outside train_data's %lld %s per epoch",
+                 (long long)s->train_position.epoch, (long long)s->train_position.step, (long long)train->unit_count,
                  rows ? "rows" : "batches");
         return -1;
     }
@@ -619,18 +625,6 @@ static void check_logits_out(const ConfigParser *parser, const Dataloader *loade
     }
 }
 
-// A tokenizer path that is no regular file (a folder, a FIFO that would block) is refused before
-// tokenizer_load opens it.
-static void check_tokenizer_file(const ConfigParser *parser) {
-    const TrainConfig *c = &parser->values;
-    struct stat info;
-    char error[4400];
-    if (!c->tokenizer[0] || stat(c->tokenizer, &info) != 0 || S_ISREG(info.st_mode)) return;
-    snprintf(error, sizeof(error), "error: %s: is %s, not a tokenizer.json file", c->tokenizer,
-             S_ISDIR(info.st_mode) ? "a directory" : "no regular file");
-    fail_input(parser, "tokenizer", error);
-}
-
 // Every check of a run that needs no GPU, for dry_run and training alike, so that dry_run refuses
 // what training would: the config, the launch, every input (shards, tokenizer, the start
 // checkpoint with its checksums and, resuming, its optimizer and trainer state on `ranks` ranks)
@@ -656,7 +650,6 @@ static void validate_run(const ConfigParser *parser, int ranks, LaunchKind launc
                (long long)loaders[i].shard_count, (long long)dataloader_steps_per_epoch(&loaders[i]));
     }
     if (opened[1]) validation_batches(parser, opened[0], opened[1]);
-    check_tokenizer_file(parser);
     if (c->tokenizer[0]) {
         Tokenizer *tok = load_tokenizer_or_exit(parser);
         if (scan_tokens) printf("%s: %d tokens\n", c->tokenizer, tokenizer_vocab_size(tok));

@@ -442,7 +442,7 @@ mkfifo "$tmp/fifo.bin" "$tmp/fifo.json"
 err=$(timeout 10 ./train_llama "${data[@]}" --init_from="$tmp/fifo.bin" 2>&1 >/dev/null); rc=$?
 check "a FIFO as init_from is refused at once" "$([ $rc -eq 1 ] && printf '%s' "$err" | grep -q "fifo.bin: is no regular file, not a checkpoint file"; echo $?)" "got $rc: $err"
 err=$(timeout 10 ./train_llama "${data[@]}" --tokenizer="$tmp/fifo.json" 2>&1 >/dev/null); rc=$?
-check "a FIFO as tokenizer is refused at once" "$([ $rc -eq 1 ] && printf '%s' "$err" | grep -q "fifo.json: is no regular file, not a tokenizer.json file"; echo $?)" "got $rc: $err"
+check "a FIFO as tokenizer is refused at once" "$([ $rc -eq 1 ] && printf '%s' "$err" | grep -q "fifo.json: not a regular file (a FIFO)"; echo $?)" "got $rc: $err"
 err=$(./train_llama "${data[@]}" --init_from="$tmp" 2>&1 >/dev/null); rc=$?
 check "a folder as init_from is named a directory, not a truncated header" \
     "$([ $rc -eq 1 ] && printf '%s' "$err" | grep -q "$tmp: is a directory, not a checkpoint file"; echo $?)" "$err"
