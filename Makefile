@@ -5,7 +5,7 @@
 #   make bench      GPU benchmarks beside the PyTorch reference
 #   make clean
 # snprintf cuts messages to their buffers on purpose, hence -Wno-format-truncation.
-# Options: GPU_ARCH=90a (default, Hopper), CUDA_HOME=/usr/local/cuda, NO_MPI=1, NO_NCCL=1, NO_ZLIB=1, NO_ZSTD=1.
+# Options: GPU_ARCH=90a (default, Hopper), CUDA_HOME=/usr/local/cuda, NO_MPI=1, NO_NCCL=1, NO_ZSTD=1.
 
 CC ?= cc
 CUDA_HOME ?= /usr/local/cuda
@@ -18,7 +18,7 @@ CFLAGS := -std=c11 -O2 -g -Wall -Wextra -Wno-format-truncation -Werror -pthread 
 NVCC_HOST_FLAGS := -Wall,-Wextra,-Wno-format-truncation
 NVCCFLAGS := -std=c++17 -O3 -g -lineinfo --Werror all-warnings -Xcompiler $(NVCC_HOST_FLAGS) \
              -gencode arch=compute_$(GPU_ARCH),code=sm_$(GPU_ARCH) -DTRAIN_LLAMA_GPU_ARCH='"sm_$(GPU_ARCH)"'
-NVCC_LIBS := -lcublasLt
+NVCC_LIBS := -lcublasLt -lz
 
 # ---- dependencies: one line each, found or missing -------------------------------------
 ifeq ($(wildcard $(NVCC)),)
@@ -55,18 +55,15 @@ NVCCFLAGS += -DUSE_MPI $(filter -I%,$(MPI_COMPILE))
 NVCC_LIBS += $(foreach flag,$(MPI_LINK),$(if $(filter -Wl%,$(flag)),-Xlinker $(subst -Wl$(comma),,$(flag)),$(flag)))
 endif
 
-# Compressed inputs of ./tokenize shards (tokenizer/input_file.c): the header found by the C compiler.
+# zlib (required): the checkpoints' CRC-32 checksums, and .gz inputs of ./tokenize shards;
+# libzstd (optional): .zst inputs (tokenizer/input_file.c). Headers as the C compiler finds them.
 has_header = $(shell printf '\043include <$(1)>\n' | $(CC) -E -x c - >/dev/null 2>&1 && echo 1)
-TOKENIZER_LIBS :=
-ifeq ($(NO_ZLIB),1)
-$(info zlib: disabled (NO_ZLIB=1): tokenize refuses .gz inputs)
-else ifneq ($(call has_header,zlib.h),1)
-$(info zlib: missing (no zlib.h; apt-get install zlib1g-dev): tokenize refuses .gz inputs)
-else
-$(info zlib: found (.gz inputs))
-CFLAGS += -DUSE_ZLIB
-TOKENIZER_LIBS += -lz
+ifneq ($(call has_header,zlib.h),1)
+$(error zlib: missing (no zlib.h; apt-get install zlib1g-dev): checkpoint checksums need it)
 endif
+$(info zlib: found (checkpoint checksums, .gz inputs))
+CFLAGS += -DUSE_ZLIB
+TOKENIZER_LIBS := -lz
 ifeq ($(NO_ZSTD),1)
 $(info libzstd: disabled (NO_ZSTD=1): tokenize refuses .zst inputs)
 else ifneq ($(call has_header,zstd.h),1)

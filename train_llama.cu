@@ -2,9 +2,11 @@
 // or COAT (FP8 GEMMs, FP8 activations, FP8 optimizer states). One process per GPU.
 //   ./train_llama CONFIG [--key=value ...]      (./train_llama --help lists the keys)
 #include "dataloader/dataloader.h"  // first: it selects the POSIX interfaces
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include "coat/comm.h"
 #include "coat/agree.h"
 #include "coat/checkpoint.h"
@@ -22,6 +24,23 @@ extern "C" {
 }
 
 #define EXIT_CONFIG_ERROR 2
+// Stopped by SIGTERM, SIGINT or SIGUSR1 at a step boundary, its checkpoint written: the run is
+// unfinished and resume = 1 continues it (sysexits' EX_TEMPFAIL, "try again later").
+#define EXIT_PREEMPTED 75
+
+// The first SIGTERM, SIGINT or SIGUSR1 (what SLURM sends ahead of a job's time limit) asks the
+// run to stop at the next step boundary with a checkpoint: the signal's number. A second one ends
+// the process at once, as the signal's default action does. (A handler can only set a flag.)
+static volatile sig_atomic_t stop_signal = 0;
+
+static void on_stop_signal(int signum) {
+    if (stop_signal != 0) {
+        signal(signum, SIG_DFL);
+        raise(signum);
+        return;
+    }
+    stop_signal = signum;
+}
 
 // Reads CONFIG and the --key=value overrides; any problem is one line naming file:line, exit 2.
 static void load_config_or_exit(ConfigParser *parser, int argc, char **argv) {
@@ -63,12 +82,19 @@ static void print_activation_table(const TrainConfig *c) {
            activation_layer_bytes(&c->model, ACTS_COAT, 1 << 16) / (double)(1 << 16) / unit);
 }
 
-// What a checkpoint adds to the weights and the optimizer to continue exactly.
+// What a checkpoint adds to the weights and the optimizer to continue exactly: 8-byte fields, no
+// padding (test/test_cli.sh writes them too).
 typedef struct {
     long long step;               // optimizer steps done
     long long tokens_seen;
     DataloaderPosition train_position;  // in one-rank batches: a rank's steps times the ranks
     uint64_t sample_rng_state;
+    // What decides the training data's order besides the shards (dataloader/dataloader.h): a
+    // resume that changed it would read other rows than the run it continues.
+    uint64_t data_seed;
+    int64_t data_shuffle;           // DATALOADER_SHUFFLE_BATCHES or _ROWS
+    int64_t data_micro_batch_size;  // B: rows per one-rank batch
+    int64_t data_seq_len;           // T: a row is T + 1 tokens
 } TrainerState;
 
 typedef struct {
@@ -95,6 +121,7 @@ typedef struct {
     float *host_scalar;               // pinned
     int grad_accum;
     double flops_per_token;
+    int stop_requested;  // a rank received a stop signal (the same on every rank after a step)
     TrainerState state;
     Random sample_rng;
     RunLog log;
@@ -355,8 +382,12 @@ static FILE *open_checkpoint_or_exit(const ConfigParser *parser, const char *key
     return f;
 }
 
-// Opens and checks every input the config names (shards with every token against the
-// vocabulary, the tokenizer, the checkpoint to start from); exits naming the file on a problem.
+// Two paths name the same file (a link or another spelling of it): compared as files, not strings.
+static int same_file(const char *a, const char *b) {
+    struct stat sa, sb;
+    return stat(a, &sa) == 0 && stat(b, &sb) == 0 && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+
 // The validation set is no part of the training set, and holds val_batches distinct batches
 // (more would repeat batches and weigh them twice): a val_batches set past it is refused, the
 // default is cut to it. Returns the batches a validation pass reads. For dry_run and training.
@@ -365,7 +396,7 @@ static int validation_batches(const ConfigParser *parser, const Dataloader *trai
     char message[4400];
     for (int64_t v = 0; train != NULL && v < val->shard_count; v++)
         for (int64_t t = 0; t < train->shard_count; t++)
-            if (strcmp(val->shard_paths[v], train->shard_paths[t]) == 0) {
+            if (same_file(val->shard_paths[v], train->shard_paths[t])) {
                 snprintf(message, sizeof(message), "matches %s, which train_data (%s) trains on", val->shard_paths[v],
                          config_source(parser, "train_data"));
                 fail_config(parser, "val_data", message);
@@ -383,41 +414,257 @@ static int validation_batches(const ConfigParser *parser, const Dataloader *trai
     return 0;
 }
 
-static void validate_inputs(const ConfigParser *parser) {
+// The saved data position as this run's position: rank-steps into the epoch for `ranks` ranks.
+// The order is a permutation of units (batches, or rows with shuffle = rows) drawn from (seed,
+// epoch) over the shards: a resume continues it exactly when seed, shuffle, seq_len (and with
+// whole batches, micro_batch_size) are the checkpoint's, and `ranks` x the units of a rank's
+// batch divide the units read so far. The units left in an epoch that `ranks` cannot share out
+// are those its epoch leaves out: the position moves on to the next epoch. Returns 0, or -1 with
+// the reason in `error` (`key`: the config key at fault, "" for none).
+static int resume_position(const TrainConfig *c, const TrainerState *s, const Dataloader *train, int ranks,
+                           DataloaderPosition *out, const char **key, char *error, size_t size) {
+    *key = "";
+    const char *changed = s->data_seed != c->seed ? "seed" : s->data_shuffle != training_order(c) ? "shuffle"
+                        : s->data_seq_len != c->seq_len ? "seq_len"
+                        : s->data_micro_batch_size != c->micro_batch_size && training_order(c) != DATALOADER_SHUFFLE_ROWS
+                            ? "micro_batch_size" : NULL;
+    if (changed) {
+        *key = changed;
+        snprintf(error, size, "differs from the checkpoint's run (seed %llu, shuffle %s, seq_len %lld, micro_batch_size %lld), "
+                 "which decides the order of the training data: the resumed run would skip rows and read others twice "
+                 "(set it back, or start a new run with init_from)", (unsigned long long)s->data_seed,
+                 s->data_shuffle == DATALOADER_SHUFFLE_ROWS ? "rows" : "batches", (long long)s->data_seq_len,
+                 (long long)s->data_micro_batch_size);
+        return -1;
+    }
+    if (s->data_micro_batch_size < 1 || s->data_micro_batch_size > 1 << 20) {
+        snprintf(error, size, "its trainer state holds micro_batch_size %lld: no run writes that",
+                 (long long)s->data_micro_batch_size);
+        return -1;
+    }
+    int rows = training_order(c) == DATALOADER_SHUFFLE_ROWS;
+    int64_t saved_units = rows ? s->data_micro_batch_size : 1, units = rows ? c->micro_batch_size : 1;
+    int64_t per_step = units * ranks, steps = train->unit_count / per_step;
+    // (the position bounded before it is multiplied: no overflow on a crafted file)
+    int64_t done = s->train_position.step <= train->unit_count ? s->train_position.step * saved_units : INT64_MAX;
+    if (s->train_position.epoch < 0 || s->train_position.step < 0 || done / per_step > steps) {
+        snprintf(error, size, "its data position (epoch %lld, %lld one-rank batches read) is outside train_data's %lld %s per epoch",
+                 (long long)s->train_position.epoch, (long long)s->train_position.step, (long long)train->unit_count,
+                 rows ? "rows" : "batches");
+        return -1;
+    }
+    if (done % per_step != 0) {
+        snprintf(error, size, "its data position (%lld %s into epoch %lld) is no multiple of %d rank(s) x %lld %s: resume on "
+                 "a world size (or a micro_batch_size) that divides it", (long long)done, rows ? "rows" : "batches",
+                 (long long)s->train_position.epoch, ranks, (long long)units, rows ? "rows" : "batch");
+        return -1;
+    }
+    out->epoch = s->train_position.epoch;
+    out->step = done / per_step;
+    if (out->step == steps) {
+        out->epoch++;
+        out->step = 0;
+    }
+    return 0;
+}
+
+// The resumed trainer state against the header and this run; exits naming the file.
+static void check_trainer_state(const ConfigParser *parser, const char *path, const CheckpointHeader *h,
+                                const TrainerState *s, const Dataloader *train, int ranks) {
+    char error[1024];
+    if (s->step != h->step) {
+        fprintf(stderr, "error: %s: the trainer state is at step %lld, the header at step %lld: the file is damaged\n", path,
+                s->step, h->step);
+        exit(EXIT_FAILURE);
+    }
+    DataloaderPosition position;
+    const char *key;
+    if (resume_position(&parser->values, s, train, ranks, &position, &key, error, sizeof(error)) == 0) {
+        int64_t units = training_order(&parser->values) == DATALOADER_SHUFFLE_ROWS ? parser->values.micro_batch_size : 1;
+        printf("data position: epoch %lld, step %lld of %lld on %d rank(s)\n", (long long)position.epoch, (long long)position.step,
+               (long long)(train->unit_count / (units * ranks)), ranks);
+        return;
+    }
+    if (key[0]) {
+        fprintf(stderr, "error: %s: %s %s (resuming %s)\n", config_source(parser, key), key, error, path);
+        exit(EXIT_CONFIG_ERROR);
+    }
+    fprintf(stderr, "error: %s: %s\n", path, error);
+    exit(EXIT_FAILURE);
+}
+
+// Reads the optimizer state's header and the trainer state of an open checkpoint (its
+// checksums verified) and checks them against this run: the refusals load_checkpoint would make
+// on the GPU.
+static void check_resume_state(const ConfigParser *parser, FILE *f, const char *path, const CheckpointHeader *h,
+                               const Dataloader *train, int ranks) {
+    const TrainConfig *c = &parser->values;
+    AdamW expected;  // the fields the header check reads: the kind and the extent
+    memset(&expected, 0, sizeof(expected));
+    expected.kind = adamw_kind_from_config(config_optimizer_states(c));
+    expected.total = h->total_padded;
+    AdamWCheckpointHeader saved;
+    TrainerState state;
+    char error[512];
+    if (fseeko(f, CHECKPOINT_HEADER_BYTES + 4 * (off_t)h->total_padded, SEEK_SET) != 0 || fread(&saved, sizeof(saved), 1, f) != 1 ||
+        fseeko(f, -(off_t)sizeof(TrainerState), SEEK_END) != 0 || fread(&state, sizeof(state), 1, f) != 1) {
+        fprintf(stderr, "error: %s: cannot read the optimizer and trainer state\n", path);
+        exit(EXIT_FAILURE);
+    }
+    if (adamw_checkpoint_header_check(&expected, &saved, error, sizeof(error)) != 0) {
+        fprintf(stderr, "error: %s: %s (%s)\n", path, error, config_source(parser, c->optimizer_states != STATES_AUTO ? "optimizer_states" : "precision"));
+        exit(EXIT_CONFIG_ERROR);
+    }
+    check_trainer_state(parser, path, h, &state, train, ranks);
+}
+
+// The checkpoint the run starts from, if any: its header, its shape, its checksums and, when
+// resuming, its optimizer and trainer state against this run on `ranks` ranks.
+static void validate_start_checkpoint(const ConfigParser *parser, const Dataloader *train, int ranks) {
+    const TrainConfig *c = &parser->values;
+    char path[4096], error[1024];
+    int resuming;
+    if (!start_checkpoint(c, path, sizeof(path), &resuming)) {
+        if (c->generate) fail_no_checkpoint_to_generate(c);
+        if (c->resume && !c->generate && comm_env_rank() == 0)
+            fprintf(stderr, "warning: resume = 1, but %s holds no checkpoint%s: this run starts at step 0\n", c->out_dir,
+                    access(c->out_dir, F_OK) == 0 ? "" : " (the folder does not exist: is its name right?)");
+        return;
+    }
+    const char *key = start_checkpoint_key(c, path);
+    CheckpointHeader h;
+    FILE *f = open_checkpoint_or_exit(parser, key, path, &h, resuming);
+    if (checkpoint_verify(f, path, &h, error, sizeof(error)) != 0) fail_input(parser, key, error);
+    if (h.version != CHECKPOINT_VERSION && comm_env_rank() == 0)
+        fprintf(stderr, "warning: %s: checkpoint version %d carries no checksums: its weights are read unchecked\n", path, h.version);
+    long long named = -1;
+    if (strcmp(key, "out_dir") == 0 && sscanf(strrchr(path, '/') + 1, "ckpt_%lld.bin", &named) == 1 && named != h.step) {
+        fprintf(stderr, "error: %s: the header says step %lld: the file is damaged or renamed\n", path, h.step);
+        exit(EXIT_FAILURE);
+    }
+    if (resuming && train) check_resume_state(parser, f, path, &h, train, ranks);
+    fclose(f);
+    printf("%s: checkpoint of step %lld%s\n", path, h.step, h.version == CHECKPOINT_VERSION ? ", every section's checksum right" : "");
+}
+
+// The ranks' launch against comm_backend: what zero_comm_init refuses once the GPU is allocated.
+static void check_launch(const ConfigParser *parser, int ranks, LaunchKind launch) {
+    const TrainConfig *c = &parser->values;
+    if (ranks <= 1) return;
+#ifndef USE_MPI
+    if (c->comm_backend == COMM_MPI) fail_config(parser, "comm_backend", "= mpi needs a build with MPI (libopenmpi-dev)");
+#endif
+#ifndef USE_NCCL
+    if (c->comm_backend == COMM_NCCL) fail_config(parser, "comm_backend", "= nccl needs a build with NCCL (nccl.h)");
+#endif
+    if (c->comm_backend == COMM_MPI && launch == LAUNCH_ENV)
+        fail_config(parser, "comm_backend", "= mpi needs the ranks launched by mpirun (these were started with WORLD_SIZE "
+                    "and RANK: use comm_backend = nccl)");
+}
+
+// The first file this run reads (init_from, the tokenizer, a shard of `loaders`) that is the file
+// `path`, as "KEY's FILE" in `which`; 0 when none is. overwrite, a checkpoint prune or logits_out
+// must not remove or replace any of them.
+static int names_an_input(const TrainConfig *c, const Dataloader *loaders[2], const char *path, char *which, size_t size) {
+    const char *files[2] = {c->init_from, c->tokenizer}, *keys[2] = {"init_from", "tokenizer"};
+    for (int i = 0; i < 2; i++)
+        if (files[i][0] && same_file(files[i], path)) {
+            snprintf(which, size, "%s's %s", keys[i], files[i]);
+            return 1;
+        }
+    for (int l = 0; l < 2; l++)
+        for (int64_t i = 0; loaders[l] && i < loaders[l]->shard_count; i++)
+            if (same_file(loaders[l]->shard_paths[i], path)) {
+                snprintf(which, size, "%s's %s", l == 0 ? "train_data" : "val_data", loaders[l]->shard_paths[i]);
+                return 1;
+            }
+    return 0;
+}
+
+// overwrite = 1 removes out_dir's ckpt_* files and log.jsonl: none may be a file this run reads.
+static void check_overwrite_keeps_inputs(const ConfigParser *parser, const Dataloader *loaders[2]) {
+    const TrainConfig *c = &parser->values;
+    if (!c->overwrite || c->resume || c->generate) return;
+    DIR *d = opendir(c->out_dir);
+    if (!d) return;
+    struct dirent *entry;
+    char path[4096], which[4400], message[8800];
+    while ((entry = readdir(d)) != NULL) {
+        if (!checkpoint_is_run_file(entry->d_name)) continue;
+        snprintf(path, sizeof(path), "%s/%s", c->out_dir, entry->d_name);
+        if (!names_an_input(c, loaders, path, which, sizeof(which))) continue;
+        closedir(d);
+        snprintf(message, sizeof(message), "= 1 would remove %s, which this run reads (%s): move it out of out_dir", path, which);
+        fail_config(parser, "overwrite", message);
+    }
+    closedir(d);
+}
+
+// logits_out: only with generate, into an existing folder, and never onto a file the run reads.
+static void check_logits_out(const ConfigParser *parser, const Dataloader *loaders[2]) {
+    const TrainConfig *c = &parser->values;
+    if (!c->logits_out[0]) return;
+    if (!c->generate) fail_config(parser, "logits_out", "is written by generate = 1 only: set generate = 1, or leave logits_out empty");
+    char folder[4096], which[4400], message[8800];
+    snprintf(folder, sizeof(folder), "%s", c->logits_out);
+    char *slash = strrchr(folder, '/');
+    if (!slash) snprintf(folder, sizeof(folder), ".");
+    else if (slash == folder) folder[1] = '\0';
+    else *slash = '\0';
+    struct stat info;
+    if (stat(folder, &info) != 0 || !S_ISDIR(info.st_mode) || access(folder, W_OK | X_OK) != 0) {
+        snprintf(message, sizeof(message), "'%s': its folder '%s' %s", c->logits_out, folder,
+                 stat(folder, &info) != 0 ? "does not exist" : !S_ISDIR(info.st_mode) ? "is not a folder" : "is not writable");
+        fail_config(parser, "logits_out", message);
+    }
+    char start[4096];
+    int resuming, reads_start = start_checkpoint(c, start, sizeof(start), &resuming) && same_file(start, c->logits_out);
+    if (reads_start) snprintf(which, sizeof(which), "the checkpoint %s", start);
+    if (reads_start || names_an_input(c, loaders, c->logits_out, which, sizeof(which))) {
+        snprintf(message, sizeof(message), "'%s' is %s, which this run reads", c->logits_out, which);
+        fail_config(parser, "logits_out", message);
+    }
+}
+
+// Every check of a run that needs no GPU, for dry_run and training alike, so that dry_run refuses
+// what training would: the config, the launch, every input (shards, tokenizer, the start
+// checkpoint with its checksums and, resuming, its optimizer and trainer state on `ranks` ranks)
+// and the outputs. dry_run also reads every token (scan_tokens, a full read of the data);
+// training checks each batch as it reads it. Every rank of a run checks what it will read itself.
+static void validate_run(const ConfigParser *parser, int ranks, LaunchKind launch, int scan_tokens) {
     const TrainConfig *c = &parser->values;
     char error[1024];
+    check_run_config(parser);
+    check_launch(parser, ranks, launch);
     const char *patterns[2] = {c->train_data, c->val_data};
     Dataloader loaders[2];
+    const Dataloader *opened[2] = {NULL, NULL};
     for (int i = 0; i < 2; i++) {
-        if (patterns[i][0] == '\0') continue;
+        if (patterns[i][0] == '\0' || (c->generate && i == 1)) continue;
         const char *key = i == 0 ? "train_data" : "val_data";
         open_loader(&loaders[i], parser, key, i == 0 ? training_order(c) : DATALOADER_IN_ORDER);
+        opened[i] = &loaders[i];
+        if (!scan_tokens) continue;
         if (dataloader_validate_tokens(&loaders[i], c->model.vocab_size, error, sizeof(error)) != 0)
             fail_input(parser, key, error);
         printf("%s: %lld shard(s), %lld micro-batches per epoch, every token below vocab_size\n", patterns[i],
                (long long)loaders[i].shard_count, (long long)dataloader_steps_per_epoch(&loaders[i]));
     }
-    if (c->val_data[0]) validation_batches(parser, c->train_data[0] ? &loaders[0] : NULL, &loaders[1]);
-    for (int i = 0; i < 2; i++)
-        if (patterns[i][0]) dataloader_close(&loaders[i]);
+    if (opened[1]) validation_batches(parser, opened[0], opened[1]);
     if (c->tokenizer[0]) {
         Tokenizer *tok = load_tokenizer_or_exit(parser);
-        printf("%s: %d tokens\n", c->tokenizer, tokenizer_vocab_size(tok));
+        if (scan_tokens) printf("%s: %d tokens\n", c->tokenizer, tokenizer_vocab_size(tok));
         tokenizer_free(tok);
     }
-    char path[4096];
-    int resuming;
-    if (!start_checkpoint(c, path, sizeof(path), &resuming)) {
-        if (c->generate) fail_no_checkpoint_to_generate(c);
-        return;
-    }
-    CheckpointHeader h;
-    fclose(open_checkpoint_or_exit(parser, start_checkpoint_key(c, path), path, &h, resuming));
-    printf("%s: checkpoint of step %lld\n", path, h.step);
+    check_overwrite_keeps_inputs(parser, opened);
+    check_logits_out(parser, opened);
+    validate_start_checkpoint(parser, opened[0], ranks);
+    for (int i = 0; i < 2; i++)
+        if (opened[i]) dataloader_close(&loaders[i]);
 }
 
 // dry_run: validates everything that needs no GPU and prints the plan; exit 0 when it holds.
-static int dry_run(const ConfigParser *parser, int ranks) {
+static int dry_run(const ConfigParser *parser, int ranks, LaunchKind launch) {
     const TrainConfig *c = &parser->values;
     char error[CONFIG_ERROR_MAX];
     int grad_accum = config_grad_accum_steps(parser, ranks, error, sizeof(error));
@@ -425,8 +672,7 @@ static int dry_run(const ConfigParser *parser, int ranks) {
         fprintf(stderr, "error: %s\n", error);
         return EXIT_CONFIG_ERROR;
     }
-    check_run_config(parser);
-    validate_inputs(parser);
+    validate_run(parser, ranks, launch, 1);
     print_model_summary(c);
     printf("batch: %d x %d tokens per micro-step x %d rank(s) x %d accumulation step(s) = %lld tokens per step\n",
            c->micro_batch_size, c->seq_len, ranks, grad_accum,
@@ -538,17 +784,12 @@ static void load_checkpoint(Trainer *t, const char *path, int resume) {
             fprintf(stderr, "error: %s: truncated trainer state\n", path);
             exit(EXIT_FAILURE);
         }
-        // Every rank reads batch step * ranks + rank of the epoch's order: the saved one-rank
-        // position continues on any world size that divides it.
-        DataloaderPosition position = t->state.train_position;
-        int ranks = t->comm->world;
-        if (position.step % ranks != 0) {
-            fprintf(stderr, "error: %s: its data position (batch %lld of epoch %lld) is no multiple of %d ranks: resume on "
-                            "a world size that divides it\n", path, (long long)position.step, (long long)position.epoch, ranks);
-            exit(EXIT_FAILURE);
-        }
-        position.step /= ranks;
-        if (dataloader_set_position(&t->train_loader, position, error, sizeof(error)) != 0) fail(error);
+        // validate_run has checked the position against this run (check_trainer_state).
+        DataloaderPosition position;
+        const char *key;
+        if (resume_position(t->c, &t->state, &t->train_loader, t->comm->world, &position, &key, error, sizeof(error)) != 0 ||
+            dataloader_set_position(&t->train_loader, position, error, sizeof(error)) != 0)
+            fail_input(t->parser, "out_dir", error);
         t->sample_rng.state = t->state.sample_rng_state;
     }
     fclose(f);
@@ -586,13 +827,23 @@ static void save_checkpoint(Trainer *t) {
         f = checkpoint_begin(c->out_dir, &h, error, sizeof(error));
         if (!f) fail(error);
     }
-    adamw_write_section(&t->opt, 0, f, c->out_dir, ranks, rank, gather, context, t->host_chunk, chunk);
-    adamw_save(&t->opt, f, c->out_dir, ranks, rank, gather, context, t->host_chunk, chunk);
+    int failed = adamw_write_section(&t->opt, 0, f, ranks, rank, gather, context, t->host_chunk, chunk);
+    int failed_too = adamw_save(&t->opt, f, ranks, rank, gather, context, t->host_chunk, chunk);
     if (rank != 0) return;
     t->state.train_position = dataloader_position(&t->train_loader);
     t->state.train_position.step *= t->comm->world;
     t->state.sample_rng_state = t->sample_rng.state;
-    if (fwrite(&t->state, sizeof(TrainerState), 1, f) != 1) fail("cannot write the checkpoint's trainer state");
+    t->state.data_seed = c->seed;
+    t->state.data_shuffle = training_order(c);
+    t->state.data_micro_batch_size = c->micro_batch_size;
+    t->state.data_seq_len = c->seq_len;
+    if (!failed) failed = failed_too;
+    if (!failed && fwrite(&t->state, sizeof(TrainerState), 1, f) != 1) failed = errno ? errno : EIO;
+    if (failed) {
+        checkpoint_abandon(f, c->out_dir, h.step);  // a partial file would only fill the disk
+        fprintf(stderr, "error: %s/ckpt_%08lld.bin.tmp: write failed: %s (removed)\n", c->out_dir, h.step, strerror(failed));
+        exit(EXIT_FAILURE);
+    }
     if (checkpoint_commit(f, c->out_dir, &h, error, sizeof(error)) != 0) fail(error);
     checkpoint_prune(c->out_dir, c->checkpoints_keep);
     printf("checkpoint: %s/ckpt_%08lld.bin\n", c->out_dir, h.step);
@@ -946,12 +1197,15 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
     op_timer_mark(m->timer, "gradient norm", s);
     cudaCheck(cudaMemcpyAsync(t->host_scalar, m->grad_norm_squared, sizeof(float), cudaMemcpyDeviceToHost, s));
     cudaCheck(cudaStreamSynchronize(s));
-    double sums[2] = {loss_sum, *t->host_scalar};  // the norm: of the shards' sums of squares
+    // The norm: of the shards' sums of squares. The stop votes ride along: every rank ends the
+    // step with the same answer, so all stop at one step boundary or none does.
+    double sums[3] = {loss_sum, stop_signal != 0 ? 1.0 : 0.0, *t->host_scalar};
     if (ranks > 1) {
-        zero_all_reduce_sum_f64(&t->zero, sums, sharded ? 2 : 1, s);
+        zero_all_reduce_sum_f64(&t->zero, sums, sharded ? 3 : 2, s);
         sums[0] /= ranks;
     }
-    *grad_norm = sqrtf((float)sums[1]);
+    t->stop_requested = sums[1] > 0;
+    *grad_norm = sqrtf((float)sums[2]);
     float loss = (float)(sums[0] / t->grad_accum);
     if (isfinite(loss) && isfinite(*grad_norm)) {  // the same values on every rank: all step or none
         float scale = t->c->grad_clip > 0 ? grad_clip_factor(*grad_norm, t->c->grad_clip) : 1.0f;
@@ -971,6 +1225,134 @@ static void log_validation(Trainer *t) {
     run_log_val(&t->log, t->state.step, val);
 }
 
+static void install_stop_handlers(void) {
+    struct sigaction action;
+    memset(&action, 0, sizeof(action));
+    action.sa_handler = on_stop_signal;
+    action.sa_flags = SA_RESTART;  // reads and writes under way go on
+    sigemptyset(&action.sa_mask);
+    int signals[3] = {SIGTERM, SIGINT, SIGUSR1};
+    for (int i = 0; i < 3; i++)
+        if (sigaction(signals[i], &action, NULL) != 0) fail("cannot install the handlers of SIGTERM, SIGINT and SIGUSR1");
+}
+
+static double seconds_now(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + now.tv_nsec / 1e9;
+}
+
+// "1h02m", "3m07s", "42s": durations in the step line.
+static const char *format_duration(double seconds, char *out, size_t size) {
+    long long s = (long long)(seconds + 0.5);
+    if (s >= 3600) snprintf(out, size, "%lldh%02lldm", s / 3600, s / 60 % 60);
+    else if (s >= 60) snprintf(out, size, "%lldm%02llds", s / 60, s % 60);
+    else snprintf(out, size, "%llds", s);
+    return out;
+}
+
+// Rank 0, before the first step: removes what killed runs left half-written, then (overwrite)
+// the earlier run, then opens the log. Returns the training time the log has recorded so far.
+static double prepare_out_dir(Trainer *t) {
+    const TrainConfig *c = t->c;
+    char error[4400], earlier[256];
+    int removed = run_dir_remove_temporaries(c->out_dir, error, sizeof(error));
+    if (removed < 0) fail(error);
+    if (removed > 0) printf("removed %d unfinished temporary file(s) from %s (an interrupted run's)\n", removed, c->out_dir);
+    // Only now, with every input checked and the start checkpoint read, does overwrite remove anything.
+    if (c->overwrite && !c->resume && run_dir_describe(c->out_dir, earlier, sizeof(earlier))) {
+        if (run_dir_clear(c->out_dir, error, sizeof(error)) != 0) fail(error);
+        printf("overwrite = 1: removed the earlier run in %s (%s)\n", c->out_dir, earlier);
+    }
+    double elapsed_s = 0.0;
+    if (run_log_open(&t->log, c->out_dir, t->state.step, c->resume, &elapsed_s, error, sizeof(error)) != 0) fail(error);
+    return elapsed_s;
+}
+
+// The step line and its log record: loss and rate, then time (since step 0, over resumes) and
+// the estimate of what is left at this run's pace, and the tokens seen since step 0.
+static void report_step(Trainer *t, float loss, float lr, float grad_norm, float ms, double elapsed_s, double remaining_s) {
+    const TrainConfig *c = t->c;
+    int ranks = t->comm->world;
+    long long tokens_per_step = (long long)c->micro_batch_size * c->seq_len * ranks * t->grad_accum;
+    double tokens_per_s = tokens_per_step / (ms / 1000.0);
+    double mfu = tokens_per_s / ranks * t->flops_per_token / 989e12;
+    size_t free_bytes, total_bytes;
+    cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
+    double mem = gib(total_bytes - free_bytes);
+    char elapsed[32], left[32];
+    printf("step %6lld/%d | loss %.4f | lr %.3e | norm %.3f | %.1f ms | %.0f tok/s | MFU %.1f%% | %.1f GiB | %s elapsed, %s "
+           "left | %.4gM tokens\n", t->state.step, c->max_steps, loss, lr, grad_norm, ms, tokens_per_s, 100.0 * mfu, mem,
+           format_duration(elapsed_s, elapsed, sizeof(elapsed)), format_duration(remaining_s, left, sizeof(left)),
+           t->state.tokens_seen / 1e6);
+    fflush(stdout);
+    run_log_train(&t->log, t->state.step, loss, lr, grad_norm, ms, t->state.tokens_seen, tokens_per_s, mfu, mem, elapsed_s,
+                  remaining_s);
+}
+
+// A step whose loss or norm is not finite was skipped; too many in a row end the run.
+static void report_nonfinite_step(Trainer *t, float loss, float grad_norm, int in_a_row) {
+    const TrainConfig *c = t->c;
+    long long step = t->state.step;
+    printf("step %6lld/%d | loss %g | norm %g: not finite, optimizer step skipped (%d in a row, max_nonfinite_steps %d)\n",
+           step, c->max_steps, loss, grad_norm, in_a_row, c->max_nonfinite_steps);
+    fflush(stdout);
+    run_log_skipped(&t->log, step, loss, grad_norm);
+    if (in_a_row < c->max_nonfinite_steps) return;
+    fprintf(stderr, "error: step %lld: %d steps in a row with a non-finite loss or gradient norm (max_nonfinite_steps); "
+                    "stopping, the newest checkpoint in %s is from before them\n", step, in_a_row, c->out_dir);
+    exit(EXIT_FAILURE);
+}
+
+// The training steps from the checkpoint's (or 0) to max_steps; elapsed_s: the log's time so far.
+// Returns 0, or EXIT_PREEMPTED when a stop signal ended the run early with a checkpoint.
+static int train_loop(Trainer *t, double elapsed_s) {
+    const TrainConfig *c = t->c;
+    long long tokens_per_step = (long long)c->micro_batch_size * c->seq_len * t->comm->world * t->grad_accum;
+    cudaEvent_t start, stop;
+    cudaCheck(cudaEventCreate(&start));
+    cudaCheck(cudaEventCreate(&stop));
+    // Validation, samples and checkpoints come after the step they follow, so a run resumed from
+    // a checkpoint repeats none of them.
+    if (t->state.step == 0 && t->have_val && c->val_every > 0) log_validation(t);
+    long long first_step = t->state.step + 1;
+    int nonfinite_in_a_row = 0, preempted = 0;
+    double started = seconds_now(), clock_before = elapsed_s;
+    while (t->state.step < c->max_steps && !preempted) {
+        float lr = learning_rate_at(c, (int)t->state.step), grad_norm = 0.0f;
+        cudaCheck(cudaEventRecord(start, t->gpu.stream));
+        float loss = train_step(t, lr, &grad_norm);
+        cudaCheck(cudaEventRecord(stop, t->gpu.stream));
+        cudaCheck(cudaEventSynchronize(stop));
+        float ms = 0.0f;
+        cudaCheck(cudaEventElapsedTime(&ms, start, stop));
+        long long step = ++t->state.step;
+        op_timer_end_step(t->timer);
+        if (step == first_step) op_timer_clear(t->timer);  // it chooses the GEMM algorithms
+        t->state.tokens_seen += tokens_per_step;
+        double this_run = seconds_now() - started;
+        elapsed_s = clock_before + this_run;
+        if (!isfinite(loss) || !isfinite(grad_norm)) {
+            report_nonfinite_step(t, loss, grad_norm, ++nonfinite_in_a_row);
+        } else {
+            nonfinite_in_a_row = 0;
+            report_step(t, loss, lr, grad_norm, ms, elapsed_s, this_run / (step - first_step + 1) * (c->max_steps - step));
+        }
+        int last = step == c->max_steps;
+        if (t->have_val && c->val_every > 0 && (step % c->val_every == 0 || last)) log_validation(t);
+        if (t->comm->rank == 0 && c->sample_every > 0 && (step % c->sample_every == 0 || last)) print_sample(t);
+        int saved = (last && c->checkpoint_final) || (c->checkpoint_every > 0 && step % c->checkpoint_every == 0);
+        preempted = t->stop_requested && !last;
+        if (saved || preempted) save_checkpoint(t);  // every rank: with sharded states each sends rank 0 its shard
+    }
+    if (preempted)
+        printf("step %lld: stopped by %s with its checkpoint written (exit %d): resume = 1 continues the run\n",
+               t->state.step, stop_signal ? strsignal(stop_signal) : "another rank's signal", EXIT_PREEMPTED);
+    cudaCheck(cudaEventDestroy(start));
+    cudaCheck(cudaEventDestroy(stop));
+    return preempted ? EXIT_PREEMPTED : 0;
+}
+
 // Several ranks train one model, data-parallel: each reads its part of every global batch and
 // the gradients are summed over the ranks. ZeRO stage 0: every rank steps the whole optimizer
 // state; stage 1: each steps its shard of it (coat/zero.h) and the parameters are gathered after
@@ -981,7 +1363,10 @@ static int train(ConfigParser *parser, const Comm *comm) {
     const TrainConfig *c = &parser->values;
     char error[1024];
     int ranks = comm->world, rank0 = comm->rank == 0;
-    check_run_config(parser);
+    if (rank0 && c->world_size > 0 && c->world_size != ranks)
+        fprintf(stderr, "warning: %s: world_size %d plans dry runs only: this run trains on the %d rank(s) launched\n",
+                config_source(parser, "world_size"), c->world_size, ranks);
+    validate_run(parser, ranks, comm->launch, 0);
     agree_check(NULL, 0);  // every rank passed the checks that need no GPU (coat/agree.h)
     if (rank0 && shard_make_directories(c->out_dir, error, sizeof(error)) != 0) {
         fprintf(stderr, "%s\n", error);
@@ -1001,77 +1386,19 @@ static int train(ConfigParser *parser, const Comm *comm) {
     Trainer *t = (Trainer *)malloc(sizeof(Trainer));
     if (!t) fail("out of host memory");
     trainer_create(t, parser, comm);
+    int status = 0;
     if (c->generate) {
         if (rank0) print_sample(t);
-        trainer_free(t);
-        free(t);
-        return 0;
+    } else {
+        double elapsed_s = rank0 ? prepare_out_dir(t) : 0.0;
+        install_stop_handlers();
+        status = train_loop(t, elapsed_s);
+        run_log_close(&t->log);
+        if (t->timer) op_timer_print(stdout, t->timer);
     }
-    // Only now, with every input checked and the start checkpoint read, does overwrite remove anything.
-    char earlier[256];
-    if (rank0 && c->overwrite && !c->resume && run_dir_describe(c->out_dir, earlier, sizeof(earlier))) {
-        if (run_dir_clear(c->out_dir, error, sizeof(error)) != 0) fail(error);
-        printf("overwrite = 1: removed the earlier run in %s (%s)\n", c->out_dir, earlier);
-    }
-    if (rank0 && run_log_open(&t->log, c->out_dir, t->state.step, c->resume, error, sizeof(error)) != 0) fail(error);
-    long long tokens_per_step = (long long)c->micro_batch_size * c->seq_len * ranks * t->grad_accum;
-    cudaEvent_t start, stop;
-    cudaCheck(cudaEventCreate(&start));
-    cudaCheck(cudaEventCreate(&stop));
-    // Validation, samples and checkpoints come after the step they follow, so a run resumed from
-    // a checkpoint repeats none of them.
-    if (t->state.step == 0 && t->have_val && c->val_every > 0) log_validation(t);
-    long long first_step = t->state.step + 1;
-    int nonfinite_in_a_row = 0;
-    while (t->state.step < c->max_steps) {
-        float lr = learning_rate_at(c, (int)t->state.step), grad_norm = 0.0f;
-        cudaCheck(cudaEventRecord(start, t->gpu.stream));
-        float loss = train_step(t, lr, &grad_norm);
-        cudaCheck(cudaEventRecord(stop, t->gpu.stream));
-        cudaCheck(cudaEventSynchronize(stop));
-        float ms = 0.0f;
-        cudaCheck(cudaEventElapsedTime(&ms, start, stop));
-        long long step = ++t->state.step;
-        op_timer_end_step(t->timer);
-        if (step == first_step) op_timer_clear(t->timer);  // it chooses the GEMM algorithms
-        t->state.tokens_seen += tokens_per_step;
-        double tokens_per_s = tokens_per_step / (ms / 1000.0);
-        double mfu = tokens_per_s / ranks * t->flops_per_token / 989e12;
-        size_t free_bytes, total_bytes;
-        cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
-        double mem = gib(total_bytes - free_bytes);
-        if (!isfinite(loss) || !isfinite(grad_norm)) {
-            nonfinite_in_a_row++;
-            printf("step %6lld/%d | loss %g | norm %g: not finite, optimizer step skipped (%d in a row, max_nonfinite_steps %d)\n",
-                   step, c->max_steps, loss, grad_norm, nonfinite_in_a_row, c->max_nonfinite_steps);
-            fflush(stdout);
-            run_log_skipped(&t->log, step, loss, grad_norm);
-            if (nonfinite_in_a_row >= c->max_nonfinite_steps) {
-                fprintf(stderr, "error: step %lld: %d steps in a row with a non-finite loss or gradient norm (max_nonfinite_steps); "
-                                "stopping, the newest checkpoint in %s is from before them\n",
-                        step, nonfinite_in_a_row, c->out_dir);
-                exit(EXIT_FAILURE);
-            }
-        } else {
-            nonfinite_in_a_row = 0;
-            printf("step %6lld/%d | loss %.4f | lr %.3e | norm %.3f | %.1f ms | %.0f tok/s | MFU %.1f%% | %.1f GiB\n", step,
-                   c->max_steps, loss, lr, grad_norm, ms, tokens_per_s, 100.0 * mfu, mem);
-            fflush(stdout);
-            run_log_train(&t->log, step, loss, lr, grad_norm, ms, t->state.tokens_seen, tokens_per_s, mfu, mem);
-        }
-        int last = step == c->max_steps;
-        if (t->have_val && c->val_every > 0 && (step % c->val_every == 0 || last)) log_validation(t);
-        if (rank0 && c->sample_every > 0 && (step % c->sample_every == 0 || last)) print_sample(t);
-        if ((last && c->checkpoint_final) || (c->checkpoint_every > 0 && step % c->checkpoint_every == 0))
-            save_checkpoint(t);  // every rank: with sharded states each sends rank 0 its shard
-    }
-    run_log_close(&t->log);
-    if (t->timer) op_timer_print(stdout, t->timer);
-    cudaCheck(cudaEventDestroy(start));
-    cudaCheck(cudaEventDestroy(stop));
     trainer_free(t);
     free(t);
-    return 0;
+    return status;
 }
 
 int main(int argc, char **argv) {
@@ -1105,7 +1432,7 @@ int main(int argc, char **argv) {
     if (parser->values.dry_run) {
         // dry_run plans world_size ranks, or those launched (mpirun -np N ... --dry_run=1: rank 0
         // prints the plan, every rank checks its inputs).
-        status = dry_run(parser, parser->values.world_size > 0 ? parser->values.world_size : comm.world);
+        status = dry_run(parser, parser->values.world_size > 0 ? parser->values.world_size : comm.world, comm.launch);
         agree_check(NULL, status);
         agree_end();
     } else {

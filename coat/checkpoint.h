@@ -1,29 +1,41 @@
 // Checkpoint files: everything needed to continue a run bit-exactly. Little-endian layout:
-//   "LLAMACK1", int64 fields[63] (CheckpointField), then FP32 master weights [total_padded]
-//   (the layout of coat/params.h), the optimizer state and the trainer state (opaque blobs).
+//   "LLAMACK1", int64 fields[63] (CheckpointField), then three sections: FP32 master weights
+//   [total_padded] (the layout of coat/params.h), the optimizer state and the trainer state
+//   (opaque blobs).
+// Version 2 carries a CRC-32 (zlib's) of each section and of the header itself (computed with
+// its own field zero): a flipped bit or a zero-filled stretch anywhere is refused on load, naming
+// the section. Version 1 (no checksums; what scripts/convert_hf.py writes) is still read, its
+// weights unchecked, with a warning; it holds no trainer state this build resumes from.
 // Written atomically: DIR/ckpt_<step>.bin.tmp, fsync, rename, then DIR/ckpt_<step>.done; a
 // checkpoint without its .done marker is ignored. scripts/convert_hf.py reads the same format.
 #pragma once
 #include <dirent.h>
 #include <errno.h>
+#include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <zlib.h>
 #include "model_shape.h"
 
 #define CHECKPOINT_MAGIC "LLAMACK1"
-#define CHECKPOINT_VERSION 1
+#define CHECKPOINT_VERSION 2
+#define CHECKPOINT_VERSION_UNCHECKED 1  // the version before checksums
 #define CHECKPOINT_FIELDS 63
 #define CHECKPOINT_HEADER_BYTES (8 + 8 * CHECKPOINT_FIELDS)
+#define CHECKPOINT_SECTIONS 3  // weights, optimizer state, trainer state
 
 typedef enum {
     CK_VERSION, CK_VOCAB, CK_DIM, CK_LAYERS, CK_HEADS, CK_KV_HEADS, CK_FFN, CK_MAX_SEQ,
     CK_ROPE_THETA, CK_NORM_EPS, CK_ROPE_SCALING, CK_ROPE_LOW, CK_ROPE_HIGH, CK_ROPE_ORIGINAL,
-    CK_STEP, CK_TOTAL_PADDED, CK_HAS_OPTIMIZER, CK_OPTIMIZER_BYTES, CK_TRAINER_BYTES
+    CK_STEP, CK_TOTAL_PADDED, CK_HAS_OPTIMIZER, CK_OPTIMIZER_BYTES, CK_TRAINER_BYTES,
+    CK_CRC_WEIGHTS, CK_CRC_OPTIMIZER, CK_CRC_TRAINER, CK_CRC_HEADER  // version 2
 } CheckpointField;
+
+static const char *const checkpoint_section_names[CHECKPOINT_SECTIONS] = {"weights", "optimizer state", "trainer state"};
 
 typedef struct {
     ModelShape shape;
@@ -32,7 +44,25 @@ typedef struct {
     int has_optimizer_state;
     size_t optimizer_state_bytes;
     size_t trainer_state_bytes;
+    int version;                        // as read; a written header is CHECKPOINT_VERSION
+    uint32_t crc[CHECKPOINT_SECTIONS];  // zlib crc32 of each section (version 2)
 } CheckpointHeader;
+
+static inline size_t checkpoint_section_bytes(const CheckpointHeader *h, int section) {
+    return section == 0 ? 4 * h->total_padded : section == 1 ? h->optimizer_state_bytes : h->trainer_state_bytes;
+}
+
+static inline unsigned long long checkpoint_file_bytes(const CheckpointHeader *h) {
+    return CHECKPOINT_HEADER_BYTES + 4ull * h->total_padded + h->optimizer_state_bytes + h->trainer_state_bytes;
+}
+
+// The header's own checksum: the magic and the fields with CK_CRC_HEADER zero.
+static inline uint32_t checkpoint_header_crc(const char header[CHECKPOINT_HEADER_BYTES]) {
+    char copy[CHECKPOINT_HEADER_BYTES];
+    memcpy(copy, header, sizeof(copy));
+    memset(copy + 8 + 8 * CK_CRC_HEADER, 0, 8);
+    return (uint32_t)crc32(0L, (const Bytef *)copy, sizeof(copy));
+}
 
 static inline int64_t checkpoint_double_bits(double x) { int64_t bits; memcpy(&bits, &x, 8); return bits; }
 static inline double checkpoint_bits_double(int64_t bits) { double x; memcpy(&x, &bits, 8); return x; }
@@ -53,8 +83,31 @@ static inline void checkpoint_encode_header(const CheckpointHeader *h, char out[
     f[CK_HAS_OPTIMIZER] = h->has_optimizer_state;
     f[CK_OPTIMIZER_BYTES] = (int64_t)h->optimizer_state_bytes;
     f[CK_TRAINER_BYTES] = (int64_t)h->trainer_state_bytes;
+    for (int i = 0; i < CHECKPOINT_SECTIONS; i++) f[CK_CRC_WEIGHTS + i] = h->crc[i];
     memcpy(out, CHECKPOINT_MAGIC, 8);
     memcpy(out + 8, f, sizeof(f));
+    f[CK_CRC_HEADER] = checkpoint_header_crc(out);
+    memcpy(out + 8 + 8 * CK_CRC_HEADER, &f[CK_CRC_HEADER], 8);
+}
+
+// Refuses a model-shape field that an int cannot hold: a damaged header would otherwise be cut to
+// another, plausible value. Returns 0, or -1 with the field in `error`.
+static inline int checkpoint_check_int_fields(const int64_t f[CHECKPOINT_FIELDS], char *error, size_t error_size) {
+    static const struct { CheckpointField field; const char *name; } ints[] = {
+        {CK_VOCAB, "vocab_size"}, {CK_DIM, "dim"}, {CK_LAYERS, "n_layers"}, {CK_HEADS, "n_heads"}, {CK_KV_HEADS, "n_kv_heads"},
+        {CK_FFN, "ffn_dim"}, {CK_MAX_SEQ, "max_seq_len"}, {CK_ROPE_ORIGINAL, "rope_original_max_seq_len"}};
+    for (size_t i = 0; i < sizeof(ints) / sizeof(ints[0]); i++) {
+        int64_t value = f[ints[i].field];
+        if (value < 0 || value > INT_MAX) {
+            snprintf(error, error_size, "corrupt header (%s %lld is outside 0..%d)", ints[i].name, (long long)value, INT_MAX);
+            return -1;
+        }
+    }
+    if (f[CK_HAS_OPTIMIZER] != 0 && f[CK_HAS_OPTIMIZER] != 1) {
+        snprintf(error, error_size, "corrupt header (has_optimizer_state %lld is neither 0 nor 1)", (long long)f[CK_HAS_OPTIMIZER]);
+        return -1;
+    }
+    return 0;
 }
 
 // Returns 0, or -1 with "what is wrong" in error.
@@ -63,10 +116,18 @@ static inline int checkpoint_decode_header(const char in[CHECKPOINT_HEADER_BYTES
     int64_t f[CHECKPOINT_FIELDS];
     if (memcmp(in, CHECKPOINT_MAGIC, 8) != 0) { snprintf(error, error_size, "not a train_llama checkpoint (bad magic)"); return -1; }
     memcpy(f, in + 8, sizeof(f));
-    if (f[CK_VERSION] != CHECKPOINT_VERSION) {
-        snprintf(error, error_size, "checkpoint version %lld, expected %d", (long long)f[CK_VERSION], CHECKPOINT_VERSION);
+    if (f[CK_VERSION] != CHECKPOINT_VERSION && f[CK_VERSION] != CHECKPOINT_VERSION_UNCHECKED) {
+        snprintf(error, error_size, "checkpoint version %lld, this build reads %d and %d", (long long)f[CK_VERSION],
+                 CHECKPOINT_VERSION_UNCHECKED, CHECKPOINT_VERSION);
         return -1;
     }
+    h->version = (int)f[CK_VERSION];
+    if (h->version == CHECKPOINT_VERSION && (uint64_t)f[CK_CRC_HEADER] != checkpoint_header_crc(in)) {
+        snprintf(error, error_size, "the header fails its checksum (crc32 %08x, the header says %08llx): the file is damaged",
+                 (unsigned)checkpoint_header_crc(in), (unsigned long long)f[CK_CRC_HEADER]);
+        return -1;
+    }
+    if (checkpoint_check_int_fields(f, error, error_size) != 0) return -1;
     ModelShape *m = &h->shape;
     m->vocab_size = (int)f[CK_VOCAB]; m->dim = (int)f[CK_DIM]; m->n_layers = (int)f[CK_LAYERS];
     m->n_heads = (int)f[CK_HEADS]; m->n_kv_heads = (int)f[CK_KV_HEADS]; m->ffn_dim = (int)f[CK_FFN];
@@ -82,6 +143,7 @@ static inline int checkpoint_decode_header(const char in[CHECKPOINT_HEADER_BYTES
     h->has_optimizer_state = (int)f[CK_HAS_OPTIMIZER];
     h->optimizer_state_bytes = (size_t)f[CK_OPTIMIZER_BYTES];
     h->trainer_state_bytes = (size_t)f[CK_TRAINER_BYTES];
+    for (int i = 0; i < CHECKPOINT_SECTIONS; i++) h->crc[i] = (uint32_t)f[CK_CRC_WEIGHTS + i];
     if (f[CK_STEP] < 0 || f[CK_TOTAL_PADDED] <= 0 || f[CK_OPTIMIZER_BYTES] < 0 || f[CK_TRAINER_BYTES] < 0) {
         snprintf(error, error_size, "corrupt header (negative sizes)");
         return -1;
@@ -204,12 +266,77 @@ static inline int run_dir_clear(const char *dir, char *error, size_t size) {
     return status;
 }
 
-// Starts DIR/ckpt_<step>.bin.tmp and writes the header; the caller writes the sections in order
-// (master weights, optimizer state, trainer state) and then calls checkpoint_commit.
+// Removes what an interrupted write left in DIR (ckpt_<step>.bin.tmp, log.jsonl.tmp): a killed
+// run's partial checkpoint would otherwise stay, filling the disk. Returns the files removed, or
+// -1 with `error` naming the file that could not be.
+static inline int run_dir_remove_temporaries(const char *dir, char *error, size_t size) {
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    struct dirent *entry;
+    int removed = 0;
+    while ((entry = readdir(d)) != NULL && removed >= 0) {
+        size_t length = strlen(entry->d_name);
+        int temporary = length > 4 && strcmp(entry->d_name + length - 4, ".tmp") == 0 &&
+                        (strncmp(entry->d_name, "ckpt_", 5) == 0 || strcmp(entry->d_name, "log.jsonl.tmp") == 0);
+        if (!temporary) continue;
+        char path[4096];
+        snprintf(path, sizeof(path), "%s/%s", dir, entry->d_name);
+        if (remove(path) == 0) {
+            removed++;
+        } else {
+            snprintf(error, size, "%s: cannot remove this stale temporary file: %s", path, strerror(errno));
+            removed = -1;
+        }
+    }
+    closedir(d);
+    return removed;
+}
+
+// CRC-32 of each section as the file holds them (read from just after the header). Returns 0, or
+// -1 with `error` naming the file.
+static inline int checkpoint_section_crcs(FILE *f, const char *path, const CheckpointHeader *h,
+                                          uint32_t crc[CHECKPOINT_SECTIONS], char *error, size_t error_size) {
+    const size_t CHUNK = (size_t)1 << 20;
+    unsigned char *buffer = (unsigned char *)malloc(CHUNK);
+    if (!buffer) { snprintf(error, error_size, "%s: out of host memory for the checksums", path); return -1; }
+    int status = fseeko(f, CHECKPOINT_HEADER_BYTES, SEEK_SET) == 0 ? 0 : -1;
+    for (int section = 0; section < CHECKPOINT_SECTIONS && status == 0; section++) {
+        uLong sum = crc32(0L, Z_NULL, 0);
+        for (size_t left = checkpoint_section_bytes(h, section); left > 0 && status == 0;) {
+            size_t n = left < CHUNK ? left : CHUNK;
+            if (fread(buffer, 1, n, f) != n) status = -1;
+            else sum = crc32(sum, buffer, (uInt)n);
+            left -= n;
+        }
+        crc[section] = (uint32_t)sum;
+    }
+    if (status != 0)
+        snprintf(error, error_size, "%s: read failed while checksumming: %s", path, ferror(f) ? strerror(errno) : "truncated");
+    free(buffer);
+    return status;
+}
+// Checks each section against its checksum (version 2; version 1 has none). Returns 0, or -1 with
+// `error` naming the file and the first damaged section.
+static inline int checkpoint_verify(FILE *f, const char *path, const CheckpointHeader *h, char *error, size_t error_size) {
+    if (h->version != CHECKPOINT_VERSION) return 0;
+    uint32_t crc[CHECKPOINT_SECTIONS];
+    if (checkpoint_section_crcs(f, path, h, crc, error, error_size) != 0) return -1;
+    for (int section = 0; section < CHECKPOINT_SECTIONS; section++) {
+        if (crc[section] == h->crc[section]) continue;
+        snprintf(error, error_size, "%s: the %s section fails its checksum (crc32 %08x, the header says %08x): the file is damaged",
+                 path, checkpoint_section_names[section], (unsigned)crc[section], (unsigned)h->crc[section]);
+        return -1;
+    }
+    return 0;
+}
+
+// Starts DIR/ckpt_<step>.bin.tmp with a placeholder header; the caller writes the sections in
+// order (master weights, optimizer state, trainer state) and then calls checkpoint_commit, or
+// checkpoint_abandon when a write failed.
 static inline FILE *checkpoint_begin(const char *dir, const CheckpointHeader *h, char *error, size_t error_size) {
     char tmp[4096], header[CHECKPOINT_HEADER_BYTES];
     checkpoint_path(tmp, sizeof(tmp), dir, h->step, ".bin.tmp");
-    FILE *f = fopen(tmp, "wb");
+    FILE *f = fopen(tmp, "w+b");  // read back for the checksums
     if (!f) { snprintf(error, error_size, "%s: cannot create: %s", tmp, strerror(errno)); return NULL; }
     checkpoint_encode_header(h, header);
     if (fwrite(header, 1, sizeof(header), f) != sizeof(header)) {
@@ -221,32 +348,72 @@ static inline FILE *checkpoint_begin(const char *dir, const CheckpointHeader *h,
     return f;
 }
 
-// Flushes to disk, checks the size against the header, renames into place and marks it done.
-static inline int checkpoint_commit(FILE *f, const char *dir, const CheckpointHeader *h, char *error, size_t error_size) {
+// Closes and removes the unfinished DIR/ckpt_<step>.bin.tmp, which would otherwise fill the disk.
+static inline void checkpoint_abandon(FILE *f, const char *dir, long long step) {
+    char tmp[4096];
+    checkpoint_path(tmp, sizeof(tmp), dir, step, ".bin.tmp");
+    fclose(f);
+    remove(tmp);
+}
+
+// The sections' checksums into the header at the start of the file, then everything to disk.
+// Returns 0, or the errno of the failed call.
+static inline int checkpoint_seal(FILE *f, const char *tmp, CheckpointHeader *h, char *error, size_t error_size) {
+    char header[CHECKPOINT_HEADER_BYTES];
+    if (fflush(f) != 0) return errno ? errno : EIO;
+    if ((unsigned long long)ftello(f) != checkpoint_file_bytes(h)) {
+        snprintf(error, error_size, "%s: %lld bytes written, the header announces %llu", tmp, (long long)ftello(f),
+                 checkpoint_file_bytes(h));
+        return -1;
+    }
+    if (checkpoint_section_crcs(f, tmp, h, h->crc, error, error_size) != 0) return -1;
+    checkpoint_encode_header(h, header);
+    if (fseeko(f, 0, SEEK_SET) != 0 || fwrite(header, 1, sizeof(header), f) != sizeof(header) || fflush(f) != 0 ||
+        fsync(fileno(f)) != 0)
+        return errno ? errno : EIO;
+    return 0;
+}
+
+// Checksums the sections, flushes to disk, renames into place and marks it done. On a failure
+// the temporary file is removed and `error` names it with the reason.
+static inline int checkpoint_commit(FILE *f, const char *dir, CheckpointHeader *h, char *error, size_t error_size) {
     char tmp[4096], final_path[4096], done[4096];
     checkpoint_path(tmp, sizeof(tmp), dir, h->step, ".bin.tmp");
     checkpoint_path(final_path, sizeof(final_path), dir, h->step, ".bin");
     checkpoint_path(done, sizeof(done), dir, h->step, ".done");
-    unsigned long long expected = CHECKPOINT_HEADER_BYTES + 4ull * h->total_padded + h->optimizer_state_bytes + h->trainer_state_bytes;
-    int ok = fflush(f) == 0 && (unsigned long long)ftello(f) == expected && fsync(fileno(f)) == 0;
-    if (fclose(f) != 0) ok = 0;
-    if (!ok) {
-        snprintf(error, error_size, "%s: write failed or wrong size: %s", tmp, strerror(errno));
+    errno = 0;
+    int failed = checkpoint_seal(f, tmp, h, error, error_size);
+    if (failed == 0 && fclose(f) != 0) failed = errno ? errno : EIO;
+    else if (failed != 0) fclose(f);
+    if (failed != 0) {
+        if (failed > 0) snprintf(error, error_size, "%s: write failed: %s", tmp, strerror(failed));
         remove(tmp);
         return -1;
     }
     if (rename(tmp, final_path) != 0) {
         snprintf(error, error_size, "%s: rename failed: %s", final_path, strerror(errno));
+        remove(tmp);
         return -1;
     }
     FILE *marker = fopen(done, "w");
-    if (!marker || fclose(marker) != 0) { snprintf(error, error_size, "%s: cannot create the marker", done); return -1; }
+    if (!marker || fclose(marker) != 0) {
+        snprintf(error, error_size, "%s: cannot create the marker: %s", done, strerror(errno));
+        return -1;
+    }
     return 0;
 }
 
-// Opens a checkpoint and reads its header, checking that the file holds every section it announces.
+// Opens a checkpoint and reads its header, checking that the file holds every section it
+// announces. A path that is no regular file (a folder, a FIFO that would block) is refused
+// before it is opened.
 static inline FILE *checkpoint_open(const char *path, CheckpointHeader *h, char *error, size_t error_size) {
     char header[CHECKPOINT_HEADER_BYTES], what[256];
+    struct stat st;
+    if (stat(path, &st) != 0) { snprintf(error, error_size, "%s: cannot open: %s", path, strerror(errno)); return NULL; }
+    if (!S_ISREG(st.st_mode)) {
+        snprintf(error, error_size, "%s: is %s, not a checkpoint file", path, S_ISDIR(st.st_mode) ? "a directory" : "no regular file");
+        return NULL;
+    }
     FILE *f = fopen(path, "rb");
     if (!f) { snprintf(error, error_size, "%s: cannot open: %s", path, strerror(errno)); return NULL; }
     if (fread(header, 1, sizeof(header), f) != sizeof(header)) {
@@ -259,8 +426,7 @@ static inline FILE *checkpoint_open(const char *path, CheckpointHeader *h, char 
         fclose(f);
         return NULL;
     }
-    struct stat st;
-    unsigned long long expected = CHECKPOINT_HEADER_BYTES + 4ull * h->total_padded + h->optimizer_state_bytes + h->trainer_state_bytes;
+    unsigned long long expected = checkpoint_file_bytes(h);
     if (fstat(fileno(f), &st) != 0 || (unsigned long long)st.st_size != expected) {
         snprintf(error, error_size, "%s: size %lld bytes, header announces %llu (truncated or corrupt)", path,
                  (long long)st.st_size, expected);

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include "model_shape.h"
 
 #define CONFIG_STRING_MAX 512
@@ -369,6 +370,10 @@ static inline int config_parse_line(ConfigParser *parser, const char *path, int 
         if (key != NULL) first_line[key - config_keys] = line_number;
         return config_assign(parser, name, value, where, error, error_size);
     }
+    if (*value == '\0') {
+        snprintf(error, error_size, "%s: include names no file", where);
+        return -1;
+    }
     // Includes are relative to the including file's directory.
     char include_path[PATH_MAX];
     const char *slash = strrchr(path, '/');
@@ -398,6 +403,12 @@ static inline int config_load_file(ConfigParser *parser, const char *path, char 
         snprintf(error, error_size, "%s: includes nested deeper than %d", path, CONFIG_INCLUDE_DEPTH_MAX);
         return -1;
     }
+    // A folder would read as an error, a FIFO would block: only a regular file is a config.
+    struct stat info;
+    if (stat(resolved, &info) == 0 && !S_ISREG(info.st_mode)) {
+        snprintf(error, error_size, "%s: is %s, not a config file", path, S_ISDIR(info.st_mode) ? "a directory" : "no regular file");
+        return -1;
+    }
     FILE *file = fopen(path, "r");
     if (!file) {
         snprintf(error, error_size, "%s: cannot open config: %s", path, strerror(errno));
@@ -407,6 +418,9 @@ static inline int config_load_file(ConfigParser *parser, const char *path, char 
     char line[4096];
     int line_number = 0, status = 0, at_end = 0;
     int first_line[CONFIG_KEY_COUNT] = {0};
+    // A UTF-8 byte order mark (some editors write one) is no part of the first key.
+    unsigned char mark[3];
+    if (fread(mark, 1, sizeof(mark), file) != sizeof(mark) || memcmp(mark, "\xEF\xBB\xBF", sizeof(mark)) != 0) rewind(file);
     while (status == 0 && !at_end) {
         // A line at a time by hand: fgets cannot tell a NUL byte (a binary file) from the line's end.
         size_t length = 0;
@@ -427,7 +441,7 @@ static inline int config_load_file(ConfigParser *parser, const char *path, char 
         }
     }
     if (status == 0 && ferror(file)) {
-        snprintf(error, error_size, "%s: read error", path);
+        snprintf(error, error_size, "%s: read error: %s", path, strerror(errno));
         status = -1;
     }
     fclose(file);

@@ -764,9 +764,12 @@ static inline int adamw_checkpoint_header_check(const AdamW *opt, const AdamWChe
 typedef void (*AdamWGather)(void *context, const void *device, void *host, size_t bytes, int from);
 
 // Rank 0 writes section `section` of `ranks` equal shards (this process is rank `rank`, and
-// every rank calls this in the same order), through `host`, chunk_bytes of host memory.
-static inline void adamw_write_section(const AdamW *opt, int section, FILE *file, const char *path, int ranks, int rank,
-                                       AdamWGather gather, void *context, unsigned char *host, size_t chunk_bytes) {
+// every rank calls this in the same order), through `host`, chunk_bytes of host memory. Returns 0,
+// or on rank 0 the errno of the first failed write: the gathers go on after it, so that every
+// rank stays in step, and the caller names the file.
+static inline int adamw_write_section(const AdamW *opt, int section, FILE *file, int ranks, int rank, AdamWGather gather,
+                                      void *context, unsigned char *host, size_t chunk_bytes) {
+    int failed = 0;
     for (int r = 0; r < ranks; r++) {
         size_t begin = (size_t)r * opt->n, end = begin + opt->n < opt->total ? begin + opt->n : opt->total;
         if (end <= begin) break;
@@ -775,9 +778,10 @@ static inline void adamw_write_section(const AdamW *opt, int section, FILE *file
         for (size_t done = 0; done < bytes; done += chunk_bytes) {
             size_t chunk = bytes - done < chunk_bytes ? bytes - done : chunk_bytes;
             gather(context, device + done, host, chunk, r);
-            if (rank == 0 && fwrite(host, 1, chunk, file) != chunk) fail_with(path, "cannot write the optimizer state");
+            if (rank == 0 && !failed && fwrite(host, 1, chunk, file) != chunk) failed = errno ? errno : EIO;
         }
     }
+    return failed;
 }
 
 // This shard's part of section `section`, which starts at byte `start` of the file (through
@@ -799,13 +803,18 @@ static inline void adamw_read_section(AdamW *opt, int section, FILE *file, long 
 }
 
 // The optimizer part of a checkpoint (the weights written before it): header and sections.
-static inline void adamw_save(const AdamW *opt, FILE *file, const char *path, int ranks, int rank, AdamWGather gather,
-                              void *context, unsigned char *host, size_t chunk_bytes) {
+// Returns 0, or on rank 0 the errno of the first failed write (as adamw_write_section).
+static inline int adamw_save(const AdamW *opt, FILE *file, int ranks, int rank, AdamWGather gather, void *context,
+                             unsigned char *host, size_t chunk_bytes) {
     AdamWCheckpointHeader h;
     adamw_checkpoint_header(opt, &h);
-    if (rank == 0 && fwrite(&h, sizeof(h), 1, file) != 1) fail_with(path, "cannot write the optimizer state header");
-    for (int section = 1; section < ADAMW_SECTIONS; section++)
-        adamw_write_section(opt, section, file, path, ranks, rank, gather, context, host, chunk_bytes);
+    int failed = 0;
+    if (rank == 0 && fwrite(&h, sizeof(h), 1, file) != 1) failed = errno ? errno : EIO;
+    for (int section = 1; section < ADAMW_SECTIONS; section++) {
+        int status = adamw_write_section(opt, section, file, ranks, rank, gather, context, host, chunk_bytes);
+        if (!failed) failed = status;
+    }
+    return failed;
 }
 
 // Reads it back from the file's position (this shard's parts), leaving the file after it.

@@ -269,7 +269,8 @@ class ParamLayout:
 # state and the trainer state (opaque here).
 
 CHECKPOINT_MAGIC = b"LLAMACK1"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 1  # written here: no checksums, which train_llama reads with a warning
+CHECKPOINT_READ_VERSIONS = (1, 2)  # 2: train_llama's, a CRC-32 per section in fields 19-22 (coat/checkpoint.h)
 CHECKPOINT_FIELDS = 63
 CHECKPOINT_HEADER_BYTES = 8 + 8 * CHECKPOINT_FIELDS
 _CK_DOUBLE_FIELDS = {8: "rope_theta", 9: "norm_eps", 10: "rope_scaling_factor", 11: "rope_low_freq_factor",
@@ -319,8 +320,8 @@ def unpack_checkpoint_header(data: bytes, path: str) -> CheckpointHeader:
     if data[:8] != CHECKPOINT_MAGIC:
         raise FormatError(f"{path}: not a train_llama checkpoint (bad magic)")
     fields = struct.unpack_from(f"<{CHECKPOINT_FIELDS}q", data, 8)
-    if fields[0] != CHECKPOINT_VERSION:
-        raise FormatError(f"{path}: checkpoint version {fields[0]}, expected {CHECKPOINT_VERSION}")
+    if fields[0] not in CHECKPOINT_READ_VERSIONS:
+        raise FormatError(f"{path}: checkpoint version {fields[0]}, expected one of {CHECKPOINT_READ_VERSIONS}")
     shape = ModelShape()
     for index, key in _CK_INT_SHAPE_FIELDS.items():
         setattr(shape, key, fields[index])

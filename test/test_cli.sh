@@ -344,4 +344,164 @@ expect_fail "truncated shard" "$tmp/cut_000000.bin" --train_data="$tmp/cut_*.bin
 expect_fail "no shard matches" "$tmp/nothing_*.bin" --train_data="$tmp/nothing_*.bin"
 expect_fail "unsupported tokenizer" "$tmp/tokenizer.json: unsupported" --tokenizer="$tmp/tokenizer.json"
 
+
+# Resumable checkpoints (version 2, a CRC-32 per section and of the header) of tiny.conf's model
+# with FP32 (bf16 runs) or FP8+DRE (coat) optimizer states and a trainer state, written here:
+# dry_run checks what training would on the GPU.
+make_resumable() {  # make_resumable DIR STEP KEY=VALUE... (kind=0 fp32 | 3 fp8_dre, epoch, position, seed, shuffle, batch, seq)
+    python3 - "$padded" "$@" <<'PY'
+import os, random, struct, sys, zlib
+padded, folder, step = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+v = dict(kind=0, epoch=0, position=0, seed=1337, shuffle=1, batch=4, seq=64, tokens=0, stepfield=step)
+for arg in sys.argv[4:]:
+    key, value = arg.split("=")
+    v[key] = int(value)
+elem, scalars = {0: (4, 0), 3: (1, 3)}[v["kind"]]
+payload = 2 * (elem * padded + 4 * scalars * (padded // 128))
+rng = random.Random(step)
+weights = bytes(rng.getrandbits(8) for _ in range(4 * padded))
+optimizer = struct.pack("<7Q", 0x4d41444154414f43, 2, v["kind"], 0, padded, step, payload) + bytes(rng.getrandbits(8) for _ in range(payload))
+trainer = struct.pack("<4qQQ3q", v["stepfield"], v["tokens"], v["epoch"], v["position"], 99, v["seed"], v["shuffle"], v["batch"], v["seq"])
+double = lambda x: struct.unpack("<q", struct.pack("<d", struct.unpack("<f", struct.pack("<f", x))[0]))[0]
+fields = [2, 1000, 128, 2, 2, 1, 352, 128, double(10000.0), double(1e-5), double(0.0), double(1.0), double(4.0), 8192, step,
+          padded, 1, len(optimizer), len(trainer), zlib.crc32(weights), zlib.crc32(optimizer), zlib.crc32(trainer), 0]
+fields += [0] * (63 - len(fields))
+fields[22] = zlib.crc32(b"LLAMACK1" + struct.pack("<63q", *fields))
+os.makedirs(folder, exist_ok=True)
+with open(f"{folder}/ckpt_{step:08d}.bin", "wb") as f:
+    f.write(b"LLAMACK1" + struct.pack("<63q", *fields) + weights + optimizer + trainer)
+open(f"{folder}/ckpt_{step:08d}.done", "w").close()
+PY
+}
+# 26000 tokens hold 100 batches of 4 x 65: one rank reads 100 a epoch, 2 ranks 50 each, 3 ranks 33.
+resume=("${data[@]}" --resume=1)
+make_resumable "$tmp/ok_run" 10 position=40
+out=$(./train_llama "${resume[@]}" --out_dir="$tmp/ok_run" 2>&1); rc=$?
+check "dry_run accepts a resumable checkpoint whose sections match their checksums" \
+    "$([ $rc -eq 0 ] && printf '%s' "$out" | grep -q "ckpt_00000010.bin: checkpoint of step 10, every section's checksum right"; echo $?)" "$out"
+# Flipped bits anywhere (header, weights, optimizer state, trainer state) and zero-filled sections
+# are refused, naming the section.
+size=$(stat -c %s "$tmp/ok_run/ckpt_00000010.bin")
+header=512; weights=$((4 * padded)); optimizer=$((56 + 8 * padded)); trainer=72
+flips_refused=0 flips=0
+for spot in header:8:$((header - 8)) weights:$header:$weights "optimizer state:$((header + weights)):$optimizer" \
+            "trainer state:$((header + weights + optimizer)):$trainer"; do
+    name=${spot%%:*} rest=${spot#*:}; start=${rest%%:*} length=${rest#*:}
+    for i in $(seq 0 13); do
+        offset=$((start + (length - 1) * i / 13)) bit=$((i % 8))
+        rm -rf "$tmp/flip"; cp -r "$tmp/ok_run" "$tmp/flip"
+        python3 -c "
+import sys; f = open(sys.argv[1], 'r+b'); f.seek($offset); b = f.read(1); f.seek($offset); f.write(bytes([b[0] ^ (1 << $bit)]))" \
+            "$tmp/flip/ckpt_00000010.bin"
+        err=$(./train_llama "${resume[@]}" --out_dir="$tmp/flip" 2>&1 >/dev/null)
+        flips=$((flips + 1))
+        # (a flipped version field is refused as an unknown version before its checksum is read)
+        expected="the $name section fails its checksum"; [ "$name" = header ] && expected="ckpt_00000010.bin: "
+        if printf '%s' "$err" | grep -qF "$expected"; then flips_refused=$((flips_refused + 1)); else echo "  not refused: bit $bit of byte $offset ($name): $err"; fi
+    done
+    if [ "$name" != header ]; then
+        rm -rf "$tmp/flip"; cp -r "$tmp/ok_run" "$tmp/flip"
+        dd if=/dev/zero of="$tmp/flip/ckpt_00000010.bin" bs=1 seek="$start" count="$length" conv=notrunc status=none
+        err=$(./train_llama "${resume[@]}" --out_dir="$tmp/flip" 2>&1 >/dev/null); rc=$?
+        check "dry_run refuses a zero-filled $name section, naming it" \
+            "$([ $rc -ne 0 ] && printf '%s' "$err" | grep -qF "the $name section fails its checksum"; echo $?)" "$err"
+    fi
+done
+check "dry_run refuses every one of $flips single-bit flips in the header, weights, optimizer and trainer state" \
+    "$([ "$flips_refused" -eq "$flips" ]; echo $?)" "$flips_refused of $flips refused"
+make_resumable "$tmp/step_run" 10 stepfield=11
+err=$(./train_llama "${resume[@]}" --out_dir="$tmp/step_run" 2>&1 >/dev/null); rc=$?
+check "a trainer state at another step than the header is refused" \
+    "$([ $rc -ne 0 ] && printf '%s' "$err" | grep -q "the trainer state is at step 11, the header at step 10"; echo $?)" "$err"
+mv "$tmp/ok_run/ckpt_00000010.bin" "$tmp/ok_run/ckpt_00000012.bin"; mv "$tmp/ok_run/ckpt_00000010.done" "$tmp/ok_run/ckpt_00000012.done"
+err=$(./train_llama "${resume[@]}" --out_dir="$tmp/ok_run" 2>&1 >/dev/null); rc=$?
+check "a checkpoint whose file name and header disagree on the step is refused" \
+    "$([ $rc -ne 0 ] && printf '%s' "$err" | grep -q "ckpt_00000012.bin: the header says step 10"; echo $?)" "$err"
+
+# The data order: a resume that changes what decides it is refused naming the key, or (rows,
+# another micro_batch_size, another world size) continues at the same row of the same order.
+make_resumable "$tmp/order_run" 10 position=40
+for change in micro_batch_size=8 seed=7 shuffle=rows seq_len=32; do
+    expect_stderr "resume with ${change%%=*} changed" "command line: ${change%%=*} differs from the checkpoint's run" \
+        "${resume[@]}" --out_dir="$tmp/order_run" --"$change"
+done
+make_resumable "$tmp/rows_run" 10 position=40 shuffle=2
+out=$(./train_llama "${resume[@]}" --out_dir="$tmp/rows_run" --shuffle=rows --micro_batch_size=8 --total_batch_tokens=512 2>&1); rc=$?
+check "shuffle = rows: micro_batch_size 4 -> 8 continues at row 160 of the same order (step 20)" \
+    "$([ $rc -eq 0 ] && printf '%s' "$out" | grep -q "data position: epoch 0, step 20 of 50 on 1 rank(s)"; echo $?)" "$out"
+make_resumable "$tmp/rows_odd" 10 position=41 shuffle=2
+err=$(./train_llama "${resume[@]}" --out_dir="$tmp/rows_odd" --shuffle=rows --micro_batch_size=8 --total_batch_tokens=512 2>&1 >/dev/null)
+check "shuffle = rows: 164 rows read are no multiple of 8: refused" "$(printf '%s' "$err" | grep -q "164 rows into epoch 0) is no multiple of 1 rank(s) x 8 rows"; echo $?)" "$err"
+# An odd epoch: 25740 tokens hold 99 batches. One rank's checkpoint after 98 of them: 2 ranks
+# would read batches 98 and 99, but there is no batch 99: they go on with the next epoch.
+mkdir -p "$tmp/odd"
+python3 - "$tmp/odd/train_000000.bin" <<'PY'
+import struct, sys
+count = 25740
+with open(sys.argv[1], "wb") as f:
+    f.write(struct.pack("<256i", 20240520, 1, count, *([0] * 253)))
+    f.write(struct.pack(f"<{count}H", *((i * 7) % 1000 for i in range(count))))
+PY
+make_resumable "$tmp/odd_epoch" 10 position=98
+out=$(./train_llama "${resume[@]}" --train_data="$tmp/odd/train_*.bin" --out_dir="$tmp/odd_epoch" --world_size=2 \
+      --total_batch_tokens=512 2>&1); rc=$?
+check "a one-rank checkpoint at the last batch of an odd epoch resumes on 2 ranks at the next epoch" \
+    "$([ $rc -eq 0 ] && printf '%s' "$out" | grep -q "data position: epoch 1, step 0 of 49 on 2 rank(s)"; echo $?)" "$out"
+
+# dry_run refuses what training refused only after allocating the GPU.
+make_resumable "$tmp/coat_run" 10 kind=3 position=40
+err=$(./train_llama "${resume[@]}" --out_dir="$tmp/coat_run" 2>&1 >/dev/null); rc=$?
+check "dry_run refuses a coat checkpoint (FP8+DRE states) resumed in bf16 (FP32 states)" \
+    "$([ $rc -eq 2 ] && printf '%s' "$err" | grep -q "optimizer states are fp8_dre in the file, fp32 in the config"; echo $?)" "$err"
+make_resumable "$tmp/three_run" 10 position=3
+err=$(./train_llama "${resume[@]}" --out_dir="$tmp/three_run" --world_size=2 --total_batch_tokens=512 2>&1 >/dev/null); rc=$?
+check "dry_run refuses a data position 2 ranks do not divide" \
+    "$([ $rc -eq 1 ] && printf '%s' "$err" | grep -q "(3 batches into epoch 0) is no multiple of 2 rank(s)"; echo $?)" "$err"
+make_resumable "$tmp/far_run" 10 position=500
+err=$(./train_llama "${resume[@]}" --out_dir="$tmp/far_run" 2>&1 >/dev/null); rc=$?
+check "dry_run refuses a data position outside the data" \
+    "$([ $rc -eq 1 ] && printf '%s' "$err" | grep -q "is outside train_data's 100 batches per epoch"; echo $?)" "$err"
+err=$(WORLD_SIZE=2 RANK=0 ./train_llama "${data[@]}" --comm_backend=mpi 2>&1 >/dev/null); rc=$?
+check "dry_run refuses comm_backend = mpi for ranks started with WORLD_SIZE and RANK" \
+    "$([ $rc -eq 2 ] && printf '%s' "$err" | grep -q "comm_backend = mpi needs the ranks launched by mpirun"; echo $?)" "$err"
+make_checkpoint "$tmp/gen.bin" padded="$(python3 -c "
+import sys; sys.path.insert(0, 'scripts')
+from llama_layout import ModelShape, ParamLayout
+print(ParamLayout(ModelShape(vocab_size=32000, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=352, max_seq_len=128)).total_padded)")" vocab=32000
+gen=(configs/models/tiny.conf --dry_run=1 --generate=1 --init_from="$tmp/gen.bin" --tokenizer=data/tokenizers/llama2/tokenizer.json
+     --out_dir="$tmp/gen_run" --vocab_size=32000)
+expect_stderr "logits_out in a missing folder" "logits_out '$tmp/missing/logits.bin': its folder '$tmp/missing' does not exist" \
+    "${gen[@]}" --logits_out="$tmp/missing/logits.bin"
+expect_stderr "logits_out onto the checkpoint it reads" "logits_out '$tmp/gen.bin' is the checkpoint $tmp/gen.bin, which this run reads" \
+    "${gen[@]}" --logits_out="$tmp/gen.bin"
+expect_stderr "logits_out without generate" "logits_out is written by generate = 1 only" "${data[@]}" --logits_out="$tmp/logits.bin"
+
+# Settings that would remove the run's own inputs; inputs compared as files, not path strings.
+mkdir -p "$tmp/self"; cp "$tmp/same.bin" "$tmp/self/ckpt_00000003.bin"; touch "$tmp/self/ckpt_00000003.done"
+expect_stderr "overwrite that would remove init_from" "overwrite = 1 would remove $tmp/self/ckpt_00000003.bin, which this run reads (init_from's" \
+    "${data[@]}" --out_dir="$tmp/self" --overwrite=1 --init_from="$tmp/self/ckpt_00000003.bin"
+mkdir -p "$tmp/link"; ln -sf "$tmp/data/train_000000.bin" "$tmp/link/val_000000.bin"
+expect_stderr "validation data that is the training data through a link" "val_data matches $tmp/link/val_000000.bin, which train_data" \
+    "${data[@]}" --val_data="$tmp/link/val_*.bin"
+
+# Special files and folders as inputs: refused before they are opened (a FIFO would block).
+mkfifo "$tmp/fifo.bin" "$tmp/fifo.json"
+err=$(timeout 10 ./train_llama "${data[@]}" --init_from="$tmp/fifo.bin" 2>&1 >/dev/null); rc=$?
+check "a FIFO as init_from is refused at once" "$([ $rc -eq 1 ] && printf '%s' "$err" | grep -q "fifo.bin: is no regular file, not a checkpoint file"; echo $?)" "got $rc: $err"
+err=$(timeout 10 ./train_llama "${data[@]}" --tokenizer="$tmp/fifo.json" 2>&1 >/dev/null); rc=$?
+check "a FIFO as tokenizer is refused at once" "$([ $rc -eq 1 ] && printf '%s' "$err" | grep -q "fifo.json: not a regular file (a FIFO)"; echo $?)" "got $rc: $err"
+err=$(./train_llama "${data[@]}" --init_from="$tmp" 2>&1 >/dev/null); rc=$?
+check "a folder as init_from is named a directory, not a truncated header" \
+    "$([ $rc -eq 1 ] && printf '%s' "$err" | grep -q "$tmp: is a directory, not a checkpoint file"; echo $?)" "$err"
+
+# What was silently ignored: resume = 1 finding no checkpoint, world_size in a training run.
+err=$(./train_llama "${data[@]}" --resume=1 --out_dir="$tmp/no_such_run" 2>&1 >/dev/null); rc=$?
+check "resume = 1 with a folder that does not exist warns that the run starts at step 0" \
+    "$([ $rc -eq 0 ] && printf '%s' "$err" | grep -q "warning: resume = 1, but $tmp/no_such_run holds no checkpoint (the folder does not exist: is its name right?)"; echo $?)" "$err"
+if ! nvidia-smi -L > /dev/null 2>&1; then
+    err=$(./train_llama "${data[@]}" --dry_run=0 --world_size=4 --out_dir="$tmp/ws_run" 2>&1 >/dev/null)
+    check "world_size in a training run warns that it plans dry runs only" \
+        "$(printf '%s' "$err" | grep -q "warning: command line: world_size 4 plans dry runs only: this run trains on the 1 rank(s) launched"; echo $?)" "$err"
+fi
+
 check_summary test_cli

@@ -1,6 +1,7 @@
 // Config files, overrides and their errors; the parameter table; the memory plan's arithmetic.
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include "../coat/config.h"
 #include "../coat/memory_plan.h"
@@ -197,8 +198,22 @@ static void test_parser_limits(ConfigParser *p) {
     check(load(p, write_file("last_char.conf", "learning_rate = 1e-3\nx"), error) != 0 &&
               strstr(error, "last_char.conf:2: expected 'key = value', got 'x'"),
           "a last line of one character without a newline is read (%s)", error);
-    check(load(p, temp_dir, error) != 0 && strstr(error, "read error"), "a directory as a config file is a read error (%s)",
+    check(load(p, temp_dir, error) != 0 && strstr(error, "is a directory, not a config file"),
+          "a directory as a config file is named a directory (%s)", error);
+    check(load(p, write_file("empty_include.conf", "include =\n"), error) != 0 &&
+              strstr(error, "empty_include.conf:1: include names no file"),
+          "an empty include names the line and what is missing, not a read error (%s)", error);
+    check(load(p, write_file("bom.conf", "\xEF\xBB\xBFlearning_rate = 2e-3\n"), error) == 0 &&
+              fabsf(p->values.learning_rate - 2e-3f) < 1e-9f,
+          "a UTF-8 byte order mark before the first key is accepted (%s)", error);
+    check(load(p, write_file("bom_only.conf", "\xEF\xBB\xBF"), error) == 0, "a file holding only a byte order mark is empty (%s)",
           error);
+    check(load(p, write_file("not_bom.conf", "\xEF\xBBlearning_rate = 2e-3\n"), error) != 0 && strstr(error, "not_bom.conf:1"),
+          "two bytes of a byte order mark are no mark: refused at line 1 (%s)", error);
+    char fifo[PATH_MAX];
+    snprintf(fifo, sizeof(fifo), "%s/fifo.conf", temp_dir);
+    check(mkfifo(fifo, 0600) == 0 && load(p, fifo, error) != 0 && strstr(error, "fifo.conf: is no regular file, not a config file"),
+          "a FIFO as a config file is refused before it is opened, which would block (%s)", error);
 
     // --max_steps=000...012 of every length up to past the parser's buffer: read whole as 12 or
     // refused as too long, never cut to 1.

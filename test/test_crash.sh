@@ -4,7 +4,8 @@
 # loss, learning rate and gradient norm) and the same final checkpoint, byte for byte, as the same
 # run left alone, and its stdout, redirected to a file, keeps the step lines printed before each
 # kill. llama-125m at 2 x 128 tokens a step: its checkpoints (about 0.8 GB) take long enough to
-# write that a kill can be aimed inside one.
+# write that a kill can be aimed inside one. Then preemption: SIGTERM stops a run with a checkpoint
+# (exit 75) that resumes to the same log and final checkpoint; a second signal ends it at once.
 cd "$(dirname "$0")/.." || exit 1
 source test/check.sh
 tmp=$(mktemp -d); trap 'kill -9 $pid 2>/dev/null; rm -rf "$tmp"' EXIT
@@ -72,5 +73,53 @@ final=$(printf 'ckpt_%08d' $steps)
 check "its final checkpoint equals the undisturbed run's, byte for byte" \
     "$(cmp -s "$tmp/alone/$final.bin" "$dir/$final.bin" && [ -e "$dir/$final.done" ]; echo $?)"
 check "no checkpoint file is left half-written" "$(! ls "$dir"/*.bin.tmp > /dev/null 2>&1; echo $?)" "$(ls "$dir")"
+
+
+# Preemption: SIGTERM in the middle of the run stops it at the next step boundary with a
+# checkpoint of that step and exit code 75; resumed, it ends with the log and the final checkpoint
+# of the run left alone, byte for byte. The step lines and the log carry the time and tokens.
+dir=$tmp/preempted
+./train_llama "${common[@]}" --out_dir="$dir" > "$tmp/preempted.out" 2>&1 &
+pid=$!
+while kill -0 $pid 2>/dev/null && [ "$(grep -c '^step  *[0-9]*/' "$tmp/preempted.out")" -lt 6 ]; do sleep 0.01; done
+kill -TERM $pid
+{ wait $pid; } 2> /dev/null
+rc=$?
+stopped=$(sed -n 's/^step \([0-9]*\): stopped by .* with its checkpoint written (exit 75).*/\1/p' "$tmp/preempted.out")
+check "SIGTERM stops the run at a step boundary with that step's checkpoint and exit code 75 (step ${stopped:-none})" \
+    "$([ $rc -eq 75 ] && [ -n "$stopped" ] && [ "$stopped" -lt $steps ] && [ -e "$dir/$(printf 'ckpt_%08d' "$stopped").done" ] &&
+       ! ls "$dir"/*.bin.tmp > /dev/null 2>&1; echo $?)" "exit $rc: $(tail -3 "$tmp/preempted.out")"
+./train_llama "${common[@]}" --out_dir="$dir" --resume=1 > "$tmp/preempted-resumed.out" 2>&1
+check "the stopped run resumes to its end" $? "$(tail -3 "$tmp/preempted-resumed.out")"
+check "stopped by SIGTERM and resumed, its log equals the undisturbed run's" \
+    "$(diff <(numbers "$tmp/alone/log.jsonl") <(numbers "$dir/log.jsonl") > "$tmp/diff"; echo $?)" "$(head -6 "$tmp/diff")"
+check "stopped by SIGTERM and resumed, its final checkpoint equals the undisturbed run's, byte for byte" \
+    "$(cmp -s "$tmp/alone/$final.bin" "$dir/$final.bin"; echo $?)"
+check "the step lines give the time elapsed, the time left and the tokens seen" \
+    "$(grep -Eq "^step +$steps/$steps .* \| [0-9hms]+ elapsed, 0s left \| 0\.006144M tokens$" "$tmp/preempted-resumed.out"; echo $?)" \
+    "$(grep "^step +$steps/" "$tmp/preempted-resumed.out")"
+check "the log's training records carry elapsed_s, growing over the resume, and remaining_s" \
+    "$(python3 - "$dir/log.jsonl" <<'PY'
+import json, sys
+records = [r for r in map(json.loads, open(sys.argv[1])) if "train_loss" in r]
+elapsed = [r["elapsed_s"] for r in records]
+ok = len(records) == 24 and elapsed == sorted(elapsed) and elapsed[0] > 0 and records[-1]["remaining_s"] == 0 and \
+     records[-1]["tokens"] == 24 * 2 * 128
+sys.exit(0 if ok else 1)
+PY
+echo $?)" "$(tail -2 "$dir/log.jsonl")"
+# A second signal ends the run at once (the default action: killed by SIGTERM, status 143).
+./train_llama "${common[@]}" --out_dir="$tmp/twice" > "$tmp/twice.out" 2>&1 &
+pid=$!
+while kill -0 $pid 2>/dev/null && [ "$(grep -c '^step  *[0-9]*/' "$tmp/twice.out")" -lt 2 ]; do sleep 0.01; done
+kill -TERM $pid; sleep 0.05; kill -TERM $pid
+{ wait $pid; } 2> /dev/null
+rc=$?
+check "a second SIGTERM ends the run at once (status 143)" "$([ $rc -eq 143 ]; echo $?)" "got $rc: $(tail -2 "$tmp/twice.out")"
+# A stale temporary from a killed run is removed when the next run starts.
+touch "$dir/ckpt_00000099.bin.tmp"
+./train_llama "${common[@]}" --out_dir="$dir" --resume=1 > "$tmp/stale.out" 2>&1
+check "a resumed run removes a killed run's stale .bin.tmp" \
+    "$([ ! -e "$dir/ckpt_00000099.bin.tmp" ] && grep -q 'removed 1 unfinished temporary file' "$tmp/stale.out"; echo $?)" "$(head -3 "$tmp/stale.out")"
 
 check_summary test_crash

@@ -638,7 +638,7 @@ static void test_save_load(Fixture *fx, OptimizerStateKind kind) {
     FILE *file = tmpfile();
     if (!file) { fprintf(stderr, "error: tmpfile: cannot create a temporary file\n"); exit(EXIT_FAILURE); }
     unsigned char *chunk = (unsigned char *)host_alloc(ADAMW_COPY_CHUNK_BYTES);
-    adamw_save(&a, file, "tmpfile", 1, 0, adamw_gather_copy, fx->stream, chunk, ADAMW_COPY_CHUNK_BYTES);
+    check(adamw_save(&a, file, 1, 0, adamw_gather_copy, fx->stream, chunk, ADAMW_COPY_CHUNK_BYTES) == 0, "%s save: written", name);
     float *master_at_save = host_floats(fx->total);  // a checkpoint's own section
     adamw_copy_master_to_host(&a, master_at_save, fx->stream);
     long written = ftell(file);
@@ -913,8 +913,8 @@ static void test_sharded_checkpoint(OptimizerStateKind kind) {
     gpu_run(&whole, &fx, 0, 3);
     FILE *one = tmpfile(), *sharded = tmpfile();
     if (!one || !sharded) { fprintf(stderr, "error: tmpfile: cannot create a temporary file\n"); exit(EXIT_FAILURE); }
-    adamw_write_section(&whole, 0, one, "tmpfile", 1, 0, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
-    adamw_save(&whole, one, "tmpfile", 1, 0, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
+    adamw_write_section(&whole, 0, one, 1, 0, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
+    adamw_save(&whole, one, 1, 0, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
 
     AdamW shards[3];
     for (int r = 0; r < 3; r++) {
@@ -923,8 +923,8 @@ static void test_sharded_checkpoint(OptimizerStateKind kind) {
         gpu_run(&shards[r], &fx, 0, 3);
     }
     ShardGather gather = {shards};
-    adamw_write_section(&shards[0], 0, sharded, "tmpfile", 3, 0, gather_from_shards, &gather, chunk, 4096);
-    adamw_save(&shards[0], sharded, "tmpfile", 3, 0, gather_from_shards, &gather, chunk, 4096);
+    adamw_write_section(&shards[0], 0, sharded, 3, 0, gather_from_shards, &gather, chunk, 4096);
+    adamw_save(&shards[0], sharded, 3, 0, gather_from_shards, &gather, chunk, 4096);
     long one_size, sharded_size;
     unsigned char *one_bytes = read_file(one, &one_size), *sharded_bytes = read_file(sharded, &sharded_size);
     check(one_size == sharded_size && memcmp(one_bytes, sharded_bytes, (size_t)one_size) == 0 &&
