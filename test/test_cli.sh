@@ -6,14 +6,18 @@ source test/check.sh
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 # Shards for the dry runs that plan a model: dry_run refuses an empty train_data as training does.
 # 140,000 tokens: one micro-batch of 64 x 2049 fits.
-mkdir -p "$tmp/plan"
-python3 - "$tmp/plan/train_000000.bin" <<'PY'
+# write_shard PATH COUNT: a uint16 shard of COUNT tokens below 1000.
+write_shard() {
+    python3 - "$1" "$2" <<'PY'
 import struct, sys
-count = 140000
+count = int(sys.argv[2])
 with open(sys.argv[1], "wb") as f:
     f.write(struct.pack("<256i", 20240520, 1, count, *([0] * 253)))
     f.write(struct.pack(f"<{count}H", *((i * 7) % 1000 for i in range(count))))
 PY
+}
+mkdir -p "$tmp/plan"
+write_shard "$tmp/plan/train_000000.bin" 140000
 plan_data="--train_data=$tmp/plan/train_*.bin"
 
 help=$(./train_llama --help); rc=$?
@@ -435,13 +439,7 @@ check "shuffle = rows: 164 rows read are no multiple of 8: refused" "$(printf '%
 # An odd epoch: 25740 tokens hold 99 batches. One rank's checkpoint after 98 of them: 2 ranks
 # would read batches 98 and 99, but there is no batch 99: they go on with the next epoch.
 mkdir -p "$tmp/odd"
-python3 - "$tmp/odd/train_000000.bin" <<'PY'
-import struct, sys
-count = 25740
-with open(sys.argv[1], "wb") as f:
-    f.write(struct.pack("<256i", 20240520, 1, count, *([0] * 253)))
-    f.write(struct.pack(f"<{count}H", *((i * 7) % 1000 for i in range(count))))
-PY
+write_shard "$tmp/odd/train_000000.bin" 25740
 make_resumable "$tmp/odd_epoch" 10 position=98
 out=$(./train_llama "${resume[@]}" --train_data="$tmp/odd/train_*.bin" --out_dir="$tmp/odd_epoch" --world_size=2 \
       --total_batch_tokens=512 2>&1); rc=$?
