@@ -4,10 +4,11 @@
 //   (opaque blobs).
 // Version 2 carries a CRC-32 (zlib's) of each section and of the header itself (computed with
 // its own field zero): a flipped bit or a zero-filled stretch anywhere is refused on load, naming
-// the section. Version 1 (no checksums; what scripts/convert_hf.py writes) is still read, its
-// weights unchecked, with a warning; it holds no trainer state this build resumes from.
+// the section. Version 1 (no checksums; what scripts/convert_hf.py wrote before version 2) is still
+// read, its weights unchecked, with a warning; it holds no trainer state this build resumes from.
 // Written atomically: DIR/ckpt_<step>.bin.tmp, fsync, rename, then DIR/ckpt_<step>.done; a
-// checkpoint without its .done marker is ignored. scripts/convert_hf.py reads the same format.
+// checkpoint without its .done marker is ignored. scripts/convert_hf.py reads both versions and
+// writes version 2 (scripts/llama_layout.py: the same bytes as a weights-only checkpoint here).
 #pragma once
 #include <dirent.h>
 #include <errno.h>

@@ -2,10 +2,14 @@
 """Converts between our checkpoints and Hugging Face Llama folders, with the standard library only.
 
   convert_hf.py export CKPT_FILE OUT_DIR [--dtype bfloat16|float32]
-      writes OUT_DIR/model.safetensors and OUT_DIR/config.json (LlamaForCausalLM)
+      writes OUT_DIR/model.safetensors and OUT_DIR/config.json (LlamaForCausalLM); reads
+      checkpoint versions 2 (every section's CRC-32 verified first: a damaged file is refused
+      naming the section) and 1 (no checksums: read unchecked, with a warning)
   convert_hf.py import HF_DIR CKPT_FILE
       reads HF_DIR/config.json and model.safetensors (or a sharded model.safetensors.index.json),
-      F32 or BF16 tensors, and writes a checkpoint at step 0 without optimizer state
+      F32 or BF16 tensors, and writes a version-2 checkpoint (coat/checkpoint.h: a CRC-32 per
+      section and of the header, the bytes train_llama would write) at step 0 with the weights
+      only: no optimizer or trainer state
 
 Tensors keep their layout: HF nn.Linear weights are [out, in], as ours (coat/params.h).
 safetensors: u64 little-endian header length N, N bytes of JSON {name: {dtype, shape,
@@ -20,8 +24,9 @@ import sys
 from functools import lru_cache
 from typing import Callable, Dict, Iterable, List, Tuple
 
-from llama_layout import (CHECKPOINT_HEADER_BYTES, CheckpointHeader, FormatError, ModelShape, ParamLayout, open_regular,
-                          TensorSlot, float32, pack_checkpoint_header, read_checkpoint_header)
+from llama_layout import (CHECKPOINT_HEADER_BYTES, CHECKPOINT_VERSION, CheckpointHeader, FormatError, ModelShape,
+                          ParamLayout, TensorSlot, float32, open_regular, read_checkpoint_header, verify_checkpoint,
+                          write_checkpoint)
 
 CHUNK_ELEMS = 1 << 20  # converted at a time: bounds memory for multi-GB tensors
 DTYPE_BYTES = {"F32": 4, "BF16": 2}
@@ -208,6 +213,11 @@ def hf_config(shape: ModelShape, torch_dtype: str) -> dict:
 
 def export_checkpoint(checkpoint_path: str, out_dir: str, torch_dtype: str) -> str:
     header = read_checkpoint_header(checkpoint_path)
+    if header.version == CHECKPOINT_VERSION:
+        verify_checkpoint(checkpoint_path, header)  # before anything is written
+    else:
+        print(f"warning: {checkpoint_path}: checkpoint version {header.version} carries no checksums: its weights are "
+              "read unchecked", file=sys.stderr)
     layout = ParamLayout(header.shape)
     dtype = HF_DTYPE[torch_dtype]
 
@@ -340,15 +350,18 @@ def import_hf(hf_dir: str, checkpoint_path: str) -> str:
             raise FormatError(f"{path}: {slot.name}: {end - begin} bytes of data for shape {info['shape']}")
         sources.append((slot, path, data_start + begin, info["dtype"]))
 
+    # Weights only, as train_llama marks them: has_optimizer_state 0, empty optimizer and trainer state.
     header = CheckpointHeader(shape, step=0, total_padded=layout.total_padded)
 
-    def write(f) -> None:
-        f.write(pack_checkpoint_header(header))
+    def weight_chunks() -> Iterable[bytes]:
         for slot, path, start, dtype in sources:
             nbytes = slot.numel * DTYPE_BYTES[dtype]
             for chunk in read_chunks(path, start, nbytes, DTYPE_BYTES[dtype] * CHUNK_ELEMS):
-                f.write(chunk if dtype == "F32" else bfloat16_to_float32(chunk))
-            f.write(bytes(4 * (slot.padded - slot.numel)))
+                yield chunk if dtype == "F32" else bfloat16_to_float32(chunk)
+            yield bytes(4 * (slot.padded - slot.numel))
+
+    def write(f) -> None:
+        write_checkpoint(f, checkpoint_path, header, [weight_chunks(), [], []])
         if f.tell() != header.file_bytes:
             raise FormatError(f"{checkpoint_path}: wrote {f.tell()} bytes, expected {header.file_bytes}")
     write_atomically(checkpoint_path, write)

@@ -1,6 +1,7 @@
 """Shared helpers of the Python scripts, standard library only: the config reader, the model
 shape, the parameter layout of coat/params.h, the RoPE frequencies, and the binary formats the
-scripts exchange with ./train_llama (checkpoint header, debug state header, logits file).
+scripts exchange with ./train_llama (checkpoint files with their checksums, debug state header,
+logits file).
 
 Parameter layout (one flat float32 buffer, layer-major, as coat/params.h):
   embedding [V, H]; per layer: attn_norm [H], wq [NH*hd, H], wk [NKV*hd, H], wv [NKV*hd, H],
@@ -10,12 +11,14 @@ Parameter layout (one flat float32 buffer, layer-major, as coat/params.h):
 All binary formats are little-endian.
 """
 import errno
+import io
 import math
 import os
 import stat
 import struct
+import zlib
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import BinaryIO, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 PARAM_ALIGN_ELEMS = 128
 
@@ -265,14 +268,23 @@ class ParamLayout:
 
 
 # ---- checkpoint files (coat/checkpoint.h) ----------------------------------------------------
-# "LLAMACK1", int64 fields[63], then float32 master weights [total_padded], then the optimizer
-# state and the trainer state (opaque here).
+# "LLAMACK1", int64 fields[63], then three sections: float32 master weights [total_padded], the
+# optimizer state and the trainer state (opaque here). Version 2, written here as by train_llama,
+# holds the zlib CRC-32 of each section in fields 19-21 and that of the header itself (the magic
+# and the fields, field 22 zero) in field 22. Version 1 holds none; it is still read, unchecked.
+# A checkpoint of weights only (convert_hf.py import) has has_optimizer_state 0 and empty optimizer
+# and trainer sections (0 bytes, CRC-32 0).
 
 CHECKPOINT_MAGIC = b"LLAMACK1"
-CHECKPOINT_VERSION = 1  # written here: no checksums, which train_llama reads with a warning
-CHECKPOINT_READ_VERSIONS = (1, 2)  # 2: train_llama's, a CRC-32 per section in fields 19-22 (coat/checkpoint.h)
+CHECKPOINT_VERSION = 2  # written here and by train_llama
+CHECKPOINT_VERSION_UNCHECKED = 1  # the version before checksums: read, its weights unchecked
+CHECKPOINT_READ_VERSIONS = (CHECKPOINT_VERSION_UNCHECKED, CHECKPOINT_VERSION)
 CHECKPOINT_FIELDS = 63
 CHECKPOINT_HEADER_BYTES = 8 + 8 * CHECKPOINT_FIELDS
+CHECKPOINT_SECTION_NAMES = ("weights", "optimizer state", "trainer state")  # in file order
+_CK_CRC_SECTIONS = 19  # fields 19-21: the sections' CRC-32 (version 2)
+_CK_CRC_HEADER = 22    # field 22: the header's own CRC-32 (version 2)
+_CK_CHUNK_BYTES = 1 << 20  # checksummed at a time
 _CK_DOUBLE_FIELDS = {8: "rope_theta", 9: "norm_eps", 10: "rope_scaling_factor", 11: "rope_low_freq_factor",
                      12: "rope_high_freq_factor"}
 _CK_INT_SHAPE_FIELDS = {1: "vocab_size", 2: "dim", 3: "n_layers", 4: "n_heads", 5: "n_kv_heads", 6: "ffn_dim",
@@ -287,11 +299,17 @@ class CheckpointHeader:
     has_optimizer_state: int = 0
     optimizer_state_bytes: int = 0
     trainer_state_bytes: int = 0
+    version: int = CHECKPOINT_VERSION  # as read; pack_checkpoint_header writes this one
+    crc: Tuple[int, int, int] = (0, 0, 0)  # zlib CRC-32 of each section (version 2)
+
+    @property
+    def section_bytes(self) -> Tuple[int, int, int]:
+        """The sizes of the weights, the optimizer state and the trainer state, in file order."""
+        return 4 * self.total_padded, self.optimizer_state_bytes, self.trainer_state_bytes
 
     @property
     def file_bytes(self) -> int:
-        return (CHECKPOINT_HEADER_BYTES + 4 * self.total_padded + self.optimizer_state_bytes
-                + self.trainer_state_bytes)
+        return CHECKPOINT_HEADER_BYTES + sum(self.section_bytes)
 
 
 def _double_bits(x: float) -> int:
@@ -302,19 +320,30 @@ def _bits_double(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
+def checkpoint_header_crc(data: bytes) -> int:
+    """The header's own checksum (checkpoint_header_crc): the magic and the fields with field 22 zero."""
+    crc_at = 8 + 8 * _CK_CRC_HEADER
+    return zlib.crc32(data[:crc_at] + bytes(8) + data[crc_at + 8:CHECKPOINT_HEADER_BYTES])
+
+
 def pack_checkpoint_header(header: CheckpointHeader) -> bytes:
+    """The header as checkpoint_encode_header writes it; version 2 with header.crc and its own CRC-32."""
     fields = [0] * CHECKPOINT_FIELDS
-    fields[0] = CHECKPOINT_VERSION
+    fields[0] = header.version
     for index, key in _CK_INT_SHAPE_FIELDS.items():
         fields[index] = getattr(header.shape, key)
     for index, key in _CK_DOUBLE_FIELDS.items():
         fields[index] = _double_bits(getattr(header.shape, key))
     fields[14:19] = [header.step, header.total_padded, header.has_optimizer_state, header.optimizer_state_bytes,
                      header.trainer_state_bytes]
+    if header.version == CHECKPOINT_VERSION:
+        fields[_CK_CRC_SECTIONS:_CK_CRC_SECTIONS + 3] = header.crc
+        fields[_CK_CRC_HEADER] = checkpoint_header_crc(CHECKPOINT_MAGIC + struct.pack(f"<{CHECKPOINT_FIELDS}q", *fields))
     return CHECKPOINT_MAGIC + struct.pack(f"<{CHECKPOINT_FIELDS}q", *fields)
 
 
 def unpack_checkpoint_header(data: bytes, path: str) -> CheckpointHeader:
+    """The header at the start of `data`; a version-2 header is checked against its own CRC-32."""
     if len(data) < CHECKPOINT_HEADER_BYTES:
         raise FormatError(f"{path}: truncated header")
     if data[:8] != CHECKPOINT_MAGIC:
@@ -322,12 +351,17 @@ def unpack_checkpoint_header(data: bytes, path: str) -> CheckpointHeader:
     fields = struct.unpack_from(f"<{CHECKPOINT_FIELDS}q", data, 8)
     if fields[0] not in CHECKPOINT_READ_VERSIONS:
         raise FormatError(f"{path}: checkpoint version {fields[0]}, expected one of {CHECKPOINT_READ_VERSIONS}")
+    if fields[0] == CHECKPOINT_VERSION and fields[_CK_CRC_HEADER] != checkpoint_header_crc(data):
+        raise FormatError(f"{path}: the header fails its checksum (crc32 {checkpoint_header_crc(data):08x}, the header "
+                          f"says {fields[_CK_CRC_HEADER] & 0xFFFFFFFFFFFFFFFF:08x}): the file is damaged")
     shape = ModelShape()
     for index, key in _CK_INT_SHAPE_FIELDS.items():
         setattr(shape, key, fields[index])
     for index, key in _CK_DOUBLE_FIELDS.items():
         setattr(shape, key, float32(_bits_double(fields[index])))
-    header = CheckpointHeader(shape, *fields[14:19])
+    header = CheckpointHeader(shape, *fields[14:19], version=fields[0])
+    if header.version == CHECKPOINT_VERSION:
+        header.crc = tuple(crc & 0xFFFFFFFF for crc in fields[_CK_CRC_SECTIONS:_CK_CRC_SECTIONS + 3])  # as uint32_t
     if min(header.step, header.total_padded - 1, header.optimizer_state_bytes, header.trainer_state_bytes) < 0:
         raise FormatError(f"{path}: corrupt header (negative sizes)")
     problem = shape.problem()
@@ -337,7 +371,8 @@ def unpack_checkpoint_header(data: bytes, path: str) -> CheckpointHeader:
 
 
 def read_checkpoint_header(path: str) -> CheckpointHeader:
-    """The header of a checkpoint file, checked against the file size and the layout of its shape."""
+    """The header of a checkpoint file, checked against the file size and the layout of its shape
+    (and, version 2, against its own checksum; verify_checkpoint checks the sections')."""
     try:
         with open_regular(path, "rb") as f:
             header = unpack_checkpoint_header(f.read(CHECKPOINT_HEADER_BYTES), path)
@@ -350,6 +385,62 @@ def read_checkpoint_header(path: str) -> CheckpointHeader:
     if header.total_padded != expected:
         raise FormatError(f"{path}: total_padded {header.total_padded}, the layout of its shape needs {expected}")
     return header
+
+
+def verify_checkpoint(path: str, header: CheckpointHeader) -> None:
+    """Checks each section of a version-2 checkpoint against its CRC-32 (checkpoint_verify); a
+    version-1 file has none to check. Raises FormatError naming the first damaged section."""
+    if header.version != CHECKPOINT_VERSION:
+        return
+    try:
+        with open_regular(path, "rb") as f:
+            f.seek(CHECKPOINT_HEADER_BYTES)
+            for name, size, expected in zip(CHECKPOINT_SECTION_NAMES, header.section_bytes, header.crc):
+                crc = 0
+                while size > 0:
+                    chunk = f.read(min(size, _CK_CHUNK_BYTES))
+                    if not chunk:
+                        raise FormatError(f"{path}: read failed while checksumming: truncated")
+                    crc = zlib.crc32(chunk, crc)
+                    size -= len(chunk)
+                if crc != expected:
+                    raise FormatError(f"{path}: the {name} section fails its checksum (crc32 {crc:08x}, the header says "
+                                      f"{expected:08x}): the file is damaged")
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def write_checkpoint(f: BinaryIO, path: str, header: CheckpointHeader, sections: Sequence[Iterable[bytes]]) -> None:
+    """Writes a version-2 checkpoint to the seekable file f as train_llama does (checkpoint_begin,
+    checkpoint_commit): a placeholder header, the three sections (each an iterable of byte
+    chunks, of the sizes the header announces), then the header again with every CRC-32. Sets
+    header.version and header.crc; `path` names the file in errors."""
+    header.version, header.crc = CHECKPOINT_VERSION, (0, 0, 0)
+    start = f.tell()
+    f.write(pack_checkpoint_header(header))
+    crcs = []
+    for name, chunks, expected in zip(CHECKPOINT_SECTION_NAMES, sections, header.section_bytes):
+        crc, written = 0, 0
+        for chunk in chunks:
+            f.write(chunk)
+            crc = zlib.crc32(chunk, crc)
+            written += len(chunk)
+        if written != expected:
+            raise FormatError(f"{path}: the {name} section: wrote {written} bytes, the header announces {expected}")
+        crcs.append(crc)
+    end = f.tell()
+    header.crc = tuple(crcs)
+    f.seek(start)
+    f.write(pack_checkpoint_header(header))
+    f.seek(end)
+
+
+def checkpoint_bytes(header: CheckpointHeader, weights: bytes, optimizer_state: bytes = b"",
+                     trainer_state: bytes = b"") -> bytes:
+    """A whole version-2 checkpoint in memory (small ones, for tests); sets header.crc."""
+    out = io.BytesIO()
+    write_checkpoint(out, "<memory>", header, [[weights], [optimizer_state], [trainer_state]])
+    return out.getvalue()
 
 
 # ---- debug state files (scripts/train_llama.py --debug-state) --------------------------------

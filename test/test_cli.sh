@@ -306,12 +306,12 @@ check "dry_run refuses a micro-batch that does not fit, naming the largest that 
 python3 - "$tmp" <<'PY'
 import struct, sys
 sys.path.insert(0, "scripts")
-from llama_layout import CheckpointHeader, ParamLayout, model_shape_from_config, pack_checkpoint_header
+from llama_layout import CheckpointHeader, ParamLayout, checkpoint_bytes, model_shape_from_config
 tmp = sys.argv[1]
 shape = model_shape_from_config("configs/models/tiny.conf")
 layout = ParamLayout(shape)
-def write_checkpoint(path, shape, total, cut=0):
-    data = pack_checkpoint_header(CheckpointHeader(shape, step=5, total_padded=total)) + bytes(4 * total)
+def write_checkpoint(path, shape, total, cut=0):  # version 2, weights only (zeros), its checksums right
+    data = checkpoint_bytes(CheckpointHeader(shape, step=5, total_padded=total), bytes(4 * total))
     open(path, "wb").write(data[:len(data) - cut])
 write_checkpoint(f"{tmp}/good.bin", shape, layout.total_padded)
 write_checkpoint(f"{tmp}/cut.bin", shape, layout.total_padded, cut=1000)
@@ -336,7 +336,8 @@ expect_fail() {  # expect_fail NAME EXPECTED-TEXT ARGS...
         "$([ $rc -ne 0 ] && printf '%s' "$out" | tail -1 | grep -qF -- "$text"; echo $?)" "$(printf '%s' "$out" | tail -1)"
 }
 out=$(./train_llama "${tiny[@]}" --init_from="$tmp/good.bin" --train_data="$tmp/ok_*.bin" 2>&1)
-check "dry_run accepts a good checkpoint and shard" "$(printf '%s' "$out" | grep -q 'checkpoint of step 5'; echo $?)" "$out"
+check "dry_run accepts a good checkpoint and shard" \
+    "$(printf '%s' "$out" | grep -q "checkpoint of step 5, every section's checksum right"; echo $?)" "$out"
 expect_fail "truncated checkpoint" "$tmp/cut.bin: size" --init_from="$tmp/cut.bin"
 good_size=$(stat -c %s "$tmp/good.bin")
 expect_fail "a checkpoint 4 bytes longer than its header announces" \

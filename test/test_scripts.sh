@@ -2,8 +2,10 @@
 # The torch-free parts of scripts/*.py, with the standard library only: the parameter layout of
 # llama_layout.py against coat/params.h (compiled here) and ./train_llama --dry_run=1, the config
 # reader, the RoPE frequencies, float32 -> bfloat16 rounding, convert_hf.py export -> import round
-# trips (F32 exact, BF16 rounded, tied and sharded HF folders) and its refusals, and plot_curves.py
-# (SKIP without matplotlib). Needs no GPU.
+# trips (F32 exact, BF16 rounded, tied and sharded HF folders), the version-2 checkpoints import
+# writes (their CRC-32s verified by ./train_llama --dry_run=1, the bytes of coat/checkpoint.h's
+# writer), export of versions 1 and 2 (a damaged section refused, named) and its other refusals,
+# and plot_curves.py (SKIP without matplotlib). Needs no GPU.
 cd "$(dirname "$0")/.." || exit 1
 PYTHON=${PYTHON:-python3}
 export PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" PYTHONDONTWRITEBYTECODE=1
@@ -189,7 +191,7 @@ EOF
 
 # ---- convert_hf.py round trips -----------------------------------------------------------
 python_checks "convert_hf round trips" "$tmp/hf" <<'EOF'
-import json, os, random, struct, subprocess, sys
+import json, os, random, struct, subprocess, sys, zlib
 import llama_layout as L
 import convert_hf
 
@@ -209,6 +211,30 @@ def read_weights(path):
     header = L.unpack_checkpoint_header(data, path)
     return header, data[L.CHECKPOINT_HEADER_BYTES:L.CHECKPOINT_HEADER_BYTES + 4 * header.total_padded]
 
+# Checkpoint files made here field by field (coat/checkpoint.h), not with llama_layout's packer:
+# "LLAMACK1", int64 fields[63]; version 2 adds the zlib CRC-32 of the weights, the optimizer state
+# and the trainer state in fields 19-21 and of the header itself (field 22 zero) in field 22.
+def double_bits(x):
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+def handmade_checkpoint(path, version, shape, step, total_padded, sections):
+    fields = [version, shape.vocab_size, shape.dim, shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.ffn_dim,
+              shape.max_seq_len, double_bits(shape.rope_theta), double_bits(shape.norm_eps),
+              double_bits(shape.rope_scaling_factor), double_bits(shape.rope_low_freq_factor),
+              double_bits(shape.rope_high_freq_factor), shape.rope_original_max_seq_len, step, total_padded,
+              int(len(sections[1]) > 0), len(sections[1]), len(sections[2])]
+    fields += [0] * (63 - len(fields))
+    if version == 2:
+        fields[19:22] = [zlib.crc32(section) for section in sections]
+        fields[22] = zlib.crc32(b"LLAMACK1" + struct.pack("<63q", *fields))
+    with open(path, "wb") as f:
+        f.write(b"LLAMACK1" + struct.pack("<63q", *fields) + b"".join(sections))
+
+def header_fields(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    return data, list(struct.unpack_from("<63q", data, 8))
+
 # A small synthetic checkpoint: sizes that are not multiples of 128, GQA, Llama 3.1 RoPE scaling,
 # optimizer and trainer state present (export must skip them), random weights and zero padding.
 shape = L.ModelShape(vocab_size=103, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=80, max_seq_len=64,
@@ -221,11 +247,11 @@ for slot in layout.tensors():
     for i in range(slot.numel):
         weights[slot.offset + i] = random.gauss(0.0, 0.05)
 weight_bytes = struct.pack(f"<{layout.total_padded}f", *weights)
-source_header = L.CheckpointHeader(shape, step=1234, total_padded=layout.total_padded, has_optimizer_state=1,
-                                   optimizer_state_bytes=96, trainer_state_bytes=40)
-source = os.path.join(work, "source.bin")
-with open(source, "wb") as f:
-    f.write(L.pack_checkpoint_header(source_header) + weight_bytes + bytes(range(96)) + bytes(40))
+source_sections = [weight_bytes, bytes(range(96)), bytes(range(40, 80))]
+source = os.path.join(work, "source.bin")  # version 2, as train_llama writes
+handmade_checkpoint(source, 2, shape, 1234, layout.total_padded, source_sections)
+source_v1 = os.path.join(work, "source_v1.bin")  # version 1: no checksums
+handmade_checkpoint(source_v1, 1, shape, 1234, layout.total_padded, source_sections)
 
 # float32: export -> import gives the same weights, the same shape, step 0 and no optimizer state
 rc, err = convert("export", source, os.path.join(work, "f32"), "--dtype", "float32")
@@ -240,6 +266,42 @@ check("float32 round trip: same shape, step 0, no optimizer or trainer state",
       f"expected {shape}, got {header}")
 check("the imported checkpoint has exactly the size its header announces",
       os.path.getsize(os.path.join(work, "f32.bin")) == header.file_bytes)
+# version 2: the header's fields are those train_llama writes for weights only (no optimizer
+# state: has_optimizer_state 0, both other sections empty, their CRC-32 that of nothing, 0), every
+# CRC-32 right, the fields past the header's checksum zero
+data, fields = header_fields(os.path.join(work, "f32.bin"))
+header_zeroed = data[:8 + 8 * 22] + bytes(8) + data[8 + 8 * 23:L.CHECKPOINT_HEADER_BYTES]
+check("import writes version 2", fields[0] == 2, f"version {fields[0]}")
+check("import: the weights' CRC-32 in field 19, the empty optimizer and trainer state's (0) in 20 and 21",
+      fields[19] == zlib.crc32(data[L.CHECKPOINT_HEADER_BYTES:]) != 0 and fields[16:22] == [0, 0, 0, fields[19], 0, 0],
+      f"fields 16-21 {fields[16:22]}, crc32 of the weights {zlib.crc32(data[L.CHECKPOINT_HEADER_BYTES:])}")
+check("import: the header's CRC-32 (its own field zero) in field 22, the fields after it zero",
+      fields[22] == zlib.crc32(header_zeroed) and not any(fields[23:]), f"field 22 {fields[22]}, fields 23+ {fields[23:]}")
+
+# export reads version 1 (unchecked, with a warning) as version 2: the same safetensors
+rc, err = convert("export", source_v1, os.path.join(work, "f32_v1"), "--dtype", "float32")
+with open(os.path.join(work, "f32", "model.safetensors"), "rb") as f, \
+        open(os.path.join(work, "f32_v1", "model.safetensors"), "rb") as g:
+    same = rc == 0 and f.read() == g.read()
+check("export of a version-1 checkpoint: the same safetensors, a warning that it carries no checksums",
+      same and "version 1 carries no checksums" in err, f"rc {rc}, stderr: {err}")
+# export verifies a version-2 file: one flipped bit in a section, or in the header, is refused
+# naming it, and nothing is written
+with open(source, "rb") as f:
+    source_data = f.read()
+header_bytes = L.CHECKPOINT_HEADER_BYTES
+flips = {"weights": header_bytes + 4 * layout.slot(2, 1).offset + 5, "optimizer state": header_bytes + len(weight_bytes) + 50,
+         "trainer state": len(source_data) - 1, "header": 8 + 8 * 14}
+for section, offset in flips.items():
+    damaged = os.path.join(work, "damaged.bin")
+    with open(damaged, "wb") as f:
+        f.write(source_data[:offset] + bytes([source_data[offset] ^ 0x10]) + source_data[offset + 1:])
+    out_dir = os.path.join(work, "damaged")
+    rc, err = convert("export", damaged, out_dir)
+    expected = "the header fails its checksum" if section == "header" else f"the {section} section fails its checksum"
+    check(f"export refuses a version-2 checkpoint with one flipped bit in its {section}, naming it; writes nothing",
+          rc == 1 and err.startswith(f"error: {damaged}: {expected}") and err.count("\n") == 0 and not os.path.exists(out_dir),
+          f"rc {rc}, stderr: {err}")
 
 # the safetensors file: header length, JSON, every tensor once, contiguous data that fills the file
 st_path = os.path.join(work, "f32", "model.safetensors")
@@ -310,6 +372,18 @@ check("tied import: lm_head is a copy of the embedding, the rest unchanged",
       tensor_bytes(imported, lm_head) == tensor_bytes(weight_bytes, embedding)
       and imported[:4 * lm_head.offset] == weight_bytes[:4 * lm_head.offset])
 
+# tiny.conf's shape (head_dim 64, which ./train_llama's kernels take), weights only at step 0:
+# exported here, imported and read by ./train_llama --dry_run=1 below
+tiny = L.model_shape_from_config("configs/models/tiny.conf")
+tiny_layout = L.ParamLayout(tiny)
+tiny_weights = bytearray(4 * tiny_layout.total_padded)
+pattern = struct.pack("<251f", *((i - 125) * 1e-3 for i in range(251)))
+for slot in tiny_layout.tensors():
+    tiny_weights[4 * slot.offset:4 * (slot.offset + slot.numel)] = (pattern * (slot.numel // 251 + 1))[:4 * slot.numel]
+handmade_checkpoint(os.path.join(work, "tiny_source.bin"), 2, tiny, 0, tiny_layout.total_padded, [bytes(tiny_weights), b"", b""])
+rc, err = convert("export", os.path.join(work, "tiny_source.bin"), os.path.join(work, "tiny_hf"), "--dtype", "float32")
+check("export of a tiny.conf checkpoint exits 0", rc == 0, err)
+
 # refusals: one line naming the file and the problem, exit status 1
 def expect_refusal(name, args, text):
     rc, err = convert(*args)
@@ -347,6 +421,65 @@ with open(source, "rb") as f, open(truncated, "wb") as g:
 expect_refusal("export refuses a truncated checkpoint", ["export", truncated, os.path.join(work, "y")],
                "truncated.bin: size")
 EOF
+# The imported checkpoint as ./train_llama reads it: dry_run verifies every checksum (on the CPU)
+# with the model keys import prints as the config, and no "unchecked" warning; and it is byte for
+# byte the file coat/checkpoint.h's writer makes of the same weights (weights only, step 0).
+hf=$tmp/hf
+out=$("$PYTHON" scripts/convert_hf.py import "$hf/tiny_hf" "$hf/tiny.bin" 2>&1); rc=$?
+printf '%s\n' "$out" | sed -n '/^# model keys for the config:$/,$p' > "$hf/model.conf"
+check "export -> import of a weights-only version-2 checkpoint at step 0 gives the same file, byte for byte" \
+    "$([ $rc -eq 0 ] && cmp -s "$hf/tiny_source.bin" "$hf/tiny.bin" && grep -q '^ffn_dim = 352$' "$hf/model.conf"; echo $?)" "$out"
+"$PYTHON" - "$hf/plan.bin" <<'PY'
+import struct, sys
+with open(sys.argv[1], "wb") as f:
+    f.write(struct.pack("<256i", 20240520, 1, 1100, *([0] * 253)))
+    f.write(struct.pack("<1100H", *(i % 100 for i in range(1100))))
+PY
+if [ -x ./train_llama ]; then
+    out=$(./train_llama "$hf/model.conf" --dry_run=1 --init_from="$hf/tiny.bin" --train_data="$hf/plan.bin" \
+        --micro_batch_size=1 --seq_len=32 --out_dir="$hf/run" 2>&1); rc=$?
+    check "./train_llama --dry_run=1 verifies every checksum of the imported checkpoint, no 'unchecked' warning" \
+        "$([ $rc -eq 0 ] && printf '%s' "$out" | grep -qF "tiny.bin: checkpoint of step 0, every section's checksum right" &&
+           ! printf '%s' "$out" | grep -qi 'unchecked\|no checksums'; echo $?)" "$out"
+else
+    check "./train_llama --dry_run=1 verifies every checksum of the imported checkpoint" 1 "./train_llama is not built (make)"
+fi
+cat > "$tmp/ckpt_writer.c" <<'EOF'
+// Writes DIR/ckpt_00000000.bin through checkpoint_begin and checkpoint_commit: the weights of
+// WEIGHTS (raw float32), no optimizer or trainer state, the shape given on the command line.
+#include "checkpoint.h"
+int main(int argc, char **argv) {
+    if (argc != 16) return 2;
+    CheckpointHeader h;
+    memset(&h, 0, sizeof(h));
+    ModelShape *m = &h.shape;
+    m->vocab_size = atoi(argv[3]); m->dim = atoi(argv[4]); m->n_layers = atoi(argv[5]); m->n_heads = atoi(argv[6]);
+    m->n_kv_heads = atoi(argv[7]); m->ffn_dim = atoi(argv[8]); m->max_seq_len = atoi(argv[9]);
+    m->rope_theta = (float)atof(argv[10]); m->norm_eps = (float)atof(argv[11]); m->rope_scaling_factor = (float)atof(argv[12]);
+    m->rope_low_freq_factor = (float)atof(argv[13]); m->rope_high_freq_factor = (float)atof(argv[14]);
+    m->rope_original_max_seq_len = atoi(argv[15]);
+    FILE *in = fopen(argv[2], "rb");
+    if (!in || fseek(in, 0, SEEK_END) != 0) return 1;
+    h.total_padded = (size_t)ftell(in) / 4;
+    rewind(in);
+    char error[1024];
+    FILE *f = checkpoint_begin(argv[1], &h, error, sizeof(error));
+    if (!f) { fprintf(stderr, "%s\n", error); return 1; }
+    for (int c; (c = fgetc(in)) != EOF;) fputc(c, f);
+    fclose(in);
+    if (checkpoint_commit(f, argv[1], &h, error, sizeof(error)) != 0) { fprintf(stderr, "%s\n", error); return 1; }
+    return 0;
+}
+EOF
+out=$(${CC:-cc} -std=c11 -Wall -Wextra -Werror -D_DEFAULT_SOURCE -D_FILE_OFFSET_BITS=64 -I coat "$tmp/ckpt_writer.c" \
+    -o "$tmp/ckpt_writer" -lz 2>&1); rc=$?
+check "the C checkpoint writer builds against coat/checkpoint.h" $rc "$out"
+mkdir -p "$hf/c_written"
+tail -c +$((512 + 1)) "$hf/f32.bin" > "$hf/weights.raw"
+out=$("$tmp/ckpt_writer" "$hf/c_written" "$hf/weights.raw" 103 48 2 4 2 80 64 500000 1e-5 8 1 4 32 2>&1); rc=$?
+check "import writes byte for byte what coat/checkpoint.h writes for the same weights and shape (weights only, step 0)" \
+    "$([ $rc -eq 0 ] && cmp "$hf/c_written/ckpt_00000000.bin" "$hf/f32.bin" >/dev/null; echo $?)" \
+    "$out$(cmp "$hf/c_written/ckpt_00000000.bin" "$hf/f32.bin" 2>&1)"
 
 # ---- plot_curves.py ----------------------------------------------------------------------
 if "$PYTHON" -c 'import matplotlib' 2>/dev/null; then
