@@ -7,11 +7,11 @@
 #include <stdio.h>
 #include "activations.h"
 #include "config.h"
+#include "cublaslt_workspace.h"
 #include "optimizer_states.h"
 #include "params.h"
 #include "zero.h"
 
-#define CUBLASLT_WORKSPACE_BYTES (32u << 20)
 #define CLASSIFIER_CHUNK_ROWS 4096  // logits rows per lm_head + cross-entropy chunk (4096 x 32000 BF16: 250 MB)
 
 // Buffers reused by every layer, carved from one allocation: the forward branch output (also
