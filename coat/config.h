@@ -546,6 +546,9 @@ static inline int config_grad_accum_steps(const ConfigParser *parser, int ranks,
     return (int)steps;
 }
 
+// Whether the block's linear layers run FP8 GEMMs (precision fp8 and coat).
+static inline int config_fp8_gemms(const TrainConfig *c) { return c->precision != PRECISION_BF16; }
+
 // The resolved storage choices (auto follows precision).
 static inline StatesChoice config_optimizer_states(const TrainConfig *c) {
     if (c->optimizer_states != STATES_AUTO) return (StatesChoice)c->optimizer_states;
@@ -558,7 +561,7 @@ static inline ActivationsChoice config_activations(const TrainConfig *c) {
 
 static inline ParamGatherChoice config_param_gather(const TrainConfig *c) {
     if (c->param_gather != GATHER_AUTO) return (ParamGatherChoice)c->param_gather;
-    return c->precision == PRECISION_BF16 ? GATHER_BF16 : GATHER_E4M3;
+    return config_fp8_gemms(c) ? GATHER_E4M3 : GATHER_BF16;
 }
 
 static inline void config_print_help(FILE *out) {

@@ -138,7 +138,7 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
 
     plan->activations_bytes = (size_t)m->n_layers * activation_layer_bytes(m, acts, tokens) + final_activation_bytes(m, tokens);
     WorkingLayout working;
-    working_layout_init(&working, m, micro_batch_size, c->seq_len, c->precision != PRECISION_BF16, acts);
+    working_layout_init(&working, m, micro_batch_size, c->seq_len, config_fp8_gemms(c), acts);
     plan->working_bytes = working.total_bytes + CUBLASLT_WORKSPACE_BYTES + (ranks > 1 ? ZERO_SCALAR_BYTES : 0);
     plan->total_bytes = plan->params_bytes + plan->grads_bytes + plan->master_bytes + plan->states_bytes +
                         plan->activations_bytes + plan->working_bytes;

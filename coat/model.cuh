@@ -43,7 +43,7 @@ static inline ModelPrecision model_precision_bf16(void) {
 }
 
 static inline ModelPrecision model_precision_from_config(const TrainConfig *c) {
-    ModelPrecision p = {c->precision != PRECISION_BF16, config_activations(c), c->fp8_fast_accum};
+    ModelPrecision p = {config_fp8_gemms(c), config_activations(c), c->fp8_fast_accum};
     return p;
 }
 
