@@ -19,6 +19,7 @@
 #include "coat/random.h"
 #include "coat/schedule.h"
 #include "coat/zero.cuh"
+#include "dataloader/make_directories.h"
 extern "C" {
 #include "tokenizer/tokenizer.h"
 }
@@ -1368,7 +1369,7 @@ static int train(ConfigParser *parser, const Comm *comm) {
                 config_source(parser, "world_size"), c->world_size, ranks);
     validate_run(parser, ranks, comm->launch, 0);
     agree_check(NULL, 0);  // every rank passed the checks that need no GPU (coat/agree.h)
-    if (rank0 && shard_make_directories(c->out_dir, error, sizeof(error)) != 0) {
+    if (rank0 && make_directories(c->out_dir, error, sizeof(error)) != 0) {
         fprintf(stderr, "%s\n", error);
         return EXIT_FAILURE;
     }

@@ -8,6 +8,7 @@
 // weights unchecked, with a warning; it holds no trainer state this build resumes from.
 // Written atomically: DIR/ckpt_<step>.bin.tmp, fsync, rename, then DIR/ckpt_<step>.done; a
 // checkpoint without its .done marker is ignored. scripts/convert_hf.py reads the same format.
+// The trainer's plumbing (its file format), not model code: it stores coat/params.h's layout.
 #pragma once
 #include <dirent.h>
 #include <errno.h>

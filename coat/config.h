@@ -2,6 +2,8 @@
 // Files are `key = value` lines with `#` comments and `include = other.conf` (relative to the
 // including file); `--key=value` arguments override them. Errors name file:line.
 // Plain C; the trainer, dry_run and the tests share it.
+// The trainer's plumbing, not model code: it stays in coat/ because the model side reads the
+// config too (the memory plan, the model's precision).
 #pragma once
 #include <ctype.h>
 #include <errno.h>
