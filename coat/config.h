@@ -101,23 +101,13 @@ typedef struct {
 
 #define CFG(field) offsetof(TrainConfig, field)
 #define CFG_MODEL(field) (offsetof(TrainConfig, model) + offsetof(ModelShape, field))
+#define CONFIG_KEY_TYPE_int KEY_INT
+#define CONFIG_KEY_TYPE_float KEY_FLOAT
+#define CONFIG_MODEL_KEY(name, type, default_value, min, max, help) \
+    {#name, CONFIG_KEY_TYPE_##type, CFG_MODEL(name), default_value, min, max, NULL, help},
 static const ConfigKey config_keys[] = {
-    // model shape
-    {"vocab_size", KEY_INT, CFG_MODEL(vocab_size), "32000", 2, INT_MAX, NULL, "tokens in the vocabulary"},
-    {"dim", KEY_INT, CFG_MODEL(dim), "768", 8, 65536, NULL, "hidden size"},
-    {"n_layers", KEY_INT, CFG_MODEL(n_layers), "12", 1, 1024, NULL, "transformer blocks"},
-    {"n_heads", KEY_INT, CFG_MODEL(n_heads), "12", 1, 1024, NULL, "query heads (head_dim = dim / n_heads)"},
-    {"n_kv_heads", KEY_INT, CFG_MODEL(n_kv_heads), "4", 1, 1024, NULL, "key/value heads; divides n_heads"},
-    {"ffn_dim", KEY_INT, CFG_MODEL(ffn_dim), "2048", 8, 1 << 20, NULL, "SwiGLU inner size"},
-    {"max_seq_len", KEY_INT, CFG_MODEL(max_seq_len), "1024", 1, 1 << 20, NULL, "longest sequence the model is built for"},
-    {"rope_theta", KEY_FLOAT, CFG_MODEL(rope_theta), "10000", 1, 1e9, NULL, "RoPE base frequency"},
-    {"norm_eps", KEY_FLOAT, CFG_MODEL(norm_eps), "1e-5", 0, 1, NULL, "RMSNorm epsilon"},
-    {"rope_scaling_factor", KEY_FLOAT, CFG_MODEL(rope_scaling_factor), "0", 0, 1e6, NULL,
-     "Llama 3.1 RoPE frequency scaling factor (0: off)"},
-    {"rope_low_freq_factor", KEY_FLOAT, CFG_MODEL(rope_low_freq_factor), "1", 0, 1e6, NULL, "Llama 3.1 RoPE low_freq_factor"},
-    {"rope_high_freq_factor", KEY_FLOAT, CFG_MODEL(rope_high_freq_factor), "4", 0, 1e6, NULL, "Llama 3.1 RoPE high_freq_factor"},
-    {"rope_original_max_seq_len", KEY_INT, CFG_MODEL(rope_original_max_seq_len), "8192", 1, 1 << 24, NULL,
-     "Llama 3.1 RoPE original context length"},
+    // model shape (coat/model_shape.h)
+    MODEL_SHAPE_KEYS(CONFIG_MODEL_KEY)
     // precision
     {"precision", KEY_CHOICE, CFG(precision), "bf16", 0, 0, "bf16|fp8|coat",
      "GEMMs, activations and optimizer states: bf16, TransformerEngine-like fp8, or COAT"},
@@ -195,6 +185,9 @@ static const ConfigKey config_keys[] = {
 };
 #undef CFG
 #undef CFG_MODEL
+#undef CONFIG_KEY_TYPE_int
+#undef CONFIG_KEY_TYPE_float
+#undef CONFIG_MODEL_KEY
 #define CONFIG_KEY_COUNT (sizeof(config_keys) / sizeof(config_keys[0]))
 
 // Where each key got its value, for error messages that point at the line.
