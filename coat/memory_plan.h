@@ -8,6 +8,7 @@
 #include "activations.h"
 #include "config.h"
 #include "cublaslt_workspace.h"
+#include "linears.h"
 #include "optimizer_states.h"
 #include "params.h"
 #include "zero.h"
@@ -36,15 +37,6 @@ typedef struct {
 } WorkingLayout;
 
 #define FP8_SCALE_BYTES 16           // one Fp8Scale (coat/fp8.cuh)
-#define FP8_SCALES_PER_LAYER 12      // input, output gradient and weight of the four linear layers
-
-// The four linear layers of a block, by the GEMM's shape: y[N, out] = x[N, in] W^T.
-static inline void linear_shapes(const ModelShape *m, size_t in[4], size_t out[4]) {
-    size_t H = (size_t)m->dim, I = (size_t)m->ffn_dim, hd = (size_t)model_head_dim(m);
-    size_t qkv = ((size_t)m->n_heads + 2 * (size_t)m->n_kv_heads) * hd, attn = (size_t)m->n_heads * hd;
-    size_t ins[4] = {H, attn, H, I}, outs[4] = {qkv, H, 2 * I, H};
-    for (int i = 0; i < 4; i++) { in[i] = ins[i]; out[i] = outs[i]; }
-}
 
 static inline size_t max_size(size_t a, size_t b) { return a > b ? a : b; }
 
@@ -63,9 +55,9 @@ static inline void working_layout_init(WorkingLayout *w, const ModelShape *m, in
     // backward's partial sums, attention backward's row sums, the gradient norm's partials);
     // the model checks the real needs against it at start.
     w->kernel_scratch_bytes = tokens * (H / 4 + 4 * NH + 64) + (8u << 20);
-    size_t in[4], out[4], widest_in = 0, widest_out = 0, layer_linear = 0;
+    size_t in[LINEARS], out[LINEARS], widest_in = 0, widest_out = 0, layer_linear = 0;
     linear_shapes(m, in, out);
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < LINEARS; i++) {
         widest_in = max_size(widest_in, in[i]);
         widest_out = max_size(widest_out, out[i]);
         layer_linear += in[i] * out[i];
