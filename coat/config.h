@@ -15,20 +15,16 @@
 #include <string.h>
 #include <sys/stat.h>
 #include "model_shape.h"
+#include "precision.h"
 
 #define CONFIG_STRING_MAX 512
 #define CONFIG_INCLUDE_DEPTH_MAX 16
 #define CONFIG_MAX_ACCUMULATION_STEPS (1 << 20)  // micro-batches per optimizer step
 #define CONFIG_ERROR_MAX 1024
 
-typedef enum { PRECISION_BF16, PRECISION_FP8, PRECISION_COAT } Precision;
-typedef enum { STATES_AUTO, STATES_FP32, STATES_BF16, STATES_FP8, STATES_FP8_DRE } StatesChoice;
-// coat_residual and coat_gate_up: COAT's 1x16 copies of one kind of non-linear input only (ablations).
-typedef enum { ACTS_AUTO, ACTS_BF16, ACTS_FP8, ACTS_COAT, ACTS_COAT_RESIDUAL, ACTS_COAT_GATE_UP } ActivationsChoice;
 typedef enum { SCHEDULE_COSINE, SCHEDULE_LINEAR, SCHEDULE_WSD, SCHEDULE_CONSTANT } Schedule;
 typedef enum { COMM_NCCL, COMM_MPI } CommBackendChoice;
 typedef enum { SHUFFLE_BATCHES, SHUFFLE_ROWS } ShuffleChoice;
-typedef enum { GATHER_AUTO, GATHER_BF16, GATHER_E4M3 } ParamGatherChoice;
 
 typedef struct {
     ModelShape model;
