@@ -19,6 +19,7 @@
 #include "coat/random.h"
 #include "coat/schedule.h"
 #include "coat/zero.cuh"
+#include "dataloader/make_directories.h"
 extern "C" {
 #include "tokenizer/tokenizer.h"
 }
@@ -148,13 +149,13 @@ static void fail_config(const ConfigParser *parser, const char *key, const char 
 // Refuses a precision combination the model cannot run (for dry_run and training alike).
 static void check_precision(const ConfigParser *parser) {
     const TrainConfig *c = &parser->values;
-    if (c->fp8_fast_accum && c->precision == PRECISION_BF16)
+    if (c->fp8_fast_accum && !config_fp8_gemms(c))
         fail_config(parser, "fp8_fast_accum", "applies to FP8 GEMMs only: set precision = fp8 or coat");
     StatesChoice states = config_optimizer_states(c);
     if (c->optimizer_rounding && states != STATES_FP8 && states != STATES_FP8_DRE)
         fail_config(parser, "optimizer_rounding", "= stochastic applies to FP8 optimizer states only: set optimizer_states = fp8 or "
                     "fp8_dre (precision = coat picks fp8_dre)");
-    if (c->param_gather == GATHER_E4M3 && c->precision == PRECISION_BF16)
+    if (c->param_gather == GATHER_E4M3 && !config_fp8_gemms(c))
         fail_config(parser, "param_gather", "= e4m3 gathers the E4M3 weights of FP8 GEMMs: set precision = fp8 or coat");
     const char *reason = model_precision_unsupported(&c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c));
     if (reason != NULL) fail_config(parser, c->activations != ACTS_AUTO ? "activations" : "precision", reason);
@@ -684,7 +685,7 @@ static int dry_run(const ConfigParser *parser, int ranks, LaunchKind launch) {
     param_layout_init(&layout, &c->model);
     ZeroPlan zero;
     zero_plan_init(&zero, &layout, ranks, c->zero_stage);
-    zero_print(stdout, &zero, &layout, grad_accum, c->precision != PRECISION_BF16, config_param_gather(c) == GATHER_E4M3);
+    zero_print(stdout, &zero, &layout, grad_accum, config_fp8_gemms(c), config_param_gather(c) == GATHER_E4M3);
     print_activation_table(c);
     if (c->gpu_memory_gib > 0) {
         size_t budget = (size_t)(c->gpu_memory_gib * 1024.0 * 1024.0 * 1024.0);
@@ -1368,7 +1369,7 @@ static int train(ConfigParser *parser, const Comm *comm) {
                 config_source(parser, "world_size"), c->world_size, ranks);
     validate_run(parser, ranks, comm->launch, 0);
     agree_check(NULL, 0);  // every rank passed the checks that need no GPU (coat/agree.h)
-    if (rank0 && shard_make_directories(c->out_dir, error, sizeof(error)) != 0) {
+    if (rank0 && make_directories(c->out_dir, error, sizeof(error)) != 0) {
         fprintf(stderr, "%s\n", error);
         return EXIT_FAILURE;
     }

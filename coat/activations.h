@@ -8,8 +8,8 @@
 // ops: the codes [tokens, features], then the scales [tokens, features / 16]).
 #pragma once
 #include <stddef.h>
-#include "config.h"
 #include "model_shape.h"
+#include "precision.h"
 
 typedef enum { STORE_BF16, STORE_FP32, STORE_E4M3_TENSOR, STORE_E4M3_GROUP16 } ActivationStorage;
 

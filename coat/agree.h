@@ -13,6 +13,7 @@
 //     fail_config, a missing file) joins the pending check from an on_exit handler with the
 //     error it wrote. A rank that passes writes what it held back at agree_end.
 // Every rank makes the same agree_check calls in the same order, the failing ones from exit.
+// The trainer's plumbing (launch), not model code.
 #pragma once
 #include <stdint.h>
 #include <stdio.h>

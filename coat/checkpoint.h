@@ -9,6 +9,7 @@
 // Written atomically: DIR/ckpt_<step>.bin.tmp, fsync, rename, then DIR/ckpt_<step>.done; a
 // checkpoint without its .done marker is ignored. scripts/convert_hf.py reads both versions and
 // writes version 2 (scripts/llama_layout.py: the same bytes as a weights-only checkpoint here).
+// The trainer's plumbing (its file format), not model code: it stores coat/params.h's layout.
 #pragma once
 #include <dirent.h>
 #include <errno.h>
@@ -29,12 +30,17 @@
 #define CHECKPOINT_HEADER_BYTES (8 + 8 * CHECKPOINT_FIELDS)
 #define CHECKPOINT_SECTIONS 3  // weights, optimizer state, trainer state
 
+// Fields 1 to 13 hold the model shape, coat/model_shape.h's keys in their order (CK_SHAPE_<key>):
+// an int as int64, a float as the bits of the double it widens to.
+#define CHECKPOINT_SHAPE_FIELD(name, type, default_value, min, max, help) CK_SHAPE_##name,
 typedef enum {
-    CK_VERSION, CK_VOCAB, CK_DIM, CK_LAYERS, CK_HEADS, CK_KV_HEADS, CK_FFN, CK_MAX_SEQ,
-    CK_ROPE_THETA, CK_NORM_EPS, CK_ROPE_SCALING, CK_ROPE_LOW, CK_ROPE_HIGH, CK_ROPE_ORIGINAL,
+    CK_VERSION,
+    MODEL_SHAPE_KEYS(CHECKPOINT_SHAPE_FIELD)
     CK_STEP, CK_TOTAL_PADDED, CK_HAS_OPTIMIZER, CK_OPTIMIZER_BYTES, CK_TRAINER_BYTES,
     CK_CRC_WEIGHTS, CK_CRC_OPTIMIZER, CK_CRC_TRAINER, CK_CRC_HEADER  // version 2
 } CheckpointField;
+#undef CHECKPOINT_SHAPE_FIELD
+typedef char checkpoint_step_is_field_14[CK_STEP == 14 ? 1 : -1];  // the file's layout
 
 static const char *const checkpoint_section_names[CHECKPOINT_SECTIONS] = {"weights", "optimizer state", "trainer state"};
 
@@ -68,18 +74,14 @@ static inline uint32_t checkpoint_header_crc(const char header[CHECKPOINT_HEADER
 static inline int64_t checkpoint_double_bits(double x) { int64_t bits; memcpy(&bits, &x, 8); return bits; }
 static inline double checkpoint_bits_double(int64_t bits) { double x; memcpy(&x, &bits, 8); return x; }
 
+#define CHECKPOINT_ENCODE_int(value) (value)
+#define CHECKPOINT_ENCODE_float(value) checkpoint_double_bits(value)
+#define CHECKPOINT_ENCODE_SHAPE(name, type, default_value, min, max, help) f[CK_SHAPE_##name] = CHECKPOINT_ENCODE_##type(m->name);
 static inline void checkpoint_encode_header(const CheckpointHeader *h, char out[CHECKPOINT_HEADER_BYTES]) {
     int64_t f[CHECKPOINT_FIELDS] = {0};
     const ModelShape *m = &h->shape;
     f[CK_VERSION] = CHECKPOINT_VERSION;
-    f[CK_VOCAB] = m->vocab_size; f[CK_DIM] = m->dim; f[CK_LAYERS] = m->n_layers; f[CK_HEADS] = m->n_heads;
-    f[CK_KV_HEADS] = m->n_kv_heads; f[CK_FFN] = m->ffn_dim; f[CK_MAX_SEQ] = m->max_seq_len;
-    f[CK_ROPE_THETA] = checkpoint_double_bits(m->rope_theta);
-    f[CK_NORM_EPS] = checkpoint_double_bits(m->norm_eps);
-    f[CK_ROPE_SCALING] = checkpoint_double_bits(m->rope_scaling_factor);
-    f[CK_ROPE_LOW] = checkpoint_double_bits(m->rope_low_freq_factor);
-    f[CK_ROPE_HIGH] = checkpoint_double_bits(m->rope_high_freq_factor);
-    f[CK_ROPE_ORIGINAL] = m->rope_original_max_seq_len;
+    MODEL_SHAPE_KEYS(CHECKPOINT_ENCODE_SHAPE)
     f[CK_STEP] = h->step; f[CK_TOTAL_PADDED] = (int64_t)h->total_padded;
     f[CK_HAS_OPTIMIZER] = h->has_optimizer_state;
     f[CK_OPTIMIZER_BYTES] = (int64_t)h->optimizer_state_bytes;
@@ -90,13 +92,17 @@ static inline void checkpoint_encode_header(const CheckpointHeader *h, char out[
     f[CK_CRC_HEADER] = checkpoint_header_crc(out);
     memcpy(out + 8 + 8 * CK_CRC_HEADER, &f[CK_CRC_HEADER], 8);
 }
+#undef CHECKPOINT_ENCODE_int
+#undef CHECKPOINT_ENCODE_float
+#undef CHECKPOINT_ENCODE_SHAPE
 
 // Refuses a model-shape field that an int cannot hold: a damaged header would otherwise be cut to
 // another, plausible value. Returns 0, or -1 with the field in `error`.
+#define CHECKPOINT_INT_FIELD_int(name) {CK_SHAPE_##name, #name},
+#define CHECKPOINT_INT_FIELD_float(name)
+#define CHECKPOINT_INT_FIELD(name, type, default_value, min, max, help) CHECKPOINT_INT_FIELD_##type(name)
 static inline int checkpoint_check_int_fields(const int64_t f[CHECKPOINT_FIELDS], char *error, size_t error_size) {
-    static const struct { CheckpointField field; const char *name; } ints[] = {
-        {CK_VOCAB, "vocab_size"}, {CK_DIM, "dim"}, {CK_LAYERS, "n_layers"}, {CK_HEADS, "n_heads"}, {CK_KV_HEADS, "n_kv_heads"},
-        {CK_FFN, "ffn_dim"}, {CK_MAX_SEQ, "max_seq_len"}, {CK_ROPE_ORIGINAL, "rope_original_max_seq_len"}};
+    static const struct { CheckpointField field; const char *name; } ints[] = {MODEL_SHAPE_KEYS(CHECKPOINT_INT_FIELD)};
     for (size_t i = 0; i < sizeof(ints) / sizeof(ints[0]); i++) {
         int64_t value = f[ints[i].field];
         if (value < 0 || value > INT_MAX) {
@@ -110,7 +116,13 @@ static inline int checkpoint_check_int_fields(const int64_t f[CHECKPOINT_FIELDS]
     }
     return 0;
 }
+#undef CHECKPOINT_INT_FIELD_int
+#undef CHECKPOINT_INT_FIELD_float
+#undef CHECKPOINT_INT_FIELD
 
+#define CHECKPOINT_DECODE_int(bits) (int)(bits)
+#define CHECKPOINT_DECODE_float(bits) (float)checkpoint_bits_double(bits)
+#define CHECKPOINT_DECODE_SHAPE(name, type, default_value, min, max, help) m->name = CHECKPOINT_DECODE_##type(f[CK_SHAPE_##name]);
 // Returns 0, or -1 with "what is wrong" in error.
 static inline int checkpoint_decode_header(const char in[CHECKPOINT_HEADER_BYTES], CheckpointHeader *h, char *error,
                                            size_t error_size) {
@@ -130,15 +142,7 @@ static inline int checkpoint_decode_header(const char in[CHECKPOINT_HEADER_BYTES
     }
     if (checkpoint_check_int_fields(f, error, error_size) != 0) return -1;
     ModelShape *m = &h->shape;
-    m->vocab_size = (int)f[CK_VOCAB]; m->dim = (int)f[CK_DIM]; m->n_layers = (int)f[CK_LAYERS];
-    m->n_heads = (int)f[CK_HEADS]; m->n_kv_heads = (int)f[CK_KV_HEADS]; m->ffn_dim = (int)f[CK_FFN];
-    m->max_seq_len = (int)f[CK_MAX_SEQ];
-    m->rope_theta = (float)checkpoint_bits_double(f[CK_ROPE_THETA]);
-    m->norm_eps = (float)checkpoint_bits_double(f[CK_NORM_EPS]);
-    m->rope_scaling_factor = (float)checkpoint_bits_double(f[CK_ROPE_SCALING]);
-    m->rope_low_freq_factor = (float)checkpoint_bits_double(f[CK_ROPE_LOW]);
-    m->rope_high_freq_factor = (float)checkpoint_bits_double(f[CK_ROPE_HIGH]);
-    m->rope_original_max_seq_len = (int)f[CK_ROPE_ORIGINAL];
+    MODEL_SHAPE_KEYS(CHECKPOINT_DECODE_SHAPE)
     h->step = f[CK_STEP];
     h->total_padded = (size_t)f[CK_TOTAL_PADDED];
     h->has_optimizer_state = (int)f[CK_HAS_OPTIMIZER];
@@ -156,6 +160,9 @@ static inline int checkpoint_decode_header(const char in[CHECKPOINT_HEADER_BYTES
     }
     return 0;
 }
+#undef CHECKPOINT_DECODE_int
+#undef CHECKPOINT_DECODE_float
+#undef CHECKPOINT_DECODE_SHAPE
 
 // Names the first model-shape key where the checkpoint and the config disagree, or returns NULL.
 // max_seq_len is left out: a checkpoint may continue at another sequence length.

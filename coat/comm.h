@@ -26,6 +26,7 @@
 // an all-gather of bytes (the ranks compare their GPUs). Under either launch: a gather of bytes
 // to rank 0 and a broadcast from it (comm_gather0, comm_bcast0: MPI, or the rendezvous channel),
 // on which the ranks' start-up checks run (coat/agree.h).
+// The trainer's plumbing (launch), not model code; coat/zero.cuh runs its collectives over it.
 #pragma once
 #include <errno.h>
 #include <stdint.h>

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <type_traits>
+#include "cublaslt_workspace.h"
 
 typedef __nv_bfloat16 bf16;
 
@@ -137,7 +138,7 @@ static inline void gpu_context_create(GpuContext *gpu, int device) {
     // with the compute work, so host code and tests cannot read a buffer before it is written.
     cudaCheck(cudaStreamCreate(&gpu->stream));
     cublasCheck(cublasLtCreate(&gpu->cublaslt));
-    gpu->cublaslt_workspace_bytes = 32u << 20;  // Hopper cuBLASLt kernels want up to 32 MiB
+    gpu->cublaslt_workspace_bytes = CUBLASLT_WORKSPACE_BYTES;
     gpu->cublaslt_workspace = gpu_alloc(gpu->cublaslt_workspace_bytes, "the cuBLASLt workspace");
     gpu->matmul_algos = NULL;
 }

@@ -2,6 +2,8 @@
 // Files are `key = value` lines with `#` comments and `include = other.conf` (relative to the
 // including file); `--key=value` arguments override them. Errors name file:line.
 // Plain C; the trainer, dry_run and the tests share it.
+// The trainer's plumbing, not model code: it stays in coat/ because the model side reads the
+// config too (the memory plan, the model's precision).
 #pragma once
 #include <ctype.h>
 #include <errno.h>
@@ -13,20 +15,16 @@
 #include <string.h>
 #include <sys/stat.h>
 #include "model_shape.h"
+#include "precision.h"
 
 #define CONFIG_STRING_MAX 512
 #define CONFIG_INCLUDE_DEPTH_MAX 16
 #define CONFIG_MAX_ACCUMULATION_STEPS (1 << 20)  // micro-batches per optimizer step
 #define CONFIG_ERROR_MAX 1024
 
-typedef enum { PRECISION_BF16, PRECISION_FP8, PRECISION_COAT } Precision;
-typedef enum { STATES_AUTO, STATES_FP32, STATES_BF16, STATES_FP8, STATES_FP8_DRE } StatesChoice;
-// coat_residual and coat_gate_up: COAT's 1x16 copies of one kind of non-linear input only (ablations).
-typedef enum { ACTS_AUTO, ACTS_BF16, ACTS_FP8, ACTS_COAT, ACTS_COAT_RESIDUAL, ACTS_COAT_GATE_UP } ActivationsChoice;
 typedef enum { SCHEDULE_COSINE, SCHEDULE_LINEAR, SCHEDULE_WSD, SCHEDULE_CONSTANT } Schedule;
 typedef enum { COMM_NCCL, COMM_MPI } CommBackendChoice;
 typedef enum { SHUFFLE_BATCHES, SHUFFLE_ROWS } ShuffleChoice;
-typedef enum { GATHER_AUTO, GATHER_BF16, GATHER_E4M3 } ParamGatherChoice;
 
 typedef struct {
     ModelShape model;
@@ -99,23 +97,13 @@ typedef struct {
 
 #define CFG(field) offsetof(TrainConfig, field)
 #define CFG_MODEL(field) (offsetof(TrainConfig, model) + offsetof(ModelShape, field))
+#define CONFIG_KEY_TYPE_int KEY_INT
+#define CONFIG_KEY_TYPE_float KEY_FLOAT
+#define CONFIG_MODEL_KEY(name, type, default_value, min, max, help) \
+    {#name, CONFIG_KEY_TYPE_##type, CFG_MODEL(name), default_value, min, max, NULL, help},
 static const ConfigKey config_keys[] = {
-    // model shape
-    {"vocab_size", KEY_INT, CFG_MODEL(vocab_size), "32000", 2, INT_MAX, NULL, "tokens in the vocabulary"},
-    {"dim", KEY_INT, CFG_MODEL(dim), "768", 8, 65536, NULL, "hidden size"},
-    {"n_layers", KEY_INT, CFG_MODEL(n_layers), "12", 1, 1024, NULL, "transformer blocks"},
-    {"n_heads", KEY_INT, CFG_MODEL(n_heads), "12", 1, 1024, NULL, "query heads (head_dim = dim / n_heads)"},
-    {"n_kv_heads", KEY_INT, CFG_MODEL(n_kv_heads), "4", 1, 1024, NULL, "key/value heads; divides n_heads"},
-    {"ffn_dim", KEY_INT, CFG_MODEL(ffn_dim), "2048", 8, 1 << 20, NULL, "SwiGLU inner size"},
-    {"max_seq_len", KEY_INT, CFG_MODEL(max_seq_len), "1024", 1, 1 << 20, NULL, "longest sequence the model is built for"},
-    {"rope_theta", KEY_FLOAT, CFG_MODEL(rope_theta), "10000", 1, 1e9, NULL, "RoPE base frequency"},
-    {"norm_eps", KEY_FLOAT, CFG_MODEL(norm_eps), "1e-5", 0, 1, NULL, "RMSNorm epsilon"},
-    {"rope_scaling_factor", KEY_FLOAT, CFG_MODEL(rope_scaling_factor), "0", 0, 1e6, NULL,
-     "Llama 3.1 RoPE frequency scaling factor (0: off)"},
-    {"rope_low_freq_factor", KEY_FLOAT, CFG_MODEL(rope_low_freq_factor), "1", 0, 1e6, NULL, "Llama 3.1 RoPE low_freq_factor"},
-    {"rope_high_freq_factor", KEY_FLOAT, CFG_MODEL(rope_high_freq_factor), "4", 0, 1e6, NULL, "Llama 3.1 RoPE high_freq_factor"},
-    {"rope_original_max_seq_len", KEY_INT, CFG_MODEL(rope_original_max_seq_len), "8192", 1, 1 << 24, NULL,
-     "Llama 3.1 RoPE original context length"},
+    // model shape (coat/model_shape.h)
+    MODEL_SHAPE_KEYS(CONFIG_MODEL_KEY)
     // precision
     {"precision", KEY_CHOICE, CFG(precision), "bf16", 0, 0, "bf16|fp8|coat",
      "GEMMs, activations and optimizer states: bf16, TransformerEngine-like fp8, or COAT"},
@@ -193,6 +181,9 @@ static const ConfigKey config_keys[] = {
 };
 #undef CFG
 #undef CFG_MODEL
+#undef CONFIG_KEY_TYPE_int
+#undef CONFIG_KEY_TYPE_float
+#undef CONFIG_MODEL_KEY
 #define CONFIG_KEY_COUNT (sizeof(config_keys) / sizeof(config_keys[0]))
 
 // Where each key got its value, for error messages that point at the line.
@@ -546,6 +537,9 @@ static inline int config_grad_accum_steps(const ConfigParser *parser, int ranks,
     return (int)steps;
 }
 
+// Whether the block's linear layers run FP8 GEMMs (precision fp8 and coat).
+static inline int config_fp8_gemms(const TrainConfig *c) { return c->precision != PRECISION_BF16; }
+
 // The resolved storage choices (auto follows precision).
 static inline StatesChoice config_optimizer_states(const TrainConfig *c) {
     if (c->optimizer_states != STATES_AUTO) return (StatesChoice)c->optimizer_states;
@@ -558,7 +552,7 @@ static inline ActivationsChoice config_activations(const TrainConfig *c) {
 
 static inline ParamGatherChoice config_param_gather(const TrainConfig *c) {
     if (c->param_gather != GATHER_AUTO) return (ParamGatherChoice)c->param_gather;
-    return c->precision == PRECISION_BF16 ? GATHER_BF16 : GATHER_E4M3;
+    return config_fp8_gemms(c) ? GATHER_E4M3 : GATHER_BF16;
 }
 
 static inline void config_print_help(FILE *out) {

@@ -1,5 +1,5 @@
-// Element types of tensors on the GPU, shared by the GEMM wrapper, the quantizers and the
-// config (which picks a precision per tensor). Plain C: it compiles as C11 and as C++17.
+// Element types of the GEMM wrapper's operands and outputs (coat/matmul.cuh); the quantizers
+// (coat/fp8.cuh) name their two formats with Fp8Format. Plain C: it compiles as C11 and as C++17.
 // E4M3 is the "fn" variant (max 448, no infinity); E5M2 has infinity (max 57344).
 #pragma once
 #include <stddef.h>

@@ -7,6 +7,7 @@
 // opened (file NULL: every rank but 0 of a multi-process run) takes records and drops them.
 // Every write is checked and flushed: a full disk or a write error ends the run (exit 1) with one
 // line naming the file and the reason, rather than a log that silently stops.
+// The trainer's plumbing, not model code.
 #pragma once
 #include <errno.h>
 #include <stdio.h>

@@ -7,11 +7,12 @@
 #include <stdio.h>
 #include "activations.h"
 #include "config.h"
+#include "cublaslt_workspace.h"
+#include "linears.h"
 #include "optimizer_states.h"
 #include "params.h"
 #include "zero.h"
 
-#define CUBLASLT_WORKSPACE_BYTES (32u << 20)
 #define CLASSIFIER_CHUNK_ROWS 4096  // logits rows per lm_head + cross-entropy chunk (4096 x 32000 BF16: 250 MB)
 
 // Buffers reused by every layer, carved from one allocation: the forward branch output (also
@@ -36,15 +37,6 @@ typedef struct {
 } WorkingLayout;
 
 #define FP8_SCALE_BYTES 16           // one Fp8Scale (coat/fp8.cuh)
-#define FP8_SCALES_PER_LAYER 12      // input, output gradient and weight of the four linear layers
-
-// The four linear layers of a block, by the GEMM's shape: y[N, out] = x[N, in] W^T.
-static inline void linear_shapes(const ModelShape *m, size_t in[4], size_t out[4]) {
-    size_t H = (size_t)m->dim, I = (size_t)m->ffn_dim, hd = (size_t)model_head_dim(m);
-    size_t qkv = ((size_t)m->n_heads + 2 * (size_t)m->n_kv_heads) * hd, attn = (size_t)m->n_heads * hd;
-    size_t ins[4] = {H, attn, H, I}, outs[4] = {qkv, H, 2 * I, H};
-    for (int i = 0; i < 4; i++) { in[i] = ins[i]; out[i] = outs[i]; }
-}
 
 static inline size_t max_size(size_t a, size_t b) { return a > b ? a : b; }
 
@@ -63,9 +55,9 @@ static inline void working_layout_init(WorkingLayout *w, const ModelShape *m, in
     // backward's partial sums, attention backward's row sums, the gradient norm's partials);
     // the model checks the real needs against it at start.
     w->kernel_scratch_bytes = tokens * (H / 4 + 4 * NH + 64) + (8u << 20);
-    size_t in[4], out[4], widest_in = 0, widest_out = 0, layer_linear = 0;
+    size_t in[LINEARS], out[LINEARS], widest_in = 0, widest_out = 0, layer_linear = 0;
     linear_shapes(m, in, out);
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < LINEARS; i++) {
         widest_in = max_size(widest_in, in[i]);
         widest_out = max_size(widest_out, out[i]);
         layer_linear += in[i] * out[i];
@@ -138,7 +130,7 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
 
     plan->activations_bytes = (size_t)m->n_layers * activation_layer_bytes(m, acts, tokens) + final_activation_bytes(m, tokens);
     WorkingLayout working;
-    working_layout_init(&working, m, micro_batch_size, c->seq_len, c->precision != PRECISION_BF16, acts);
+    working_layout_init(&working, m, micro_batch_size, c->seq_len, config_fp8_gemms(c), acts);
     plan->working_bytes = working.total_bytes + CUBLASLT_WORKSPACE_BYTES + (ranks > 1 ? ZERO_SCALAR_BYTES : 0);
     plan->total_bytes = plan->params_bytes + plan->grads_bytes + plan->master_bytes + plan->states_bytes +
                         plan->activations_bytes + plan->working_bytes;

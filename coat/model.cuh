@@ -7,8 +7,8 @@
 //   loss = mean cross-entropy(Wlm rmsnorm(x), targets)
 // Activations are [N = B*T, features] row-major; qkv rows hold the q heads, then k, then v.
 // The wq/wk/wv and w_gate/w_up weights sit back to back in the parameter buffer, so each pair
-// of projections is one GEMM: a block has four linear layers (Linear), each run by
-// linear_forward / linear_backward in the model's GEMM precision. With FP8 GEMMs every input
+// of projections is one GEMM: a block has four linear layers (Linear, coat/linears.h), each run
+// by linear_forward / linear_backward in the model's GEMM precision. With FP8 GEMMs every input
 // is cast to E4M3 per tensor just in time (its producer gathers the amax), output gradients to
 // E5M2 with their transposes, and the weights to E4M3 with their transposes once per optimizer
 // step; the embedding, the norms' math, attention, the lm_head and the loss stay BF16/FP32.
@@ -20,6 +20,7 @@
 #include "config.h"
 #include "embedding.cuh"
 #include "fp8.cuh"
+#include "linears.h"
 #include "matmul.cuh"
 #include "memory_plan.h"
 #include "op_timer.cuh"
@@ -27,8 +28,6 @@
 #include "rmsnorm.cuh"
 #include "rope.cuh"
 #include "swiglu.cuh"
-
-typedef enum { LINEAR_QKV, LINEAR_OUT, LINEAR_GATE_UP, LINEAR_DOWN, LINEARS } Linear;
 
 // The precision choices the model is built for (config.h resolves them from the config).
 typedef struct {
@@ -43,7 +42,7 @@ static inline ModelPrecision model_precision_bf16(void) {
 }
 
 static inline ModelPrecision model_precision_from_config(const TrainConfig *c) {
-    ModelPrecision p = {c->precision != PRECISION_BF16, config_activations(c), c->fp8_fast_accum};
+    ModelPrecision p = {config_fp8_gemms(c), config_activations(c), c->fp8_fast_accum};
     return p;
 }
 
@@ -55,10 +54,6 @@ typedef struct {
     void *data;
     Fp8Groups groups;  // STORE_E4M3_GROUP16 only
 } SavedTensor;
-
-// Per layer, the FP8 scale table holds the input, the output gradient and the weight of each
-// linear layer, in that order.
-typedef enum { FP8_SLOT_INPUT = 0, FP8_SLOT_GRAD = LINEARS, FP8_SLOT_WEIGHT = 2 * LINEARS } Fp8SlotGroup;
 
 // Data parallelism's hooks on coat/zero.h's buckets. Backward (the buckets in the order it
 // completes them): `begin` runs before a bucket's first gradient, `end` after its last, so that
@@ -289,11 +284,6 @@ static inline int model_qkv_dim(const ModelShape *m) { return (m->n_heads + 2 * 
 
 // ---- the linear layers ------------------------------------------------------------------
 
-static inline ParamKind linear_weight_kind(Linear which) {
-    static const ParamKind kinds[LINEARS] = {PARAM_WQ, PARAM_WO, PARAM_W_GATE, PARAM_W_DOWN};
-    return kinds[which];
-}
-
 // The saved activation that is the linear layer's input.
 static inline LayerActivation linear_input_activation(Linear which) {
     static const LayerActivation kinds[LINEARS] = {ACT_ATTN_NORM_OUT, ACT_ATTN_OUT, ACT_MLP_NORM_OUT, ACT_SWIGLU_OUT};
@@ -305,7 +295,7 @@ typedef struct {
 } LinearShape;
 
 static inline LinearShape linear_shape(const LlamaModel *model, Linear which) {
-    size_t in[4], out[4];
+    size_t in[LINEARS], out[LINEARS];
     linear_shapes(&model->shape, in, out);
     LinearShape shape = {(int)in[which], (int)out[which]};
     return shape;
@@ -313,7 +303,7 @@ static inline LinearShape linear_shape(const LlamaModel *model, Linear which) {
 
 // E4M3 copies of the weight W [out, in] and its transpose [in, out].
 static inline uint8_t *linear_fp8_weight(const LlamaModel *model, int layer, Linear which, int transposed) {
-    size_t in[4], out[4], at = 0, per_layer = 0;
+    size_t in[LINEARS], out[LINEARS], at = 0, per_layer = 0;
     linear_shapes(&model->shape, in, out);
     for (int i = 0; i < LINEARS; i++) {
         if (i < (int)which) at += 2 * in[i] * out[i];

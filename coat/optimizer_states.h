@@ -5,8 +5,8 @@
 // group. Host C (C11 and C++17).
 #pragma once
 #include <stddef.h>
-#include "config.h"
 #include "params.h"
+#include "precision.h"
 
 #define ADAMW_GROUP PARAM_ALIGN_ELEMS  // quantization group
 

@@ -19,6 +19,7 @@
 //         reply (and, after the first exchange, its hello): no file outlives the exchange.
 // The job id: TORCHELASTIC_RUN_ID (with TORCHELASTIC_RESTART_COUNT), else SLURM_JOB_ID (with
 // SLURM_STEP_ID), else "run".
+// The trainer's plumbing (launch), not model code: coat/comm.h's channel without MPI.
 #pragma once
 #include <errno.h>
 #include <fcntl.h>

@@ -22,6 +22,7 @@
 #pragma once
 #include <stddef.h>
 #include <stdio.h>
+#include "linears.h"
 #include "params.h"
 
 #define ZERO_SCALARS 16  // the most values one zero_all_reduce_sum_f64 (coat/zero.cuh) sums
@@ -115,8 +116,9 @@ typedef struct {
 
 static inline size_t zero_block_linear_elems(const ParamLayout *layout) {
     size_t per_layer = 0;
-    for (int k = PARAM_WQ; k <= PARAM_W_DOWN; k++)
-        if (param_kind_is_matrix((ParamKind)k)) per_layer += layout->padded[k];
+    for (int i = 0; i < LINEARS; i++)
+        for (int k = linear_info((Linear)i).first_weight; k <= (int)linear_info((Linear)i).last_weight; k++)
+            per_layer += layout->padded[k];
     return per_layer * (size_t)layout->shape.n_layers;
 }
 

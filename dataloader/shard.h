@@ -83,29 +83,6 @@ static inline char *shard_copy_string(const char *text) {
     return copy;
 }
 
-// mkdir -p: the directory that will hold shards (or a run's files) and any missing parents.
-static inline int shard_make_directories(const char *path, char *error, size_t error_size) {
-    char *partial = shard_copy_string(path);
-    if (!partial) return shard_fail(error, error_size, path, "out of memory");
-    int status = 0;
-    for (char *p = partial + (partial[0] != '\0');; p++) {
-        if (*p != '/' && *p != '\0') continue;
-        char saved = *p;
-        *p = '\0';
-        if (mkdir(partial, 0777) != 0 && errno != EEXIST) {
-            status = shard_fail(error, error_size, partial, "cannot create the directory: %s", strerror(errno));
-            break;
-        }
-        *p = saved;
-        if (saved == '\0') break;
-    }
-    free(partial);
-    struct stat info;
-    if (status == 0 && (stat(path, &info) != 0 || !S_ISDIR(info.st_mode)))
-        status = shard_fail(error, error_size, path, "not a directory");
-    return status;
-}
-
 static inline void shard_store_int32_le(unsigned char *bytes, uint32_t value) {
     bytes[0] = (unsigned char)value;
     bytes[1] = (unsigned char)(value >> 8);

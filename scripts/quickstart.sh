@@ -6,9 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 config=configs/llama-125m-corpus.conf
 # The arguments are checked before minutes of build and download: each one --key=value with a key
-# of the trainer's config table (coat/config.h); the trainer checks the values. The last
-# --out_dir is where the run and its curves go.
-keys=$(sed -n 's/^ *{"\([a-z0-9_]*\)", KEY_.*/\1/p' coat/config.h)
+# of the trainer's config table (coat/config.h; its model keys in coat/model_shape.h); the trainer
+# checks the values. The last --out_dir is where the run and its curves go.
+keys=$(sed -n 's/^ *{"\([a-z0-9_]*\)", KEY_.*/\1/p' coat/config.h; sed -n 's/^ *X(\([a-z0-9_]*\), .*/\1/p' coat/model_shape.h)
 out_dir=$(sed -n 's/^out_dir *= *//p' "$config")
 for argument in "$@"; do
     key=${argument#--}

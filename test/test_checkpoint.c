@@ -108,10 +108,10 @@ static void test_int_fields(void) {
     checkpoint_encode_header(&h, header);
     int64_t version = CHECKPOINT_VERSION_UNCHECKED, dim = ((int64_t)1 << 32) + 128, has = 2;
     memcpy(header + 8 + 8 * CK_VERSION, &version, 8);
-    memcpy(header + 8 + 8 * CK_DIM, &dim, 8);
+    memcpy(header + 8 + 8 * CK_SHAPE_dim, &dim, 8);
     check(checkpoint_decode_header(header, &got, error, sizeof(error)) != 0 && strstr(error, "dim 4294967424 is outside"),
           "dim 2^32 + 128 is refused, not read as 128 (%s)", error);
-    memcpy(header + 8 + 8 * CK_DIM, &(int64_t){128}, 8);
+    memcpy(header + 8 + 8 * CK_SHAPE_dim, &(int64_t){128}, 8);
     memcpy(header + 8 + 8 * CK_HAS_OPTIMIZER, &has, 8);
     check(checkpoint_decode_header(header, &got, error, sizeof(error)) != 0 && strstr(error, "has_optimizer_state 2"),
           "has_optimizer_state 2 is refused (%s)", error);

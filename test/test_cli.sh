@@ -23,7 +23,7 @@ plan_data="--train_data=$tmp/plan/train_*.bin"
 help=$(./train_llama --help); rc=$?
 check "--help exits 0" $rc
 missing_keys=""
-for key in $(sed -n 's/^    {"\([a-z0-9_]*\)", KEY_.*/\1/p' coat/config.h); do
+for key in $(sed -n 's/^    {"\([a-z0-9_]*\)", KEY_.*/\1/p' coat/config.h) $(sed -n 's/^    X(\([a-z0-9_]*\), .*/\1/p' coat/model_shape.h); do
     printf '%s\n' "$help" | grep -q "^  $key " || missing_keys="$missing_keys $key"
 done
 check "--help lists every key with its default" "$([ -z "$missing_keys" ]; echo $?)" "missing:$missing_keys"

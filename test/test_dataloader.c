@@ -1,11 +1,13 @@
-// Tests dataloader/shard.h and dataloader/dataloader.h on small shards in a temporary directory:
-// the llm.c file format (uint16 and uint32), each validation error, disjoint and complete batches
-// across ranks, the seeded global order over all shards, exact resume from a saved position, the
-// fixed validation order, the bounded cache of open files, read errors that name the file.
+// Tests dataloader/shard.h, dataloader/dataloader.h and dataloader/make_directories.h on small
+// shards in a temporary directory: the llm.c file format (uint16 and uint32), each validation
+// error, disjoint and complete batches across ranks, the seeded global order over all shards,
+// exact resume from a saved position, the fixed validation order, the bounded cache of open
+// files, read errors that name the file.
 // Shard tokens encode where they sit, token = shard * 2^20 + position, so that every batch read
 // says which shard and offset it came from.
 #define _POSIX_C_SOURCE 200809L
 #include "../dataloader/dataloader.h"
+#include "../dataloader/make_directories.h"
 #include "check.h"
 
 enum { MAX_TEST_FILES = 128, POSITION_BITS = 20 };
@@ -369,19 +371,19 @@ static void test_make_directories(void) {
     char error[SHARD_ERROR_SIZE], nested[256], prefix[256], under_file[256];
     snprintf(nested, sizeof(nested), "%s/abc/def/ghi", temp_dir);
     snprintf(prefix, sizeof(prefix), "%s/a", temp_dir);  // a prefix of "abc" that is no component
-    int status = shard_make_directories(nested, error, sizeof(error));
+    int status = make_directories(nested, error, sizeof(error));
     struct stat info;
     check(status == 0 && stat(nested, &info) == 0 && S_ISDIR(info.st_mode), "the directories of %s are made (%s)", nested,
           status ? error : "ok");
     check(!file_exists(prefix), "no directory is made for a part of a name (%s)", prefix);
-    status = shard_make_directories(nested, error, sizeof(error));
+    status = make_directories(nested, error, sizeof(error));
     check(status == 0, "an existing directory is accepted (%s)", status ? error : "ok");
     const char *file = temp_path("plain_file");
     write_bytes(file, "x", 1);
-    check_error("a file as the directory", shard_make_directories(file, error, sizeof(error)), error, file,
+    check_error("a file as the directory", make_directories(file, error, sizeof(error)), error, file,
                 "not a directory");
     snprintf(under_file, sizeof(under_file), "%s/sub", file);
-    check_error("a directory under a file", shard_make_directories(under_file, error, sizeof(error)), error, under_file,
+    check_error("a directory under a file", make_directories(under_file, error, sizeof(error)), error, under_file,
                 "cannot create the directory");
     remove(file);
     rmdir(prefix);

@@ -750,7 +750,7 @@ repo=$tmp/quick_repo
 mkdir -p "$repo/scripts" "$repo/configs" "$repo/coat" "$repo/bin"
 cp scripts/quickstart.sh "$repo/scripts/"
 cp configs/llama-125m-corpus.conf "$repo/configs/"
-cp coat/config.h "$repo/coat/"
+cp coat/config.h coat/model_shape.h "$repo/coat/"
 printf 'all:\n\t@echo make >> calls.log\n' > "$repo/Makefile"
 for stub in scripts/fetch_tokenizers.sh scripts/fetch_corpus.sh train_llama bin/python3; do
     printf '#!/bin/sh\necho "%s $*" >> "%s/calls.log"\n' "$(basename "$stub")" "$repo" > "$repo/$stub"

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "../coat/linears.h"
 #include "../coat/memory_plan.h"
 #include "../coat/zero.h"
 #include "check.h"
@@ -105,17 +106,16 @@ static void test_tiling(void) {
 static void test_linear_weight_parts(void) {
     NamedShape shapes[5];
     size_t count = test_shapes(shapes);
-    static const ParamKind first[4] = {PARAM_WQ, PARAM_WO, PARAM_W_GATE, PARAM_W_DOWN};
-    static const ParamKind last[4] = {PARAM_WV, PARAM_WO, PARAM_W_UP, PARAM_W_DOWN};
     int world_sizes[] = {2, 3, 5, 8, 17, 64, 512};
     for (size_t s = 0; s < count; s++) {
         ParamLayout layout;
         param_layout_init(&layout, &shapes[s].shape);
         int ok = 1;
         for (int l = 0; l < layout.shape.n_layers; l++)
-            for (int i = 0; i < 4; i++) {
-                size_t begin = param_offset(&layout, first[i], l), elems = 0;
-                for (int k = (int)first[i]; k <= (int)last[i]; k++) {
+            for (int i = 0; i < LINEARS; i++) {
+                LinearInfo linear = linear_info((Linear)i);
+                size_t begin = param_offset(&layout, linear.first_weight, l), elems = 0;
+                for (int k = (int)linear.first_weight; k <= (int)linear.last_weight; k++) {
                     ok &= param_offset(&layout, (ParamKind)k, l) == begin + elems;  // back to back
                     elems += param_numel(&layout, (ParamKind)k);
                 }

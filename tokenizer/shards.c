@@ -24,6 +24,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../dataloader/make_directories.h"
 #include "../dataloader/shard.h"
 #include "input_file.h"
 #include "tokenizer.h"
@@ -724,7 +725,7 @@ static int prepare_output(const ShardsOptions *options, const FileList *files, c
     if (scan_output_dir(partial, &entries, first, stranger, error) != 0) return -1;
     if (stranger[0]) return fail(error, "error: %s: holds %s, not a shard of an unfinished run: remove it", partial, stranger);
     if (remove_shard_dir(partial, error) != 0) return -1;
-    return shard_make_directories(partial, error, SHARDS_ERROR_SIZE);
+    return make_directories(partial, error, SHARDS_ERROR_SIZE);
 }
 
 // The complete partial folder becomes the output folder; a replaced one goes afterwards.
