@@ -140,6 +140,42 @@ static inline ZeroTraffic zero_traffic(const ZeroPlan *z, const ParamLayout *lay
 static inline void zero_print(FILE *out, const ZeroPlan *z, const ParamLayout *layout, int accum_steps, int fp8_gemms,
                               int e4m3_gather) {
     if (z->ranks <= 1) return;
+    {   // The collective calls of one step as train_llama.cu issues them: zero_reduce_bucket makes one
+        // reduce per bucket and owner segment (every micro-batch at stage 2), zero_broadcast_parts one
+        // broadcast per owner segment of each range gather_bucket sends (a bucket; with the E4M3
+        // gather a layer's 4 linear weights, wq|wk|wv and w_gate|w_up fused, and its 2 norms); the
+        // all-reduces: stage 0's one per bucket, the loss and norm's, the E4M3 scale table's max.
+        int L = layout->shape.n_layers, e4m3 = z->stage >= 1 && fp8_gemms && e4m3_gather;
+        long reduces = 0, broadcasts = 0;
+        for (int b = 0; z->stage >= 1 && b < z->buckets; b++) {
+            ParamKind kinds[6] = {PARAM_WQ, PARAM_WO, PARAM_W_GATE, PARAM_W_DOWN, PARAM_ATTN_NORM, PARAM_MLP_NORM};
+            ZeroRange ranges[6] = {zero_bucket(layout, b)};
+            int n = e4m3 && b >= 1 && b <= L ? 6 : 1;
+            for (int i = 0; n == 6 && i < 6; i++) {
+                ranges[i] = zero_tensor_range(layout, kinds[i], L - b);
+                if (kinds[i] == PARAM_WQ) ranges[i].end += param_numel(layout, PARAM_WK) + param_numel(layout, PARAM_WV);
+                if (kinds[i] == PARAM_W_GATE) ranges[i].end += param_numel(layout, PARAM_W_UP);
+            }
+            for (int r = 0; r < z->ranks; r++) {
+                ZeroRange part = zero_owned_part(z, zero_bucket(layout, b), r);
+                if (part.end > part.begin) reduces += z->stage == 2 ? accum_steps : 1;
+                for (int i = 0; i < n; i++) {
+                    part = zero_owned_part(z, ranges[i], r);
+                    if (part.end > part.begin) broadcasts++;
+                }
+            }
+        }
+        if (z->stage == 0)
+            fprintf(out, "collective calls per step: 0 reduces, 0 broadcasts, %d all-reduces (one per gradient bucket, the "
+                         "loss and gradient norm)\n", z->buckets + 1);
+        else
+            fprintf(out, "collective calls per step: %ld reduces (gradients: one per bucket and owner segment%s), %ld "
+                         "broadcasts (parameters, %s: one per owner segment of each %s), %d all-reduces (the loss and "
+                         "gradient norm%s)\n",
+                    reduces, z->stage == 2 ? ", per micro-batch" : "", broadcasts, e4m3 ? "e4m3" : "bf16",
+                    e4m3 ? "bucket or, in the layers, each linear weight and norm" : "bucket", 1 + e4m3,
+                    e4m3 ? ", the E4M3 scale table's max" : "");
+    }
     ZeroTraffic bf16 = zero_traffic(z, layout, accum_steps, 0), fp8 = zero_traffic(z, layout, accum_steps, 1);
     if (z->stage == 0) {
         fprintf(out, "ZeRO stage 0 over %d ranks: every rank holds all %zu elements\n", z->ranks, z->padded_elems);

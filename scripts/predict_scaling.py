@@ -1,19 +1,39 @@
 #!/usr/bin/env python3
-"""Predicted tokens/s per GPU of coat training with ZeRO-1 at 8, 64 and 512 GPUs, on paper.
+"""Predicted tokens/s per GPU of coat training at ZeRO-1 on 8, 64 and 512 GPUs, on paper, modelling
+the collectives as train_llama issues them.
 
-Per step each rank computes one micro-batch (no gradient accumulation: the global batch grows
-with the GPUs, the regime where communication weighs most) and sends what `./train_llama
---dry_run=1 --world_size=W` prints (the gradients' reduces to their owners, the parameters' all-gather in
-BF16 or with the block weights in E4M3). Compute time comes from the one-GPU throughput measured
-by scripts/bench.sh on an H200 (command-line options to change it), minus the optimizer work
-that ZeRO-1 divides by W. A collective over W ranks takes (W - 1) x latency + bytes / bandwidth,
-at NVLink's bandwidth within one node of 8 GPUs and at InfiniBand's (one NIC per GPU) beyond.
-A step is the forward (a third of the model's FLOPs), the backward (two thirds), the optimizer
-and the two collectives, overlapped three ways: none; the gradient reduces under the backward
-pass only; and as the trainer runs them, also the parameter gather under the next forward.
-Prints a Markdown table. Usage: scripts/predict_scaling.py [--help for the assumptions]
+Per step each rank computes one micro-batch (no gradient accumulation: the global batch grows with
+the GPUs, the regime where communication weighs most). The step starts from the one-GPU step that
+scripts/bench.sh measured on an H200 (MEASURED below) and adds what communication exposes:
+
+  calls   `./train_llama --dry_run=1 --world_size=W --zero_stage=1` prints the collective calls of a
+          step: one ncclReduce per gradient bucket and owner segment (zero_reduce_bucket), one
+          ncclBroadcast per owner segment of each range the parameter gather sends (a bucket; with the
+          E4M3 gather each layer's linear weights and norms), the loss-and-norm all-reduce and the E4M3
+          scale table's. The script derives the same calls per bucket from the parameter layout and
+          stops if its total differs from what dry_run prints.
+  a call  NCCL runs Reduce and Broadcast on rings only: a pipelined chain from (or to) the root through
+          all W ranks. A call takes base + (W - nodes) x NVLink hop + (nodes - 1) x network hop latency,
+          plus its bytes over the ring's bus bandwidth (every link of the chain carries all of them).
+          A small all-reduce (loss, norm, scale table) takes the latency of a tree.
+  links   Within one node the ring runs over NVLink. Across nodes each node has --nics-per-node NICs, one
+          per GPU, and NCCL lays its rings over all of them, so a ring's inter-node bus bandwidth is the
+          node's aggregate NIC bandwidth, capped by NVLink's.
+  overlap What the code overlaps, and only that: each bucket's reduce starts when backward has finished
+          that bucket and runs beside the rest of backward (the embedding's bucket, finished last, runs
+          after it); the gather, issued after the optimizer step, runs beside the next forward, which
+          waits for each bucket just before it reads it (the embedding and layer 0 before it starts).
+          The loss-and-norm all-reduce, the scale-table all-reduce and the optimizer overlap nothing.
+          Compute running beside a collective is slowed by NCCL's kernels taking SMs (--sm-slowdown).
+  compute The forward pass is a third of the one-GPU step less its optimizer, backward two thirds,
+          shared among the buckets by their FLOPs (matmul parameters and causal attention); the
+          optimizer is counted as on one GPU (see the assumptions), so no prediction exceeds the
+          measured one-GPU rate.
+
+Prints a Markdown table and its assumptions. Usage: scripts/predict_scaling.py [options]
 """
 import argparse
+import math
 import os
 import re
 import struct
@@ -22,18 +42,24 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from llama_layout import PARAM_ALIGN_ELEMS, ParamLayout, model_shape_from_config, round_up  # noqa: E402
 
-# One-GPU coat measurements (scripts/bench.sh on an H200): model -> (micro-batch, seq, tokens/s).
-# llama2-13b has no measurement: its throughput is extrapolated at llama2-7b's MFU.
-MEASURED = {"llama-1b": (16, 2048, 130763.0), "llama2-7b": (10, 2048, 20108.0)}
+# One-GPU coat measurements on an H200 (scripts/bench.sh; llama-1b and llama2-7b are in
+# configs/results/performance.md, llama3-8b ran 17.0k tokens/s at 8 x 2048):
+# model -> (micro-batch, seq, tokens/s).
+MEASURED = {"llama-1b": (16, 2048, 130763.0), "llama2-7b": (10, 2048, 20108.0), "llama3-8b": (8, 2048, 17000.0)}
+MODELS = ("llama-1b", "llama2-7b", "llama3-8b")
+GPU_COUNTS = (1, 8, 64, 512)
 ADAMW_FP8_DRE_MS_PER_BILLION = 13.6  # test_optimizer's timing of the FP8+DRE step on an H200
 
+# coat/params.h's kinds, by index (scripts/llama_layout.py's PARAM_KINDS)
+EMBEDDING, ATTN_NORM, WQ, WK, WV, WO, MLP_NORM, W_GATE, W_UP, W_DOWN, FINAL_NORM, LM_HEAD = range(12)
 
-def dry_run(config, shard, args, may_fail=False):
+
+def dry_run(config, shard, args):
     out = subprocess.run([os.path.join(ROOT, "train_llama"), config, "--dry_run=1", f"--train_data={shard}"] + args,
                          capture_output=True, text=True)
-    if out.returncode != 0 and may_fail:
-        return None
     if out.returncode != 0:
         sys.exit(f"error: dry_run of {config} {' '.join(args)} failed: {out.stderr.strip()}")
     return out.stdout
@@ -46,16 +72,72 @@ def parse(pattern, text, what):
     return m.groups()
 
 
+def bucket_plan(layout, ranks, e4m3):
+    """Per bucket, in backward's order (coat/zero.h's zero_bucket: the tail, the layers from the last,
+    the embedding): (reduce calls, reduce bytes, broadcast calls, broadcast bytes, layer or None),
+    with one call per owner segment of each range, as zero_reduce_bucket and zero_broadcast_parts
+    issue them."""
+    shard = round_up(-(-layout.total_padded // ranks), PARAM_ALIGN_ELEMS)  # zero_shard_elems
+
+    def owners(begin, end):
+        return (end - 1) // shard - begin // shard + 1 if end > begin else 0
+
+    L, numel = layout.shape.n_layers, [r * c for r, c in zip(layout.rows, layout.cols)]
+    buckets = [(layout.tail_offset[FINAL_NORM], layout.total_padded, None)]
+    for b in range(1, L + 1):
+        begin = layout.first_layer_offset + (L - b) * layout.layer_stride
+        buckets.append((begin, begin + layout.layer_stride, L - b))
+    buckets.append((0, layout.first_layer_offset, None))
+    plan = []
+    for begin, end, layer in buckets:
+        reduces = owners(begin, end)
+        if e4m3 and layer is not None:  # gather_bucket: the 4 linear weights in E4M3, the 2 norms in BF16
+            pieces = [(WQ, numel[WQ] + numel[WK] + numel[WV], 1), (WO, numel[WO], 1),
+                      (W_GATE, numel[W_GATE] + numel[W_UP], 1), (W_DOWN, numel[W_DOWN], 1),
+                      (ATTN_NORM, numel[ATTN_NORM], 2), (MLP_NORM, numel[MLP_NORM], 2)]
+            spans = [(layout.offset(k, layer), n, size) for k, n, size in pieces]
+            broadcasts = sum(owners(at, at + n) for at, n, _ in spans)
+            broadcast_bytes = sum(n * size for _, n, size in spans)
+        else:
+            broadcasts, broadcast_bytes = reduces, 2 * (end - begin)
+        plan.append((reduces, 2 * (end - begin), broadcasts, broadcast_bytes, layer))
+    return plan
+
+
+def bucket_flops(layout, seq):
+    """Forward FLOPs per token of each bucket, in backward's order: the lm_head, the layers, the
+    embedding (a lookup: none)."""
+    shape = layout.shape
+    numel = [r * c for r, c in zip(layout.rows, layout.cols)]
+    layer = 2 * sum(numel[k] for k in (WQ, WK, WV, WO, W_GATE, W_UP, W_DOWN))
+    layer += 2 * seq * shape.n_heads * shape.head_dim  # causal attention: QK^T and PV over half the keys
+    return [2 * numel[LM_HEAD]] + [layer] * shape.n_layers + [0]
+
+
+def overlap(a, b):
+    """Length of time both sets of intervals cover (each set disjoint)."""
+    return sum(max(0.0, min(x1, y1) - max(x0, y0)) for x0, x1 in a for y0, y1 in b)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nvlink-gb-s", type=float, default=360.0,
-                    help="bus bandwidth per GPU within a node (H100/H200 NVLink 4: 450 GB/s a direction; "
-                         "NCCL reaches about 360)")
-    ap.add_argument("--ib-gb-s", type=float, default=45.0,
-                    help="bus bandwidth per GPU across nodes (one 400 Gb/s InfiniBand NIC per GPU: 50 GB/s)")
-    ap.add_argument("--latency-us", type=float, default=8.0, help="per ring step of a collective")
-    ap.add_argument("--gpu-memory-gib", type=float, default=136.0, help="memory per GPU for the micro-batch search")
+                    help="ring bus bandwidth per GPU within a node (H200 NVLink 4: 450 GB/s a direction; NCCL reaches "
+                         "about 360)")
+    ap.add_argument("--nics-per-node", type=int, default=8, help="NICs per node, one per GPU")
+    ap.add_argument("--nic-gb-s", type=float, default=45.0,
+                    help="what one NIC carries (400 Gb/s InfiniBand: 50 GB/s, about 45 reached)")
     ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--latency-us", type=float, default=8.4,
+                    help="base latency of a collective call (NCCL's tuning model, ring, Simple protocol)")
+    ap.add_argument("--nvlink-hop-us", type=float, default=3.4,
+                    help="latency of one ring hop over NVLink (NCCL's tuning model, ring, Simple)")
+    ap.add_argument("--net-hop-us", type=float, default=14.0,
+                    help="latency of one ring hop across nodes (NCCL's tuning model, ring, Simple, network)")
+    ap.add_argument("--sm-slowdown", type=float, default=0.075,
+                    help="slowdown of compute that runs beside a collective (NCCL's kernels take SMs: 5-10%%)")
+    ap.add_argument("--param-gather", choices=("auto", "bf16", "e4m3"), default="auto",
+                    help="param_gather of the runs (auto: E4M3 with coat's FP8 GEMMs)")
     args = ap.parse_args()
 
     tmp = tempfile.mkdtemp()
@@ -65,59 +147,114 @@ def main():
         f.write(struct.pack("<256i", 20240520, 1, count, *([0] * 253)))
         f.write(struct.pack(f"<{count}H", *(i % 1000 for i in range(count))))
 
-    measured_7b = None
-    print("| model | GPUs | micro-batch | compute ms | sent per GPU, GB (bf16 / e4m3 gather) | gradients / parameters ms "
-          "(bf16 / e4m3) | tokens/s per GPU: no overlap (bf16 / e4m3) | reduces overlapped (bf16 / e4m3) | as built: the "
-          "gather overlapped too (bf16 / e4m3) |")
+    print("| model | GPUs | micro-batch | collective calls per step (reduces / broadcasts / all-reduces) | sent per GPU, GB "
+          "| communication ms | exposed ms | tokens/s per GPU | vs one GPU |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for model in ("llama-1b", "llama2-7b", "llama2-13b"):
+    notes = {}
+    for model in MODELS:
         config = os.path.join(ROOT, "configs", "models", model + ".conf")
-        one = dry_run(config, shard, ["--micro_batch_size=1", "--seq_len=2048", "--precision=coat"])
-        params = int(parse(r"^parameters: (\d+)", one, "parameter count")[0])
-        if model == "llama2-7b":
-            measured_7b = (MEASURED[model][2], params)
-        for gpus in (1, 8, 64, 512):
-            common = [f"--world_size={gpus}", "--zero_stage=1", "--precision=coat", "--seq_len=2048"]
-            if model in MEASURED:
-                b = MEASURED[model][0]
-            else:
-                fit = dry_run(config, shard, common + ["--micro_batch_size=1", f"--gpu_memory_gib={args.gpu_memory_gib}"],
-                              may_fail=True)
-                if fit is None:
-                    print(f"| {model} | {gpus} | does not fit in {args.gpu_memory_gib:.0f} GiB | | | | | | |")
-                    continue
-                b = int(parse(r"largest micro-batch that fits: (\d+)", fit, "largest micro-batch")[0])
-            text = dry_run(config, shard, common + [f"--micro_batch_size={b}", f"--total_batch_tokens={b * 2048 * gpus}"])
-            tokens = b * 2048
-            if model in MEASURED:
-                step_s = tokens / MEASURED[model][2]
-            else:  # llama2-7b's throughput scaled by the ratio of parameters (FLOPs per token)
-                step_s = tokens / (measured_7b[0] * measured_7b[1] / params)
-            adamw_s = ADAMW_FP8_DRE_MS_PER_BILLION * 1e-3 * params / 1e9
-            model_s = step_s - adamw_s  # forward and backward
-            forward_s, backward_s, optimizer_s = model_s / 3, 2 * model_s / 3, adamw_s / gpus  # ZeRO-1: 1/W of the states
-            compute_s = model_s + optimizer_s
+        layout = ParamLayout(model_shape_from_config(config))
+        b, seq, rate = MEASURED[model]
+        tokens = b * seq
+        step_s = tokens / rate  # the measured one-GPU step: forward, backward, optimizer (and the FP8 cast)
+        adamw_s = ADAMW_FP8_DRE_MS_PER_BILLION * 1e-3 * layout.total_params / 1e9
+        model_s = step_s - adamw_s
+        flops = bucket_flops(layout, seq)
+        forward = [model_s / 3 * f / sum(flops) for f in flops]  # per bucket, backward's order
+        backward = [2 * x for x in forward]
+        for gpus in GPU_COUNTS:
             if gpus == 1:
-                print(f"| {model} | 1 | {b} x 2048 | {compute_s * 1e3:.0f} | - | - | {tokens / compute_s:,.0f} | | |")
+                print(f"| {model} | 1 | {b} x {seq} | - | - | 0 | 0 | {rate:,.0f} | 100.0% |")
                 continue
-            gradients, parameters, fp8_parameters = (float(x) for x in parse(
-                r"gradients ([0-9.]+) GB \(reduces to the owners, per bucket\), parameters ([0-9.]+) GB \(all-gather, bf16\); ([0-9.]+) GB",
-                text, "per-rank traffic"))
-            bandwidth = (args.nvlink_gb_s if gpus <= args.gpus_per_node else args.ib_gb_s) * 1e9
-            latency = (gpus - 1) * args.latency_us * 1e-6
-            reduce_s = latency + gradients * 1e9 / bandwidth
-            gathers = [latency + p * 1e9 / bandwidth for p in (parameters, fp8_parameters)]
-            none = [tokens / (compute_s + reduce_s + g) for g in gathers]
-            reduces = [tokens / (forward_s + max(backward_s, reduce_s) + optimizer_s + g) for g in gathers]
-            built = [tokens / (max(forward_s, g) + max(backward_s, reduce_s) + optimizer_s) for g in gathers]
-            print(f"| {model} | {gpus} | {b} x 2048 | {compute_s * 1e3:.0f} | {gradients + parameters:.2f} / "
-                  f"{gradients + fp8_parameters:.2f} | {reduce_s * 1e3:.0f} / {gathers[0] * 1e3:.0f} / {gathers[1] * 1e3:.0f} | "
-                  f"{none[0]:,.0f} / {none[1]:,.0f} | {reduces[0]:,.0f} / {reduces[1]:,.0f} | {built[0]:,.0f} / {built[1]:,.0f} |")
+            common = [f"--world_size={gpus}", "--zero_stage=1", "--precision=coat", f"--seq_len={seq}",
+                      f"--micro_batch_size={b}", f"--total_batch_tokens={tokens * gpus}", f"--param_gather={args.param_gather}"]
+            text = dry_run(config, shard, common)
+            reduces, broadcasts, all_reduces = (int(x) for x in parse(
+                r"^collective calls per step: (\d+) reduces .*?, (\d+) broadcasts .*?, (\d+) all-reduces", text,
+                "collective calls"))
+            e4m3 = parse(r"this run gathers (e4m3|bf16)", text, "gather precision")[0] == "e4m3"
+            gradients, parameters, fp8_parameters = (float(x) if x else None for x in parse(
+                r"gradients ([0-9.]+) GB \(reduces to the owners, per bucket\), parameters ([0-9.]+) GB \(all-gather, bf16\)"
+                r"(?:; ([0-9.]+) GB)?", text, "per-rank traffic"))
+            sent = gradients + (fp8_parameters if e4m3 else parameters)
+            plan = bucket_plan(layout, gpus, e4m3)
+            if (sum(p[0] for p in plan), sum(p[2] for p in plan)) != (reduces, broadcasts):
+                sys.exit(f"error: {model} at {gpus} GPUs: dry_run counts {reduces} reduces and {broadcasts} broadcasts, "
+                         f"this script's plan {sum(p[0] for p in plan)} and {sum(p[2] for p in plan)}")
+
+            nodes = -(-gpus // args.gpus_per_node)
+            bus = args.nvlink_gb_s if nodes == 1 else min(args.nvlink_gb_s, args.nics_per_node * args.nic_gb_s)
+            bus *= 1e9
+            call = (args.latency_us + (gpus - nodes) * args.nvlink_hop_us + (nodes - 1) * args.net_hop_us) * 1e-6
+            local = min(gpus, args.gpus_per_node)  # a tree: up and down within the node, log2(nodes) across
+            all_reduce = (args.latency_us + 2 * ((local - 1) * args.nvlink_hop_us +
+                                                 math.ceil(math.log2(nodes)) * args.net_hop_us)) * 1e-6
+            reduce_s = [p[0] * call + p[1] / bus for p in plan]
+            gather_s = [p[2] * call + p[3] / bus for p in plan]
+            L = layout.shape.n_layers
+
+            # Forward: the gather, issued in the order the forward reads the buckets (the embedding,
+            # layer 0, ..., the tail), runs on its own stream; the forward waits for the embedding and
+            # layer 0, then before each next layer, and before the classifier for the tail.
+            order = list(range(L + 1, -1, -1))
+            arrival, t, gather_busy = {}, 0.0, []
+            for bucket in order:
+                gather_busy.append((t, t + gather_s[bucket]))
+                t += gather_s[bucket]
+                arrival[bucket] = t
+            t = max(arrival[L + 1], arrival[L])
+            forward_busy = []
+            for layer in range(L):
+                bucket = L - layer
+                forward_busy.append((t, t + forward[bucket]))
+                t += forward[bucket]
+                t = max(t, arrival[bucket - 1])  # the next layer's bucket, or the tail's
+            forward_busy.append((t, t + forward[0]))  # the classifier
+            t += forward[0]
+            forward_stall = t - sum(forward)
+            # Backward: bucket b's reduce starts when backward has finished it and the previous one is sent.
+            t, done, reduce_busy = 0.0, 0.0, []
+            for bucket in range(L + 2):
+                t += backward[bucket]
+                start = max(t, done)
+                done = start + reduce_s[bucket]
+                reduce_busy.append((start, done))
+            reduce_tail = max(0.0, done - t)
+            overlapped = overlap(gather_busy, forward_busy) + overlap(reduce_busy, [(0.0, t)])
+            comm_s = sum(reduce_s) + sum(gather_s) + all_reduces * all_reduce
+            exposed_s = forward_stall + reduce_tail + all_reduces * all_reduce + args.sm_slowdown * overlapped
+            per_gpu = tokens / (step_s + exposed_s)
+            print(f"| {model} | {gpus} | {b} x {seq} | {reduces} / {broadcasts} / {all_reduces} | {sent:.2f} | "
+                  f"{comm_s * 1e3:,.0f} | {exposed_s * 1e3:,.0f} | {per_gpu:,.0f} | {100 * per_gpu / rate:.1f}% |")
+            notes[(model, gpus)] = (call, bus, adamw_s * (1 - 1 / gpus))
+    call512, bus512, saving = notes[("llama2-7b", 512)]
     print()
-    print(f"Assumptions: NVLink {args.nvlink_gb_s:.0f} GB/s within {args.gpus_per_node} GPUs, InfiniBand "
-          f"{args.ib_gb_s:.0f} GB/s per GPU beyond, {args.latency_us:.0f} us per ring step; ZeRO-1, one micro-batch per "
-          f"step; llama2-13b extrapolated from llama2-7b's measured tokens/s by parameter count, its micro-batch the "
-          f"largest that fits {args.gpu_memory_gib:.0f} GiB per GPU.")
+    print("Assumptions:")
+    print(f"- One micro-batch per GPU and step at the measured one-GPU micro-batch, ZeRO-1, precision coat, "
+          f"param_gather {args.param_gather}; one-GPU tokens/s measured on an H200: "
+          + ", ".join(f"{m} {MEASURED[m][2]:,.0f} at {MEASURED[m][0]} x {MEASURED[m][1]}" for m in MODELS) + ".")
+    print("- Calls per step as dry_run prints them, from the plan as the code issues them: one ncclReduce per gradient "
+          "bucket and owner segment, one ncclBroadcast per owner segment of each gathered range, the loss-and-norm "
+          "all-reduce and, with the E4M3 gather, the scale table's.")
+    print(f"- A Reduce or Broadcast call runs on a ring (NCCL's only algorithm for them): {args.latency_us:g} us + "
+          f"{args.nvlink_hop_us:g} us per NVLink hop + {args.net_hop_us:g} us per hop across nodes along the W - 1 hops "
+          f"of the chain ({call512 * 1e3:.2f} ms at 512 GPUs), then its bytes over the ring's bus bandwidth; calls are "
+          f"charged one after the other (the pipelining NCCL may get within a group of calls is not credited; NCCL's own "
+          f"tuning model charges every hop of a multi-node ring at the network's latency, more than here).")
+    print(f"- Bus bandwidth per GPU: {args.nvlink_gb_s:g} GB/s over NVLink within a node of {args.gpus_per_node} GPUs; "
+          f"across nodes, {args.nics_per_node} NICs per node at {args.nic_gb_s:g} GB/s each, one per GPU, NCCL's rings "
+          f"spread over all of them: min(NVLink, {args.nics_per_node} x {args.nic_gb_s:g}) = {bus512 / 1e9:g} GB/s.")
+    print("- Small all-reduces (loss and norm, scale table) take a tree's latency, 2 x (NVLink hops within the node + "
+          "log2(nodes) network hops), exposed.")
+    print("- Overlap as built: each bucket's reduce beside the rest of backward (the embedding's after it), the "
+          "parameter gather beside the next forward, which waits for each bucket before reading it; the all-reduces and "
+          "the optimizer overlap nothing.")
+    print(f"- Compute beside a collective runs {100 * args.sm_slowdown:g}% slower (NCCL's kernels take SMs); that cost "
+          f"counts as exposed.")
+    print(f"- Forward a third of the one-GPU step less its optimizer ({ADAMW_FP8_DRE_MS_PER_BILLION:g} ms per billion "
+          f"parameters), backward two thirds, shared among buckets by FLOPs. The optimizer counts as on one GPU: ZeRO-1 "
+          f"steps 1/W of the states, a saving not credited (llama2-7b at 512 GPUs: {saving * 1e3:.0f} ms a step), so "
+          f"no prediction exceeds the measured one-GPU rate.")
 
 
 if __name__ == "__main__":
