@@ -25,7 +25,8 @@
 #                with BF16 compute (out/curves/NAME/bf16-eval/). Each call's seconds are added to
 #                out/curves/NAME/gpu_seconds.
 #   status       each run's progress: complete, or the step it resumes from and the GPU time it
-#                has taken and will still take at its pace so far, or not started
+#                has taken and will still take at its pace so far, or not started (with the mean
+#                GPU time of the complete runs of its length); then the GPU time still to go
 #   report       configs/results/curves.md (per seed and precision the final validation loss and
 #                its gap to bf16; each precision's mean gap and its standard error; bf16's seed
 #                spread; every run's speed, memory and GPU time), configs/results/curves-125m.png and
@@ -239,12 +240,13 @@ status() {
     python3 - "$OUT" "${runs[@]}" <<'PY'
 import glob, json, os, re, sys
 out = sys.argv[1]
+lines, left_minutes, finished, unknown = [], 0.0, {}, []  # finished: steps -> GPU minutes of complete runs
 for name, steps in (arg.split("=") for arg in sys.argv[2:]):
     steps = int(steps)
     folder = os.path.join(out, name)
     log = os.path.join(folder, "log.jsonl")
     if not os.path.exists(log):
-        print(f"{name}: not started ({steps} steps)")
+        lines.append((name, steps, None))
         continue
     records = []
     for line in open(log):
@@ -255,14 +257,31 @@ for name, steps in (arg.split("=") for arg in sys.argv[2:]):
     seconds_path = os.path.join(folder, "gpu_seconds")
     seconds = sum(int(x) for x in open(seconds_path).read().split()) if os.path.exists(seconds_path) else 0
     if any(r.get("step") == steps and "val_loss" in r for r in records):
-        print(f"{name}: complete, {seconds / 60:.1f} GPU-min")
+        finished.setdefault(steps, []).append(seconds / 60)
+        lines.append((name, steps, f"{name}: complete, {seconds / 60:.1f} GPU-min"))
         continue
     checkpoints = [int(m.group(1)) for m in (re.search(r"ckpt_(\d+)\.bin$", p) for p in glob.glob(f"{folder}/ckpt_*.bin")) if m]
     at = max(checkpoints, default=0)
     done = max((r["step"] for r in records if "train_loss" in r), default=0)
-    left = f", about {seconds / done * (steps - at) / 60:.1f} GPU-min left" if done and seconds else ""
+    left = ""
+    if done and seconds:
+        left_minutes += seconds / done * (steps - at) / 60
+        left = f", about {seconds / done * (steps - at) / 60:.1f} GPU-min left"
+    else:
+        unknown.append(name)
     where = f"resumes from step {at}" if checkpoints else "starts over (no checkpoint)"
-    print(f"{name}: {where} of {steps}, logged up to step {done}, {seconds / 60:.1f} GPU-min so far{left}")
+    lines.append((name, steps, f"{name}: {where} of {steps}, logged up to step {done}, {seconds / 60:.1f} GPU-min so far{left}"))
+for name, steps, text in lines:
+    if text is None:  # not started: as long as the complete runs of the same length took on average
+        if steps in finished:
+            estimate = sum(finished[steps]) / len(finished[steps])
+            left_minutes += estimate
+            text = f"{name}: not started ({steps} steps, about {estimate:.1f} GPU-min as the complete runs of {steps} steps)"
+        else:
+            unknown.append(name)
+            text = f"{name}: not started ({steps} steps)"
+    print(text)
+print(f"GPU time still to go: about {left_minutes:.0f} min" + (f", and {len(unknown)} run(s) with no estimate yet" if unknown else ""))
 PY
 }
 

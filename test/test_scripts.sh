@@ -633,12 +633,13 @@ mkdir -p "$curves/out/coat-fast-accum"
 printf '{"step": 573, "train_loss": 3.0}\n{"step": 573, "val_loss": 3.3}\n' > "$curves/out/coat-fast-accum/log.jsonl"
 echo 480 > "$curves/out/coat-fast-accum/gpu_seconds"
 out=$("${export_curves[@]}" scripts/reproduce_curves.sh status 2>&1); rc=$?
-check "reproduce_curves.sh status: each run complete, resumable with its GPU time so far and to go, or not started" \
+check "reproduce_curves.sh status: each run complete, resumable with its GPU time so far and to go, or not started with an estimate from the complete runs of its length; the total still to go" \
     "$([ $rc -eq 0 ] && printf '%s\n' "$out" | grep -qx 'coat-fast-accum: complete, 8.0 GPU-min' &&
        printf '%s\n' "$out" | grep -qx 'coat-fp32-states: resumes from step 100 of 573, logged up to step 120, 5.0 GPU-min so far, about 19.7 GPU-min left' &&
        printf '%s\n' "$out" | grep -qx 'coat-seed3: starts over (no checkpoint) of 573, logged up to step 300, 8.0 GPU-min so far, about 15.3 GPU-min left' &&
        printf '%s\n' "$out" | grep -qx '1b-coat: not started (250 steps)' &&
-       printf '%s\n' "$out" | grep -qx 'coat-stochastic: not started (573 steps)'; echo $?)" "$out"
+       printf '%s\n' "$out" | grep -qx 'coat-stochastic: not started (573 steps, about 8.0 GPU-min as the complete runs of 573 steps)' &&
+       printf '%s\n' "$out" | grep -qx 'GPU time still to go: about 99 min, and 2 run(s) with no estimate yet'; echo $?)" "$out"
 # ARGS reach every run's command line (here a learning rate the trainer refuses) and parity.md says so.
 mkdir -p "$tmp/args_data"
 write_pattern_shards "$tmp/args_data" 6 $((2 * 64 * 1025)) 70000
