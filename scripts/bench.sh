@@ -4,9 +4,9 @@
 #     (torch.compile, BF16 autocast, fused AdamW) and its FP8 recipe (the block's linear layers on
 #     torch._scaled_mm, E4M3 forward, E5M2 gradients) on random tokens: tokens/s, MFU and peak memory
 #     for llama-125m and llama-1b at the micro-batches of coat/README.md's model shapes (64 x 1024,
-#     16 x 2048); llama2-7b at the largest
-#     micro-batch each precision fits; then llama-1b 4x2048's peak memory beside PyTorch (eager)
-#     with SDPA and with attention written out (what storing the probabilities costs);
+#     16 x 2048); llama2-7b and llama3-8b at the largest micro-batch each precision fits; then
+#     llama-1b 4x2048's peak memory beside PyTorch (eager) with SDPA and with attention written out
+#     (what storing the probabilities costs);
 #  2. our flash attention (build/test_attention's timings) against PyTorch SDPA's flash and cuDNN
 #     backends (scripts/bench_attention.py) at the shapes of coat/README.md's attention peers.
 #  3. with --profile, where the time of a llama-1b step goes: train_llama's per-op GPU times
@@ -49,6 +49,42 @@ print(json.dumps({"impl": "train_llama " + sys.argv[3], "tokens_per_s": statisti
                   "used_gib": max(r["gpu_mem_gib"] for r in records)}))
 PY
 }
+
+# MODEL (seq 2048) at the largest micro-batch that each precision fits in the free memory (the
+# trainer keeps 2% of it), 10 steps each, against bf16 at its own largest. nvidia-smi's free memory
+# includes what the trainer's CUDA context then takes: when the trainer refuses the dry run's
+# batch, it names the largest that fits, which runs instead.
+largest_fit_table() {  # largest_fit_table MODEL
+    local model=$1 free_gib b r fit precision rows=()
+    echo "| $model | micro-batch | implementation | tokens/s | MFU | peak GiB | GiB in use | tokens/s vs bf16 |"
+    echo "|---|---|---|---|---|---|---|---|"
+    free_gib=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits | head -1 | awk '{printf "%.2f", $1 / 1024 * 0.98}')
+    for precision in bf16 fp8 coat; do
+        b=$(./train_llama "configs/models/$model.conf" --dry_run=1 --train_data="$dir/train_*.bin" --precision=$precision \
+            --micro_batch_size=1 --seq_len=2048 --gpu_memory_gib="$free_gib" 2>/dev/null |
+            sed -n 's/.*largest micro-batch that fits: \([0-9]*\)).*/\1/p')
+        r=$(steps=10 ours "$model" "$model" "${b:-1}" 2048 $precision)
+        fit=$(sed -n 's/.*the largest that fits is \([0-9]*\)$/\1/p' "$dir/$model-$precision.log" | head -1)
+        if [ -n "$fit" ] && [ "$fit" -gt 0 ] && [ "$fit" -lt "${b:-1}" ]; then
+            b=$fit
+            r=$(steps=10 ours "$model" "$model" "$b" 2048 $precision)
+        fi
+        rows+=("${b:-0}" "$r")
+    done
+    python3 - "$model" "${rows[@]}" <<'PY'
+import json, sys
+model = sys.argv[1]
+runs = [(sys.argv[i], json.loads(sys.argv[i + 1])) for i in range(2, len(sys.argv), 2)]
+base = runs[0][1].get("tokens_per_s")
+for batch, r in runs:
+    if "error" in r:
+        print(f"| {model} | {batch}x2048 | {r.get('impl')} | {r['error']} | | | | |")
+        continue
+    ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
+    print(f"| {model} | {batch}x2048 | {r['impl']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
+          f"{r['peak_gib']:.1f} | {r['used_gib']:.1f} | {ratio} |")
+PY
+}
 pytorch() {  # pytorch CONFIG B T [--fp8]
     python3 scripts/train_llama.py --bench --compile ${4:-} --config "configs/models/$1.conf" --batch "$2" --seq "$3" \
         --steps "$steps" 2>"$dir/pytorch-$1${4:-}.err" | tail -1 || echo "{\"impl\": \"pytorch-compile${4:+-fp8}\", \"error\": \"failed\"}"
@@ -81,37 +117,9 @@ PY
     echo
     echo "train_llama peak = its memory plan (all it allocates); in use = the GPU's used memory during the run (cudaMemGetInfo: the plan, the CUDA context and the allocator's rounding); PyTorch peak = torch.cuda.max_memory_allocated()."
     echo
-    # llama2-7b at the largest micro-batch of 2048 tokens that each precision fits in the free
-    # memory (the trainer keeps 2% of it), 10 steps each. nvidia-smi's free memory includes what the
-    # trainer's CUDA context then takes: when the trainer refuses the dry run's batch, it names the
-    # largest that fits, which runs instead.
-    echo "| llama2-7b | micro-batch | implementation | tokens/s | MFU | peak GiB | GiB in use | tokens/s vs bf16 |"
-    echo "|---|---|---|---|---|---|---|---|"
-    free_gib=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits | head -1 | awk '{printf "%.2f", $1 / 1024 * 0.98}')
-    rows=()
-    for precision in bf16 fp8 coat; do
-        b=$(./train_llama configs/models/llama2-7b.conf --dry_run=1 --train_data="$dir/train_*.bin" --precision=$precision --micro_batch_size=1 \
-            --seq_len=2048 --gpu_memory_gib="$free_gib" 2>/dev/null | sed -n 's/.*largest micro-batch that fits: \([0-9]*\)).*/\1/p')
-        r=$(steps=10 ours llama2-7b llama2-7b "${b:-1}" 2048 $precision)
-        fit=$(sed -n 's/.*the largest that fits is \([0-9]*\)$/\1/p' "$dir/llama2-7b-$precision.log" | head -1)
-        if [ -n "$fit" ] && [ "$fit" -gt 0 ] && [ "$fit" -lt "${b:-1}" ]; then
-            b=$fit
-            r=$(steps=10 ours llama2-7b llama2-7b "$b" 2048 $precision)
-        fi
-        rows+=("${b:-0}" "$r")
-    done
-    python3 - "${rows[@]}" <<'PY'
-import json, sys
-runs = [(sys.argv[i], json.loads(sys.argv[i + 1])) for i in range(1, len(sys.argv), 2)]
-base = runs[0][1].get("tokens_per_s")
-for batch, r in runs:
-    if "error" in r:
-        print(f"| llama2-7b | {batch}x2048 | {r.get('impl')} | {r['error']} | | | | |")
-        continue
-    ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
-    print(f"| llama2-7b | {batch}x2048 | {r['impl']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
-          f"{r['peak_gib']:.1f} | {r['used_gib']:.1f} | {ratio} |")
-PY
+    largest_fit_table llama2-7b
+    echo
+    largest_fit_table llama3-8b
     echo
     [ "$training_only" = 1 ] && exit 0
     # What flash attention saves: the same model in PyTorch (eager) with SDPA and with attention written
