@@ -186,6 +186,30 @@ if grep -qa ncclCommInitRank ./train_llama; then
         "$(tail -3 "$tmp/nccl1.out")"
 fi
 
+# One rank's stop signal stops every rank: SIGUSR1 (a scheduler's warning) to rank 1 alone of 2
+# (ZeRO stage 1). Both stop at one step boundary, rank 0 writes that step's checkpoint and says
+# why, mpirun exits 75; resumed on 2 ranks, the run logs the undisturbed run's numbers bit for bit.
+long=("${stage1[@]}" --max_steps=200 --checkpoint_every=0 --comm_backend=mpi)
+"${mpi[@]}" 2 ./train_llama "${long[@]}" --out_dir="$tmp/stop_ref" > "$tmp/stop_ref.out" 2>&1
+check "2 ranks, 200 steps undisturbed" $? "$(tail -3 "$tmp/stop_ref.out")"
+"${mpi[@]}" 2 ./train_llama "${long[@]}" --out_dir="$tmp/stop" > "$tmp/stop.out" 2>&1 &
+launcher=$! rank1=""
+while kill -0 $launcher 2>/dev/null && [ "$(grep -c '^step  *[0-9]*/' "$tmp/stop.out")" -lt 6 ]; do sleep 0.01; done
+for pid in $(pgrep -f "out_dir=$tmp/stop\$"); do  # the rank whose environment says rank 1
+    tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qx 'OMPI_COMM_WORLD_RANK=1' && rank1=$pid
+done
+[ -n "$rank1" ] && kill -USR1 "$rank1"
+{ wait $launcher; } 2> /dev/null
+rc=$?
+stopped=$(sed -n "s/^step \([0-9]*\): stopped by another rank's signal with its checkpoint written (exit 75).*/\1/p" "$tmp/stop.out")
+check "SIGUSR1 to rank 1 alone stops both ranks at step ${stopped:-none} with rank 0's checkpoint, exit 75" \
+    "$([ -n "$rank1" ] && [ $rc -eq 75 ] && [ -n "$stopped" ] && [ "$stopped" -lt 200 ] &&
+       [ -e "$tmp/stop/$(printf 'ckpt_%08d' "$stopped").done" ]; echo $?)" "rank 1 pid ${rank1:-not found}, exit $rc: $(tail -4 "$tmp/stop.out")"
+"${mpi[@]}" 2 ./train_llama "${long[@]}" --out_dir="$tmp/stop" --resume=1 > "$tmp/stop-resumed.out" 2>&1
+check "the stopped 2-rank run resumes to its end" $? "$(tail -3 "$tmp/stop-resumed.out")"
+check "stopped by one rank's signal and resumed, the 2-rank log equals the undisturbed run's" \
+    "$(diff <(numbers "$tmp/stop_ref/log.jsonl") <(numbers "$tmp/stop/log.jsonl") > "$tmp/stop.diff"; echo $?)" "$(head -6 "$tmp/stop.diff")"
+
 # Every run above, 1 to 4 ranks at stages 0 to 2, bf16 and coat: each rank allocated its memory plan.
 outs=("$tmp"/*.out)
 matched=$(grep -l "^GPU memory allocated: [0-9.]* GiB per rank, each rank's plan byte for byte$" "${outs[@]}" | wc -l)
