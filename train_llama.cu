@@ -18,6 +18,7 @@
 #include "coat/params.h"
 #include "coat/random.h"
 #include "coat/schedule.h"
+#include "coat/speed_of_light.h"
 #include "coat/zero.cuh"
 #include "dataloader/make_directories.h"
 extern "C" {
@@ -1220,6 +1221,20 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
     return loss;
 }
 
+// The speed of light of train_step's ops on this GPU (the profile's last columns): the work of
+// its micro-batches, the gradient buffer it zeroes, the part it norms and steps.
+static void profile_speed_of_light(const Trainer *t, SolTable *table) {
+    const LlamaModel *m = &t->model;
+    const ZeroPlan *z = &t->sharding;
+    SolRun run = sol_run_one_gpu(&m->shape, m->B, m->T, t->grad_accum, m->precision.fp8_gemms, m->precision.activations,
+                                 t->opt.kind);
+    run.zeroed_grad_bytes = z->stage == 2 ? 4 * z->shard_elems : 2 * m->grads_elems;
+    run.optimizer_elems = t->opt.n;
+    run.fp32_grads = z->stage == 2;
+    run.casts_weights = m->precision.fp8_gemms && !t->e4m3_gather;
+    speed_of_light_table(table, &run);
+}
+
 static void log_validation(Trainer *t) {
     float val = validation_loss(t);
     printf("step %6lld | val loss %.4f\n", t->state.step, val);
@@ -1395,7 +1410,11 @@ static int train(ConfigParser *parser, const Comm *comm) {
         install_stop_handlers();
         status = train_loop(t, elapsed_s);
         run_log_close(&t->log);
-        if (t->timer) op_timer_print(stdout, t->timer);
+        if (t->timer) {
+            SolTable sol;
+            profile_speed_of_light(t, &sol);
+            op_timer_print(stdout, t->timer, &sol);
+        }
     }
     trainer_free(t);
     free(t);

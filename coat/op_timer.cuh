@@ -7,11 +7,13 @@
 //   op_timer_mark(timer, NULL, stream)        a baseline: the start of a step
 //   op_timer_mark(timer, "rope forward", s)   after the op has been issued
 //   op_timer_end_step(timer)                  waits for the step's last event and adds it up
+// The printout sets each op beside its speed of light (coat/speed_of_light.h).
 #pragma once
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "common.cuh"
+#include "speed_of_light.h"
 
 #define OP_TIMER_MARKS 4096  // events between two collections; a longer step is collected in parts
 #define OP_TIMER_OPS 128     // distinct op names
@@ -100,14 +102,16 @@ static inline void op_timer_clear(OpTimer *timer) {
     timer->steps = 0;
 }
 
-// One line per op, the slowest first: calls and milliseconds per step, share of the step.
-static inline void op_timer_print(FILE *out, const OpTimer *timer) {
+// One line per op, the slowest first: calls and milliseconds per step, share of the step, and
+// from `sol` (NULL: none) the op's speed of light per step and how many times slower it ran
+// ('-' where the op has none).
+static inline void op_timer_print(FILE *out, const OpTimer *timer, SolTable *sol) {
     if (timer->steps == 0) {
         fprintf(out, "profile: no step was timed after the first (it includes the GEMM algorithm choice)\n");
         return;
     }
     int order[OP_TIMER_OPS];
-    double total_ms = 0.0;
+    double total_ms = 0.0, total_sol_ms = 0.0;
     for (int i = 0; i < timer->ops; i++) {
         order[i] = i;
         total_ms += timer->op_ms[i];
@@ -118,13 +122,21 @@ static inline void op_timer_print(FILE *out, const OpTimer *timer) {
             order[j] = order[j - 1];
             order[j - 1] = swap;
         }
-    fprintf(out, "profile: GPU time per step, mean of %d steps (an op's time includes any GPU idle time before it)\n",
-            timer->steps);
-    fprintf(out, "  %-36s %10s %10s %8s\n", "op", "calls/step", "ms/step", "share");
+    fprintf(out, "profile: GPU time per step, mean of %d steps (an op's time includes any GPU idle time before it); "
+                 "SoL: at the H200's %.0f/%.0f TFLOP/s BF16/FP8 dense or %.2f TB/s copy bandwidth (read + write)\n",
+            timer->steps, SOL_BF16_FLOP_PER_S / 1e12, SOL_FP8_FLOP_PER_S / 1e12, SOL_BYTES_PER_S / 1e12);
+    fprintf(out, "  %-36s %10s %10s %8s %11s %7s\n", "op", "calls/step", "ms/step", "share", "SoL ms/step", "x SoL");
     for (int k = 0; k < timer->ops; k++) {
         int i = order[k];
-        fprintf(out, "  %-36s %10.1f %10.3f %7.1f%%\n", timer->op_names[i], (double)timer->op_calls[i] / timer->steps,
-                timer->op_ms[i] / timer->steps, total_ms > 0 ? 100.0 * timer->op_ms[i] / total_ms : 0.0);
+        double ms = timer->op_ms[i] / timer->steps, sol_step_ms = sol ? sol_ms(sol_find(sol, timer->op_names[i])) : -1.0;
+        fprintf(out, "  %-36s %10.1f %10.3f %7.1f%%", timer->op_names[i], (double)timer->op_calls[i] / timer->steps, ms,
+                total_ms > 0 ? 100.0 * timer->op_ms[i] / total_ms : 0.0);
+        if (sol_step_ms > 0) {
+            fprintf(out, " %11.3f %7.1f\n", sol_step_ms, ms / sol_step_ms);
+            total_sol_ms += sol_step_ms;
+        } else {
+            fprintf(out, " %11s %7s\n", "-", "-");
+        }
     }
-    fprintf(out, "  %-36s %10s %10.3f\n", "total", "", total_ms / timer->steps);
+    fprintf(out, "  %-36s %10s %10.3f %8s %11.3f\n", "total", "", total_ms / timer->steps, "", total_sol_ms);
 }

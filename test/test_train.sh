@@ -3,7 +3,7 @@
 # coat (and with shuffle = rows): 20 steps straight, against 10 steps + resume + 10 steps from the step-10 checkpoint; every
 # logged loss must match to the last digit; fp8 and coat end near bf16. Also: the run's validation loss falls, a corrupt checkpoint is refused with
 # its name, a micro-batch that does not fit is refused, and profile = 1 prints per-op times that
-# add up to the measured step time.
+# add up to the measured step time, beside speeds of light that no op beats.
 cd "$(dirname "$0")/.." || exit 1
 source test/check.sh
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -78,7 +78,8 @@ check "a micro-batch that does not fit is refused, naming the largest that does"
     "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q 'the largest that fits is'; echo $?)" "$(printf '%s' "$out" | tail -1)"
 
 # profile = 1: the ops' times per step add up to the logged step time (the same events bound
-# both), and each layer's attention runs once forward and once backward per micro-batch.
+# both), each layer's attention runs once forward and once backward per micro-batch, and every
+# op with a speed of light (the last two columns) takes at least that long.
 ./train_llama "${common[@]}" --out_dir="$tmp/profile" --profile=1 > "$tmp/profile.out" 2>&1
 check "profile = 1 runs" $? "$(tail -3 "$tmp/profile.out")"
 total=$(awk '/^profile:/ { section = 1 } section && $1 == "total" { print $2 }' "$tmp/profile.out")
@@ -89,5 +90,9 @@ check "profile: the ops add up to the mean step time ($total ms against $mean ms
 check "profile: attention forward and backward run once per layer and micro-batch" \
     "$(awk '/^  attention (forward|backward) / { if ($3 != 2.0) bad = 1; n++ } END { exit !(n == 2 && !bad) }' "$tmp/profile.out"; echo $?)" \
     "$(grep '^  attention' "$tmp/profile.out")"
+check "profile: every GEMM has a speed of light, and no op runs faster than its own" \
+    "$(awk '/^profile:/ { section = 1 } section && /^  / && $1 != "op" && $1 != "total" && $NF != "-" { if ($NF + 0 < 1) bad = 1 }
+            section && /^  matmul / { if ($NF == "-") bad = 1; n++ } END { exit !(n > 0 && !bad) }' "$tmp/profile.out"; echo $?)" \
+    "$(sed -n '/^profile:/,$p' "$tmp/profile.out")"
 
 check_summary test_train
