@@ -22,7 +22,7 @@
 #define SOL_BF16_FLOP_PER_S 989e12   // H200 dense BF16 tensor cores
 #define SOL_FP8_FLOP_PER_S 1979e12   // H200 dense FP8 tensor cores
 #define SOL_BYTES_PER_S 4.23e12      // H200 device copy, read + write counted
-#define SOL_MAX_OPS 40
+#define SOL_MAX_OPS 64  // distinct op names
 
 // What one step of the run does, as the trainer knows it.
 typedef struct {
