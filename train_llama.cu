@@ -29,6 +29,8 @@ extern "C" {
 // Stopped by SIGTERM, SIGINT or SIGUSR1 at a step boundary, its checkpoint written: the run is
 // unfinished and resume = 1 continues it (sysexits' EX_TEMPFAIL, "try again later").
 #define EXIT_PREEMPTED 75
+// A rank whose collectives failed or hung past collective_timeout_s exits with
+// EXIT_COLLECTIVE_FAILED (3), from coat/watchdog.h.
 
 // The first SIGTERM, SIGINT or SIGUSR1 (what SLURM sends ahead of a job's time limit) asks the
 // run to stop at the next step boundary with a checkpoint: the signal's number. A second one ends
@@ -874,10 +876,10 @@ static float validation_loss(Trainer *t) {
         model_forward(&t->gpu, &t->model, 0, 0.0f);
         classifier_mean_loss(&t->gpu, t->model.mean_loss, t->model.losses, N);
         cudaCheck(cudaMemcpyAsync(t->host_scalar, t->model.mean_loss, sizeof(float), cudaMemcpyDeviceToHost, t->gpu.stream));
-        cudaCheck(cudaStreamSynchronize(t->gpu.stream));
+        zero_wait_stream(&t->zero, t->gpu.stream, "a validation batch and the parameter gather before it");
         total += *t->host_scalar;
     }
-    if (t->comm->world > 1) zero_all_reduce_sum_f64(&t->zero, &total, 1, t->gpu.stream);
+    if (t->comm->world > 1) zero_all_reduce_sum_f64(&t->zero, &total, 1, t->gpu.stream, "the validation loss's all-reduce");
     return (float)(total / t->val_batches);
 }
 
@@ -932,7 +934,7 @@ static void sequence_logits(Trainer *t, const uint32_t *ids, int count, int firs
         cudaCheck(cudaMemcpyAsync(host_logits + (size_t)(row - first) * stride, m->kernel_scratch,
                                   (size_t)rows * stride * sizeof(float), cudaMemcpyDeviceToHost, t->gpu.stream));
     }
-    cudaCheck(cudaStreamSynchronize(t->gpu.stream));
+    zero_wait_stream(&t->zero, t->gpu.stream, "a sample's forward and the parameter gather before it");
 }
 
 // logits_out: the prompt's tokens and the logits at every position, for comparisons with other
@@ -1040,7 +1042,7 @@ static void report_allocation(Trainer *t) {
     if (differ)
         fprintf(stderr, "warning: rank %d allocated %zu bytes on the GPU, its memory plan %zu\n", t->comm->rank, allocated,
                 plan.total_bytes);
-    if (t->comm->world > 1) zero_all_reduce_sum_f64(&t->zero, &differ, 1, t->gpu.stream);
+    if (t->comm->world > 1) zero_all_reduce_sum_f64(&t->zero, &differ, 1, t->gpu.stream, "the memory plan check's all-reduce");
     if (t->comm->rank != 0) return;
     if (differ == 0) printf("GPU memory allocated: %.3f GiB per rank, each rank's plan byte for byte\n", gib(allocated));
     else printf("GPU memory allocated: %.3f GiB on rank 0, %d rank(s) differ from their plan\n", gib(allocated), (int)differ);
@@ -1085,7 +1087,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
         for (int i = 0; i < 2; i++) cudaCheck(cudaEventCreateWithFlags(&t->bucket_free[i], cudaEventDisableTiming));
     }
     if (ranks > 1 && zero_comm_init(&t->zero, comm, c->comm_backend == COMM_MPI ? ZERO_BACKEND_MPI : ZERO_BACKEND_NCCL,
-                                    z->padded_elems, error, sizeof(error)) != 0)
+                                    z->padded_elems, c->collective_timeout_s, error, sizeof(error)) != 0)
         fail_config(parser, "comm_backend", error);
     t->host_chunk = (unsigned char *)malloc(2 * ADAMW_COPY_CHUNK_BYTES);
     if (!t->host_chunk) fail("out of host memory for the checkpoint buffer");
@@ -1169,6 +1171,8 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
     m->timer = t->timer;
     op_timer_mark(m->timer, NULL, s);
     const ZeroPlan *z = &t->sharding;
+    long long step = t->state.step + 1;
+    char what[96];  // the waits that may include collectives, named for the watchdog (coat/zero.cuh)
     if (z->stage == 2) cudaCheck(cudaMemsetAsync(t->grad_sum, 0, 4 * z->shard_elems, s));
     else cudaCheck(cudaMemsetAsync(m->grads, 0, 2 * m->grads_elems, s));
     op_timer_mark(m->timer, "zero gradients", s);
@@ -1181,7 +1185,8 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
         classifier_mean_loss(&t->gpu, m->mean_loss, m->losses, N);
         op_timer_mark(m->timer, "mean loss", s);
         cudaCheck(cudaMemcpyAsync(t->host_scalar, m->mean_loss, sizeof(float), cudaMemcpyDeviceToHost, s));
-        cudaCheck(cudaStreamSynchronize(s));
+        snprintf(what, sizeof(what), "micro-batch %d of step %lld and its collectives", micro + 1, step);
+        zero_wait_stream(&t->zero, s, what);
         loss_sum += *t->host_scalar;
     }
     // Once the buckets' reduces are done (bucket_end), stage 0: every rank holds the gradient of
@@ -1198,12 +1203,14 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
     else grad_norm_squared(m->grad_norm_squared, grads, grads_n, (double *)m->kernel_scratch, s);
     op_timer_mark(m->timer, "gradient norm", s);
     cudaCheck(cudaMemcpyAsync(t->host_scalar, m->grad_norm_squared, sizeof(float), cudaMemcpyDeviceToHost, s));
-    cudaCheck(cudaStreamSynchronize(s));
+    snprintf(what, sizeof(what), "the gradient reduces of step %lld", step);
+    zero_wait_stream(&t->zero, s, what);
     // The norm: of the shards' sums of squares. The stop votes ride along: every rank ends the
     // step with the same answer, so all stop at one step boundary or none does.
     double sums[3] = {loss_sum, stop_signal != 0 ? 1.0 : 0.0, *t->host_scalar};
     if (ranks > 1) {
-        zero_all_reduce_sum_f64(&t->zero, sums, sharded ? 3 : 2, s);
+        snprintf(what, sizeof(what), "the loss and norm all-reduce of step %lld", step);
+        zero_all_reduce_sum_f64(&t->zero, sums, sharded ? 3 : 2, s, what);
         sums[0] /= ranks;
     }
     t->stop_requested = sums[1] > 0;
@@ -1326,6 +1333,7 @@ static int train_loop(Trainer *t, double elapsed_s) {
     const TrainConfig *c = t->c;
     long long tokens_per_step = (long long)c->micro_batch_size * c->seq_len * t->comm->world * t->grad_accum;
     cudaEvent_t start, stop;
+    char what[96];  // the wait for a step, named for the watchdog (coat/zero.cuh)
     cudaCheck(cudaEventCreate(&start));
     cudaCheck(cudaEventCreate(&stop));
     // Validation, samples and checkpoints come after the step they follow, so a run resumed from
@@ -1339,7 +1347,8 @@ static int train_loop(Trainer *t, double elapsed_s) {
         cudaCheck(cudaEventRecord(start, t->gpu.stream));
         float loss = train_step(t, lr, &grad_norm);
         cudaCheck(cudaEventRecord(stop, t->gpu.stream));
-        cudaCheck(cudaEventSynchronize(stop));
+        snprintf(what, sizeof(what), "the optimizer of step %lld and the amax all-reduce after it", t->state.step + 1);
+        zero_wait_event(&t->zero, stop, what);
         float ms = 0.0f;
         cudaCheck(cudaEventElapsedTime(&ms, start, stop));
         long long step = ++t->state.step;

@@ -170,7 +170,10 @@ static const ConfigKey config_keys[] = {
      "how ZeRO stages 1 and 2 gather the parameters after the step: all bf16, or the block weights as the E4M3 "
      "copies the FP8 GEMMs read (auto: e4m3 with FP8 GEMMs)"},
     {"collective_timeout_s", KEY_FLOAT, CFG(collective_timeout_s), "600", 1, 1e6, NULL,
-     "seconds a rank launched without MPI waits for the others at the rendezvous before it gives up, naming the missing rank"},
+     "seconds a rank launched without MPI waits for the others at the rendezvous before it gives up, naming the missing rank; "
+     "with NCCL and several ranks, also the longest a rank waits for work that includes collectives (a micro-batch, a "
+     "step's reduces): past it, or on an NCCL error, the rank aborts the communicator and exits with status 3, naming "
+     "the wait"},
     {"world_size", KEY_INT, CFG(world_size), "0", 0, 1 << 20, NULL, "ranks to plan for in dry_run (0: the launched ranks)"},
     {"gpu_memory_gib", KEY_FLOAT, CFG(gpu_memory_gib), "0", 0, 1e6, NULL,
      "GPU memory to plan against (0: ask the GPU; dry_run without a GPU skips the fit check)"},

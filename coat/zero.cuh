@@ -15,12 +15,19 @@
 // and the gather of checkpoint chunks to rank 0.
 // BF16 buffers are uint16-sized elements; n counts elements. Every rank calls every collective
 // in the same order with the same sizes.
+// With NCCL and several ranks a watchdog thread (coat/watchdog.h) ends a rank whose collectives
+// fail (NCCL's asynchronous error) or hang: the host waits that include collectives go through
+// zero_wait_stream / zero_wait_event, named, and one that lasts longer than collective_timeout_s
+// aborts the communicator and exits with EXIT_COLLECTIVE_FAILED, naming the rank and the wait.
 #pragma once
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include "comm.h"
 #include "common.cuh"
+#include "watchdog.h"
 #include "zero.h"
 #ifdef USE_NCCL
 #include <nccl.h>
@@ -36,6 +43,7 @@ typedef struct {
     uint16_t *host;                  // the MPI backend's pinned staging, host_elems elements
     size_t host_elems;
     double *scalars;                 // device room for zero_all_reduce_sum_f64 over NCCL
+    Watchdog *watchdog;              // NCCL with world > 1, else NULL
 #ifdef USE_NCCL
     ncclComm_t nccl;
 #endif
@@ -48,14 +56,51 @@ static inline void nccl_check(ncclResult_t result, const char *call, const char 
     exit(EXIT_FAILURE);
 }
 #define ncclCheck(call) nccl_check((call), #call, __FILE__, __LINE__)
+
+// The watchdog's backend: the communicator's asynchronous error, and the abort.
+static inline const char *zero_nccl_async_error(void *backend, char *text, size_t size) {
+    ZeroComm *z = (ZeroComm *)backend;
+    ncclResult_t state = ncclSuccess, asked = ncclCommGetAsyncError(z->nccl, &state);
+    if (asked != ncclSuccess) state = asked;
+    if (state == ncclSuccess || state == ncclInProgress) return NULL;
+    snprintf(text, size, "%s (%s)", ncclGetErrorString(state), ncclGetLastError(z->nccl));
+    return text;
+}
+
+static inline void zero_nccl_abort(void *backend, const char *message) {
+    fprintf(stderr, "%s\n", message);
+    alarm(60);  // should the abort itself hang, SIGALRM ends the process
+    ncclCommAbort(((ZeroComm *)backend)->nccl);
+    _exit(EXIT_COLLECTIVE_FAILED);
+}
 #endif
+
+// The host waits for `stream` (or `event`), whose work includes collectives, named by `what`
+// for the watchdog's message: "the gradient reduces of step 12".
+static inline void zero_wait_begin(ZeroComm *z, const char *what) {
+    if (z->watchdog) watchdog_wait_begin(z->watchdog, what);
+}
+static inline void zero_wait_end(ZeroComm *z) {
+    if (z->watchdog) watchdog_wait_end(z->watchdog);
+}
+static inline void zero_wait_stream(ZeroComm *z, cudaStream_t stream, const char *what) {
+    zero_wait_begin(z, what);
+    cudaCheck(cudaStreamSynchronize(stream));
+    zero_wait_end(z);
+}
+static inline void zero_wait_event(ZeroComm *z, cudaEvent_t event, const char *what) {
+    zero_wait_begin(z, what);
+    cudaCheck(cudaEventSynchronize(event));
+    zero_wait_end(z);
+}
 
 // Sets up the backend on the current device for collectives of at most max_elems BF16 elements
 // (the MPI backend's staging holds max_elems and a shard of them to reduce into). For NCCL ranks
-// started without MPI the unique id travels through the rendezvous channel (comm_meet).
-// Returns 0, or -1 with a message.
-static inline int zero_comm_init(ZeroComm *z, const Comm *comm, ZeroBackend backend, size_t max_elems, char *error,
-                                 size_t error_size) {
+// started without MPI the unique id travels through the rendezvous channel (comm_meet); with
+// several, the watchdog starts, timeout_s its limit on one wait (MPI itself ends a job whose rank
+// dies). Returns 0, or -1 with a message.
+static inline int zero_comm_init(ZeroComm *z, const Comm *comm, ZeroBackend backend, size_t max_elems, double timeout_s,
+                                 char *error, size_t error_size) {
     memset(z, 0, sizeof(*z));
     z->comm = comm;
     z->backend = backend;
@@ -94,16 +139,29 @@ static inline int zero_comm_init(ZeroComm *z, const Comm *comm, ZeroBackend back
                  "refuses; comm_backend = mpi lets ranks share one)", comm->rank, comm->world, ncclGetErrorString(joined));
         return -1;
     }
+    if (comm->world == 1) return 0;
+    Watchdog *w = (Watchdog *)malloc(sizeof(Watchdog));
+    if (!w || watchdog_start(w, comm->rank, timeout_s, WATCHDOG_POLL_S, zero_nccl_async_error, zero_nccl_abort, z) != 0) {
+        free(w);
+        snprintf(error, error_size, "cannot start the collectives' watchdog thread");
+        return -1;
+    }
+    z->watchdog = w;
     return 0;
 #else
     (void)max_elems;
+    (void)timeout_s;
     snprintf(error, error_size, "comm_backend = nccl needs a build with NCCL (nccl.h)");
     return -1;
 #endif
 }
 
 static inline void zero_comm_free(ZeroComm *z) {
-    cudaCheck(cudaStreamSynchronize(z->stream));
+    zero_wait_stream(z, z->stream, "the last collectives");
+    if (z->watchdog) {
+        watchdog_stop(z->watchdog);
+        free(z->watchdog);
+    }
 #ifdef USE_NCCL
     if (z->backend == ZERO_BACKEND_NCCL) ncclCheck(ncclCommDestroy(z->nccl));
 #endif
@@ -292,17 +350,19 @@ static inline void zero_broadcast_parts(ZeroComm *z, const ZeroPlan *plan, void 
 
 // values[n] (n <= ZERO_SCALARS) FP64 on the host, summed over the ranks in place on every rank:
 // losses and squared norms. Over MPI when the run was launched by it, else NCCL on a device
-// copy. Waits for the result (and for `producer`'s queued work).
-static inline void zero_all_reduce_sum_f64(ZeroComm *z, double *values, int n, cudaStream_t producer) {
+// copy. Waits for the result (and for `producer`'s queued work): the wait the watchdog names `what`.
+static inline void zero_all_reduce_sum_f64(ZeroComm *z, double *values, int n, cudaStream_t producer, const char *what) {
     (void)values;
     (void)n;
     const Comm *c = z->comm;
     if (c->world == 1) return;
     zero_comm_after(z, producer);
+    zero_wait_begin(z, what);
 #ifdef USE_MPI
     if (c->launch == LAUNCH_MPI) {
         cudaCheck(cudaStreamSynchronize(z->stream));
         comm_all_reduce_sum_f64(c, values, n);
+        zero_wait_end(z);
         return;
     }
 #endif
@@ -316,6 +376,7 @@ static inline void zero_all_reduce_sum_f64(ZeroComm *z, double *values, int n, c
     cudaCheck(cudaMemcpyAsync(values, z->scalars, n * sizeof(double), cudaMemcpyDeviceToHost, z->stream));
     cudaCheck(cudaStreamSynchronize(z->stream));
 #endif
+    zero_wait_end(z);
 }
 
 // `bytes` of rank `from`'s device memory into rank 0's host memory `host` (a checkpoint's
@@ -352,6 +413,8 @@ static inline void zero_gather_to_root(ZeroComm *z, const void *device, void *ho
         ncclCheck(ncclRecv(device_staging, bytes, ncclUint8, from, z->nccl, z->stream));
         cudaCheck(cudaMemcpyAsync(host, device_staging, bytes, cudaMemcpyDeviceToHost, z->stream));
     }
-    cudaCheck(cudaStreamSynchronize(z->stream));
+    char what[64];
+    snprintf(what, sizeof(what), "the checkpoint chunk from rank %d to rank 0", from);
+    zero_wait_stream(z, z->stream, what);
 #endif
 }

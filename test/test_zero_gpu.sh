@@ -26,6 +26,17 @@ if grep -qa ncclCommInitRank build/zero_ranks; then
     out=$(build/zero_ranks nccl 2>&1); rc=$?
     check "comm_backend nccl, one rank: every collective (copies) exact" \
         "$([ $rc -eq 0 ] && printf '%s' "$out" | grep -q 'rank 0 of 1: nccl collectives ok'; echo $?)" "$out"
+    if [ "$gpus" -ge 2 ]; then  # torchrun-style ranks: rank 0's own exit status
+        rm -rf build/zero_hang && mkdir -p build/zero_hang
+        (cd build/zero_hang && WORLD_SIZE=2 RANK=1 LOCAL_RANK=1 exec ../zero_ranks nccl hang > /dev/null 2>&1) &
+        sleeper=$!
+        began=$(date +%s)
+        out=$(cd build/zero_hang && WORLD_SIZE=2 RANK=0 LOCAL_RANK=0 timeout 60 ../zero_ranks nccl hang 2>&1); rc=$?
+        took=$(( $(date +%s) - began ))
+        kill "$sleeper" 2> /dev/null; wait "$sleeper" 2> /dev/null
+        check "comm_backend nccl, 2 ranks, the second skips an all-reduce: rank 0's watchdog ends it past its 2 s timeout, naming the wait, exit 3 (exit $rc after ${took} s)" \
+            "$([ $rc -eq 3 ] && [ "$took" -lt 20 ] && printf '%s\n' "$out" | grep -q '^error: rank 0: the all-reduce the last rank skips did not finish within 2 s'; echo $?)" "$out"
+    fi
 fi
 
 check_summary test_zero_gpu

@@ -3,7 +3,8 @@
 // backend lets several ranks share one); every collective (all-reduce, reduce, a bucket's reduce
 // to its owners, the owners' parts broadcast, the max) on inputs each rank can
 // compute for all the others, checked exactly (sums of multiples of 1/8 below 32 are exact in
-// BF16, and in FP32).
+// BF16, and in FP32). zero_ranks nccl hang: the last rank skips an all-reduce and sleeps; the
+// others' watchdog (2 s) ends them, exit status EXIT_COLLECTIVE_FAILED.
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -26,11 +27,26 @@ static float bits_float(uint16_t b) {
     return x;
 }
 
+static int skip_a_collective(ZeroComm *z, size_t n) {
+    if (z->comm->rank == z->comm->world - 1) {
+        sleep(30);
+        return 0;
+    }
+    bf16 *data;
+    cudaCheck(cudaMalloc(&data, 2 * n));
+    cudaCheck(cudaMemset(data, 0, 2 * n));
+    zero_all_reduce_bf16(z, data, n, 0);
+    zero_wait_stream(z, z->stream, "the all-reduce the last rank skips");
+    printf("rank %d: the all-reduce the last rank skipped finished\n", z->comm->rank);
+    return 1;
+}
+
 int main(int argc, char **argv) {
     char error[512];
     Comm comm;
-    if (argc != 2 || (strcmp(argv[1], "nccl") != 0 && strcmp(argv[1], "mpi") != 0)) {
-        fprintf(stderr, "usage: zero_ranks nccl|mpi\n");
+    int hang = argc == 3 && strcmp(argv[2], "hang") == 0;
+    if ((argc != 2 && !hang) || (strcmp(argv[1], "nccl") != 0 && strcmp(argv[1], "mpi") != 0)) {
+        fprintf(stderr, "usage: zero_ranks nccl|mpi [hang]\n");
         return 2;
     }
     if (comm_init(&comm, &argc, &argv, error, sizeof(error)) != 0 || comm_meet(&comm, ".", 120.0, error, sizeof(error)) != 0) {
@@ -43,10 +59,11 @@ int main(int argc, char **argv) {
     size_t shard = 4096 + 8, n = (size_t)comm.world * shard;
     ZeroComm z;
     ZeroBackend backend = strcmp(argv[1], "nccl") == 0 ? ZERO_BACKEND_NCCL : ZERO_BACKEND_MPI;
-    if (zero_comm_init(&z, &comm, backend, n, error, sizeof(error)) != 0) {
+    if (zero_comm_init(&z, &comm, backend, n, hang ? 2.0 : 120.0, error, sizeof(error)) != 0) {
         fprintf(stderr, "error: %s\n", error);
         return 2;
     }
+    if (hang) return skip_a_collective(&z, n);
     uint16_t *mine = (uint16_t *)malloc(2 * n), *expected = (uint16_t *)malloc(2 * n), *got = (uint16_t *)malloc(2 * n);
     for (size_t i = 0; i < n; i++) {
         float sum = 0.0f;
