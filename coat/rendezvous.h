@@ -36,6 +36,7 @@
 #include <sys/types.h>
 #include <time.h>
 #include <unistd.h>
+#include "clock.h"
 
 #define RENDEZVOUS_MAGIC 0x31765A44524C4F43ull  // "COLRDZv1"
 #define RENDEZVOUS_JOB_MAX 96
@@ -57,12 +58,6 @@ typedef struct {
     int32_t world, rank;
     char job[RENDEZVOUS_JOB_MAX];
 } RendezvousHello;
-
-static inline double rendezvous_now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
 
 static inline void rendezvous_pause(void) {
     struct timespec pause = {0, 10 * 1000 * 1000};
@@ -98,7 +93,7 @@ static inline uint64_t rendezvous_random(void) {
 // Waits until fd is ready for `events` or `deadline` passes. Returns 0, or -1 at the deadline.
 static inline int rendezvous_wait_fd(int fd, short events, double deadline) {
     for (;;) {
-        double left = deadline - rendezvous_now();
+        double left = deadline - monotonic_seconds();
         if (left <= 0) return -1;
         struct pollfd p = {fd, events, 0};
         int ready = poll(&p, 1, (int)(left * 1000) + 1);
@@ -173,7 +168,7 @@ static inline int rendezvous_try_connect(const char *host, int port, double wait
         if (fd < 0) continue;
         int status = connect(fd, a->ai_addr, a->ai_addrlen), failure = 0;
         socklen_t length = sizeof(failure);
-        if (status != 0 && (errno != EINPROGRESS || rendezvous_wait_fd(fd, POLLOUT, rendezvous_now() + wait) != 0 ||
+        if (status != 0 && (errno != EINPROGRESS || rendezvous_wait_fd(fd, POLLOUT, monotonic_seconds() + wait) != 0 ||
                             getsockopt(fd, SOL_SOCKET, SO_ERROR, &failure, &length) != 0 || failure != 0)) {
             close(fd);
             fd = -1;
@@ -193,10 +188,10 @@ static inline void rendezvous_hello(const Rendezvous *r, RendezvousHello *h) {
 
 // A rank other than 0: connects to rank 0 and trades hellos with it, retrying until the deadline.
 static inline int rendezvous_connect(Rendezvous *r, const char *host, int port, char *error, size_t error_size) {
-    double deadline = rendezvous_now() + r->timeout_s;
+    double deadline = monotonic_seconds() + r->timeout_s;
     RendezvousHello mine, theirs;
     rendezvous_hello(r, &mine);
-    while (rendezvous_now() < deadline) {
+    while (monotonic_seconds() < deadline) {
         int fd = rendezvous_try_connect(host, port, 1.0);
         if (fd >= 0 && rendezvous_send(fd, &mine, sizeof(mine), deadline) == 0 &&
             rendezvous_recv(fd, &theirs, sizeof(theirs), deadline) == 0 && theirs.magic == RENDEZVOUS_MAGIC &&
@@ -220,7 +215,7 @@ static inline int rendezvous_accept_one(Rendezvous *r, int listener, double dead
     if (fd < 0) return 0;
     RendezvousHello theirs, mine;
     rendezvous_hello(r, &mine);
-    double hello_by = rendezvous_now() + 5.0 < deadline ? rendezvous_now() + 5.0 : deadline;  // a silent stranger
+    double hello_by = monotonic_seconds() + 5.0 < deadline ? monotonic_seconds() + 5.0 : deadline;  // a silent stranger
     if (rendezvous_recv(fd, &theirs, sizeof(theirs), hello_by) != 0 || theirs.magic != RENDEZVOUS_MAGIC ||
         strncmp(theirs.job, r->job, sizeof(theirs.job)) != 0) {
         close(fd);
@@ -251,7 +246,7 @@ static inline int rendezvous_first_missing(const Rendezvous *r) {
 static inline int rendezvous_accept_all(Rendezvous *r, int port, char *error, size_t error_size) {
     int listener = rendezvous_listen(port, error, error_size);
     if (listener < 0) return -1;
-    double deadline = rendezvous_now() + r->timeout_s;
+    double deadline = monotonic_seconds() + r->timeout_s;
     int joined = 1;
     while (joined < r->world && rendezvous_wait_fd(listener, POLLIN, deadline) == 0) {
         int rank = rendezvous_accept_one(r, listener, deadline, error, error_size);
@@ -291,7 +286,7 @@ static inline int rendezvous_lost(const Rendezvous *r, int peer, int why, const 
 
 static inline int rendezvous_exchange_tcp(Rendezvous *r, const void *mine, size_t n, void *all, void *out, size_t m,
                                           char *error, size_t error_size) {
-    double deadline = rendezvous_now() + r->timeout_s;
+    double deadline = monotonic_seconds() + r->timeout_s;
     unsigned char done = 1;  // rank 0's answer starts with it, so that every exchange waits for all ranks
     int why;
     if (r->rank != 0) {
@@ -388,7 +383,7 @@ static inline int rendezvous_wait_taken(Rendezvous *r, double deadline, char *er
         struct stat info;
         rendezvous_path(r, (int)r->exchange, peer, path, sizeof(path));
         while (stat(path, &info) == 0) {
-            if (rendezvous_now() > deadline) {
+            if (monotonic_seconds() > deadline) {
                 snprintf(error, error_size, "rank %d did not take rank 0's rendezvous reply in %s within %.0f s", peer, r->dir,
                          r->timeout_s);
                 return -1;
@@ -401,7 +396,7 @@ static inline int rendezvous_wait_taken(Rendezvous *r, double deadline, char *er
 
 static inline int rendezvous_serve(Rendezvous *r, void *all, const void *out, size_t n, size_t m, char *error,
                                    size_t error_size) {
-    double deadline = rendezvous_now() + r->timeout_s;
+    double deadline = monotonic_seconds() + r->timeout_s;
     uint64_t *nonces = (uint64_t *)calloc((size_t)r->world, sizeof(uint64_t));
     unsigned char *have = (unsigned char *)calloc((size_t)r->world, 1);
     char path[4200];
@@ -409,7 +404,7 @@ static inline int rendezvous_serve(Rendezvous *r, void *all, const void *out, si
     if (status != 0) snprintf(error, error_size, "out of host memory for the rendezvous");
     while (status == 0 && (missing = rendezvous_collect(r, nonces, have, all, n, error, error_size)) < r->world) {
         if (missing < 0) status = -1;
-        else if (rendezvous_now() > deadline) {
+        else if (monotonic_seconds() > deadline) {
             snprintf(error, error_size, "rank %d of job %s did not join the rendezvous in %s within %.0f s (is %s shared by "
                      "every rank?)", missing, r->job, r->dir, r->timeout_s, r->dir);
             status = -1;
@@ -432,7 +427,7 @@ static inline int rendezvous_serve(Rendezvous *r, void *all, const void *out, si
 // does not carry, and takes the reply that carries its own nonce.
 static inline int rendezvous_ask(Rendezvous *r, const void *mine, size_t n, void *out, size_t m, char *error,
                                  size_t error_size) {
-    double deadline = rendezvous_now() + r->timeout_s;
+    double deadline = monotonic_seconds() + r->timeout_s;
     char hello[4200], request[4200], reply[4200];
     rendezvous_path(r, -1, -1, hello, sizeof(hello));
     rendezvous_path(r, (int)r->exchange, r->rank, request, sizeof(request));
@@ -443,7 +438,7 @@ static inline int rendezvous_ask(Rendezvous *r, const void *mine, size_t n, void
         return -1;
     }
     int status = -1;
-    for (; status != 0 && rendezvous_now() < deadline; rendezvous_pause()) {
+    for (; status != 0 && monotonic_seconds() < deadline; rendezvous_pause()) {
         RendezvousFileHeader h;
         if (r->exchange == 0 && rendezvous_read_file(hello, &h, NULL, 0, NULL, 0) == 0) r->nonce0 = h.nonce0;
         if (r->nonce0 != 0 && r->nonce0 != written) {
@@ -459,7 +454,7 @@ static inline int rendezvous_ask(Rendezvous *r, const void *mine, size_t n, void
     }
     free(nonces);
     if (status != 0) unlink(request);
-    if (status != 0 && rendezvous_now() >= deadline)
+    if (status != 0 && monotonic_seconds() >= deadline)
         snprintf(error, error_size, "rank %d: rank 0 of job %s did not answer in %s within %.0f s (is %s shared by every "
                  "rank?)", r->rank, r->job, r->dir, r->timeout_s, r->dir);
     return status;

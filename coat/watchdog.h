@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
+#include "clock.h"
 
 // The exit status of a rank the watchdog ends (train_llama's; see collective_timeout_s).
 #define EXIT_COLLECTIVE_FAILED 3
@@ -21,15 +22,9 @@
 
 typedef struct {
     int waiting;       // the host waits for work that includes collectives
-    double began_s;    // since when (watchdog_now_s)
+    double began_s;    // since when (monotonic_seconds)
     const char *what;  // the wait, for messages: "the gradient reduces of step 12"
 } WatchdogWait;
-
-static inline double watchdog_now_s(void) {
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    return (double)now.tv_sec + now.tv_nsec / 1e9;
-}
 
 // What the watchdog does at now_s, given the wait (if any) and the backend's asynchronous error
 // as text (NULL: none): returns 1 with the line to print in message (the rank ends), or 0.
@@ -82,7 +77,7 @@ static inline void *watchdog_run(void *arg) {
         if (stop) return NULL;
         wait.what = what;
         const char *async_error = w->poll(w->backend, error, sizeof(error));
-        if (watchdog_verdict(watchdog_now_s(), &wait, w->timeout_s, async_error, w->rank, message, sizeof(message))) {
+        if (watchdog_verdict(monotonic_seconds(), &wait, w->timeout_s, async_error, w->rank, message, sizeof(message))) {
             w->fire(w->backend, message);
             return NULL;
         }
@@ -120,7 +115,7 @@ static inline void watchdog_stop(Watchdog *w) {
 static inline void watchdog_wait_begin(Watchdog *w, const char *what) {
     pthread_mutex_lock(&w->lock);
     snprintf(w->what, sizeof(w->what), "%s", what);
-    w->wait.began_s = watchdog_now_s();
+    w->wait.began_s = monotonic_seconds();
     w->wait.waiting = 1;
     pthread_mutex_unlock(&w->lock);
 }
