@@ -6,10 +6,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include "coat/comm.h"
 #include "coat/agree.h"
 #include "coat/checkpoint.h"
+#include "coat/clock.h"
 #include "coat/config.h"
 #include "coat/log.h"
 #include "coat/memory_plan.h"
@@ -423,10 +423,11 @@ static int validation_batches(const ConfigParser *parser, const Dataloader *trai
 // epoch) over the shards: a resume continues it exactly when seed, shuffle, seq_len (and with
 // whole batches, micro_batch_size) are the checkpoint's, and `ranks` x the units of a rank's
 // batch divide the units read so far. The units left in an epoch that `ranks` cannot share out
-// are those its epoch leaves out: the position moves on to the next epoch. Returns 0, or -1 with
-// the reason in `error` (`key`: the config key at fault, "" for none).
+// are those its epoch leaves out: the position moves on to the next epoch. Returns 0 with the
+// position and the steps of an epoch on `ranks` ranks, or -1 with the reason in `error` (`key`:
+// the config key at fault, "" for none).
 static int resume_position(const TrainConfig *c, const TrainerState *s, const Dataloader *train, int ranks,
-                           DataloaderPosition *out, const char **key, char *error, size_t size) {
+                           DataloaderPosition *out, int64_t *epoch_steps, const char **key, char *error, size_t size) {
     *key = "";
     const char *changed = s->data_seed != c->seed ? "seed" : s->data_shuffle != training_order(c) ? "shuffle"
                         : s->data_seq_len != c->seq_len ? "seq_len"
@@ -465,6 +466,7 @@ static int resume_position(const TrainConfig *c, const TrainerState *s, const Da
     }
     out->epoch = s->train_position.epoch;
     out->step = done / per_step;
+    *epoch_steps = steps;
     if (out->step == steps) {
         out->epoch++;
         out->step = 0;
@@ -482,11 +484,11 @@ static void check_trainer_state(const ConfigParser *parser, const char *path, co
         exit(EXIT_FAILURE);
     }
     DataloaderPosition position;
+    int64_t epoch_steps;
     const char *key;
-    if (resume_position(&parser->values, s, train, ranks, &position, &key, error, sizeof(error)) == 0) {
-        int64_t units = training_order(&parser->values) == DATALOADER_SHUFFLE_ROWS ? parser->values.micro_batch_size : 1;
+    if (resume_position(&parser->values, s, train, ranks, &position, &epoch_steps, &key, error, sizeof(error)) == 0) {
         printf("data position: epoch %lld, step %lld of %lld on %d rank(s)\n", (long long)position.epoch, (long long)position.step,
-               (long long)(train->unit_count / (units * ranks)), ranks);
+               (long long)epoch_steps, ranks);
         return;
     }
     if (key[0]) {
@@ -790,8 +792,10 @@ static void load_checkpoint(Trainer *t, const char *path, int resume) {
         }
         // validate_run has checked the position against this run (check_trainer_state).
         DataloaderPosition position;
+        int64_t epoch_steps;
         const char *key;
-        if (resume_position(t->c, &t->state, &t->train_loader, t->comm->world, &position, &key, error, sizeof(error)) != 0 ||
+        if (resume_position(t->c, &t->state, &t->train_loader, t->comm->world, &position, &epoch_steps, &key, error,
+                            sizeof(error)) != 0 ||
             dataloader_set_position(&t->train_loader, position, error, sizeof(error)) != 0)
             fail_input(t->parser, "out_dir", error);
         t->sample_rng.state = t->state.sample_rng_state;
@@ -1259,12 +1263,6 @@ static void install_stop_handlers(void) {
         if (sigaction(signals[i], &action, NULL) != 0) fail("cannot install the handlers of SIGTERM, SIGINT and SIGUSR1");
 }
 
-static double seconds_now(void) {
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    return (double)now.tv_sec + now.tv_nsec / 1e9;
-}
-
 // "1h02m", "3m07s", "42s": durations in the step line.
 static const char *format_duration(double seconds, char *out, size_t size) {
     long long s = (long long)(seconds + 0.5);
@@ -1341,7 +1339,7 @@ static int train_loop(Trainer *t, double elapsed_s) {
     if (t->state.step == 0 && t->have_val && c->val_every > 0) log_validation(t);
     long long first_step = t->state.step + 1;
     int nonfinite_in_a_row = 0, preempted = 0;
-    double started = seconds_now(), clock_before = elapsed_s;
+    double started = monotonic_seconds(), clock_before = elapsed_s;
     while (t->state.step < c->max_steps && !preempted) {
         float lr = learning_rate_at(c, (int)t->state.step), grad_norm = 0.0f;
         cudaCheck(cudaEventRecord(start, t->gpu.stream));
@@ -1355,7 +1353,7 @@ static int train_loop(Trainer *t, double elapsed_s) {
         op_timer_end_step(t->timer);
         if (step == first_step) op_timer_clear(t->timer);  // it chooses the GEMM algorithms
         t->state.tokens_seen += tokens_per_step;
-        double this_run = seconds_now() - started;
+        double this_run = monotonic_seconds() - started;
         elapsed_s = clock_before + this_run;
         if (!isfinite(loss) || !isfinite(grad_norm)) {
             report_nonfinite_step(t, loss, grad_norm, ++nonfinite_in_a_row);
