@@ -350,11 +350,7 @@ static inline void model_cast_weights(LlamaModel *model, cudaStream_t s) {
 // the transposes. A linear weight is elements [begin, end) of the buffer (wq|wk|wv and
 // w_gate|w_up lie back to back, as the fused GEMMs read them).
 static inline ZeroRange linear_weight_range(const LlamaModel *model, int layer, Linear which) {
-    LinearShape shape = linear_shape(model, which);
-    ZeroRange r;
-    r.begin = (size_t)(model_param(model, linear_weight_kind(which), layer) - model->params);
-    r.end = r.begin + (size_t)shape.out * shape.in;
-    return r;
+    return zero_linear_range(&model->layout, which, layer);
 }
 
 // Every weight's amax slot = max |w| over its elements in `shard` (0 where it has none).

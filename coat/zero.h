@@ -94,6 +94,15 @@ static inline ZeroRange zero_tensor_range(const ParamLayout *layout, ParamKind k
     return r;
 }
 
+// Linear layer `which`'s weights in `layer`: its weights lie back to back (coat/linears.h), so
+// wq|wk|wv and w_gate|w_up are each one range, what the fused GEMM reads and the E4M3 gather sends.
+static inline ZeroRange zero_linear_range(const ParamLayout *layout, Linear which, int layer) {
+    LinearInfo info = linear_info(which);
+    ZeroRange r = zero_tensor_range(layout, info.first_weight, layer);
+    for (int k = (int)info.first_weight + 1; k <= (int)info.last_weight; k++) r.end += param_numel(layout, (ParamKind)k);
+    return r;
+}
+
 // The elements in both ranges (empty: begin == end).
 static inline ZeroRange zero_intersection(ZeroRange a, ZeroRange b) {
     ZeroRange r = {a.begin > b.begin ? a.begin : b.begin, a.end < b.end ? a.end : b.end};
@@ -143,18 +152,17 @@ static inline void zero_print(FILE *out, const ZeroPlan *z, const ParamLayout *l
     {   // The collective calls of one step as train_llama.cu issues them: zero_reduce_bucket makes one
         // reduce per bucket and owner segment (every micro-batch at stage 2), zero_broadcast_parts one
         // broadcast per owner segment of each range gather_bucket sends (a bucket; with the E4M3
-        // gather a layer's 4 linear weights, wq|wk|wv and w_gate|w_up fused, and its 2 norms); the
-        // all-reduces: stage 0's one per bucket, the loss and norm's, the E4M3 scale table's max.
+        // gather a layer's linear weights, zero_linear_range, and its 2 norms); the all-reduces:
+        // stage 0's one per bucket, the loss and norm's, the E4M3 scale table's max.
         int L = layout->shape.n_layers, e4m3 = z->stage >= 1 && fp8_gemms && e4m3_gather;
         long reduces = 0, broadcasts = 0;
         for (int b = 0; z->stage >= 1 && b < z->buckets; b++) {
-            ParamKind kinds[6] = {PARAM_WQ, PARAM_WO, PARAM_W_GATE, PARAM_W_DOWN, PARAM_ATTN_NORM, PARAM_MLP_NORM};
-            ZeroRange ranges[6] = {zero_bucket(layout, b)};
-            int n = e4m3 && b >= 1 && b <= L ? 6 : 1;
-            for (int i = 0; n == 6 && i < 6; i++) {
-                ranges[i] = zero_tensor_range(layout, kinds[i], L - b);
-                if (kinds[i] == PARAM_WQ) ranges[i].end += param_numel(layout, PARAM_WK) + param_numel(layout, PARAM_WV);
-                if (kinds[i] == PARAM_W_GATE) ranges[i].end += param_numel(layout, PARAM_W_UP);
+            ZeroRange ranges[LINEARS + 2] = {zero_bucket(layout, b)};
+            int n = e4m3 && b >= 1 && b <= L ? LINEARS + 2 : 1;
+            for (int i = 0; n > 1 && i < LINEARS; i++) ranges[i] = zero_linear_range(layout, (Linear)i, L - b);
+            if (n > 1) {
+                ranges[LINEARS] = zero_tensor_range(layout, PARAM_ATTN_NORM, L - b);
+                ranges[LINEARS + 1] = zero_tensor_range(layout, PARAM_MLP_NORM, L - b);
             }
             for (int r = 0; r < z->ranks; r++) {
                 ZeroRange part = zero_owned_part(z, zero_bucket(layout, b), r);

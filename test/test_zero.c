@@ -120,6 +120,10 @@ static void test_linear_weight_parts(void) {
                     elems += param_numel(&layout, (ParamKind)k);
                 }
                 ZeroRange range = {begin, begin + elems};
+                size_t in[LINEARS], out[LINEARS];
+                linear_shapes(&layout.shape, in, out);
+                ZeroRange named = zero_linear_range(&layout, (Linear)i, l);  // the GEMM's in x out weights from there
+                ok &= named.begin == range.begin && named.end == range.end && elems == in[i] * out[i];
                 ok &= range.begin % 128 == 0 && range.end % 128 == 0;
                 for (size_t w = 0; w < sizeof(world_sizes) / sizeof(world_sizes[0]); w++) {
                     ZeroPlan z;
@@ -130,8 +134,8 @@ static void test_linear_weight_parts(void) {
                     }
                 }
             }
-        check(ok, "%s: every linear weight (fused ones back to back) and every rank's part of it start and end on "
-                  "multiples of 128 elements, 2 to 512 ranks", shapes[s].name);
+        check(ok, "%s: every linear weight (fused ones back to back, zero_linear_range, in x out elements) and every "
+                  "rank's part of it start and end on multiples of 128 elements, 2 to 512 ranks", shapes[s].name);
     }
 }
 
