@@ -193,7 +193,7 @@ for value in abc 0; do
     check "SLURM_NTASKS=$value: refused (no count of processes), not trained as one" \
         "$([ $rc -ne 0 ] && printf '%s' "$err" | grep -q "SLURM_NTASKS='$value' is not a number of processes"; echo $?)" "$err"
 done
-err=$(OMPI_COMM_WORLD_SIZE=1 ./train_llama "${data[@]}" --dry_run=0 2>&1 >/dev/null)
+err=$(OMPI_COMM_WORLD_SIZE=1 ./train_llama "${data[@]}" --dry_run=0 --max_steps=1 --out_dir="$tmp/one_process" 2>&1 >/dev/null)
 check "OMPI_COMM_WORLD_SIZE=1 is one process" "$(! printf '%s' "$err" | grep -q 'launched as one of'; echo $?)" "$err"
 
 # Ranks check each other at start (coat/agree.h): configs that differ in a key are refused by rank

@@ -49,9 +49,15 @@ done
 # Non-finite steps: weights with NaN in them give a NaN loss every step; each step is skipped and
 # logged, and the run stops after max_nonfinite_steps of them in a row.
 python3 - "$tmp/runs/straight-bf16/ckpt_00000020.bin" "$tmp/nan.bin" <<'PY'
-import struct, sys
+import struct, sys, zlib
+sys.path.insert(0, "scripts")
+from llama_layout import CHECKPOINT_HEADER_BYTES, pack_checkpoint_header, unpack_checkpoint_header
 data = bytearray(open(sys.argv[1], "rb").read())
-data[512:512 + 4 * 4096] = struct.pack("<f", float("nan")) * 4096  # the first embedding rows
+start = CHECKPOINT_HEADER_BYTES
+data[start:start + 4 * 4096] = struct.pack("<f", float("nan")) * 4096  # the first embedding rows
+header = unpack_checkpoint_header(bytes(data), sys.argv[1])  # a well-formed file: the weights' checksum follows them
+header.crc = (zlib.crc32(data[start:start + 4 * header.total_padded]),) + header.crc[1:]
+data[:start] = pack_checkpoint_header(header)
 open(sys.argv[2], "wb").write(data)
 PY
 out=$(./train_llama "${common[@]}" --precision=coat --out_dir="$tmp/nan" --init_from="$tmp/nan.bin" --max_nonfinite_steps=2 2>&1); rc=$?
@@ -73,7 +79,9 @@ head -c 100000 "$tmp/runs/straight-bf16/ckpt_00000020.bin" > "$tmp/cut.bin"
 out=$(./train_llama "${common[@]}" --out_dir="$tmp/cut" --init_from="$tmp/cut.bin" 2>&1); rc=$?
 check "a truncated checkpoint is refused, naming the file" \
     "$([ $rc -ne 0 ] && printf '%s' "$out" | grep -q "$tmp/cut.bin: size"; echo $?)" "$(printf '%s' "$out" | tail -1)"
-out=$(./train_llama "${common[@]}" --out_dir="$tmp/big" --micro_batch_size=1000000 2>&1); rc=$?
+# llama3-8b in bf16 at 16 x 2048 (bf16 fits one row of 2048 on a 141 GB GPU); the shard holds the batch.
+out=$(./train_llama configs/models/llama3-8b.conf --train_data="$tmp/train_*.bin" --micro_batch_size=16 --seq_len=2048 \
+      --max_steps=1 --val_every=0 --out_dir="$tmp/big" 2>&1); rc=$?
 check "a micro-batch that does not fit is refused, naming the largest that does" \
     "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q 'the largest that fits is'; echo $?)" "$(printf '%s' "$out" | tail -1)"
 
