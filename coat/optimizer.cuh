@@ -127,21 +127,30 @@ static __host__ __device__ inline float dre_log2(float x) {
 }
 
 // 2^t within a few ulp: t = n + r with n = rint(t), |r| <= 1/2 (exact), 2^r = e^(r ln 2) by its
-// Taylor series to degree 7, then times 2^n in two exact-or-once-rounded steps (subnormal results).
-static __host__ __device__ inline float dre_exp2(float t) {
-    // Without branches (a select per special case): the kernel calls it in every lane.
-    bool special = !(t >= -151.0f && t < 128.0f);  // NaN, +infinity, 0
-    float special_value = t != t ? t : t >= 128.0f ? dre_bits_float(0x7f800000u) : 0.0f;
-    t = special ? 0.0f : t;
-    float n = rintf(t);
-    float u = mul_unfused(t - n, 0.693147182f);  // ln 2
+// Taylor series to degree 7, then times 2^n: one exact product when 2^n and the result are normal
+// (|t| <= 125, every call of the step kernel's loops), else in two exact-or-once-rounded steps
+// (subnormal results) with a select per special case.
+static __host__ __device__ __forceinline__ float dre_exp2_series(float r) {
+    float u = mul_unfused(r, 0.693147182f);  // ln 2
     float p = fmaf(u, 1.98412701e-4f, 1.38888892e-3f);  // 1/5040, 1/720
     p = fmaf(u, p, 8.33333377e-3f);                       // 1/120
     p = fmaf(u, p, 4.16666679e-2f);                       // 1/24
     p = fmaf(u, p, 0.166666672f);                         // 1/6
     p = fmaf(u, p, 0.5f);
     p = fmaf(u, p, 1.0f);
-    p = fmaf(u, p, 1.0f);  // in [0.70, 1.42]
+    return fmaf(u, p, 1.0f);  // in [0.70, 1.42]
+}
+
+static __host__ __device__ inline float dre_exp2(float t) {
+    if (fabsf(t) <= 125.0f) {
+        float n = rintf(t);
+        return mul_unfused(dre_exp2_series(t - n), dre_bits_float((uint32_t)((int)n + 127) << 23));
+    }
+    bool special = !(t >= -151.0f && t < 128.0f);  // NaN, +infinity, 0
+    float special_value = t != t ? t : t >= 128.0f ? dre_bits_float(0x7f800000u) : 0.0f;
+    t = special ? 0.0f : t;
+    float n = rintf(t);
+    float p = dre_exp2_series(t - n);
     int e = (int)n;
     // 2^e as two factors, each a power of two: (2^127, 2) above the normal range, (2^(e+64), 2^-64)
     // below it; a factor of 1 changes nothing.
@@ -299,86 +308,137 @@ __device__ __forceinline__ void dre_fill_tables(DreTables *t) {
     __syncthreads();
 }
 
-// This thread's 8 values of a moment from its E4M3 codes and the group's scalars.
+// A group's per-moment work runs once for both moments: lanes 0-7 of the group's 16 compute it for
+// m, lanes 8-15 for v (the same instructions, other operands), and each lane then takes m's from
+// the group's lane 0 and v's from its lane 8. The group math (logs, a power, divisions) costs as
+// much per element as the values' own, so this saves about a quarter of DRE's step.
+__device__ __forceinline__ bool adamw_lane_works_for_v() { return threadIdx.x % ADAMW_THREADS_PER_GROUP >= ADAMW_THREADS_PER_GROUP / 2; }
+__device__ __forceinline__ float adamw_from_moment_lane(float x, int moment) {
+    return __shfl_sync(0xffffffffu, x, moment * (ADAMW_THREADS_PER_GROUP / 2), ADAMW_THREADS_PER_GROUP);
+}
+
+// What dequantizing a group of one moment needs: its scale s, and with DRE log2 s, 1 / k and c.
+typedef struct {
+    float scale, log2_scale, inverse_k, c;
+} DreDecode;
+
+__device__ __forceinline__ DreDecode dre_decode_constants(float scale, float k, float c) {
+    DreDecode d = {scale, dre_log2(scale), 1.0f / k, c};
+    return d;
+}
+
+__device__ __forceinline__ DreDecode dre_decode_of_moment(DreDecode mine, int moment) {
+    DreDecode d = {adamw_from_moment_lane(mine.scale, moment), adamw_from_moment_lane(mine.log2_scale, moment),
+                   adamw_from_moment_lane(mine.inverse_k, moment), adamw_from_moment_lane(mine.c, moment)};
+    return d;
+}
+
+// This thread's 8 values of a moment from its E4M3 codes and the group's constants.
 template <bool DRE>
-__device__ __forceinline__ void dequantize8_e4m3(float out[ADAMW_VEC], uint2 codes, const float *group, const DreTables *tables) {
-    float scale = group[0];
-    float log2_scale = DRE ? dre_log2(scale) : 0.0f, inverse_k = DRE ? 1.0f / group[1] : 1.0f, c = DRE ? group[2] : 1.0f;
+__device__ __forceinline__ void dequantize8_e4m3(float out[ADAMW_VEC], uint2 codes, DreDecode d, const DreTables *tables) {
     for (int j = 0; j < ADAMW_VEC; j++) {
         uint32_t code = ((j < 4 ? codes.x : codes.y) >> (8 * (j % 4))) & 0xffu;
         float y;
         if (DRE) {
-            float magnitude = mul_unfused(dre_exp2(mul_unfused(tables->code_log2[code & 0x7fu] + log2_scale, inverse_k)), c);
+            float magnitude = mul_unfused(dre_exp2(mul_unfused(tables->code_log2[code & 0x7fu] + d.log2_scale, d.inverse_k)), d.c);
             magnitude = (code & 0x7fu) == 0 ? 0.0f : magnitude;
             y = code & 0x80u ? -magnitude : magnitude;
         } else {
-            y = mul_unfused(fp8_decode((uint8_t)code, FP8_E4M3), scale);
+            y = mul_unfused(fp8_decode((uint8_t)code, FP8_E4M3), d.scale);
         }
         out[j] = y;
     }
 }
 
-// Quantizes a whole 128-group, 8 values per thread of its 16: returns this thread's codes and
-// writes the group's scalars from its first thread. Called by every lane of the warp (inactive
-// lanes pass zeros and write nothing).
+// What quantizing a group of one moment needs, from its largest and smallest nonzero magnitude.
+typedef struct {
+    float scale, k, c, log2_max;
+    DreCenter center;
+} DreEncode;
+
 template <bool DRE>
-// An infinite moment (v overflows past FLT_MAX when |g| > 1.8e19 without clipping) is stored
-// as +-FLT_MAX: an infinity in a group would make c infinite and every scale of the group NaN.
-// key 0 rounds to nearest, else stochastically (element `index` of the whole buffer first).
-__device__ __forceinline__ uint2 quantize8_e4m3(const float moment[ADAMW_VEC], float *group, bool active, const DreTables *tables,
-                                                uint64_t key, uint64_t index) {
-    float x[ADAMW_VEC];
-    for (int j = 0; j < ADAMW_VEC; j++) x[j] = isinf(moment[j]) ? copysignf(3.40282347e38f, moment[j]) : moment[j];
-    float local_max = 0.0f, local_min = dre_bits_float(0x7f800000u);
-    for (int j = 0; j < ADAMW_VEC; j++) {
-        float a = fabsf(x[j]);
-        local_max = fmaxf(local_max, a);
-        if (a > 0.0f) local_min = fminf(local_min, a);
-    }
-    float max_abs = adamw_group_max(local_max), min_abs = adamw_group_min(local_min);
-    float scale = 1.0f, k = 1.0f, c = 1.0f, log2_max = 0.0f;
-    DreCenter center = dre_center(1.0f);
+__device__ __forceinline__ DreEncode dre_encode_constants(float max_abs, float min_abs, const DreTables *tables) {
+    DreEncode e = {1.0f, 1.0f, 1.0f, 0.0f, dre_center(1.0f)};
     if (max_abs > 0.0f) {
         if (DRE) {
             float ratio = max_abs / min_abs;
             if (ratio > DRE_EQUAL_RATIO) {
                 // Past FLT_MAX the ratio is taken as a difference of logs.
                 float log2_ratio = isinf(ratio) ? dre_log2(max_abs) - dre_log2(min_abs) : dre_log2(ratio);
-                k = fmaxf(floorf(DRE_K_NUMERATOR / log2_ratio), 1.0f) * 0.0625f;
+                e.k = fmaxf(floorf(DRE_K_NUMERATOR / log2_ratio), 1.0f) * 0.0625f;
             }
-            c = mul_unfused(sqrtf(max_abs), sqrtf(min_abs));
-            center = dre_center(c);
-            log2_max = dre_log2_fast(dre_centered(max_abs, center), tables->log2);
-            scale = dre_pow(max_abs / c, k) / DRE_E4M3_MAX;
+            e.c = mul_unfused(sqrtf(max_abs), sqrtf(min_abs));
+            e.center = dre_center(e.c);
+            e.log2_max = dre_log2_fast(dre_centered(max_abs, e.center), tables->log2);
+            e.scale = dre_pow(max_abs / e.c, e.k) / DRE_E4M3_MAX;
         } else {
-            scale = max_abs / DRE_E4M3_MAX;
+            e.scale = max_abs / DRE_E4M3_MAX;
         }
     }
-    uint2 codes = make_uint2(0u, 0u);
+    return e;
+}
+
+__device__ __forceinline__ DreEncode dre_encode_of_moment(DreEncode mine, int moment) {
+    DreEncode e;
+    e.scale = adamw_from_moment_lane(mine.scale, moment);
+    e.k = adamw_from_moment_lane(mine.k, moment);
+    e.c = adamw_from_moment_lane(mine.c, moment);
+    e.log2_max = adamw_from_moment_lane(mine.log2_max, moment);
+    e.center.scale = adamw_from_moment_lane(mine.center.scale, moment);
+    e.center.c = adamw_from_moment_lane(mine.center.c, moment);
+    e.center.inverse = adamw_from_moment_lane(mine.center.inverse, moment);
+    return e;
+}
+
+// An infinite moment (v overflows past FLT_MAX when |g| > 1.8e19 without clipping) is stored
+// as +-FLT_MAX: an infinity in a group would make c infinite and every scale of the group NaN.
+__device__ __forceinline__ void adamw_clamp_infinities(float x[ADAMW_VEC]) {
+    for (int j = 0; j < ADAMW_VEC; j++) x[j] = isinf(x[j]) ? copysignf(3.40282347e38f, x[j]) : x[j];
+}
+
+// This thread's largest magnitude and smallest nonzero one (infinity when all are zero).
+__device__ __forceinline__ void adamw_local_range(const float x[ADAMW_VEC], float *max_abs, float *min_abs) {
+    *max_abs = 0.0f;
+    *min_abs = dre_bits_float(0x7f800000u);
     for (int j = 0; j < ADAMW_VEC; j++) {
-        float y;
+        float a = fabsf(x[j]);
+        *max_abs = fmaxf(*max_abs, a);
+        if (a > 0.0f) *min_abs = fminf(*min_abs, a);
+    }
+}
+
+// The codes of this thread's 8 values of a group quantized with e. STOCHASTIC rounds with the
+// uniforms of (key, index + j), else to nearest even, two values per conversion.
+template <bool DRE, bool STOCHASTIC>
+__device__ __forceinline__ uint2 quantize8_e4m3(const float x[ADAMW_VEC], DreEncode e, const DreTables *tables, uint64_t key,
+                                                uint64_t index) {
+    float y[ADAMW_VEC];
+    for (int j = 0; j < ADAMW_VEC; j++) {
         if (DRE) {
             float a = fabsf(x[j]);
-            float expanded = mul_unfused(dre_exp2(mul_unfused(k, dre_log2_fast(dre_centered(a, center), tables->log2) - log2_max)),
-                                         DRE_E4M3_MAX);
+            float expanded = mul_unfused(
+                dre_exp2(mul_unfused(e.k, dre_log2_fast(dre_centered(a, e.center), tables->log2) - e.log2_max)), DRE_E4M3_MAX);
             expanded = a == 0.0f ? 0.0f : expanded;
-            y = copysignf(expanded, x[j]);
+            y[j] = copysignf(expanded, x[j]);
         } else {
-            y = x[j] / scale;
+            y[j] = x[j] / e.scale;
         }
-        uint8_t byte = key ? e4m3_stochastic(y, adamw_rounding_uniform(key, index + j)) : fp8_encode(y, FP8_E4M3);
-        uint32_t code = (uint32_t)byte << (8 * (j % 4));
-        if (j < 4) codes.x |= code; else codes.y |= code;
     }
-    if (active && (threadIdx.x % ADAMW_THREADS_PER_GROUP) == 0) {
-        group[0] = scale;
-        if (DRE) { group[1] = k; group[2] = c; }
+    uint32_t word[2] = {0u, 0u};
+    for (int j = 0; j < ADAMW_VEC; j += 2) {
+        uint32_t pair;  // y[j] in the low byte
+        if (STOCHASTIC)
+            pair = e4m3_stochastic(y[j], adamw_rounding_uniform(key, index + j)) |
+                   (uint32_t)e4m3_stochastic(y[j + 1], adamw_rounding_uniform(key, index + j + 1)) << 8;
+        else
+            pair = __nv_cvt_float2_to_fp8x2(make_float2(y[j], y[j + 1]), __NV_SATFINITE, __NV_E4M3);
+        word[j / 4] |= pair << (8 * (j % 4));
     }
-    return codes;
+    return make_uint2(word[0], word[1]);
 }
 
 // One thread per 8 elements, 16 threads per 128-group; the grid covers the shard once.
-template <OptimizerStateKind KIND>
+template <OptimizerStateKind KIND, bool STOCHASTIC>
 __global__ void __launch_bounds__(ADAMW_THREADS) adamw_step_kernel(AdamWShard shard, AdamWStepScalars sc) {
     constexpr bool FP8 = KIND == OPT_STATES_FP8 || KIND == OPT_STATES_FP8_DRE;
     constexpr bool DRE = KIND == OPT_STATES_FP8_DRE;
@@ -389,6 +449,21 @@ __global__ void __launch_bounds__(ADAMW_THREADS) adamw_step_kernel(AdamWShard sh
     size_t group = i / ADAMW_GROUP;
     __shared__ DreTables tables;
     if constexpr (DRE) dre_fill_tables(&tables);  // FP8 kinds keep every thread to the end
+
+    // The FP8 kinds' dequantization constants; DRE's are computed by every lane of the warp,
+    // inactive groups on dummies (an all-zero group's).
+    DreDecode m_decode = {1.0f, 0.0f, 1.0f, 1.0f}, v_decode = m_decode;
+    if constexpr (DRE) {
+        const float *mine = (adamw_lane_works_for_v() ? shard.v_group : shard.m_group) + group * SCALARS;
+        DreDecode d = active ? dre_decode_constants(mine[0], mine[1], mine[2]) : m_decode;
+        m_decode = dre_decode_of_moment(d, 0);
+        v_decode = dre_decode_of_moment(d, 1);
+    } else if constexpr (FP8) {
+        if (active) {
+            m_decode.scale = shard.m_group[group];
+            v_decode.scale = shard.v_group[group];
+        }
+    }
 
     float p[ADAMW_VEC] = {0}, g[ADAMW_VEC] = {0}, m[ADAMW_VEC] = {0}, v[ADAMW_VEC] = {0};
     if (active) {
@@ -407,8 +482,8 @@ __global__ void __launch_bounds__(ADAMW_THREADS) adamw_step_kernel(AdamWShard sh
             adamw_load8((const bf16 *)shard.m + i, m);
             adamw_load8((const bf16 *)shard.v + i, v);
         } else {
-            dequantize8_e4m3<DRE>(m, *(const uint2 *)((const unsigned char *)shard.m + i), shard.m_group + group * SCALARS, &tables);
-            dequantize8_e4m3<DRE>(v, *(const uint2 *)((const unsigned char *)shard.v + i), shard.v_group + group * SCALARS, &tables);
+            dequantize8_e4m3<DRE>(m, *(const uint2 *)((const unsigned char *)shard.m + i), m_decode, &tables);
+            dequantize8_e4m3<DRE>(v, *(const uint2 *)((const unsigned char *)shard.v + i), v_decode, &tables);
         }
         float decay = shard.decay_group[group] ? sc.weight_decay : 0.0f;
         for (int j = 0; j < ADAMW_VEC; j++) {
@@ -429,13 +504,43 @@ __global__ void __launch_bounds__(ADAMW_THREADS) adamw_step_kernel(AdamWShard sh
             adamw_store8((bf16 *)shard.v + i, v);
         }
     }
-    if constexpr (FP8) {  // every lane takes part in the group reductions
+    if constexpr (FP8) {  // every lane takes part in the group reductions (inactive ones with zeros)
+        adamw_clamp_infinities(m);
+        adamw_clamp_infinities(v);
+        float m_max, m_min, v_max, v_min;
+        adamw_local_range(m, &m_max, &m_min);
+        adamw_local_range(v, &v_max, &v_min);
+        m_max = adamw_group_max(m_max);
+        m_min = adamw_group_min(m_min);
+        v_max = adamw_group_max(v_max);
+        v_min = adamw_group_min(v_min);
+        DreEncode m_encode, v_encode;
+        if constexpr (DRE) {
+            bool for_v = adamw_lane_works_for_v();
+            DreEncode mine = dre_encode_constants<true>(for_v ? v_max : m_max, for_v ? v_min : m_min, &tables);
+            m_encode = dre_encode_of_moment(mine, 0);
+            v_encode = dre_encode_of_moment(mine, 1);
+        } else {
+            m_encode = dre_encode_constants<false>(m_max, m_min, &tables);
+            v_encode = dre_encode_constants<false>(v_max, v_min, &tables);
+        }
         uint64_t index = sc.first_index + i;
-        uint2 m_codes = quantize8_e4m3<DRE>(m, shard.m_group + group * SCALARS, active, &tables, sc.rounding_key[0], index);
-        uint2 v_codes = quantize8_e4m3<DRE>(v, shard.v_group + group * SCALARS, active, &tables, sc.rounding_key[1], index);
+        uint2 m_codes = quantize8_e4m3<DRE, STOCHASTIC>(m, m_encode, &tables, sc.rounding_key[0], index);
+        uint2 v_codes = quantize8_e4m3<DRE, STOCHASTIC>(v, v_encode, &tables, sc.rounding_key[1], index);
         if (active) {
             *(uint2 *)((unsigned char *)shard.m + i) = m_codes;
             *(uint2 *)((unsigned char *)shard.v + i) = v_codes;
+            if (threadIdx.x % ADAMW_THREADS_PER_GROUP == 0) {
+                float *m_group = shard.m_group + group * SCALARS, *v_group = shard.v_group + group * SCALARS;
+                m_group[0] = m_encode.scale;
+                v_group[0] = v_encode.scale;
+                if (DRE) {
+                    m_group[1] = m_encode.k;
+                    m_group[2] = m_encode.c;
+                    v_group[1] = v_encode.k;
+                    v_group[2] = v_encode.c;
+                }
+            }
         }
     }
 }
@@ -666,10 +771,16 @@ static inline void adamw_step_any(AdamW *opt, bf16 *params, const bf16 *grads_sh
     shard.n = opt->n;
     unsigned blocks = (unsigned)ceil_div_size(opt->n / ADAMW_VEC, ADAMW_THREADS);
     switch (opt->kind) {
-    case OPT_STATES_FP32: adamw_step_kernel<OPT_STATES_FP32><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc); break;
-    case OPT_STATES_BF16: adamw_step_kernel<OPT_STATES_BF16><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc); break;
-    case OPT_STATES_FP8: adamw_step_kernel<OPT_STATES_FP8><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc); break;
-    case OPT_STATES_FP8_DRE: adamw_step_kernel<OPT_STATES_FP8_DRE><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc); break;
+    case OPT_STATES_FP32: adamw_step_kernel<OPT_STATES_FP32, false><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc); break;
+    case OPT_STATES_BF16: adamw_step_kernel<OPT_STATES_BF16, false><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc); break;
+    case OPT_STATES_FP8:
+        if (stochastic) adamw_step_kernel<OPT_STATES_FP8, true><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc);
+        else adamw_step_kernel<OPT_STATES_FP8, false><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc);
+        break;
+    case OPT_STATES_FP8_DRE:
+        if (stochastic) adamw_step_kernel<OPT_STATES_FP8_DRE, true><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc);
+        else adamw_step_kernel<OPT_STATES_FP8_DRE, false><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc);
+        break;
     }
     cudaCheckLaunch();
 }
