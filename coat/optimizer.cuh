@@ -311,8 +311,10 @@ __device__ __forceinline__ void dre_fill_tables(DreTables *t) {
 // A group's per-moment work runs once for both moments: lanes 0-7 of the group's 16 compute it for
 // m, lanes 8-15 for v (the same instructions, other operands), and each lane then takes m's from
 // the group's lane 0 and v's from its lane 8. The group math (logs, a power, divisions) costs as
-// much per element as the values' own, so this saves about a quarter of DRE's step.
-__device__ __forceinline__ bool adamw_lane_works_for_v() { return threadIdx.x % ADAMW_THREADS_PER_GROUP >= ADAMW_THREADS_PER_GROUP / 2; }
+// much per element as the values' own: sharing it takes a sixth off DRE's step.
+__device__ __forceinline__ bool adamw_lane_works_for_v() {
+    return threadIdx.x % ADAMW_THREADS_PER_GROUP >= ADAMW_THREADS_PER_GROUP / 2;
+}
 __device__ __forceinline__ float adamw_from_moment_lane(float x, int moment) {
     return __shfl_sync(0xffffffffu, x, moment * (ADAMW_THREADS_PER_GROUP / 2), ADAMW_THREADS_PER_GROUP);
 }
