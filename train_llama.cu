@@ -254,6 +254,17 @@ static void check_gpu(GpuContext *gpu, const Comm *comm, const ConfigParser *par
     if (gpu_runs_kernel((const void *)embedding_iota_kernel, TRAIN_LLAMA_GPU_ARCH, message, sizeof(message)) != 0) fail(message);
 }
 
+// How many ranks the micro-batch needs at the config's ZeRO stage to fit in budget_bytes.
+static void fewest_ranks_text(const TrainConfig *c, size_t budget_bytes, char *text, size_t size) {
+    size_t bytes;
+    int ranks = memory_plan_smallest_ranks(c, c->micro_batch_size, budget_bytes, &bytes);
+    if (ranks > 0)
+        snprintf(text, size, "at ZeRO stage %d it fits from %d rank(s) on, %.2f GiB each", c->zero_stage, ranks, gib(bytes));
+    else
+        snprintf(text, size, "at ZeRO stage %d no number of ranks fits it: each holds at least %.2f GiB", c->zero_stage,
+                 gib(bytes));
+}
+
 // Refuses (exit 2) a micro-batch whose plan exceeds budget_bytes (what the budget is: "free GPU
 // memory", "gpu_memory_gib"), naming the largest that fits, or saying that none does.
 static void refuse_unless_fits(const ConfigParser *parser, int ranks, size_t budget_bytes, const char *budget_name) {
@@ -262,12 +273,13 @@ static void refuse_unless_fits(const ConfigParser *parser, int ranks, size_t bud
     memory_plan_compute(&plan, c, ranks, c->micro_batch_size);
     if (plan.total_bytes <= budget_bytes) return;
     int largest = memory_plan_largest_micro_batch(c, ranks, budget_bytes);
-    char verdict[160];
+    char verdict[160], fewest[160];
+    fewest_ranks_text(c, budget_bytes, fewest, sizeof(fewest));
     if (largest > 0) snprintf(verdict, sizeof(verdict), "the largest that fits is %d", largest);
-    else snprintf(verdict, sizeof(verdict), "not even micro_batch_size 1 fits (more ranks, ZeRO or another precision would)");
-    fprintf(stderr, "error: %s: micro_batch_size %d needs %.2f GiB, more than the %.2f GiB of %s; %s\n",
+    else snprintf(verdict, sizeof(verdict), "not even micro_batch_size 1 fits");
+    fprintf(stderr, "error: %s: micro_batch_size %d needs %.2f GiB, more than the %.2f GiB of %s; %s (%s)\n",
             config_source(parser, "micro_batch_size"), c->micro_batch_size, gib(plan.total_bytes), gib(budget_bytes),
-            budget_name, verdict);
+            budget_name, verdict, fewest);
     exit(EXIT_CONFIG_ERROR);
 }
 
@@ -695,8 +707,10 @@ static int dry_run(const ConfigParser *parser, int ranks, LaunchKind launch) {
     if (c->gpu_memory_gib > 0) {
         size_t budget = (size_t)(c->gpu_memory_gib * 1024.0 * 1024.0 * 1024.0);
         refuse_unless_fits(parser, ranks, budget, "gpu_memory_gib");
-        printf("fits in %.1f GiB (largest micro-batch that fits: %d)\n", (double)c->gpu_memory_gib,
-               memory_plan_largest_micro_batch(c, ranks, budget));
+        char fewest[160];
+        fewest_ranks_text(c, budget, fewest, sizeof(fewest));
+        printf("fits in %.1f GiB (largest micro-batch that fits: %d; %s)\n", (double)c->gpu_memory_gib,
+               memory_plan_largest_micro_batch(c, ranks, budget), fewest);
     }
     printf("dry run: configuration is valid\n");
     return 0;

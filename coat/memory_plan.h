@@ -148,6 +148,26 @@ static inline int memory_plan_largest_micro_batch(const TrainConfig *c, int rank
     return fits;
 }
 
+// Smallest number of ranks whose per-rank plan at micro_batch_size fits in `budget_bytes`, at the
+// config's ZeRO stage (1 rank: none), scanning 1 to MEMORY_PLAN_MAX_RANKS (padding makes the plan
+// not quite monotone in the ranks); 0 if none does. *bytes: that plan's total, or the total at
+// MEMORY_PLAN_MAX_RANKS (what every rank holds whatever their number) when none fits.
+#define MEMORY_PLAN_MAX_RANKS 65536
+static inline int memory_plan_smallest_ranks(const TrainConfig *c, int micro_batch_size, size_t budget_bytes, size_t *bytes) {
+    MemoryPlan plan;
+    for (int ranks = 1; ranks <= MEMORY_PLAN_MAX_RANKS; ranks++) {
+        memory_plan_compute(&plan, c, ranks, micro_batch_size);
+        if (plan.total_bytes <= budget_bytes) {
+            *bytes = plan.total_bytes;
+            return ranks;
+        }
+        if (c->zero_stage == 0 && ranks > 1) break;  // nothing is sharded: more ranks never fit
+    }
+    if (c->zero_stage != 0) memory_plan_compute(&plan, c, MEMORY_PLAN_MAX_RANKS, micro_batch_size);
+    *bytes = plan.total_bytes;
+    return 0;
+}
+
 static inline double gib(size_t bytes) { return (double)bytes / (1024.0 * 1024.0 * 1024.0); }
 
 static inline void memory_plan_print(FILE *out, const MemoryPlan *plan, const TrainConfig *c) {

@@ -62,9 +62,9 @@ largest_fit_table() {  # largest_fit_table MODEL
     for precision in bf16 fp8 coat; do
         b=$(./train_llama "configs/models/$model.conf" --dry_run=1 --train_data="$dir/train_*.bin" --precision=$precision \
             --micro_batch_size=1 --seq_len=2048 --gpu_memory_gib="$free_gib" 2>/dev/null |
-            sed -n 's/.*largest micro-batch that fits: \([0-9]*\)).*/\1/p')
+            sed -n 's/.*largest micro-batch that fits: \([0-9]*\)[;)].*/\1/p')
         r=$(steps=10 ours "$model" "$model" "${b:-1}" 2048 $precision)
-        fit=$(sed -n 's/.*the largest that fits is \([0-9]*\)$/\1/p' "$dir/$model-$precision.log" | head -1)
+        fit=$(sed -n 's/.*the largest that fits is \([0-9]*\).*/\1/p' "$dir/$model-$precision.log" | head -1)
         if [ -n "$fit" ] && [ "$fit" -gt 0 ] && [ "$fit" -lt "${b:-1}" ]; then
             b=$fit
             r=$(steps=10 ours "$model" "$model" "$b" 2048 $precision)

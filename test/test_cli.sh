@@ -301,6 +301,20 @@ check "dry_run says that no micro-batch fits rather than 'the largest is 0'" \
     "$([ $rc2 -eq 2 ] && printf '%s' "$out2" | grep -q 'not even micro_batch_size 1 fits' && ! printf '%s' "$out2" | grep -q 'is 0'; echo $?)" "$out2"
 check "dry_run refuses a micro-batch that does not fit, naming the largest that does" \
     "$([ $rc -eq 2 ] && printf '%s' "$out" | grep -q 'the largest that fits is [0-9]'; echo $?)" "$out"
+# The fewest ranks that fit a micro-batch at the config's ZeRO stage: a plan for that many fits,
+# one for a rank fewer does not; at stage 0, where nothing is sharded, none does.
+fewest=(configs/models/llama2-7b.conf --dry_run=1 "$plan_data" --precision=bf16 --micro_batch_size=8 --seq_len=2048
+        --zero_stage=2 --gpu_memory_gib=80)
+err=$(./train_llama "${fewest[@]}" 2>&1 >/dev/null); rc=$?
+ranks=$(printf '%s' "$err" | sed -n 's/.*at ZeRO stage 2 it fits from \([0-9]*\) rank(s) on.*/\1/p')
+out=$(./train_llama "${fewest[@]}" --world_size="${ranks:-0}" 2>&1); rc2=$?
+out3=$(./train_llama "${fewest[@]}" --world_size="$(( ${ranks:-2} - 1 ))" 2>&1); rc3=$?
+check "llama2-7b bf16 8 x 2048 in 80 GiB at ZeRO stage 2: one rank is refused naming the fewest ranks that fit ($ranks), which fit, and one fewer does not" \
+    "$([ $rc -eq 2 ] && [ "${ranks:-0}" -gt 1 ] && [ $rc2 -eq 0 ] && printf '%s' "$out" | grep -q "fits from $ranks rank(s) on" &&
+       [ $rc3 -eq 2 ]; echo $?)" "$err / $(printf '%s' "$out" | tail -2) / $out3"
+err=$(./train_llama "${fewest[@]}" --zero_stage=0 2>&1 >/dev/null); rc=$?
+check "at ZeRO stage 0 no number of ranks fits it, saying what each holds" \
+    "$([ $rc -eq 2 ] && printf '%s' "$err" | grep -q 'at ZeRO stage 0 no number of ranks fits it: each holds at least [0-9.]* GiB'; echo $?)" "$err"
 
 # Bad inputs that dry_run opens: checkpoints, shards and tokenizers, each named in one line.
 python3 - "$tmp" <<'PY'
