@@ -55,6 +55,17 @@ static __host__ __device__ __forceinline__ float fp8_decode(uint8_t code, Fp8For
     return __half2float(__half(__nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)code, format == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2)));
 }
 
+// Two values per conversion instruction (one does two anyway; the same rounding as fp8_encode
+// and fp8_decode): the low byte holds the first value.
+static __host__ __device__ __forceinline__ uint32_t fp8_encode2(float first, float second, Fp8Format format) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(first, second), __NV_SATFINITE, format == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
+}
+
+static __device__ __forceinline__ float2 fp8_decode2(uint32_t two_codes, Fp8Format format) {
+    __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)two_codes, format == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
+    return __half22float2(__half2(pair));
+}
+
 // a * b rounded on its own: nvcc would otherwise fuse it into a following add (an FMA rounds
 // once), which a host compiler for baseline x86-64 never does.
 static __host__ __device__ __forceinline__ float mul_unfused(float a, float b) {
@@ -75,6 +86,18 @@ static __host__ __device__ __forceinline__ float fp8_divide(float x, float s, fl
     float q = mul_unfused(x, inverse);
     float corrected = fmaf(fmaf(-q, s, x), inverse, q);
     return fabsf(q) <= 3.40282347e38f && inverse != 0.0f ? copysignf(corrected, x) : q;
+}
+
+// Codes of x[0..7] / s (inverse = 1 / s), two per conversion, in memory order (value j in byte
+// j % 4 of word j / 4).
+static __device__ __forceinline__ uint2 fp8_encode8(const float x[8], float s, float inverse, Fp8Format format) {
+    uint32_t words[2];
+    for (int w = 0; w < 2; w++) {
+        const float *v = x + 4 * w;
+        words[w] = fp8_encode2(fp8_divide(v[0], s, inverse), fp8_divide(v[1], s, inverse), format) |
+                   fp8_encode2(fp8_divide(v[2], s, inverse), fp8_divide(v[3], s, inverse), format) << 16;
+    }
+    return make_uint2(words[0], words[1]);
 }
 
 // Folds max |x| of one value per thread into slot->amax: a block reduction, then one atomic.
@@ -109,27 +132,29 @@ typedef struct {
 
 // ---- 1x16 groups, 8 values per thread, the group's other half in lane ^ 1 -----------------
 
-// Codes of this thread's 8 values and the group's scale (the same in both lanes), rounded to
-// BF16 before the division. Both lanes of every pair must call it (inactive pairs pass zeros).
+// The stored BF16 scale of a group whose max |x| is group_max (NaN when the group holds one):
+// the data is divided by this rounded value.
+__device__ __forceinline__ bf16 fp8_group_scale(float group_max) {
+    return __float2bfloat16_rn(fp8_scale_from_amax(group_max, FP8_E4M3));
+}
+
+// Codes of this thread's 8 values and the group's scale (the same in both lanes). Both lanes of
+// every pair must call it (inactive pairs pass zeros).
 __device__ __forceinline__ uint2 fp8_quantize_half_group(const float x[8], bf16 *group_scale) {
     float m = 0.0f;
     for (int j = 0; j < 8; j++) m = fp8_abs_max(m, x[j]);
     m = fp8_abs_max(m, __shfl_xor_sync(0xffffffffu, m, 1));
-    bf16 stored = __float2bfloat16_rn(fp8_scale_from_amax(m, FP8_E4M3));  // NaN when the group holds one
-    float scale = __bfloat162float(stored), inverse = 1.0f / scale;
-    uint2 codes = make_uint2(0u, 0u);
-    for (int j = 0; j < 8; j++) {
-        uint32_t code = (uint32_t)fp8_encode(fp8_divide(x[j], scale, inverse), FP8_E4M3) << (8 * (j % 4));
-        if (j < 4) codes.x |= code; else codes.y |= code;
-    }
-    *group_scale = stored;
-    return codes;
+    *group_scale = fp8_group_scale(m);
+    float scale = __bfloat162float(*group_scale);
+    return fp8_encode8(x, scale, 1.0f / scale, FP8_E4M3);
 }
 
+// decode(code) * scale for 8 codes in memory order, two per conversion.
 __device__ __forceinline__ void fp8_dequantize8(float out[8], uint2 codes, float scale, Fp8Format format) {
-    for (int j = 0; j < 8; j++) {
-        uint32_t word = j < 4 ? codes.x : codes.y;
-        out[j] = fp8_decode((uint8_t)((word >> (8 * (j % 4))) & 0xffu), format) * scale;
+    for (int j = 0; j < 8; j += 2) {
+        float2 pair = fp8_decode2((j < 4 ? codes.x : codes.y) >> (8 * (j % 4)), format);
+        out[j] = pair.x * scale;
+        out[j + 1] = pair.y * scale;
     }
 }
 
@@ -181,16 +206,10 @@ __global__ void __launch_bounds__(FP8_THREADS)
         float v[PLANES][8];
         source.load(r, c, v);
         for (int p = 0; p < PLANES; p++) {
-            uint8_t codes[8];
-            for (int j = 0; j < 8; j++) codes[j] = fp8_encode(fp8_divide(v[p][j], scale, inverse), FORMAT);
-            if (out != NULL) {
-                uint2 packed;
-                packed.x = codes[0] | codes[1] << 8 | codes[2] << 16 | (uint32_t)codes[3] << 24;
-                packed.y = codes[4] | codes[5] << 8 | codes[6] << 16 | (uint32_t)codes[7] << 24;
-                *reinterpret_cast<uint2 *>(out + (size_t)r * out_columns + p * C + c) = packed;
-            }
+            uint2 codes = fp8_encode8(v[p], scale, inverse, FORMAT);
+            if (out != NULL) *reinterpret_cast<uint2 *>(out + (size_t)r * out_columns + p * C + c) = codes;
             if (out_t != NULL)
-                for (int j = 0; j < 8; j++) tile_t[p][tile_col + j][tr] = codes[j];
+                for (int j = 0; j < 8; j++) tile_t[p][tile_col + j][tr] = (uint8_t)((j < 4 ? codes.x : codes.y) >> (8 * (j % 4)));
         }
     }
     if (out_t == NULL) return;  // the same for the whole block
