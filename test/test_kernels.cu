@@ -468,6 +468,10 @@ typedef struct {
     bf16 *wte, *dwte, *weight, *dweight, *act_a, *act_b, *act_c, *act_d, *qkv, *gate_up, *dgate_up, *mlp_out;
     float *rstd, *cos_table, *sin_table, *rmsnorm_scratch;
     void *embedding_scratch;
+    // COAT: the 1x16 copies of gate_up and of the norm input, the amax slots, FP8 cast outputs
+    Fp8Groups gate_up_copy, norm_in_copy;
+    Fp8Scale *out_slot, *grad_slot, *norm_slot;
+    uint8_t *fp8_codes, *fp8_codes_t;  // [N, 2I] each
 } Bench;
 
 static void bench_embedding_forward(const Bench *b) { embedding_forward(b->act_a, b->tokens, b->wte, b->N, b->C, 0); }
@@ -492,6 +496,25 @@ static void bench_rope_backward(const Bench *b) {
 static void bench_swiglu_forward(const Bench *b) { swiglu_forward(b->mlp_out, b->gate_up, b->N, b->I, 0); }
 static void bench_swiglu_backward(const Bench *b) {
     swiglu_backward(b->dgate_up, b->mlp_out, b->gate_up, b->N, b->I, 0);
+}
+
+// The COAT forms that the llama-1b coat step runs: from and into the 1x16 copies, gathering amax,
+// no BF16 output where an FP8 cast recomputes it.
+static void bench_coat_swiglu_forward(const Bench *b) {
+    swiglu_forward(NULL, b->gate_up, b->N, b->I, 0, b->gate_up_copy, b->out_slot);
+}
+static void bench_coat_swiglu_forward_cast(const Bench *b) {
+    swiglu_forward_cast(b->fp8_codes, b->fp8_codes_t, b->out_slot, b->gate_up, b->gate_up_copy, b->N, b->I, 0);
+}
+static void bench_coat_swiglu_backward(const Bench *b) {
+    swiglu_backward(NULL, b->mlp_out, b->gate_up, b->N, b->I, 0, b->gate_up_copy, b->grad_slot);
+}
+static void bench_coat_swiglu_backward_cast(const Bench *b) {
+    swiglu_backward_cast(b->fp8_codes, b->fp8_codes_t, b->grad_slot, b->mlp_out, b->gate_up, b->gate_up_copy, b->N, b->I, 0);
+}
+static void bench_coat_rmsnorm_backward(const Bench *b) {
+    rmsnorm_backward(b->act_c, b->dweight, b->rmsnorm_scratch, b->act_b, b->act_a, b->weight, b->rstd, b->N, b->C, 0,
+                     b->norm_in_copy, b->norm_slot);
 }
 
 // Median time over BENCH_REPEATS launches after a warm-up; GB/s counts each byte the kernel
@@ -555,6 +578,15 @@ static void benchmark_llama_1b(void) {
     cudaCheck(cudaMemcpy(b.sin_table, sin_host, half_table * sizeof(float), cudaMemcpyHostToDevice));
     b.rmsnorm_scratch = (float *)device_alloc(rmsnorm_backward_scratch_bytes(b.N, b.C));
     b.embedding_scratch = device_alloc(embedding_backward_scratch_bytes(b.N, b.C, b.V));
+    b.gate_up_copy = Fp8Groups{(uint8_t *)device_alloc(N * 2 * I), (bf16 *)device_alloc(N * 2 * I / FP8_GROUP * sizeof(bf16))};
+    b.norm_in_copy = Fp8Groups{(uint8_t *)device_alloc(N * C), (bf16 *)device_alloc(N * C / FP8_GROUP * sizeof(bf16))};
+    b.out_slot = (Fp8Scale *)device_alloc(3 * sizeof(Fp8Scale)), b.grad_slot = b.out_slot + 1, b.norm_slot = b.out_slot + 2;
+    cudaCheck(cudaMemset(b.out_slot, 0, 3 * sizeof(Fp8Scale)));
+    b.fp8_codes = (uint8_t *)device_alloc(N * 2 * I), b.fp8_codes_t = (uint8_t *)device_alloc(N * 2 * I);
+    // The copies and amax slots as the step has them when the casts run.
+    bench_coat_swiglu_forward(&b);
+    bench_coat_swiglu_backward(&b);
+    residual_rmsnorm_forward(NULL, b.act_d, b.rstd, b.act_a, NULL, b.weight, b.N, b.C, RMS_EPS, 0, b.norm_in_copy);
     cudaCheck(cudaDeviceSynchronize());
 
     double act = (double)N * C * 2, rotated = (double)N * (b.n_heads + b.n_kv_heads) * b.head_dim * 2;
@@ -570,10 +602,18 @@ static void benchmark_llama_1b(void) {
     bench_kernel("rope_backward", bench_rope_backward, &b, 2 * rotated);
     bench_kernel("swiglu_forward", bench_swiglu_forward, &b, 3 * mlp);
     bench_kernel("swiglu_backward", bench_swiglu_backward, &b, 5 * mlp);
+    // COAT: E4M3 codes 1 byte and BF16 scales 1/8 byte per value; FP8 outputs 1 byte
+    double codes = 1.125 * mlp;  // the 1x16 copy of gate_up [N, 2I]
+    bench_kernel("coat swiglu_forward", bench_coat_swiglu_forward, &b, 2 * mlp + codes);
+    bench_kernel("coat swiglu_forward_cast", bench_coat_swiglu_forward_cast, &b, codes + mlp);
+    bench_kernel("coat swiglu_backward", bench_coat_swiglu_backward, &b, codes + mlp);
+    bench_kernel("coat swiglu_backward_cast", bench_coat_swiglu_backward_cast, &b, codes + mlp + 2 * mlp);
+    bench_kernel("coat rmsnorm_backward", bench_coat_rmsnorm_backward, &b, act / 2 * 1.125 + 3 * act);
 
     void *buffers[] = {b.tokens, b.wte, b.dwte, b.weight, b.dweight, b.act_a, b.act_b, b.act_c, b.act_d, b.qkv,
                        b.gate_up, b.dgate_up, b.mlp_out, b.rstd, b.cos_table, b.sin_table, b.rmsnorm_scratch,
-                       b.embedding_scratch};
+                       b.embedding_scratch, b.gate_up_copy.codes, b.gate_up_copy.scales, b.norm_in_copy.codes,
+                       b.norm_in_copy.scales, b.out_slot, b.fp8_codes, b.fp8_codes_t};
     for (size_t i = 0; i < sizeof buffers / sizeof buffers[0]; i++) cudaCheck(cudaFree(buffers[i]));
     free(tokens), free(used), free(cos_host), free(sin_host);
 }
