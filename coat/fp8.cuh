@@ -130,7 +130,7 @@ typedef struct {
     bf16 *scales;
 } Fp8Groups;
 
-// ---- 1x16 groups, 8 values per thread, the group's other half in lane ^ 1 -----------------
+// ---- 1x16 groups: a group in one thread, or 8 values per thread and the other half in lane ^ 1
 
 // The stored BF16 scale of a group whose max |x| is group_max (NaN when the group holds one):
 // the data is divided by this rounded value.
@@ -149,6 +149,17 @@ __device__ __forceinline__ uint2 fp8_quantize_half_group(const float x[8], bf16 
     return fp8_encode8(x, scale, 1.0f / scale, FP8_E4M3);
 }
 
+// Codes of a whole group x[0..15], in memory order, and its scale: half the scale arithmetic of
+// two lanes each computing it, and no shuffle.
+__device__ __forceinline__ uint4 fp8_quantize_group(const float x[16], bf16 *group_scale) {
+    float m = 0.0f;
+    for (int j = 0; j < 16; j++) m = fp8_abs_max(m, x[j]);
+    *group_scale = fp8_group_scale(m);
+    float scale = __bfloat162float(*group_scale), inverse = 1.0f / scale;
+    uint2 low = fp8_encode8(x, scale, inverse, FP8_E4M3), high = fp8_encode8(x + 8, scale, inverse, FP8_E4M3);
+    return make_uint4(low.x, low.y, high.x, high.y);
+}
+
 // decode(code) * scale for 8 codes in memory order, two per conversion.
 __device__ __forceinline__ void fp8_dequantize8(float out[8], uint2 codes, float scale, Fp8Format format) {
     for (int j = 0; j < 8; j += 2) {
@@ -161,6 +172,17 @@ __device__ __forceinline__ void fp8_dequantize8(float out[8], uint2 codes, float
 // 8 values at column c of a row of a 1x16-quantized tensor (codes row, scales row).
 __device__ __forceinline__ void fp8_load_group16(float out[8], const uint8_t *codes_row, const bf16 *scales_row, int c) {
     fp8_dequantize8(out, *reinterpret_cast<const uint2 *>(codes_row + c), __bfloat162float(scales_row[c / FP8_GROUP]), FP8_E4M3);
+}
+
+// A whole group: 16 E4M3 codes in memory order.
+__device__ __forceinline__ void fp8_dequantize16(float out[16], uint4 codes, float scale) {
+    fp8_dequantize8(out, make_uint2(codes.x, codes.y), scale, FP8_E4M3);
+    fp8_dequantize8(out + 8, make_uint2(codes.z, codes.w), scale, FP8_E4M3);
+}
+
+// The 16 values of the group at column c (a multiple of 16) of such a row: one 16-byte load.
+__device__ __forceinline__ void fp8_load_group(float out[16], const uint8_t *codes_row, const bf16 *scales_row, int c) {
+    fp8_dequantize16(out, *reinterpret_cast<const uint4 *>(codes_row + c), __bfloat162float(scales_row[c / FP8_GROUP]));
 }
 
 // ---- per-tensor passes ------------------------------------------------------------------

@@ -17,21 +17,29 @@
 // kernels that recompute SwiGLU are bound by instructions, not memory).
 __device__ __forceinline__ float sigmoid_fp32(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 
-// This thread's 8 gate and 8 up values at `column` of `row`: from BF16 gate_up, or from its
-// 1x16 copy (groups.codes set).
-template <bool GROUP16>
-__device__ __forceinline__ void swiglu_load(float gate[8], float up[8], const bf16 *gate_up, Fp8Groups groups,
+// This thread's WIDTH gate and WIDTH up values at `column` of `row` (WIDTH 8 or 16, 16 only at a
+// group's start): from BF16 gate_up, or from its 1x16 copy (groups.codes set).
+template <bool GROUP16, int WIDTH>
+__device__ __forceinline__ void swiglu_load(float gate[WIDTH], float up[WIDTH], const bf16 *gate_up, Fp8Groups groups,
                                             size_t row, size_t column, int I) {
-    size_t offset = row * 2 * I + column;
     if (GROUP16) {
+        const uint8_t *codes = groups.codes + row * 2 * I;
         const bf16 *scales = groups.scales + row * (2 * I / FP8_GROUP);
-        fp8_load_group16(gate, groups.codes + row * 2 * I, scales, (int)column);
-        fp8_load_group16(up, groups.codes + row * 2 * I, scales, (int)(column + I));
+        if (WIDTH == FP8_GROUP) {
+            fp8_load_group(gate, codes, scales, (int)column);
+            fp8_load_group(up, codes, scales, (int)(column + I));
+        } else {
+            fp8_load_group16(gate, codes, scales, (int)column);
+            fp8_load_group16(up, codes, scales, (int)(column + I));
+        }
     } else {
-        Vec16<bf16> g = load16_stream(gate_up + offset), u = load16_stream(gate_up + offset + I);
-        for (int k = 0; k < 8; k++) {
-            gate[k] = __bfloat162float(g[k]);
-            up[k] = __bfloat162float(u[k]);
+        for (int h = 0; h < WIDTH; h += 8) {
+            size_t offset = row * 2 * I + column + h;
+            Vec16<bf16> g = load16_stream(gate_up + offset), u = load16_stream(gate_up + offset + I);
+            for (int k = 0; k < 8; k++) {
+                gate[h + k] = __bfloat162float(g[k]);
+                up[h + k] = __bfloat162float(u[k]);
+            }
         }
     }
 }
@@ -46,46 +54,53 @@ __device__ __forceinline__ void swiglu_gradients(float gate, float up, float gra
     *dup = __bfloat162float(__float2bfloat16(grad * gate * s));
 }
 
-// One thread per 8 consecutive outputs of a row; with I a multiple of 16, lanes 2k and 2k+1
-// hold one 1x16 group of gate and one of up. Every thread runs to the end (group shuffles,
-// the block's amax). GROUP16: also stores the 1x16 copy of gate_up and computes out from it,
-// as the backward will. AMAX: max |out| goes to out_amax. out == NULL: not stored (the FP8
-// cast recomputes it).
+// The kernels' threads: one per WIDTH columns of a row (gate and up), WIDTH = swiglu_width(GROUP16).
+// With 1x16 groups a thread holds whole groups: it finds their max alone (no shuffle), computes
+// each scale once and moves 16 codes at a time. Index math in 32 bits (the launcher checks that
+// the threads fit): no 64-bit division, nor the run-time test that picks its 32-bit form.
+static __host__ __device__ constexpr int swiglu_width(bool group16) { return group16 ? FP8_GROUP : 8; }
+
+__device__ __forceinline__ void swiglu_thread_position(int I, int width, unsigned *row, unsigned *column) {
+    unsigned thread = blockIdx.x * SWIGLU_THREADS + threadIdx.x, threads_per_row = (unsigned)(I / width);
+    *row = thread / threads_per_row;
+    *column = (thread - *row * threads_per_row) * width;
+}
+
+// GROUP16: also stores the 1x16 copy of gate_up and computes out from it, as the backward will.
+// AMAX: max |out| goes to out_amax (every thread reaches the block's amax). out == NULL: not
+// stored (the FP8 cast recomputes it).
 template <bool GROUP16, bool AMAX>
 __global__ void __launch_bounds__(SWIGLU_THREADS)
     swiglu_forward_kernel(bf16 *out, Fp8Groups gate_up_copy, Fp8Scale *out_amax, const bf16 *gate_up, int I,
-                          size_t total_vecs) {
-    size_t vec = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    bool active = vec < total_vecs;
-    size_t vecs_per_row = (size_t)I / 8;
-    size_t row = active ? vec / vecs_per_row : 0, column = active ? (vec % vecs_per_row) * 8 : 0;
-    float gate[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}, up[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    if (active) swiglu_load<false>(gate, up, gate_up, gate_up_copy, row, column, I);
-    if (GROUP16) {
-        bf16 gate_scale, up_scale;
-        uint2 gate_codes = fp8_quantize_half_group(gate, &gate_scale), up_codes = fp8_quantize_half_group(up, &up_scale);
-        if (active) {
-            uint8_t *codes = gate_up_copy.codes + row * 2 * I;
-            bf16 *scales = gate_up_copy.scales + row * (2 * I / FP8_GROUP);
-            *reinterpret_cast<uint2 *>(codes + column) = gate_codes;
-            *reinterpret_cast<uint2 *>(codes + column + I) = up_codes;
-            if (threadIdx.x % 2 == 0) {
-                scales[column / FP8_GROUP] = gate_scale;
-                scales[(column + I) / FP8_GROUP] = up_scale;
-            }
-        }
-        fp8_dequantize8(gate, gate_codes, __bfloat162float(gate_scale), FP8_E4M3);
-        fp8_dequantize8(up, up_codes, __bfloat162float(up_scale), FP8_E4M3);
-    }
+                          unsigned threads) {
+    constexpr int WIDTH = swiglu_width(GROUP16);
     float out_max = 0.0f;
-    if (active) {
-        Vec16<bf16> o;
-        for (int k = 0; k < 8; k++) {
-            float value = swiglu_value(gate[k], up[k]);
-            o[k] = __float2bfloat16(value);
-            if (AMAX) out_max = fp8_abs_max(out_max, value);
+    if (blockIdx.x * SWIGLU_THREADS + threadIdx.x < threads) {
+        unsigned row, column;
+        swiglu_thread_position(I, WIDTH, &row, &column);
+        float gate[WIDTH], up[WIDTH];
+        swiglu_load<false, WIDTH>(gate, up, gate_up, gate_up_copy, row, column, I);
+        if (GROUP16) {
+            uint8_t *codes = gate_up_copy.codes + (size_t)row * 2 * I;
+            bf16 *scales = gate_up_copy.scales + (size_t)row * (2 * I / FP8_GROUP);
+            bf16 gate_scale, up_scale;
+            uint4 gate_codes = fp8_quantize_group(gate, &gate_scale), up_codes = fp8_quantize_group(up, &up_scale);
+            *reinterpret_cast<uint4 *>(codes + column) = gate_codes;
+            *reinterpret_cast<uint4 *>(codes + column + I) = up_codes;
+            scales[column / FP8_GROUP] = gate_scale;
+            scales[(column + I) / FP8_GROUP] = up_scale;
+            fp8_dequantize16(gate, gate_codes, __bfloat162float(gate_scale));
+            fp8_dequantize16(up, up_codes, __bfloat162float(up_scale));
         }
-        if (out != NULL) store16(out + row * I + column, o);
+        for (int h = 0; h < WIDTH; h += 8) {
+            Vec16<bf16> o;
+            for (int k = 0; k < 8; k++) {
+                float value = swiglu_value(gate[h + k], up[h + k]);
+                o[k] = __float2bfloat16(value);
+                if (AMAX) out_max = fp8_abs_max(out_max, value);
+            }
+            if (out != NULL) store16(out + (size_t)row * I + column + h, o);
+        }
     }
     if (AMAX) fp8_block_amax(out_amax, out_max);
 }
@@ -95,27 +110,29 @@ __global__ void __launch_bounds__(SWIGLU_THREADS)
 template <bool GROUP16, bool AMAX>
 __global__ void __launch_bounds__(SWIGLU_THREADS)
     swiglu_backward_kernel(bf16 *dgate_up, Fp8Scale *dgate_up_amax, const bf16 *dout, const bf16 *gate_up,
-                           Fp8Groups gate_up_groups, int I, size_t total_vecs) {
-    size_t vec = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+                           Fp8Groups gate_up_groups, int I, unsigned threads) {
+    constexpr int WIDTH = swiglu_width(GROUP16);
     float grad_max = 0.0f;
-    if (vec < total_vecs) {
-        size_t vecs_per_row = (size_t)I / 8;
-        size_t row = vec / vecs_per_row, column = (vec % vecs_per_row) * 8;
-        size_t gate_offset = row * 2 * I + column;
-        float gate[8], up[8];
-        swiglu_load<GROUP16>(gate, up, gate_up, gate_up_groups, row, column, I);
-        Vec16<bf16> d = load16_stream(dout + row * I + column);
-        Vec16<bf16> dg, du;
-        for (int k = 0; k < 8; k++) {
-            float dgate, dup;
-            swiglu_gradients(gate[k], up[k], __bfloat162float(d[k]), &dgate, &dup);
-            dg[k] = __float2bfloat16(dgate);
-            du[k] = __float2bfloat16(dup);
-            if (AMAX) grad_max = fp8_abs_max(fp8_abs_max(grad_max, dgate), dup);
-        }
-        if (dgate_up != NULL) {
-            store16(dgate_up + gate_offset, dg);
-            store16(dgate_up + gate_offset + I, du);
+    if (blockIdx.x * SWIGLU_THREADS + threadIdx.x < threads) {
+        unsigned row, column;
+        swiglu_thread_position(I, WIDTH, &row, &column);
+        float gate[WIDTH], up[WIDTH];
+        swiglu_load<GROUP16, WIDTH>(gate, up, gate_up, gate_up_groups, row, column, I);
+        for (int h = 0; h < WIDTH; h += 8) {
+            size_t gate_offset = (size_t)row * 2 * I + column + h;
+            Vec16<bf16> d = load16_stream(dout + (size_t)row * I + column + h);
+            Vec16<bf16> dg, du;
+            for (int k = 0; k < 8; k++) {
+                float dgate, dup;
+                swiglu_gradients(gate[h + k], up[h + k], __bfloat162float(d[k]), &dgate, &dup);
+                dg[k] = __float2bfloat16(dgate);
+                du[k] = __float2bfloat16(dup);
+                if (AMAX) grad_max = fp8_abs_max(fp8_abs_max(grad_max, dgate), dup);
+            }
+            if (dgate_up != NULL) {
+                store16(dgate_up + gate_offset, dg);
+                store16(dgate_up + gate_offset + I, du);
+            }
         }
     }
     if (AMAX) fp8_block_amax(dgate_up_amax, grad_max);
@@ -132,7 +149,7 @@ struct SwigluSource {
     int I;
     __device__ __forceinline__ void load(int r, int c, float v[1][8]) const {
         float gate[8], up[8];
-        swiglu_load<GROUP16>(gate, up, gate_up, groups, (size_t)r, (size_t)c, I);
+        swiglu_load<GROUP16, 8>(gate, up, gate_up, groups, (size_t)r, (size_t)c, I);
         for (int k = 0; k < 8; k++) v[0][k] = swiglu_value(gate[k], up[k]);
     }
 };
@@ -145,15 +162,19 @@ struct SwigluGradSource {
     int I;
     __device__ __forceinline__ void load(int r, int c, float v[2][8]) const {
         float gate[8], up[8];
-        swiglu_load<GROUP16>(gate, up, gate_up, groups, (size_t)r, (size_t)c, I);
+        swiglu_load<GROUP16, 8>(gate, up, gate_up, groups, (size_t)r, (size_t)c, I);
         Vec16<bf16> d = load16_stream(dout + (size_t)r * I + c);
         for (int k = 0; k < 8; k++) swiglu_gradients(gate[k], up[k], __bfloat162float(d[k]), &v[0][k], &v[1][k]);
     }
 };
 
-static inline void swiglu_check(const char *launcher, int I, bool group16) {
+// The threads of a kernel launch (one per swiglu_width columns of a row), checked to fit 32 bits.
+static inline unsigned swiglu_threads(const char *launcher, int N, int I, bool group16) {
     require_vector_rows(launcher, "I", I);
     if (group16 && I % FP8_GROUP != 0) fail_with(launcher, "I must be a multiple of 16 for 1x16 groups");
+    size_t threads = (size_t)N * (size_t)(I / swiglu_width(group16));
+    if (threads > UINT32_MAX - SWIGLU_THREADS) fail_with(launcher, "N * I must be below 2^34 (32-bit thread indices)");
+    return (unsigned)threads;
 }
 
 // out[N, I] = silu(gate) * up (out may be NULL). Optional: gate_up_copy.codes, the 1x16 E4M3
@@ -161,12 +182,11 @@ static inline void swiglu_check(const char *launcher, int I, bool group16) {
 static inline void swiglu_forward(bf16 *out, const bf16 *gate_up, int N, int I, cudaStream_t stream,
                                   Fp8Groups gate_up_copy = Fp8Groups{NULL, NULL}, Fp8Scale *out_amax = NULL) {
     bool group16 = gate_up_copy.codes != NULL, amax = out_amax != NULL;
-    swiglu_check("swiglu_forward", I, group16);
-    size_t total_vecs = (size_t)N * (size_t)(I / 8);
-    unsigned blocks = (unsigned)ceil_div_size(total_vecs, SWIGLU_THREADS);
+    unsigned threads = swiglu_threads("swiglu_forward", N, I, group16);
+    unsigned blocks = (unsigned)ceil_div_size(threads, SWIGLU_THREADS);
     launch_with_flags(group16, amax, [&](auto GROUP16, auto AMAX) {
         swiglu_forward_kernel<decltype(GROUP16)::value, decltype(AMAX)::value>
-            <<<blocks, SWIGLU_THREADS, 0, stream>>>(out, gate_up_copy, out_amax, gate_up, I, total_vecs);
+            <<<blocks, SWIGLU_THREADS, 0, stream>>>(out, gate_up_copy, out_amax, gate_up, I, threads);
     });
     cudaCheckLaunch();
 }
@@ -177,12 +197,11 @@ static inline void swiglu_backward(bf16 *dgate_up, const bf16 *dout, const bf16 
                                    cudaStream_t stream, Fp8Groups gate_up_groups = Fp8Groups{NULL, NULL},
                                    Fp8Scale *dgate_up_amax = NULL) {
     bool group16 = gate_up_groups.codes != NULL, amax = dgate_up_amax != NULL;
-    swiglu_check("swiglu_backward", I, group16);
-    size_t total_vecs = (size_t)N * (size_t)(I / 8);
-    unsigned blocks = (unsigned)ceil_div_size(total_vecs, SWIGLU_THREADS);
+    unsigned threads = swiglu_threads("swiglu_backward", N, I, group16);
+    unsigned blocks = (unsigned)ceil_div_size(threads, SWIGLU_THREADS);
     launch_with_flags(group16, amax, [&](auto GROUP16, auto AMAX) {
         swiglu_backward_kernel<decltype(GROUP16)::value, decltype(AMAX)::value>
-            <<<blocks, SWIGLU_THREADS, 0, stream>>>(dgate_up, dgate_up_amax, dout, gate_up, gate_up_groups, I, total_vecs);
+            <<<blocks, SWIGLU_THREADS, 0, stream>>>(dgate_up, dgate_up_amax, dout, gate_up, gate_up_groups, I, threads);
     });
     cudaCheckLaunch();
 }

@@ -13,9 +13,10 @@
 //   - special tensors: all zero, codes in the subnormal range, saturation (slot amax set by hand
 //     below max |x|), a NaN (amax and every code NaN), infinities (amax inf);
 //   - two fp8_amax calls into one slot give the max of both, in either order;
-//   - the 1x16 group helpers in test kernels (fp8_quantize_half_group, fp8_load_group16): codes,
-//     the scale in both lanes of a pair and the dequantized values bit for bit, with all-zero,
-//     NaN, infinite, tiny and mixed-magnitude groups.
+//   - the 1x16 group helpers in test kernels (fp8_quantize_half_group, fp8_load_group16; and a
+//     group per thread, fp8_quantize_group, fp8_load_group): codes, the scale in both lanes of a
+//     pair and the dequantized values bit for bit, with all-zero, NaN, infinite, tiny and
+//     mixed-magnitude groups.
 // Ends with fp8_quantize's GB/s on BF16 [32768, 2048] with out and out_t (informational).
 // Device results are compared with the reference computed on the host from the same BF16 (or
 // FP32) inputs, with the same FP32 operations: scale = (amax + 1e-10f) / max, q = encode(x / scale).
@@ -736,7 +737,51 @@ static void compare_floats_bits(Mismatches *bad, const float *got, const float *
         if (!same_float(got[i], expected[i])) note_mismatch(bad, i, bits_of(expected[i]), bits_of(got[i]));
 }
 
-// Both kernels on x [R, C] against the reference: scale = bf16((max |x| of the 16 + 1e-10f)/448)
+// The same with a whole group per thread: fp8_quantize_group into codes and stored_scales, and
+// fp8_load_group of what it stored into out.
+__global__ void whole_groups_kernel(uint8_t *codes, bf16 *stored_scales, float *out, const float *x, size_t groups) {
+    size_t g = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= groups) return;
+    float values[FP8_GROUP];
+    for (int j = 0; j < FP8_GROUP; j++) values[j] = x[g * FP8_GROUP + j];
+    *reinterpret_cast<uint4 *>(codes + g * FP8_GROUP) = fp8_quantize_group(values, stored_scales + g);
+    fp8_load_group(values, codes + g * FP8_GROUP, stored_scales + g, 0);
+    for (int j = 0; j < FP8_GROUP; j++) out[g * FP8_GROUP + j] = values[j];
+}
+
+// Codes, scales and values of whole_groups_kernel on x [n] against the expected ones.
+static void check_whole_groups(const char *what, const float *d_x, const uint8_t *expected_codes,
+                               const float *expected_scales, const float *expected_values, int R, int C) {
+    size_t n = (size_t)R * C, groups = n / FP8_GROUP;
+    uint8_t *d_codes = device_poisoned(n, POISON_FIRST);
+    bf16 *d_scales = (bf16 *)device_poisoned(groups * sizeof(bf16), POISON_FIRST);
+    float *d_values = (float *)device_poisoned(n * sizeof(float), POISON_FIRST);
+    whole_groups_kernel<<<(unsigned)ceil_div_size(groups, THREADS), THREADS>>>(d_codes, d_scales, d_values, d_x, groups);
+    cudaCheckLaunch();
+    uint8_t *codes = (uint8_t *)host_copy_of(d_codes, n);
+    bf16 *stored = (bf16 *)host_copy_of(d_scales, groups * sizeof(bf16));
+    float *values = (float *)host_copy_of(d_values, n * sizeof(float)), *scales = host_floats(groups);
+    for (size_t g = 0; g < groups; g++) scales[g] = __bfloat162float(stored[g]);
+    Mismatches codes_bad = {}, scales_bad = {}, values_bad = {};
+    for (size_t i = 0; i < n; i++)
+        if (!same_code(codes[i], expected_codes[i], FP8_E4M3)) note_mismatch(&codes_bad, i, expected_codes[i], codes[i]);
+    compare_floats_bits(&scales_bad, scales, expected_scales, groups);
+    compare_floats_bits(&values_bad, values, expected_values, n);
+    char detail[DETAIL_CHARS], codes_detail[DETAIL_CHARS], values_detail[DETAIL_CHARS];
+    check(scales_bad.count == 0 && codes_bad.count == 0 && values_bad.count == 0,
+          "fp8_quantize_group + fp8_load_group [%d x %d] %s (a group per thread): scales, codes and dequantized values "
+          "bit for bit: %zu, %zu and %zu differ%s%s%s",
+          R, C, what, scales_bad.count, codes_bad.count, values_bad.count,
+          describe_floats(detail, &scales_bad, (size_t)C / FP8_GROUP), describe_codes(codes_detail, &codes_bad, (size_t)C),
+          describe_floats(values_detail, &values_bad, (size_t)C));
+    free(codes), free(stored), free(values), free(scales);
+    cudaCheck(cudaFree(d_codes));
+    cudaCheck(cudaFree(d_scales));
+    cudaCheck(cudaFree(d_values));
+}
+
+// The kernels on x [R, C] (a half group per thread, then a group per thread) against the
+// reference: scale = bf16((max |x| of the 16 + 1e-10f)/448)
 // (rounded to nearest even, as stored), code = encode_e4m3(x / scale), dequantized =
 // decode(code) * scale. Returns the device results.
 static GroupResult check_group_helpers(const char *what, const float *x, int R, int C) {
@@ -789,6 +834,7 @@ static GroupResult check_group_helpers(const char *what, const float *x, int R, 
           what, codes_bad.count, describe_codes(detail, &codes_bad, (size_t)C));
     check(values_bad.count == 0, "fp8_load_group16 [%d x %d] %s: decode(code) * scale bit for bit: %zu differ%s", R, C, what,
           values_bad.count, describe_floats(detail, &values_bad, (size_t)C));
+    check_whole_groups(what, d_x, expected_codes, expected_scales, expected_values, R, C);
     free(expected_codes);
     free(expected_scales);
     free(expected_values);
