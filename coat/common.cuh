@@ -102,6 +102,8 @@ __device__ __forceinline__ Vec16<T> load16_stream(const T *p) {
 }
 template <class T>
 __device__ __forceinline__ void store16(T *p, const Vec16<T> &v) { *reinterpret_cast<Vec16<T> *>(p) = v; }
+// Brings the line holding p into L2 without waiting for it (no register, no result).
+__device__ __forceinline__ void prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 __device__ __forceinline__ float warp_sum(float x) {
     for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);

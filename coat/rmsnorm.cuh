@@ -107,13 +107,38 @@ __device__ __forceinline__ float block_sum_deterministic(float value, float *slo
     return total;
 }
 
+// Asks L2 for what this thread reads of `row` (the next row), without waiting: it arrives while
+// the block reduces the current row, so the row's loads find it in L2 instead of waiting on HBM.
+template <int VECS, bool GROUP16>
+__device__ __forceinline__ void rmsnorm_backward_prefetch(int row, const bf16 *din, const bf16 *dout, const bf16 *in,
+                                                          Fp8Groups in_groups, int C) {
+    size_t row_offset = (size_t)row * C;
+#pragma unroll
+    for (int j = 0; j < VECS; j++) {
+        int vec = threadIdx.x + j * blockDim.x;
+        if (vec >= C / 8) continue;
+        prefetch_l2(dout + row_offset + vec * 8);
+        prefetch_l2(din + row_offset + vec * 8);
+        if (GROUP16) {
+            prefetch_l2(in_groups.codes + row_offset + vec * 8);
+            prefetch_l2(in_groups.scales + (size_t)row * (C / FP8_GROUP) + vec / 2);
+        } else {
+            prefetch_l2(in + row_offset + vec * 8);
+        }
+    }
+}
+
 // One block per group of RMSNORM_BACKWARD_ROWS_PER_BLOCK rows; thread t owns the 8-column
 // vectors t, t + blockDim.x, ... (VECS of them), keeps their weights and its dw partial sums in
 // registers, and writes the block's dw partial to dweight_partial[blockIdx.x, C].
 // The input x is BF16 (in) or 1x16 E4M3 (in_groups, GROUP16). With AMAX, max |din| after the
-// add goes to din_amax.
+// add goes to din_amax. Each row waits on its loads and on a block barrier, so what sets the speed
+// is how many rows are in flight: with one vector per thread, registers are held to 64 (two
+// blocks of 512 threads) so that four blocks of 256 threads (C = 2048) fit on an SM and the 512
+// blocks of N = 32768 rows run in one wave (at 80 registers, three fit: two waves); and each
+// row prefetches the next one into L2.
 template <int VECS, bool GROUP16, bool AMAX>
-__global__ void __launch_bounds__(RMSNORM_BACKWARD_MAX_THREADS)
+__global__ void __launch_bounds__(RMSNORM_BACKWARD_MAX_THREADS, VECS == 1 ? 2 : 1)
     rmsnorm_backward_kernel(bf16 *din, float *dweight_partial, Fp8Scale *din_amax, const bf16 *dout, const bf16 *in,
                             Fp8Groups in_groups, const bf16 *weight, const float *rstd, int N, int C) {
     __shared__ float slots[2][32];
@@ -140,6 +165,7 @@ __global__ void __launch_bounds__(RMSNORM_BACKWARD_MAX_THREADS)
         float xhat[VECS][8], dy[VECS][8];
         Vec16<bf16> din_old[VECS];  // loaded before the block reduction so that its latency overlaps it
         float dot = 0.0f;           // this thread's part of sum(g * xhat)
+        if (row + 1 < row_end) rmsnorm_backward_prefetch<VECS, GROUP16>(row + 1, din, dout, in, in_groups, C);
 #pragma unroll
         for (int j = 0; j < VECS; j++) {
             int vec = threadIdx.x + j * blockDim.x;
