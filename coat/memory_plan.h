@@ -2,7 +2,8 @@
 // gradients, master weights, optimizer states, saved activations and working buffers.
 // dry_run prints it; the trainer allocates exactly these buffers and refuses a micro-batch
 // that does not fit. Bytes per parameter with FP32 states (coat/README.md, Memory per parameter):
-// ZeRO-1 4P + 12P/N, ZeRO-2 2P + 16P/N plus two BF16 bucket buffers.
+// ZeRO-1 4P + 14P/N, ZeRO-2 2P + 16P/N plus two BF16 bucket buffers (coat/zero.h pads each bucket
+// to N equal parts, a few elements more).
 #pragma once
 #include <stdio.h>
 #include "activations.h"
@@ -89,10 +90,10 @@ static inline void working_layout_init(WorkingLayout *w, const ModelShape *m, in
 typedef struct {
     int ranks;
     int micro_batch_size;
-    size_t params_padded;      // elements in the parameter buffer
-    size_t shard_elems;        // elements of that buffer this rank's optimizer owns
+    size_t params_padded;      // elements of the parameter order
+    size_t shard_elems;        // elements this rank's optimizer owns: its parts of the buckets
     size_t params_bytes;       // BF16 working weights
-    size_t grads_bytes;        // gradients (coat/zero.h: BF16, or with ZeRO-2 an FP32 shard and two buckets)
+    size_t grads_bytes;        // gradients (coat/zero.h: BF16, with ZeRO-1 a BF16 shard too, with ZeRO-2 an FP32 shard and two buckets)
     size_t master_bytes;       // FP32 master weights
     size_t states_bytes;       // AdamW m and v
     size_t activations_bytes;  // saved for backward, all layers
