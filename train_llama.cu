@@ -681,7 +681,7 @@ static int dry_run(const ConfigParser *parser, int ranks, LaunchKind launch) {
     ParamLayout layout;
     param_layout_init(&layout, &c->model);
     ZeroPlan zero;
-    zero_plan_init(&zero, &layout, ranks, c->zero_stage);
+    zero_plan_init(&zero, &layout, ranks, c->zero_stage, (size_t)c->bucket_min_elems);
     zero_print(stdout, &zero, &layout, grad_accum, config_fp8_gemms(c), config_param_gather(c) == GATHER_E4M3);
     print_activation_table(c);
     if (c->gpu_memory_gib > 0) {
@@ -808,7 +808,8 @@ static float validation_loss(Trainer *t) {
         collectives_wait_stream(&t->zero.collectives, t->gpu.stream, "a validation batch and the parameter gather before it");
         total += *t->host_scalar;
     }
-    if (t->comm->world > 1) collectives_all_reduce_sum_f64(&t->zero.collectives, &total, 1, t->gpu.stream, "the validation loss's all-reduce");
+    if (t->comm->world > 1)
+        collectives_all_reduce_sum_f64(&t->zero.collectives, &total, 1, t->gpu.stream, "the validation loss's all-reduce");
     return (float)(total / t->val_batches);
 }
 
@@ -943,7 +944,8 @@ static void report_allocation(Trainer *t) {
     if (differ)
         fprintf(stderr, "warning: rank %d allocated %zu bytes on the GPU, its memory plan %zu\n", t->comm->rank, allocated,
                 plan.total_bytes);
-    if (t->comm->world > 1) collectives_all_reduce_sum_f64(&t->zero.collectives, &differ, 1, t->gpu.stream, "the memory plan check's all-reduce");
+    if (t->comm->world > 1)
+        collectives_all_reduce_sum_f64(&t->zero.collectives, &differ, 1, t->gpu.stream, "the memory plan check's all-reduce");
     if (t->comm->rank != 0) return;
     if (differ == 0) printf("GPU memory allocated: %.3f GiB per rank, each rank's plan byte for byte\n", gib(allocated));
     else printf("GPU memory allocated: %.3f GiB on rank 0, %d rank(s) differ from their plan\n", gib(allocated), (int)differ);
@@ -966,14 +968,15 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     param_layout_init(&layout, &c->model);
     ZeroPlan *plan = (ZeroPlan *)malloc(sizeof(ZeroPlan));
     if (!plan) fail("out of host memory for the ZeRO plan");
-    zero_plan_init(plan, &layout, ranks, ranks > 1 ? c->zero_stage : 0);
+    zero_plan_init(plan, &layout, ranks, ranks > 1 ? c->zero_stage : 0, (size_t)c->bucket_min_elems);
     ParamLayout buffers;
     zero_model_layout(plan, &c->model, &buffers);
     model_create_sized(&t->model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), &buffers,
                        zero_grads_elems(plan));
     int e4m3_gather = plan->stage >= 1 && t->model.precision.fp8_gemms && config_param_gather(c) == GATHER_E4M3;
-    if (zero_attach(&t->zero, plan, comm, &t->model, t->gpu.stream, c->comm_backend == COMM_MPI ? COLLECTIVES_MPI : COLLECTIVES_NCCL,
-                    e4m3_gather, c->collective_timeout_s, error, sizeof(error)) != 0)
+    CollectivesBackend backend = c->comm_backend == COMM_MPI ? COLLECTIVES_MPI : COLLECTIVES_NCCL;
+    if (zero_attach(&t->zero, plan, comm, &t->model, t->gpu.stream, backend, e4m3_gather, c->collective_timeout_s, error,
+                    sizeof(error)) != 0)
         fail_config(parser, "comm_backend", error);
     free(plan);
     t->host_chunk = (unsigned char *)malloc(2 * ADAMW_COPY_CHUNK_BYTES);

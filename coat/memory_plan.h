@@ -114,7 +114,7 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
     size_t tokens = (size_t)micro_batch_size * (size_t)c->seq_len;
     ActivationsChoice acts = config_activations(c);
     ZeroPlan zero;
-    zero_plan_init(&zero, &layout, ranks, ranks > 1 ? c->zero_stage : 0);
+    zero_plan_init(&zero, &layout, ranks, ranks > 1 ? c->zero_stage : 0, (size_t)c->bucket_min_elems);
 
     plan->ranks = ranks;
     plan->micro_batch_size = micro_batch_size;

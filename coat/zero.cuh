@@ -123,8 +123,8 @@ static void zero_params_ready(void *context, int segment) {
     if (!z->gathering[b]) return;
     z->gathering[b] = 0;
     cudaCheck(cudaStreamWaitEvent(z->compute, z->params_gathered[b], 0));
-    int L = z->model->shape.n_layers;
-    for (int s = z->plan.first_segment[b]; z->e4m3_gather && zero_bucket_is_layers(&z->plan, b) && s <= z->plan.last_segment[b]; s++)
+    int L = z->model->shape.n_layers, layers = z->e4m3_gather && zero_bucket_is_layers(&z->plan, b);
+    for (int s = z->plan.first_segment[b]; layers && s <= z->plan.last_segment[b]; s++)
         model_transpose_layer_weights(z->model, L - s, z->compute);
     op_timer_mark(z->model->timer, "parameter gather: waiting for a bucket (+ its E4M3 transposes)", z->compute);
 }
@@ -147,6 +147,7 @@ static inline int zero_attach(Zero *z, const ZeroPlan *plan, const Comm *comm, L
     z->comm = comm;
     z->model = model;
     z->compute = compute;
+    z->collectives.comm = comm;  // one rank: the waits and the one-rank shortcuts only
     if (comm->world <= 1) return 0;
     z->e4m3_gather = e4m3_gather && plan->stage >= 1;
     if (zero_open_collectives(&z->collectives, comm, backend, plan->largest_bucket_elems, timeout_s, error, error_size) != 0)
@@ -167,7 +168,8 @@ static inline int zero_attach(Zero *z, const ZeroPlan *plan, const Comm *comm, L
         z->params_gathered = (cudaEvent_t *)malloc(plan->buckets * sizeof(cudaEvent_t));
         z->gathering = (unsigned char *)calloc(plan->buckets, 1);
         if (!z->params_gathered || !z->gathering) fail_with("zero_attach", "out of host memory for the gather's events");
-        for (int b = 0; b < plan->buckets; b++) cudaCheck(cudaEventCreateWithFlags(&z->params_gathered[b], cudaEventDisableTiming));
+        for (int b = 0; b < plan->buckets; b++)
+            cudaCheck(cudaEventCreateWithFlags(&z->params_gathered[b], cudaEventDisableTiming));
     }
     if (z->e4m3_gather) {
         z->e4m3_staging = (uint8_t *)zero_alloc(z, plan->largest_layer_bucket_elems, "the E4M3 gather's staging");
@@ -217,7 +219,8 @@ static inline const float *zero_gradient_sum(const Zero *z) { return z->grad_sum
 // device buffers: [*begin, *end) (empty: equal), and where the weight starts there.
 static inline size_t zero_owned_linear(const Zero *z, int b, int layer, Linear which, size_t *begin, size_t *end) {
     const ParamLayout *layout = &z->model->layout;
-    ZeroRange weight = zero_linear_range(layout, which, layer), mine = zero_intersection(weight, zero_owned(&z->plan, b, z->comm->rank));
+    ZeroRange weight = zero_linear_range(layout, which, layer);
+    ZeroRange mine = zero_intersection(weight, zero_owned(&z->plan, b, z->comm->rank));
     int segment = layout->shape.n_layers - layer;
     *begin = param_buffer_at(layout, segment, mine.begin);
     *end = *begin + (mine.end - mine.begin);
@@ -244,12 +247,13 @@ static inline void zero_norm_table_copy(Zero *z, int into_table, cudaStream_t s)
     const ParamLayout *layout = &m->layout;
     ParamKind norms[2] = {PARAM_ATTN_NORM, PARAM_MLP_NORM};
     size_t at = 0;
-    for (int l = 0; l < m->shape.n_layers; l++)
+    int L = m->shape.n_layers;
+    for (int l = 0; l < L; l++)
         for (int k = 0; k < 2; k++) {
             ZeroRange norm = zero_tensor_range(layout, norms[k], l), copy = norm;
-            if (into_table) copy = zero_intersection(norm, zero_owned(&z->plan, z->plan.bucket_of[layout->shape.n_layers - l], z->comm->rank));
+            if (into_table) copy = zero_intersection(norm, zero_owned(&z->plan, z->plan.bucket_of[L - l], z->comm->rank));
             if (copy.end > copy.begin) {
-                bf16 *param = m->params + param_buffer_at(layout, layout->shape.n_layers - l, copy.begin);
+                bf16 *param = m->params + param_buffer_at(layout, L - l, copy.begin);
                 bf16 *entry = z->norm_table + at + (copy.begin - norm.begin);
                 cudaCheck(cudaMemcpyAsync(into_table ? entry : param, into_table ? param : entry, 2 * (copy.end - copy.begin),
                                           cudaMemcpyDeviceToDevice, s));

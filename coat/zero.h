@@ -2,8 +2,9 @@
 // parameter buckets, the part of each that every rank owns, where they sit in the device buffers
 // and in each rank's optimizer state, the collective calls and bytes of a step. The memory plan,
 // dry_run, the optimizer, checkpoints and the tests use it; coat/zero.cuh runs it.
-// Buckets: runs of neighbouring segments, each at least ZERO_BUCKET_MIN_ELEMS where the layers
-// allow (small layers are merged, the tail and the embedding stand alone), numbered in the
+// Buckets: runs of neighbouring segments, each at least min_bucket_elems (the config's
+// bucket_min_elems) where the layers allow (small layers are merged, the tail and the embedding
+// stand alone), numbered in the
 // parameter order (bucket 0 holds the embedding): bucket b is the elements [begin, end) of the
 // parameter order, the order of a checkpoint and of a one-rank run.
 // Sharding (stages 1 and 2): each bucket is padded to W parts of `part` elements, a multiple of
@@ -34,7 +35,6 @@
 #define ZERO_SEGMENTS_MAX PARAM_SEGMENTS_MAX
 #define ZERO_SCALARS 16  // the most values one collectives_all_reduce_sum_f64 sums (the loss, norm and stop votes)
 #define ZERO_SCALAR_BYTES (ZERO_SCALARS * sizeof(double))  // their device room, on every rank of W > 1
-#define ZERO_BUCKET_MIN_ELEMS ((size_t)32 << 20)   // 64 MB of BF16: a call's latency is small beside its bytes
 
 typedef struct {
     size_t begin, end;  // elements [begin, end) of the parameter buffer
@@ -65,8 +65,8 @@ static inline int zero_bucket_is_layers(const ZeroPlan *z, int b) {
 }
 
 // Buckets in the parameter order: the embedding, the layers from the first (merged from the
-// last, as backward reaches them, until each holds ZERO_BUCKET_MIN_ELEMS), the tail.
-static inline void zero_plan_buckets(ZeroPlan *z, const ParamLayout *layout) {
+// last, as backward reaches them, until each holds min_bucket_elems), the tail.
+static inline void zero_plan_buckets(ZeroPlan *z, const ParamLayout *layout, size_t min_bucket_elems) {
     int L = layout->shape.n_layers, S = L + 2, count = 0;
     if (L < 1 || S > ZERO_SEGMENTS_MAX) {  // config.h refuses such shapes first
         fprintf(stderr, "error: zero_plan_init: %d layers, 1 to %d supported\n", L, ZERO_SEGMENTS_MAX - 2);
@@ -77,7 +77,7 @@ static inline void zero_plan_buckets(ZeroPlan *z, const ParamLayout *layout) {
     for (int s = 1; s <= L; s++) {
         ZeroRange open = {zero_segment(layout, last[count - 1]).begin, zero_segment(layout, first[count - 1]).end};
         int open_is_layers = first[count - 1] >= 1;
-        if (open_is_layers && open.end - open.begin < ZERO_BUCKET_MIN_ELEMS) last[count - 1] = s;
+        if (open_is_layers && open.end - open.begin < min_bucket_elems) last[count - 1] = s;
         else first[count] = last[count] = s, count++;
     }
     first[count] = last[count] = S - 1, count++;
@@ -90,11 +90,11 @@ static inline void zero_plan_buckets(ZeroPlan *z, const ParamLayout *layout) {
     }
 }
 
-static inline void zero_plan_init(ZeroPlan *z, const ParamLayout *layout, int ranks, int stage) {
+static inline void zero_plan_init(ZeroPlan *z, const ParamLayout *layout, int ranks, int stage, size_t min_bucket_elems) {
     z->ranks = ranks;
     z->stage = stage;
     z->shards = stage >= 1 ? ranks : 1;
-    zero_plan_buckets(z, layout);
+    zero_plan_buckets(z, layout, min_bucket_elems);
     size_t at = 0, state_at = 0;
     z->largest_bucket_elems = z->largest_layer_bucket_elems = 0;
     for (int b = 0; b < z->buckets; b++) {

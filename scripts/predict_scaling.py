@@ -11,7 +11,7 @@ scripts/bench.sh measured on an H200 (MEASURED below) and adds what communicatio
           parameters (with the E4M3 gather a bucket of layers travels as a byte per element), the
           loss-and-norm all-reduce and, with the E4M3 gather, the scale table's and the norm table's.
           Buckets are the layers, the tail and the embedding (coat/zero.h merges layers smaller than
-          ZERO_BUCKET_MIN_ELEMS), the same at any W. The script derives the same buckets from the
+          the config's bucket_min_elems, 32M by default), the same at any W. The script derives the same buckets from the
           parameter layout and stops if its count differs from what dry_run prints.
   a call  A ReduceScatter or AllGather on a ring: W - 1 steps, each a hop, so it takes base + (W -
           nodes) x NVLink hop + (nodes - 1) x network hop latency, plus (W - 1) / W of the bucket's
@@ -73,7 +73,7 @@ def parse(pattern, text, what):
     return m.groups()
 
 
-ZERO_BUCKET_MIN_ELEMS = 32 << 20  # coat/zero.h
+BUCKET_MIN_ELEMS = 33554432  # the config's default bucket_min_elems (coat/config.h)
 
 
 def segment_range(layout, s):
@@ -95,7 +95,7 @@ def bucket_plan(layout, ranks, e4m3):
     runs = [[0, 0]]
     for s in range(1, L + 1):
         first, last = runs[-1]
-        if first >= 1 and segment_range(layout, first)[1] - segment_range(layout, last)[0] < ZERO_BUCKET_MIN_ELEMS:
+        if first >= 1 and segment_range(layout, first)[1] - segment_range(layout, last)[0] < BUCKET_MIN_ELEMS:
             runs[-1][1] = s
         else:
             runs.append([s, s])

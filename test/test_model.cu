@@ -293,7 +293,7 @@ static void test_memory_plan_matches_allocation(GpuContext *gpu) {
         ParamLayout layout, buffers;
         param_layout_init(&layout, &c->model);
         ZeroPlan *z = (ZeroPlan *)malloc(sizeof(ZeroPlan));
-        zero_plan_init(z, &layout, 3, stage);
+        zero_plan_init(z, &layout, 3, stage, (size_t)c->bucket_min_elems);
         zero_model_layout(z, &c->model, &buffers);
         model_create_sized(&model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), &buffers,
                            zero_grads_elems(z));

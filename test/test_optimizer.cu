@@ -920,7 +920,7 @@ static void test_sharded_checkpoint(OptimizerStateKind kind) {
     unsigned char *one_bytes = read_file(one, &one_size), *whole_state = download_state(&whole);
     ZeroPlan *plan = (ZeroPlan *)host_alloc(sizeof(ZeroPlan));
     for (int ranks = 2; ranks <= 3; ranks++) {
-        zero_plan_init(plan, &layout, ranks, 1);
+        zero_plan_init(plan, &layout, ranks, 1, 1);  // a bucket per layer
         AdamW shards[3];
         size_t bad = 0;
         for (int r = 0; r < ranks; r++) {

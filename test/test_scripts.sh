@@ -703,7 +703,7 @@ check "reproduce_curves.sh run with an unknown name prints its usage, exit 2" \
 # reduce-scatter and an all-gather per bucket, 3 and 3, and 3 all-reduces (the loss and gradient
 # norm, the E4M3 scale table's max, the norm table's sum; param_gather = bf16: the first only).
 # Stage 2 with 2 accumulation steps reduce-scatters every micro-batch: 6. Stage 0 all-reduces each
-# bucket, and the loss and norm: 4.
+# bucket, and the loss and norm: 4. bucket_min_elems = 1 keeps a bucket per layer: 4 buckets.
 if [ -x ./train_llama ]; then
     calls_line() {  # calls_line WORLD STAGE [ARGS...]: "reduce-scatters all-gathers all-reduces" from dry_run
         local world=$1 stage=$2; shift 2
@@ -712,7 +712,7 @@ if [ -x ./train_llama ]; then
             sed -n 's/^collective calls per step: \([0-9]*\) reduce-scatters.*, \([0-9]*\) all-gathers.*, \([0-9]*\) all-reduces.*/\1 \2 \3/p'
     }
     for case in "2 1 3 3 3" "4 1 3 3 3" "512 1 3 3 3" "2 1 3 3 1 --param_gather=bf16" "4 1 3 3 1 --param_gather=bf16" \
-                "2 2 6 3 3 --total_batch_tokens=256" "4 0 0 0 4"; do
+                "2 2 6 3 3 --total_batch_tokens=256" "4 0 0 0 4" "8 1 4 4 3 --bucket_min_elems=1"; do
         # shellcheck disable=SC2086
         set -- $case
         world=$1 stage=$2 expected="$3 $4 $5"; shift 5

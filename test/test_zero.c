@@ -11,6 +11,8 @@
 #include "../coat/zero.h"
 #include "check.h"
 
+#define BUCKET_MIN ((size_t)33554432)  // the config's default bucket_min_elems
+
 static ModelShape shape_of(int vocab, int dim, int layers, int heads, int kv_heads, int ffn) {
     ModelShape s;
     memset(&s, 0, sizeof(s));
@@ -20,13 +22,13 @@ static ModelShape shape_of(int vocab, int dim, int layers, int heads, int kv_hea
 }
 
 // Buckets are runs of segments that tile the parameter order at tensor boundaries, merged only
-// while smaller than ZERO_BUCKET_MIN_ELEMS; each is padded to `shards` equal parts of a multiple of
+// while smaller than `min` elements; each is padded to `shards` equal parts of a multiple of
 // 128, placed back to back in the device buffers and in each rank's state; the ranks' parts of a
 // bucket tile it in rank order; every tensor lies in its segment's bucket at the place
 // zero_place_segments gives it.
-static int check_plan(const char *name, const ParamLayout *layout, int ranks, int stage) {
+static int check_plan(const char *name, const ParamLayout *layout, int ranks, int stage, size_t min) {
     static ZeroPlan z;
-    zero_plan_init(&z, layout, ranks, stage);
+    zero_plan_init(&z, layout, ranks, stage, min);
     int shards = stage >= 1 ? ranks : 1, L = layout->shape.n_layers, ok = z.shards == shards && z.segments == L + 2;
     size_t at = 0, state_at = 0, largest = 0;
     for (int b = 0; b < z.buckets; b++) {
@@ -38,7 +40,7 @@ static int check_plan(const char *name, const ParamLayout *layout, int ranks, in
               r->end == param_segment_end(layout, z.first_segment[b]);
         if (z.last_segment[b] > z.first_segment[b])  // merged: layers only, and without its last segment still small
             ok &= zero_bucket_is_layers(&z, b) &&
-                  param_segment_end(layout, z.first_segment[b]) - param_segment_begin(layout, z.last_segment[b] - 1) < ZERO_BUCKET_MIN_ELEMS;
+                  param_segment_end(layout, z.first_segment[b]) - param_segment_begin(layout, z.last_segment[b] - 1) < min;
         for (int s = z.first_segment[b]; s <= z.last_segment[b]; s++) ok &= z.bucket_of[s] == b;
         size_t next = r->begin;
         for (int rank = 0; rank < shards; rank++) {
@@ -72,9 +74,9 @@ static int check_plan(const char *name, const ParamLayout *layout, int ranks, in
 // rank's part, at one place of the device buffers and of that rank's state; each rank's parts
 // fill its state [0, shard_elems) exactly once (the padding included); and a checkpoint's order
 // (bucket by bucket, rank by rank: what rank 0 writes) is the parameter order.
-static int check_parts_exactly_once(const ParamLayout *layout, int ranks) {
+static int check_parts_exactly_once(const ParamLayout *layout, int ranks, size_t min) {
     static ZeroPlan z;
-    zero_plan_init(&z, layout, ranks, 1);
+    zero_plan_init(&z, layout, ranks, 1, min);
     unsigned char *owner_count = calloc(layout->total_padded, 1), *buffer_count = calloc(z.buffer_elems, 1),
                   *state_count = calloc((size_t)ranks * z.shard_elems, 1);
     int ok = owner_count && buffer_count && state_count;
@@ -129,15 +131,19 @@ static void test_tiling(void) {
         param_layout_init(&layout, &shapes[s].shape);
         int all = 1, count = (int)(sizeof(world_sizes) / sizeof(world_sizes[0]));
         for (int w = 0; w < count; w++)
-            for (int stage = 0; stage <= 2; stage++) all &= check_plan(shapes[s].name, &layout, world_sizes[w], stage);
+            for (int stage = 0; stage <= 2; stage++)
+                for (int m = 0; m < 2; m++)  // a bucket per layer; the default
+                    all &= check_plan(shapes[s].name, &layout, world_sizes[w], stage, m == 0 ? 1 : BUCKET_MIN);
         check(all, "%s: buckets tile the parameter order, each rank owns an equal part (a multiple of 128) of each, "
-                   "placed back to back, for %d world sizes (1 to 4096) x 3 stages", shapes[s].name, count);
+                   "placed back to back, for %d world sizes (1 to 4096) x 3 stages x a bucket per layer or merged",
+              shapes[s].name, count);
     }
     for (size_t s = 0; s < 2; s++) {  // the small shapes, element by element
         ParamLayout layout;
         param_layout_init(&layout, &shapes[s].shape);
         int all = 1;
-        for (int ranks = 1; ranks <= 17; ranks++) all &= check_parts_exactly_once(&layout, ranks);
+        for (int ranks = 1; ranks <= 17; ranks++)
+            all &= check_parts_exactly_once(&layout, ranks, 1) && check_parts_exactly_once(&layout, ranks, BUCKET_MIN);
         check(all, "%s, 1 to 17 ranks: every element in one rank's part, every place of the buffers and the ranks' states "
                    "once, a checkpoint's order (bucket by bucket, rank by rank) the parameter order", shapes[s].name);
     }
@@ -146,7 +152,7 @@ static void test_tiling(void) {
     ModelShape shape = shape_of(512, 64, 2, 4, 2, 128);
     param_layout_init(&tiny, &shape);
     static ZeroPlan z;
-    zero_plan_init(&z, &tiny, 4096, 1);
+    zero_plan_init(&z, &tiny, 4096, 1, BUCKET_MIN);
     ZeroRange last = zero_owned(&z, 0, 4095);
     check(z.bucket[0].part == 128 && last.begin == last.end && z.shard_elems == (size_t)z.buckets * 128,
           "tiny over 4096 ranks: parts of one group (%zu elements) in each of %d buckets, the last ranks own only padding",
@@ -180,7 +186,7 @@ static void test_linear_weight_parts(void) {
                 ok &= named.begin == range.begin && named.end == range.end && elems == in[i] * out[i];
                 ok &= range.begin % 128 == 0 && range.end % 128 == 0;
                 for (size_t w = 0; w < sizeof(world_sizes) / sizeof(world_sizes[0]); w++) {
-                    zero_plan_init(&z, &layout, world_sizes[w], 1);
+                    zero_plan_init(&z, &layout, world_sizes[w], 1, BUCKET_MIN);
                     int b = z.bucket_of[layout.shape.n_layers - l];
                     ok &= zero_bucket_is_layers(&z, b);
                     for (int r = 0; r < world_sizes[w]; r++) {
@@ -203,9 +209,9 @@ static void test_buckets(void) {
     param_layout_init(&b, &seven);
     param_layout_init(&c, &small);
     static ZeroPlan za, zb, zc;
-    zero_plan_init(&za, &a, 8, 2);
-    zero_plan_init(&zb, &b, 8, 2);
-    zero_plan_init(&zc, &c, 8, 2);
+    zero_plan_init(&za, &a, 8, 2, BUCKET_MIN);
+    zero_plan_init(&zb, &b, 8, 2, BUCKET_MIN);
+    zero_plan_init(&zc, &c, 8, 2, BUCKET_MIN);
     const ParamShardRange *tail = &za.bucket[za.buckets - 1];
     check(za.buckets == 18 && za.largest_bucket_elems == 8 * tail->part && tail->end - tail->begin == a.padded[PARAM_FINAL_NORM] + a.padded[PARAM_LM_HEAD],
           "llama-1b: 18 buckets (a layer of %zu elements each), the largest the lm_head with the final norm (%zu elements padded)",
@@ -216,6 +222,8 @@ static void test_buckets(void) {
     for (int i = 0; i < zc.buckets; i++) merged += zc.last_segment[i] > zc.first_segment[i];
     check(zc.buckets < 14 && merged > 0, "llama-125m: its small layers (%zu elements) merged, %d buckets for 12 layers",
           c.layer_stride, zc.buckets);
+    zero_plan_init(&zc, &c, 8, 2, 1);
+    check(zc.buckets == 14, "llama-125m, bucket_min_elems 1: a bucket per layer, the tail and the embedding (%d)", zc.buckets);
 }
 
 // The collective calls of a step: a bucket's count plus a constant, at any world size.
@@ -228,14 +236,14 @@ static void test_calls(void) {
     int world_sizes[] = {2, 8, 64, 512, 4096};
     for (size_t w = 0; w < sizeof(world_sizes) / sizeof(world_sizes[0]); w++) {
         for (int stage = 0; stage <= 2; stage++) {
-            zero_plan_init(&z, &layout, world_sizes[w], stage);
+            zero_plan_init(&z, &layout, world_sizes[w], stage, BUCKET_MIN);
             ZeroCalls bf16 = zero_calls(&z, 4, 0), e4m3 = zero_calls(&z, 4, 1);
             if (stage == 0) ok &= bf16.all_reduces == 35 && bf16.reduce_scatters == 0 && bf16.all_gathers == 0;
             if (stage >= 1) ok &= bf16.reduce_scatters == (stage == 2 ? 4 * 34 : 34) && bf16.all_gathers == 34 &&
                                   bf16.all_reduces == 1 && e4m3.all_gathers == 34 && e4m3.all_reduces == 3;
         }
     }
-    zero_plan_init(&z, &layout, 1, 0);
+    zero_plan_init(&z, &layout, 1, 0, BUCKET_MIN);
     ZeroCalls one = zero_calls(&z, 4, 1);
     ok &= one.all_reduces == 0 && one.reduce_scatters == 0 && one.all_gathers == 0;
     check(ok, "llama2-7b, 2 to 4096 ranks: 34 reduce-scatters (x micro-batches at stage 2) and 34 all-gathers a step, 1 "
@@ -290,9 +298,9 @@ static void test_traffic(void) {
     param_layout_init(&layout, &shape);
     for (int W = 2; W <= 8; W++) {
         static ZeroPlan z0, z1, z2;
-        zero_plan_init(&z0, &layout, W, 0);
-        zero_plan_init(&z1, &layout, W, 1);
-        zero_plan_init(&z2, &layout, W, 2);
+        zero_plan_init(&z0, &layout, W, 0, BUCKET_MIN);
+        zero_plan_init(&z1, &layout, W, 1, BUCKET_MIN);
+        zero_plan_init(&z2, &layout, W, 2, BUCKET_MIN);
         // The simulation moves chunks of k values; per element of the vector a rank sends sent / (W k).
         size_t k = 3, all_reduce = ring_all_reduce(W, k, 0, 0), scatter = ring_all_reduce(W, k, 0, 1),
                gather = ring_all_reduce(W, k, 1, 0);
@@ -315,7 +323,7 @@ static void test_traffic(void) {
               W, per_element_all_reduce, per_element_scatter, per_element_gather);
     }
     static ZeroPlan single;
-    zero_plan_init(&single, &layout, 1, 2);
+    zero_plan_init(&single, &layout, 1, 2, BUCKET_MIN);
     ZeroTraffic none = zero_traffic(&single, &layout, 8, 1);
     check(none.gradient_bytes == 0.0 && none.parameter_bytes == 0.0, "one rank sends nothing");
 }
@@ -343,7 +351,7 @@ static void test_memory(void) {
         c.zero_stage = cases[i].stage;
         memory_plan_compute(&plan, &c, cases[i].ranks, 1);
         static ZeroPlan z;
-        zero_plan_init(&z, &layout, cases[i].ranks, cases[i].ranks > 1 ? cases[i].stage : 0);
+        zero_plan_init(&z, &layout, cases[i].ranks, cases[i].ranks > 1 ? cases[i].stage : 0, BUCKET_MIN);
         double buckets = cases[i].stage == 2 ? 4.0 * z.largest_bucket_elems / plan.params_padded : 0.0;
         double per_param = (double)(plan.params_bytes + plan.grads_bytes + plan.master_bytes + plan.states_bytes) / plan.params_padded;
         check(fabs(per_param - cases[i].expected - buckets) < 0.01,
