@@ -141,8 +141,8 @@ $(BUILD)/comm_ranks: test/comm_ranks.c coat/comm.h coat/rendezvous.h
 $(BUILD)/comm_ranks_single: test/comm_ranks.c coat/comm.h coat/rendezvous.h
 	@mkdir -p $(BUILD)
 	$(CC) $(CFLAGS) $< -o $@
-# ... and zero_ranks, which test/test_zero_gpu.sh launches: coat/zero.cuh on GPU buffers.
-$(BUILD)/zero_ranks: test/zero_ranks.cu coat/zero.cuh coat/comm.h coat/rendezvous.h coat/common.cuh
+# ... and zero_ranks, which test/test_zero_gpu.sh launches: coat/collectives.cuh's backends on GPU buffers.
+$(BUILD)/zero_ranks: test/zero_ranks.cu $(COAT_HEADERS)
 	@mkdir -p $(BUILD)
 	$(NVCC) $(NVCCFLAGS) $< -o $@ $(NVCC_LIBS)
 

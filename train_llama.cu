@@ -105,15 +105,7 @@ typedef struct {
     ConfigParser *parser;
     const TrainConfig *c;
     const Comm *comm;             // the ranks
-    ZeroComm zero;                // their collectives (world > 1)
-    ZeroPlan sharding;            // stage 0: every rank steps the whole optimizer state; 1, 2: its shard (coat/zero.h)
-    BucketHooks buckets;          // world > 1: each bucket's reduce starts when backward has done it
-    cudaEvent_t *params_gathered; // stages 1, 2: per bucket, its gather after the step is done
-    unsigned char *gathering;     // per bucket: the forward has yet to wait for its gather
-    int last_micro_batch;         // stages 0 and 1 reduce in the last micro-batch of a step only
-    float *grad_sum;              // stage 2: the FP32 sum of the rank's shard over the micro-batches
-    int e4m3_gather;              // stages 1, 2 with FP8 GEMMs: the block weights are gathered as E4M3 codes
-    cudaEvent_t bucket_free[2];   // stage 2: a bucket buffer's reduce is done
+    Zero zero;                    // data parallelism (coat/zero.cuh): the plan, its collectives and buffers
     unsigned char *host_chunk;    // 2 x ADAMW_COPY_CHUNK_BYTES: checkpoints pass through it
     GpuContext gpu;
     LlamaModel model;
@@ -565,7 +557,7 @@ static void validate_start_checkpoint(const ConfigParser *parser, const Dataload
     printf("%s: checkpoint of step %lld%s\n", path, h.step, h.version == CHECKPOINT_VERSION ? ", every section's checksum right" : "");
 }
 
-// The ranks' launch against comm_backend: what zero_comm_init refuses once the GPU is allocated.
+// The ranks' launch against comm_backend: what zero_attach refuses once the GPU is allocated.
 static void check_launch(const ConfigParser *parser, int ranks, LaunchKind launch) {
     const TrainConfig *c = &parser->values;
     if (ranks <= 1) return;
@@ -701,7 +693,7 @@ static int dry_run(const ConfigParser *parser, int ranks, LaunchKind launch) {
     ParamLayout layout;
     param_layout_init(&layout, &c->model);
     ZeroPlan zero;
-    zero_plan_init(&zero, &layout, ranks, c->zero_stage);
+    zero_plan_init(&zero, &layout, ranks, c->zero_stage, (size_t)c->bucket_min_elems);
     zero_print(stdout, &zero, &layout, grad_accum, config_fp8_gemms(c), config_param_gather(c) == GATHER_E4M3);
     print_activation_table(c);
     if (c->gpu_memory_gib > 0) {
@@ -718,75 +710,7 @@ static int dry_run(const ConfigParser *parser, int ranks, LaunchKind launch) {
 
 // ---- training --------------------------------------------------------------------------
 
-// ZeRO stages 1 and 2 gather the parameters after the optimizer step on the collectives' stream,
-// a bucket at a time (each owner's parts broadcast from it) in the order the next forward reads
-// them: the embedding, the layers from the first, the final norm with the lm_head. The forward
-// waits for each bucket just before it reads it (params_ready), so the gather overlaps the forward.
-// The E4M3 gather (param_gather): the block's linear weights travel as the codes the FP8 GEMMs
-// read (a byte per element instead of two), cast by their owners with each weight's amax over
-// all ranks, so every rank ends with the codes and scales of model_cast_weights, bit for bit
-// (each layer's transposes are written once its bucket is here); the embedding, the norms and
-// the lm_head travel in BF16. The BF16 copies of the block weights then go stale on the ranks
-// that do not own them: with FP8 GEMMs nothing reads them (checkpoints come from the master weights).
-static void gather_bucket(Trainer *t, int bucket) {
-    LlamaModel *m = &t->model;
-    const ParamLayout *layout = &m->layout;
-    ZeroRange range = zero_bucket(layout, bucket);
-    int L = layout->shape.n_layers, layer = L - bucket;
-    if (!t->e4m3_gather || bucket == 0 || bucket == L + 1) {
-        zero_broadcast_parts(&t->zero, &t->sharding, m->params + range.begin, 2, range, t->gpu.stream);
-        return;
-    }
-    for (int i = 0; i < LINEARS; i++)
-        zero_broadcast_parts(&t->zero, &t->sharding, linear_fp8_weight(m, layer, (Linear)i, 0), 1,
-                             linear_weight_range(m, layer, (Linear)i), t->gpu.stream);
-    ParamKind norms[2] = {PARAM_ATTN_NORM, PARAM_MLP_NORM};
-    for (int k = 0; k < 2; k++) {
-        ZeroRange norm = zero_tensor_range(layout, norms[k], layer);
-        zero_broadcast_parts(&t->zero, &t->sharding, m->params + norm.begin, 2, norm, t->gpu.stream);
-    }
-}
-
-// After the optimizer wrote its shard of the BF16 parameters: every rank gets all of them.
-static void gather_params(Trainer *t) {
-    LlamaModel *m = &t->model;
-    if (t->sharding.stage == 0 || t->comm->world == 1) {
-        model_weights_changed(m);
-        return;
-    }
-    cudaStream_t s = t->gpu.stream;
-    if (t->e4m3_gather) {
-        ZeroRange mine = zero_shard(&t->sharding, t->comm->rank);
-        model_weights_amax_part(m, mine, s);
-        // The whole scale table: the activations' and gradients' entries, reset by every forward, ride along.
-        zero_all_reduce_max_f32(&t->zero, (float *)m->fp8_scales, m->working_layout.fp8_scales_bytes / sizeof(float), s);
-        zero_comm_join(&t->zero, s);
-        model_cast_weights_part(m, mine, s);
-    }
-    int buckets = t->sharding.buckets;
-    for (int i = 0; i < buckets; i++) {
-        int bucket = buckets - 1 - i;  // zero_bucket numbers them in backward's order
-        gather_bucket(t, bucket);
-        cudaCheck(cudaEventRecord(t->params_gathered[bucket], t->zero.stream));
-        t->gathering[bucket] = 1;
-    }
-    if (t->e4m3_gather) m->fp8_weights_current = 1;  // the codes, once params_ready has waited for them
-    else model_weights_changed(m);
-}
-
-// The forward's hook before it reads a bucket's parameters: the compute stream waits for their
-// gather (once per gather), and with the E4M3 gather a layer's transposes follow.
-static void params_ready(void *context, int bucket) {
-    Trainer *t = (Trainer *)context;
-    if (!t->gathering[bucket]) return;
-    t->gathering[bucket] = 0;
-    cudaCheck(cudaStreamWaitEvent(t->gpu.stream, t->params_gathered[bucket], 0));
-    int L = t->model.shape.n_layers;
-    if (t->e4m3_gather && bucket >= 1 && bucket <= L) model_transpose_layer_weights(&t->model, L - bucket, t->gpu.stream);
-    op_timer_mark(t->model.timer, "parameter gather: waiting for a bucket (+ its E4M3 transposes)", t->gpu.stream);
-}
-
-// Reads a checkpoint's weights (this rank's shard of them) into the optimizer's master copy and
+// Reads a checkpoint's weights (this rank's parts of them) into the optimizer's master copy and
 // the BF16 parameters; with `resume`, also the optimizer and trainer state. Every rank reads its
 // own parts of the file.
 static void load_checkpoint(Trainer *t, const char *path, int resume) {
@@ -796,7 +720,7 @@ static void load_checkpoint(Trainer *t, const char *path, int resume) {
     long weights = ftell(f);
     adamw_read_section(&t->opt, 0, f, weights, path, t->host_chunk, t->gpu.stream);
     adamw_write_params(&t->opt, t->model.params, t->gpu.stream);
-    gather_params(t);
+    zero_gather_params(&t->zero);
     if (resume) {
         if (fseek(f, weights + (long)(4 * h.total_padded), SEEK_SET) != 0) fail("cannot seek past the checkpoint's weights");
         adamw_load(&t->opt, f, path, t->host_chunk, t->gpu.stream);
@@ -822,14 +746,15 @@ static void load_checkpoint(Trainer *t, const char *path, int resume) {
 // gradient buffer, idle between steps.
 static void gather_chunk(void *context, const void *device, void *host, size_t bytes, int from) {
     Trainer *t = (Trainer *)context;
-    zero_gather_to_root(&t->zero, device, host, bytes, from, t->host_chunk + ADAMW_COPY_CHUNK_BYTES, t->model.grads);
+    collectives_gather_to_root(&t->zero.collectives, device, host, bytes, from, t->host_chunk + ADAMW_COPY_CHUNK_BYTES,
+                               t->model.grads);
 }
 
-// Rank 0 writes the checkpoint; with sharded states every rank sends it its shards (streamed,
-// a chunk at a time) and the file is the one a single rank would write.
+// Rank 0 writes the checkpoint; with sharded states every rank sends it its parts (streamed, a
+// chunk at a time, in the parameter order) and the file is the one a single rank would write.
 static void save_checkpoint(Trainer *t) {
     const TrainConfig *c = t->c;
-    int rank = t->comm->rank, sharded = t->sharding.stage >= 1 && t->comm->world > 1;
+    int rank = t->comm->rank, sharded = t->zero.plan.shards > 1;
     if (!sharded && rank != 0) return;
     int ranks = sharded ? t->comm->world : 1;
     AdamWGather gather = sharded ? gather_chunk : adamw_gather_copy;
@@ -894,10 +819,11 @@ static float validation_loss(Trainer *t) {
         model_forward(&t->gpu, &t->model, 0, 0.0f);
         classifier_mean_loss(&t->gpu, t->model.mean_loss, t->model.losses, N);
         cudaCheck(cudaMemcpyAsync(t->host_scalar, t->model.mean_loss, sizeof(float), cudaMemcpyDeviceToHost, t->gpu.stream));
-        zero_wait_stream(&t->zero, t->gpu.stream, "a validation batch and the parameter gather before it");
+        collectives_wait_stream(&t->zero.collectives, t->gpu.stream, "a validation batch and the parameter gather before it");
         total += *t->host_scalar;
     }
-    if (t->comm->world > 1) zero_all_reduce_sum_f64(&t->zero, &total, 1, t->gpu.stream, "the validation loss's all-reduce");
+    if (t->comm->world > 1)
+        collectives_all_reduce_sum_f64(&t->zero.collectives, &total, 1, t->gpu.stream, "the validation loss's all-reduce");
     return (float)(total / t->val_batches);
 }
 
@@ -952,7 +878,7 @@ static void sequence_logits(Trainer *t, const uint32_t *ids, int count, int firs
         cudaCheck(cudaMemcpyAsync(host_logits + (size_t)(row - first) * stride, m->kernel_scratch,
                                   (size_t)rows * stride * sizeof(float), cudaMemcpyDeviceToHost, t->gpu.stream));
     }
-    zero_wait_stream(&t->zero, t->gpu.stream, "a sample's forward and the parameter gather before it");
+    collectives_wait_stream(&t->zero.collectives, t->gpu.stream, "a sample's forward and the parameter gather before it");
 }
 
 // logits_out: the prompt's tokens and the logits at every position, for comparisons with other
@@ -1021,46 +947,19 @@ static void print_sample(Trainer *t) {
     free(order);
 }
 
-// The bucket hooks of data-parallel backward (coat/model.cuh's BucketHooks): each bucket is
-// reduced as soon as backward has finished it, on the collectives' stream while backward goes
-// on. Stage 0: all-reduced in place, stage 1: reduced to the owners of its parts in place (both
-// in the step's last micro-batch: the others accumulate in BF16 as on one rank); stage 2: every
-// micro-batch, from the bucket's buffer into the owners' FP32 sums, the buffer zeroed for its
-// next bucket once that reduce is done.
-static void bucket_begin(void *context, int bucket) {
-    Trainer *t = (Trainer *)context;
-    if (t->sharding.stage != 2) return;
-    ZeroRange range = zero_bucket(&t->model.layout, bucket);
-    cudaCheck(cudaStreamWaitEvent(t->gpu.stream, t->bucket_free[bucket % 2], 0));
-    cudaCheck(cudaMemsetAsync(t->model.grads + (size_t)(bucket % 2) * t->buckets.bucket_elems, 0, 2 * (range.end - range.begin),
-                              t->gpu.stream));
-}
-
-static void bucket_end(void *context, int bucket) {
-    Trainer *t = (Trainer *)context;
-    ZeroRange range = zero_bucket(&t->model.layout, bucket);
-    int stage = t->sharding.stage;
-    if (stage == 2)
-        zero_reduce_bucket(&t->zero, &t->sharding, t->model.grads + (size_t)(bucket % 2) * t->buckets.bucket_elems, range,
-                           t->grad_sum, t->bucket_free[bucket % 2], t->gpu.stream);
-    else if (t->last_micro_batch && stage == 1)
-        zero_reduce_bucket(&t->zero, &t->sharding, t->model.grads + range.begin, range, NULL, NULL, t->gpu.stream);
-    else if (t->last_micro_batch)
-        zero_all_reduce_bf16(&t->zero, t->model.grads + range.begin, range.end - range.begin, t->gpu.stream);
-}
-
 // Each rank's device buffers, all allocated by now (the sizes given to cudaMalloc), against its
 // memory plan: a rank whose allocation differs says so, and rank 0 prints the count over all ranks.
 static void report_allocation(Trainer *t) {
     MemoryPlan plan;
     memory_plan_compute(&plan, t->c, t->comm->world, t->c->micro_batch_size);
     size_t allocated = model_allocated_bytes(&t->model) + adamw_allocated_bytes(&t->opt) + t->gpu.cublaslt_workspace_bytes +
-                       (t->grad_sum ? 4 * t->sharding.shard_elems : 0) + (t->comm->world > 1 ? ZERO_SCALAR_BYTES : 0);
+                       t->zero.allocated_bytes;
     double differ = allocated != plan.total_bytes;
     if (differ)
         fprintf(stderr, "warning: rank %d allocated %zu bytes on the GPU, its memory plan %zu\n", t->comm->rank, allocated,
                 plan.total_bytes);
-    if (t->comm->world > 1) zero_all_reduce_sum_f64(&t->zero, &differ, 1, t->gpu.stream, "the memory plan check's all-reduce");
+    if (t->comm->world > 1)
+        collectives_all_reduce_sum_f64(&t->zero.collectives, &differ, 1, t->gpu.stream, "the memory plan check's all-reduce");
     if (t->comm->rank != 0) return;
     if (differ == 0) printf("GPU memory allocated: %.3f GiB per rank, each rank's plan byte for byte\n", gib(allocated));
     else printf("GPU memory allocated: %.3f GiB on rank 0, %d rank(s) differ from their plan\n", gib(allocated), (int)differ);
@@ -1081,32 +980,19 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
 
     ParamLayout layout;
     param_layout_init(&layout, &c->model);
-    zero_plan_init(&t->sharding, &layout, ranks, ranks > 1 ? c->zero_stage : 0);
-    ZeroPlan *z = &t->sharding;
-    model_create_sized(&t->model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), z->padded_elems,
-                       z->stage == 2 ? 2 * z->largest_bucket_elems : z->padded_elems);
-    if (ranks > 1) {
-        t->buckets.bucket_elems = z->stage == 2 ? z->largest_bucket_elems : 0;
-        t->buckets.begin = bucket_begin;
-        t->buckets.end = bucket_end;
-        t->buckets.ready = z->stage >= 1 ? params_ready : NULL;
-        t->buckets.context = t;
-        if (z->stage >= 1) {
-            t->params_gathered = (cudaEvent_t *)malloc(z->buckets * sizeof(cudaEvent_t));
-            t->gathering = (unsigned char *)calloc(z->buckets, 1);
-            if (!t->params_gathered || !t->gathering) fail("out of host memory for the gather's events");
-            for (int b = 0; b < z->buckets; b++) cudaCheck(cudaEventCreateWithFlags(&t->params_gathered[b], cudaEventDisableTiming));
-        }
-        t->model.buckets = &t->buckets;
-    }
-    t->e4m3_gather = z->stage >= 1 && t->model.precision.fp8_gemms && config_param_gather(c) == GATHER_E4M3;
-    if (z->stage == 2) {
-        t->grad_sum = (float *)gpu_alloc(4 * z->shard_elems, "the gradient shard (fp32)");
-        for (int i = 0; i < 2; i++) cudaCheck(cudaEventCreateWithFlags(&t->bucket_free[i], cudaEventDisableTiming));
-    }
-    if (ranks > 1 && zero_comm_init(&t->zero, comm, c->comm_backend == COMM_MPI ? ZERO_BACKEND_MPI : ZERO_BACKEND_NCCL,
-                                    z->padded_elems, c->collective_timeout_s, error, sizeof(error)) != 0)
+    ZeroPlan *plan = (ZeroPlan *)malloc(sizeof(ZeroPlan));
+    if (!plan) fail("out of host memory for the ZeRO plan");
+    zero_plan_init(plan, &layout, ranks, ranks > 1 ? c->zero_stage : 0, (size_t)c->bucket_min_elems);
+    ParamLayout buffers;
+    zero_model_layout(plan, &c->model, &buffers);
+    model_create_sized(&t->model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), &buffers,
+                       zero_grads_elems(plan));
+    int e4m3_gather = plan->stage >= 1 && t->model.precision.fp8_gemms && config_param_gather(c) == GATHER_E4M3;
+    CollectivesBackend backend = c->comm_backend == COMM_MPI ? COLLECTIVES_MPI : COLLECTIVES_NCCL;
+    if (zero_attach(&t->zero, plan, comm, &t->model, t->gpu.stream, backend, e4m3_gather, c->collective_timeout_s, error,
+                    sizeof(error)) != 0)
         fail_config(parser, "comm_backend", error);
+    free(plan);
     t->host_chunk = (unsigned char *)malloc(2 * ADAMW_COPY_CHUNK_BYTES);
     if (!t->host_chunk) fail("out of host memory for the checkpoint buffer");
     AdamWConfig ac;
@@ -1116,10 +1002,8 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     ac.weight_decay = c->weight_decay;
     ac.weight_decay_all = c->weight_decay_all;
     ac.stochastic_rounding = c->optimizer_rounding;
-    ZeroRange shard = {0, layout.total_padded};
-    if (z->stage >= 1) shard = zero_shard(z, comm->rank);
-    adamw_create(&t->opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &layout, shard.begin, shard.end,
-                 t->gpu.stream);
+    adamw_create_ranges(&t->opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &layout, t->zero.plan.bucket,
+                        t->zero.plan.buckets, zero_optimizer_rank(&t->zero), t->gpu.stream);
     report_allocation(t);
     if (!c->generate) open_loader_rank(&t->train_loader, parser, "train_data", training_order(c), comm->rank, ranks);
     t->have_val = c->val_data[0] != '\0' && !c->generate;
@@ -1148,7 +1032,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     } else {
         adamw_init_master(&t->opt, &t->model.layout, c->seed, t->gpu.stream);
         adamw_write_params(&t->opt, t->model.params, t->gpu.stream);
-        gather_params(t);
+        zero_gather_params(&t->zero);
     }
 }
 
@@ -1161,16 +1045,7 @@ static void trainer_free(Trainer *t) {
     if (t->have_val) dataloader_close(&t->val_loader);
     if (t->tokenizer) tokenizer_free(t->tokenizer);
     adamw_free(&t->opt);
-    if (t->grad_sum) {
-        cudaCheck(cudaFree(t->grad_sum));
-        for (int i = 0; i < 2; i++) cudaCheck(cudaEventDestroy(t->bucket_free[i]));
-    }
-    if (t->comm->world > 1) zero_comm_free(&t->zero);
-    if (t->params_gathered) {
-        for (int b = 0; b < t->sharding.buckets; b++) cudaCheck(cudaEventDestroy(t->params_gathered[b]));
-        free(t->params_gathered);
-        free(t->gathering);
-    }
+    zero_free(&t->zero);
     op_timer_destroy(t->timer);
     model_free(&t->model);
     gpu_context_destroy(&t->gpu);
@@ -1188,47 +1063,45 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
     double loss_sum = 0.0;
     m->timer = t->timer;
     op_timer_mark(m->timer, NULL, s);
-    const ZeroPlan *z = &t->sharding;
+    Zero *z = &t->zero;
     long long step = t->state.step + 1;
-    char what[96];  // the waits that may include collectives, named for the watchdog (coat/zero.cuh)
-    if (z->stage == 2) cudaCheck(cudaMemsetAsync(t->grad_sum, 0, 4 * z->shard_elems, s));
-    else cudaCheck(cudaMemsetAsync(m->grads, 0, 2 * m->grads_elems, s));
+    char what[96];  // the waits that may include collectives, named for the watchdog (coat/collectives.cuh)
+    zero_step_begin(z);
     op_timer_mark(m->timer, "zero gradients", s);
     for (int micro = 0; micro < t->grad_accum; micro++) {
         load_batch(t, &t->train_loader);
         op_timer_mark(m->timer, "batch upload (after the host's wait)", s);
-        t->last_micro_batch = micro == t->grad_accum - 1;
+        zero_micro_batch(z, micro == t->grad_accum - 1);
         model_forward(&t->gpu, m, 1, 1.0f / ((float)N * t->grad_accum * t->comm->world));
         model_backward(&t->gpu, m);
         classifier_mean_loss(&t->gpu, m->mean_loss, m->losses, N);
         op_timer_mark(m->timer, "mean loss", s);
         cudaCheck(cudaMemcpyAsync(t->host_scalar, m->mean_loss, sizeof(float), cudaMemcpyDeviceToHost, s));
         snprintf(what, sizeof(what), "micro-batch %d of step %lld and its collectives", micro + 1, step);
-        zero_wait_stream(&t->zero, s, what);
+        collectives_wait_stream(&t->zero.collectives, s, what);
         loss_sum += *t->host_scalar;
     }
-    // Once the buckets' reduces are done (bucket_end), stage 0: every rank holds the gradient of
-    // the whole global batch; stage 1: its shard of it, in place (the rest of the buffer is not
-    // read); stage 2: its shard's FP32 sum.
-    int ranks = t->comm->world, sharded = z->stage >= 1 && ranks > 1;
-    bf16 *grads = z->stage == 1 && ranks > 1 ? m->grads + t->opt.shard_begin : m->grads;  // stage 2: t->grad_sum
-    size_t grads_n = sharded ? z->shard_elems : m->layout.total_padded;
+    // Once the buckets' reduces are done, stage 0: every rank holds the gradient of the whole
+    // global batch; stage 1: its parts of it, in its gradient shard; stage 2: their FP32 sum.
+    int ranks = t->comm->world, sharded = z->plan.shards > 1;
+    bf16 *grads = zero_gradient_shard(z);
+    const float *grad_sum = zero_gradient_sum(z);
     if (ranks > 1) {
-        zero_comm_join(&t->zero, s);
+        zero_gradients_done(z);
         op_timer_mark(m->timer, "wait for the gradient reduces", s);
     }
-    if (z->stage == 2) grad_norm_squared(m->grad_norm_squared, t->grad_sum, grads_n, (double *)m->kernel_scratch, s);
-    else grad_norm_squared(m->grad_norm_squared, grads, grads_n, (double *)m->kernel_scratch, s);
+    if (grad_sum) grad_norm_squared(m->grad_norm_squared, grad_sum, t->opt.n, (double *)m->kernel_scratch, s);
+    else grad_norm_squared(m->grad_norm_squared, grads, t->opt.n, (double *)m->kernel_scratch, s);
     op_timer_mark(m->timer, "gradient norm", s);
     cudaCheck(cudaMemcpyAsync(t->host_scalar, m->grad_norm_squared, sizeof(float), cudaMemcpyDeviceToHost, s));
     snprintf(what, sizeof(what), "the gradient reduces of step %lld", step);
-    zero_wait_stream(&t->zero, s, what);
+    collectives_wait_stream(&t->zero.collectives, s, what);
     // The norm: of the shards' sums of squares. The stop votes ride along: every rank ends the
     // step with the same answer, so all stop at one step boundary or none does.
     double sums[3] = {loss_sum, stop_signal != 0 ? 1.0 : 0.0, *t->host_scalar};
     if (ranks > 1) {
         snprintf(what, sizeof(what), "the loss and norm all-reduce of step %lld", step);
-        zero_all_reduce_sum_f64(&t->zero, sums, sharded ? 3 : 2, s, what);
+        collectives_all_reduce_sum_f64(&t->zero.collectives, sums, sharded ? 3 : 2, s, what);
         sums[0] /= ranks;
     }
     t->stop_requested = sums[1] > 0;
@@ -1236,10 +1109,10 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
     float loss = (float)(sums[0] / t->grad_accum);
     if (isfinite(loss) && isfinite(*grad_norm)) {  // the same values on every rank: all step or none
         float scale = t->c->grad_clip > 0 ? grad_clip_factor(*grad_norm, t->c->grad_clip) : 1.0f;
-        if (z->stage == 2) adamw_step_fp32_grads(&t->opt, m->params, t->grad_sum, lr, scale, s);
+        if (grad_sum) adamw_step_fp32_grads(&t->opt, m->params, grad_sum, lr, scale, s);
         else adamw_step(&t->opt, m->params, grads, lr, scale, s);
         op_timer_mark(m->timer, "adamw (after the host's wait)", s);
-        gather_params(t);
+        zero_gather_params(z);
         if (sharded) op_timer_mark(m->timer, "parameter gather (its transfer overlaps the next forward)", s);
     }
     m->timer = NULL;
@@ -1250,13 +1123,13 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
 // its micro-batches, the gradient buffer it zeroes, the part it norms and steps.
 static void profile_speed_of_light(const Trainer *t, SolTable *table) {
     const LlamaModel *m = &t->model;
-    const ZeroPlan *z = &t->sharding;
+    const ZeroPlan *z = &t->zero.plan;
     SolRun run = sol_run_one_gpu(&m->shape, m->B, m->T, t->grad_accum, m->precision.fp8_gemms, m->precision.activations,
                                  t->opt.kind);
-    run.zeroed_grad_bytes = z->stage == 2 ? 4 * z->shard_elems : 2 * m->grads_elems;
+    run.zeroed_grad_bytes = zero_gradient_sum(&t->zero) ? 4 * z->shard_elems : 2 * m->grads_elems;
     run.optimizer_elems = t->opt.n;
     run.fp32_grads = z->stage == 2;
-    run.casts_weights = m->precision.fp8_gemms && !t->e4m3_gather;
+    run.casts_weights = m->precision.fp8_gemms && !t->zero.e4m3_gather;
     speed_of_light_table(table, &run);
 }
 
@@ -1360,7 +1233,7 @@ static int train_loop(Trainer *t, double elapsed_s) {
         float loss = train_step(t, lr, &grad_norm);
         cudaCheck(cudaEventRecord(stop, t->gpu.stream));
         snprintf(what, sizeof(what), "the optimizer of step %lld and the amax all-reduce after it", t->state.step + 1);
-        zero_wait_event(&t->zero, stop, what);
+        collectives_wait_event(&t->zero.collectives, stop, what);
         float ms = 0.0f;
         cudaCheck(cudaEventElapsedTime(&ms, start, stop));
         long long step = ++t->state.step;
@@ -1392,9 +1265,9 @@ static int train_loop(Trainer *t, double elapsed_s) {
 
 // Several ranks train one model, data-parallel: each reads its part of every global batch and
 // the gradients are summed over the ranks. ZeRO stage 0: every rank steps the whole optimizer
-// state; stage 1: each steps its shard of it (coat/zero.h) and the parameters are gathered after
-// the step, under the next forward (gather_params); stage 2: no rank holds the whole gradient
-// either (backward's buckets go to their owners as they are done). Rank 0 alone writes the log,
+// state; stage 1: each steps its part of every bucket (coat/zero.h) and the parameters are gathered
+// after the step, under the next forward (zero_gather_params); stage 2: no rank holds the whole
+// gradient either (backward's buckets are reduce-scattered as they are done). Rank 0 alone writes the log,
 // the samples and the checkpoints (any world size resumes from them).
 static int train(ConfigParser *parser, const Comm *comm) {
     const TrainConfig *c = &parser->values;

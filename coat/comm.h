@@ -22,7 +22,7 @@
 // Collectives (MPI only; the GPU path is NCCL): sums of FP64 and of BF16, the latter rounded to
 // nearest even after every addition as NCCL's reductions are, in the order MPI picks (so a
 // multi-rank sum differs from a one-rank run by BF16 rounding noise); a max of ints; broadcast;
-// the reduce-to-owner of BF16 buffers that ZeRO needs (coat/zero.h); a send and a receive of bytes;
+// the reduce-scatter of BF16 buffers that ZeRO needs (coat/zero.h); a send and a receive of bytes;
 // an all-gather of bytes (the ranks compare their GPUs). Under either launch: a gather of bytes
 // to rank 0 and a broadcast from it (comm_gather0, comm_bcast0: MPI, or the rendezvous channel),
 // on which the ranks' start-up checks run (coat/agree.h).
@@ -339,19 +339,15 @@ static inline void comm_all_reduce_sum_bf16(const Comm *c, uint16_t *data, size_
     }
 }
 
-// data[n] BF16 summed over the ranks into out[n] on rank `root` (ZeRO stage 2: a bucket's part
-// to its owner); out is only written on root.
-static inline void comm_reduce_sum_bf16(const Comm *c, const uint16_t *data, uint16_t *out, size_t n, int root) {
+// data[world * part_n] BF16 summed over the ranks, rank r receiving the sum of elements
+// [r part_n, (r + 1) part_n) in part[part_n] (a gradient bucket's reduce-scatter, coat/zero.h).
+static inline void comm_reduce_scatter_sum_bf16(const Comm *c, const uint16_t *data, uint16_t *part, size_t part_n) {
     if (c->world == 1) {
-        if (out != data) memmove(out, data, 2 * n);
+        if (part != data) memmove(part, data, 2 * part_n);
         return;
     }
-    for (size_t done = 0; done < n; done += COMM_PIECE) {
-        size_t piece = n - done < COMM_PIECE ? n - done : COMM_PIECE;
-        const void *send = c->rank == root && data == out ? MPI_IN_PLACE : (const void *)(data + done);
-        MPI_CHECK(MPI_Reduce(send, c->rank == root ? out + done : NULL, (int)piece, MPI_UINT16_T, comm_bf16_sum_op(),
-                             root, MPI_COMM_WORLD));
-    }
+    int count = comm_int_count(part_n, "comm_reduce_scatter_sum_bf16");
+    MPI_CHECK(MPI_Reduce_scatter_block(data, part, count, MPI_UINT16_T, comm_bf16_sum_op(), MPI_COMM_WORLD));
 }
 
 // n bytes from this rank to rank `to`, and their receipt on `to` (checkpoints: rank 0 gathers
@@ -371,14 +367,16 @@ static inline void comm_recv(const Comm *c, void *bytes, size_t n, int from) {
     }
 }
 
-// Every rank's n bytes of `mine`, in rank order, into all[world * n] on every rank.
+// Every rank's n bytes of `mine`, in rank order, into all[world * n] on every rank; mine may be
+// this rank's place in all (all + rank n: in place, as the parameter gather runs).
 static inline void comm_all_gather(const Comm *c, const void *mine, void *all, size_t n) {
+    int in_place = mine == (const char *)all + (size_t)c->rank * n;
     if (c->world == 1) {
-        memcpy(all, mine, n);
+        if (!in_place) memcpy(all, mine, n);
         return;
     }
     int count = comm_int_count(n, "comm_all_gather");
-    MPI_CHECK(MPI_Allgather(mine, count, MPI_BYTE, all, count, MPI_BYTE, MPI_COMM_WORLD));
+    MPI_CHECK(MPI_Allgather(in_place ? MPI_IN_PLACE : mine, count, MPI_BYTE, all, count, MPI_BYTE, MPI_COMM_WORLD));
 }
 
 static inline void comm_barrier(const Comm *c) {

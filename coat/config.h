@@ -73,6 +73,7 @@ typedef struct {
     char sample_prompt[CONFIG_STRING_MAX];
     // distribution and planning
     int zero_stage;
+    int bucket_min_elems;
     int world_size;
     int comm_backend;  // CommBackendChoice
     float collective_timeout_s;
@@ -164,6 +165,9 @@ static const ConfigKey config_keys[] = {
     {"sample_prompt", KEY_STRING, CFG(sample_prompt), "", 0, 0, NULL, "text the samples continue"},
     // distribution and planning
     {"zero_stage", KEY_INT, CFG(zero_stage), "1", 0, 2, NULL, "ZeRO: 0 replicate, 1 shard optimizer states, 2 also gradients"},
+    {"bucket_min_elems", KEY_INT, CFG(bucket_min_elems), "33554432", 1, INT_MAX, NULL,
+     "data parallelism merges neighbouring layers into one gradient bucket (one reduce-scatter and one all-gather a "
+     "step) until it holds this many parameters; the tail and the embedding stand alone"},
     {"comm_backend", KEY_CHOICE, CFG(comm_backend), "nccl", 0, 0, "nccl|mpi",
      "collectives between ranks: nccl (a GPU per rank) or mpi (through host memory: ranks may share a GPU)"},
     {"param_gather", KEY_CHOICE, CFG(param_gather), "auto", 0, 0, "auto|bf16|e4m3",

@@ -2,7 +2,8 @@
 // gradients, master weights, optimizer states, saved activations and working buffers.
 // dry_run prints it; the trainer allocates exactly these buffers and refuses a micro-batch
 // that does not fit. Bytes per parameter with FP32 states (coat/README.md, Memory per parameter):
-// ZeRO-1 4P + 12P/N, ZeRO-2 2P + 16P/N plus two BF16 bucket buffers.
+// ZeRO-1 4P + 14P/N, ZeRO-2 2P + 16P/N plus two BF16 bucket buffers (coat/zero.h pads each bucket
+// to N equal parts, a few elements more).
 #pragma once
 #include <stdio.h>
 #include "activations.h"
@@ -89,10 +90,10 @@ static inline void working_layout_init(WorkingLayout *w, const ModelShape *m, in
 typedef struct {
     int ranks;
     int micro_batch_size;
-    size_t params_padded;      // elements in the parameter buffer
-    size_t shard_elems;        // elements of that buffer this rank's optimizer owns
+    size_t params_padded;      // elements of the parameter order
+    size_t shard_elems;        // elements this rank's optimizer owns: its parts of the buckets
     size_t params_bytes;       // BF16 working weights
-    size_t grads_bytes;        // gradients (coat/zero.h: BF16, or with ZeRO-2 an FP32 shard and two buckets)
+    size_t grads_bytes;        // gradients (coat/zero.h: BF16, with ZeRO-1 a BF16 shard too, with ZeRO-2 an FP32 shard and two buckets)
     size_t master_bytes;       // FP32 master weights
     size_t states_bytes;       // AdamW m and v
     size_t activations_bytes;  // saved for backward, all layers
@@ -113,16 +114,19 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
     size_t tokens = (size_t)micro_batch_size * (size_t)c->seq_len;
     ActivationsChoice acts = config_activations(c);
     ZeroPlan zero;
-    zero_plan_init(&zero, &layout, ranks, ranks > 1 ? c->zero_stage : 0);
+    zero_plan_init(&zero, &layout, ranks, ranks > 1 ? c->zero_stage : 0, (size_t)c->bucket_min_elems);
 
     plan->ranks = ranks;
     plan->micro_batch_size = micro_batch_size;
     plan->params_padded = layout.total_padded;
     plan->shard_elems = zero.shard_elems;
-    plan->params_bytes = 2 * zero.padded_elems;
+    plan->params_bytes = 2 * zero.buffer_elems;
     // ZeRO-2: the shard's FP32 accumulator and two BF16 buffers of the largest bucket (one fills
-    // while the other is reduced); otherwise the whole BF16 gradient.
-    plan->grads_bytes = zero.stage == 2 ? 4 * zero.shard_elems + 2 * 2 * zero.largest_bucket_elems : 2 * zero.padded_elems;
+    // while the other is reduced); ZeRO-1: the whole BF16 gradient and the rank's BF16 shard of
+    // its sum; otherwise the whole BF16 gradient.
+    plan->grads_bytes = zero.stage == 2 ? 4 * zero.shard_elems + 2 * 2 * zero.largest_bucket_elems
+                      : zero.stage == 1 ? 2 * zero.buffer_elems + 2 * zero.shard_elems
+                                        : 2 * zero.buffer_elems;
     plan->master_bytes = 4 * plan->shard_elems;
     // beside the FP32 master weights: m, v, their group scalars and the decay table
     plan->states_bytes = adamw_state_bytes(adamw_kind_from_config(config_optimizer_states(c)), plan->shard_elems) -
@@ -131,7 +135,9 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
     plan->activations_bytes = (size_t)m->n_layers * activation_layer_bytes(m, acts, tokens) + final_activation_bytes(m, tokens);
     WorkingLayout working;
     working_layout_init(&working, m, micro_batch_size, c->seq_len, config_fp8_gemms(c), acts);
-    plan->working_bytes = working.total_bytes + CUBLASLT_WORKSPACE_BYTES + (ranks > 1 ? ZERO_SCALAR_BYTES : 0);
+    int e4m3_gather = zero.stage >= 1 && config_fp8_gemms(c) && config_param_gather(c) == GATHER_E4M3;
+    plan->working_bytes = working.total_bytes + CUBLASLT_WORKSPACE_BYTES + (ranks > 1 ? ZERO_SCALAR_BYTES : 0) +
+                          (ranks > 1 && e4m3_gather ? zero_e4m3_gather_bytes(&zero, &layout) : 0);  // coat/zero.cuh's
     plan->total_bytes = plan->params_bytes + plan->grads_bytes + plan->master_bytes + plan->states_bytes +
                         plan->activations_bytes + plan->working_bytes;
 }

@@ -55,18 +55,18 @@ typedef struct {
     Fp8Groups groups;  // STORE_E4M3_GROUP16 only
 } SavedTensor;
 
-// Data parallelism's hooks on coat/zero.h's buckets. Backward (the buckets in the order it
-// completes them): `begin` runs before a bucket's first gradient, `end` after its last, so that
-// its reduce overlaps the rest of backward. With bucket_elems 0 the gradients stay in place in
-// the whole buffer; ZeRO stage 2 sets bucket_elems and bucket b lives in buffer b % 2 of two such
-// buffers in grads (`begin` waits until the buffer is free and zeroes it). Forward: `ready`
-// (NULL: none) runs before the first read of a bucket's parameters, so that their gather after
-// the previous step overlaps the forward.
+// Data parallelism's hooks (coat/zero.cuh), on the segments of coat/params.h. Backward (the
+// segments in the order it completes them): `begin` runs before a segment's first gradient, `end`
+// after its last, so that a bucket's reduce overlaps the rest of backward. `gradient` (NULL: the
+// gradients stay in place in grads) says where a tensor's gradient goes, given its segment and
+// its offset in the device buffers (ZeRO stage 2's bucket buffers). Forward: `ready` (NULL: none)
+// runs before the first read of a segment's parameters, so that their gather after the previous
+// step overlaps the forward.
 typedef struct {
-    size_t bucket_elems;
-    void (*begin)(void *context, int bucket);
-    void (*end)(void *context, int bucket);
-    void (*ready)(void *context, int bucket);
+    void (*begin)(void *context, int segment);
+    void (*end)(void *context, int segment);
+    bf16 *(*gradient)(void *context, int segment, size_t buffer_offset);
+    void (*ready)(void *context, int segment);
     void *context;
 } BucketHooks;
 
@@ -75,7 +75,7 @@ typedef struct {
     ParamLayout layout;
     ModelPrecision precision;
     int B, T;
-    bf16 *params, *grads;          // params_elems and grads_elems (layout.total_padded, or ZeRO's sizes)
+    bf16 *params, *grads;          // params_elems (the layout's buffer_elems) and grads_elems
     size_t params_elems, grads_elems;
     const BucketHooks *buckets;    // NULL: one rank (the whole gradient in grads)
     char *activations;             // saved for backward
@@ -104,22 +104,21 @@ typedef struct {
 } LlamaModel;
 
 static inline bf16 *model_param(const LlamaModel *model, ParamKind kind, int layer) {
-    return model->params + param_offset(&model->layout, kind, layer);
+    return model->params + param_buffer_offset(&model->layout, kind, layer);
 }
 static inline bf16 *model_grad(const LlamaModel *model, ParamKind kind, int layer) {
-    size_t offset = param_offset(&model->layout, kind, layer);
-    if (!model->buckets || model->buckets->bucket_elems == 0) return model->grads + offset;
-    int b = zero_bucket_of(&model->layout, kind, layer);
-    return model->grads + (size_t)(b % 2) * model->buckets->bucket_elems + (offset - zero_bucket(&model->layout, b).begin);
+    size_t offset = param_buffer_offset(&model->layout, kind, layer);
+    if (!model->buckets || !model->buckets->gradient) return model->grads + offset;
+    return model->buckets->gradient(model->buckets->context, param_segment_of(&model->layout, kind, layer), offset);
 }
-static inline void model_bucket_begin(const LlamaModel *model, int bucket) {
-    if (model->buckets) model->buckets->begin(model->buckets->context, bucket);
+static inline void model_segment_begin(const LlamaModel *model, int segment) {
+    if (model->buckets) model->buckets->begin(model->buckets->context, segment);
 }
-static inline void model_bucket_end(const LlamaModel *model, int bucket) {
-    if (model->buckets) model->buckets->end(model->buckets->context, bucket);
+static inline void model_segment_end(const LlamaModel *model, int segment) {
+    if (model->buckets) model->buckets->end(model->buckets->context, segment);
 }
-static inline void model_params_ready(const LlamaModel *model, int bucket) {
-    if (model->buckets && model->buckets->ready) model->buckets->ready(model->buckets->context, bucket);
+static inline void model_params_ready(const LlamaModel *model, int segment) {
+    if (model->buckets && model->buckets->ready) model->buckets->ready(model->buckets->context, segment);
 }
 static inline const SavedTensor *model_saved_tensor(const LlamaModel *model, int layer, LayerActivation kind) {
     return &model->saved[layer * ACT_LAYER_KINDS + kind];
@@ -168,11 +167,12 @@ static inline const char *model_precision_unsupported(const ModelShape *shape, i
 }
 
 // Allocates every buffer for micro-batches of B sequences of T tokens, in `precision` (the
-// caller refuses what model_precision_unsupported names), with params_elems BF16 parameters and
-// grads_elems BF16 gradients (0: layout.total_padded; ZeRO pads the parameters to ranks x shard,
-// coat/zero.h). Exactly the buffers of the memory plan.
+// caller refuses what model_precision_unsupported names), the parameters laid out by `buffers`
+// (a layout of this shape whose segments data parallelism placed, coat/zero.h; NULL: the
+// parameter order) and grads_elems BF16 gradients (0: as many as parameters). Exactly the
+// buffers of the memory plan.
 static inline void model_create_sized(LlamaModel *model, const ModelShape *shape, int B, int T, ModelPrecision precision,
-                                      size_t params_elems, size_t grads_elems) {
+                                      const ParamLayout *buffers, size_t grads_elems) {
     memset(model, 0, sizeof(*model));
     model->shape = *shape;
     model->precision = precision;
@@ -180,11 +180,11 @@ static inline void model_create_sized(LlamaModel *model, const ModelShape *shape
     model->T = T;
     const char *unsupported = model_precision_unsupported(shape, B, T, precision);
     if (unsupported != NULL) fail_with("model_create", unsupported);
-    param_layout_init(&model->layout, shape);
+    if (buffers) model->layout = *buffers;
+    else param_layout_init(&model->layout, shape);
     size_t N = (size_t)B * T, L = (size_t)shape->n_layers;
-    model->params_elems = params_elems ? params_elems : model->layout.total_padded;
-    model->grads_elems = grads_elems ? grads_elems : model->layout.total_padded;
-    if (model->params_elems < model->layout.total_padded) fail_with("model_create", "the parameter buffer is smaller than the model");
+    model->params_elems = model->layout.buffer_elems;
+    model->grads_elems = grads_elems ? grads_elems : model->params_elems;
     model->params = (bf16 *)gpu_alloc(2 * model->params_elems, "parameters");
     cudaCheck(cudaMemset(model->params, 0, 2 * model->params_elems));  // ZeRO's padding stays zero
     model->grads = (bf16 *)gpu_alloc(2 * model->grads_elems, "gradients");
@@ -273,7 +273,7 @@ static inline size_t model_allocated_bytes(const LlamaModel *model) {
 }
 
 static inline void model_create(LlamaModel *model, const ModelShape *shape, int B, int T, ModelPrecision precision) {
-    model_create_sized(model, shape, B, T, precision, 0, 0);
+    model_create_sized(model, shape, B, T, precision, NULL, 0);
 }
 
 // The BF16 weights changed (an optimizer step, a load): the FP8 copies are cast again before
@@ -342,39 +342,6 @@ static inline void model_cast_weights(LlamaModel *model, cudaStream_t s) {
                          shape.out, shape.in, FP8_E4M3, s);
         }
     model->fp8_weights_current = 1;
-}
-
-// ZeRO's gather of the E4M3 weights (train_llama.cu): each rank casts the parts of the weights in
-// its shard [begin, end) of the parameter buffer with each weight's amax over all ranks (the
-// codes of model_cast_weights), the owners send their codes to every rank, and every rank writes
-// the transposes. A linear weight is elements [begin, end) of the buffer (wq|wk|wv and
-// w_gate|w_up lie back to back, as the fused GEMMs read them).
-static inline ZeroRange linear_weight_range(const LlamaModel *model, int layer, Linear which) {
-    return zero_linear_range(&model->layout, which, layer);
-}
-
-// Every weight's amax slot = max |w| over its elements in `shard` (0 where it has none).
-static inline void model_weights_amax_part(LlamaModel *model, ZeroRange shard, cudaStream_t s) {
-    for (int l = 0; l < model->shape.n_layers; l++)
-        for (int i = 0; i < LINEARS; i++) {
-            Fp8Scale *slot = model_fp8_scale(model, l, FP8_SLOT_WEIGHT, (Linear)i);
-            ZeroRange part = zero_intersection(linear_weight_range(model, l, (Linear)i), shard);
-            cudaCheck(cudaMemsetAsync(slot, 0, sizeof(Fp8Scale), s));
-            if (part.end > part.begin) fp8_amax(slot, model->params + part.begin, part.end - part.begin, s);
-        }
-}
-
-// The E4M3 codes of the weights' elements in `shard`, from amax slots that hold the whole
-// weights' maxima. Part boundaries are multiples of 128 elements (shards and tensors are).
-static inline void model_cast_weights_part(LlamaModel *model, ZeroRange shard, cudaStream_t s) {
-    for (int l = 0; l < model->shape.n_layers; l++)
-        for (int i = 0; i < LINEARS; i++) {
-            ZeroRange range = linear_weight_range(model, l, (Linear)i), part = zero_intersection(range, shard);
-            if (part.end == part.begin) continue;
-            fp8_quantize(linear_fp8_weight(model, l, (Linear)i, 0) + (part.begin - range.begin),
-                         NULL, model_fp8_scale(model, l, FP8_SLOT_WEIGHT, (Linear)i), model->params + part.begin,
-                         (int)((part.end - part.begin) / PARAM_ALIGN_ELEMS), PARAM_ALIGN_ELEMS, FP8_E4M3, s);
-        }
 }
 
 // A layer's transposed weight codes and their scales, once all its codes are here.
@@ -503,7 +470,7 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
                                       FP8_SLOT_WEIGHT * sizeof(Fp8Scale), s));
     }
 
-    model_params_ready(model, L + 1);  // zero_bucket's numbers: the embedding, then layer l is bucket L - l
+    model_params_ready(model, L + 1);  // the segments (coat/params.h): the embedding, then layer l is segment L - l
     model_params_ready(model, L);
     TIMED("embedding forward",
           embedding_forward(model_residual(model, 0, ACT_RESIDUAL_IN), model->tokens, model_param(model, PARAM_EMBEDDING, 0), N, H, s));
@@ -539,7 +506,7 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
         TIMED("matmul down forward", linear_forward(gpu, model, l, LINEAR_DOWN, model->branch));
         // The next block's attention norm (or the final norm, BF16 in every mode) is fused with this residual add.
         int last = l == L - 1;
-        model_params_ready(model, L - l - 1);  // the next layer's bucket, or the lm_head's with the final norm (0)
+        model_params_ready(model, L - l - 1);  // the next layer's segment, or the lm_head's with the final norm (0)
         TIMED("residual + rmsnorm forward",
               residual_rmsnorm_forward(last ? model->final_residual : model_residual(model, l + 1, ACT_RESIDUAL_IN),
                                        last ? model->final_norm_out : linear_input_bf16(model, l + 1, LINEAR_QKV),
@@ -550,7 +517,7 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
                                        last ? Fp8Groups{NULL, NULL} : model_saved_groups(model, l + 1, ACT_RESIDUAL_IN),
                                        last ? NULL : linear_input_amax(model, l + 1, LINEAR_QKV)));
     }
-    if (backward) model_bucket_begin(model, 0);  // the lm_head's gradient comes with the loss
+    if (backward) model_segment_begin(model, 0);  // the lm_head's gradient comes with the loss
     TIMED("classifier (lm_head + cross-entropy)",
           classifier_forward_backward(gpu, model->losses, backward ? model->branch : NULL,
                                       backward ? model_grad(model, PARAM_LM_HEAD, 0) : NULL, model->final_norm_out,
@@ -560,7 +527,7 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
 
 // Backward pass after model_forward(backward = 1): adds every parameter's gradient into
 // model->grads (zeroed by the caller at the start of a step, so micro-batches accumulate), or
-// with buckets into each bucket's buffer (zeroed by `begin`).
+// with data parallelism's `gradient` hook where it says (zeroed by `begin`).
 static inline void model_backward(GpuContext *gpu, LlamaModel *model) {
     const ModelShape *m = &model->shape;
     int B = model->B, T = model->T, N = B * T, H = m->dim, I = m->ffn_dim, hd = model_head_dim(m);
@@ -575,9 +542,9 @@ static inline void model_backward(GpuContext *gpu, LlamaModel *model) {
           rmsnorm_backward(d_residual, model_grad(model, PARAM_FINAL_NORM, 0), scratch, d_norm, model->final_residual,
                            model_param(model, PARAM_FINAL_NORM, 0), model->final_rstd, N, H, s, Fp8Groups{NULL, NULL},
                            model_fp8_scale(model, L - 1, FP8_SLOT_GRAD, LINEAR_DOWN)));
-    model_bucket_end(model, 0);
+    model_segment_end(model, 0);
     for (int l = L - 1; l >= 0; l--) {
-        model_bucket_begin(model, L - l);
+        model_segment_begin(model, L - l);
         // MLP block: x_out = x_mid + Wdown swiglu(Wgate_up rmsnorm(x_mid))
         // With FP8 GEMMs d_gate_up goes straight to E5M2 (and its transpose), never to BF16.
         bf16 *d_swiglu = model->wide, *d_gate_up = model->precision.fp8_gemms ? NULL : model->wide + (size_t)N * I;
@@ -610,11 +577,11 @@ static inline void model_backward(GpuContext *gpu, LlamaModel *model) {
                                model_saved(model, l, ACT_RESIDUAL_IN), model_param(model, PARAM_ATTN_NORM, l),
                                model_saved_f32(model, l, ACT_ATTN_RSTD), N, H, s, model_saved_groups(model, l, ACT_RESIDUAL_IN),
                                l > 0 ? model_fp8_scale(model, l - 1, FP8_SLOT_GRAD, LINEAR_DOWN) : NULL));
-        model_bucket_end(model, L - l);
+        model_segment_end(model, L - l);
     }
-    model_bucket_begin(model, L + 1);
+    model_segment_begin(model, L + 1);
     TIMED("embedding backward", embedding_backward(model_grad(model, PARAM_EMBEDDING, 0), d_residual, model->tokens, N, H, V, scratch, s));
-    model_bucket_end(model, L + 1);
+    model_segment_end(model, L + 1);
 }
 
 #undef TIMED

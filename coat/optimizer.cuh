@@ -26,11 +26,13 @@
 // from correctly rounded operations only, and every product that feeds a sum is rounded on its own
 // (no FMA contraction), so a plain C program reproduces the FP8 states bit for bit.
 //
-// Layouts. params is the whole padded BF16 buffer of coat/params.h (at least shard_end elements, as
-// ZeRO pads it to ranks x shard size); the optimizer writes only [shard_begin, shard_end),
-// n = shard_end - shard_begin elements, a multiple of 128 so that every 128-group lies in one tensor
-// and one ZeRO shard. The gradients it reads are those n elements only: BF16 (grads + shard_begin
-// of a whole buffer, after ZeRO-1's reduces) or FP32 (ZeRO stage 2's shard sum).
+// Layouts. The optimizer steps this rank's parts of a list of ranges of the parameter order
+// (ParamShardRange, coat/params.h: one per data-parallel bucket, coat/zero.h, or one range of the
+// whole model), each part a multiple of 128 elements so that every 128-group lies in one tensor
+// and one part. params is the whole BF16 device buffer (the layout's buffer_elems), of which it
+// writes its parts; n is the sum of the parts, and its state and the gradients it reads are the
+// parts back to back (part i at the range's state_at): BF16 (a whole one-rank gradient buffer, or
+// ZeRO-1's gradient shard) or FP32 (ZeRO-2's shard sum).
 // Its device state is one allocation, whose sections a checkpoint holds (below):
 //   master FP32 [n] | m [n] | v [n] | m group scalars [n/128][S] | v group scalars [n/128][S]
 // with m and v FP32, BF16 or E4M3 bytes, and S FP32 scalars per group: 0 (fp32, bf16),
@@ -60,8 +62,10 @@ typedef struct {
     AdamWConfig config;
     OptimizerStateKind kind;
     long long step;                 // completed steps: t of the last step taken
-    size_t shard_begin, shard_end;  // elements of the padded buffer this optimizer owns
-    size_t n;                       // shard_end - shard_begin
+    int rank;                       // this rank's part of each range
+    int range_count;
+    ParamShardRange *ranges;        // [range_count], in the parameter order
+    size_t n;                       // the parts' elements: the sum of the ranges' part
     size_t total;                   // elements a checkpoint covers: the layout's total_padded
     void *state;                    // the one allocation described above
     size_t state_bytes;
@@ -552,7 +556,7 @@ __global__ void adamw_fill_kernel(float *out, float value, size_t n) {
     if (i < n) out[i] = value;
 }
 
-// params[i] = bf16_rn(master[i]) over the shard (both pointers start at shard_begin).
+// params[i] = bf16_rn(master[i]) over one part (both pointers start at it).
 __global__ void adamw_master_to_params_kernel(bf16 *params, const float *master, size_t n) {
     size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * ADAMW_VEC;
     if (i >= n) return;
@@ -575,58 +579,105 @@ static inline void adamw_check_aligned(const void *pointer, const char *what) {
     if ((uintptr_t)pointer % 16 != 0) fail_with(what, "pointer is not 16-byte aligned");
 }
 
-// The part [*begin, *end) of the elements [offset, offset + count) in the shard [shard_begin,
-// shard_end); 0 when they do not meet.
-static inline int adamw_shard_part(size_t shard_begin, size_t shard_end, size_t offset, size_t count, size_t *begin,
-                                   size_t *end) {
-    *begin = offset > shard_begin ? offset : shard_begin;
-    *end = offset + count < shard_end ? offset + count : shard_end;
-    return *begin < *end;
+// Rank `rank`'s part of range i in the parameter order: [*begin, *end).
+static inline void adamw_part_of(const AdamW *opt, int i, int rank, size_t *begin, size_t *end) {
+    param_shard_part(&opt->ranges[i], rank, begin, end);
+}
+
+// Where this rank's part of range i sits in the device buffers.
+static inline size_t adamw_part_at(const AdamW *opt, int i) {
+    return opt->ranges[i].at + (size_t)opt->rank * opt->ranges[i].part;
+}
+
+// Elements of this rank's parts inside the model (the rest is padding).
+static inline size_t adamw_shard_used(const AdamW *opt) {
+    size_t used = 0;
+    for (int i = 0; i < opt->range_count; i++) {
+        size_t begin, end;
+        adamw_part_of(opt, i, opt->rank, &begin, &end);
+        used += end - begin;
+    }
+    return used;
+}
+
+// Calls visit(opt, range, part begin, part end, tensor part begin, end, kind) for every tensor's
+// elements in this rank's parts, in the parameter order.
+typedef void (*AdamWTensorVisit)(void *context, int range, size_t begin, size_t end, ParamKind kind);
+
+typedef struct {
+    const AdamW *opt;
+    const ParamLayout *layout;
+    AdamWTensorVisit visit;
+    void *context;
+} AdamWTensorWalk;
+
+static inline void adamw_tensor_walk_visit(void *context, ParamKind kind, int layer) {
+    const AdamWTensorWalk *w = (const AdamWTensorWalk *)context;
+    size_t offset = param_offset(w->layout, kind, layer), count = param_numel(w->layout, kind);
+    for (int i = 0; i < w->opt->range_count; i++) {
+        size_t begin, end;
+        adamw_part_of(w->opt, i, w->opt->rank, &begin, &end);
+        if (offset > begin) begin = offset;
+        if (offset + count < end) end = offset + count;
+        if (begin < end) w->visit(w->context, i, begin, end, kind);
+    }
+}
+
+static inline void adamw_for_each_tensor_part(const AdamW *opt, const ParamLayout *layout, AdamWTensorVisit visit,
+                                              void *context) {
+    AdamWTensorWalk walk = {opt, layout, visit, context};
+    param_for_each_tensor(layout, adamw_tensor_walk_visit, &walk);
+}
+
+// The state index of element `e` of the parameter order, in this rank's part of range i.
+static inline size_t adamw_state_index(const AdamW *opt, int i, size_t e) {
+    const ParamShardRange *r = &opt->ranges[i];
+    return r->state_at + (e - r->begin - (size_t)opt->rank * r->part);
 }
 
 typedef struct {
+    const AdamW *opt;
     unsigned char *table;
-    const ParamLayout *layout;
-    size_t shard_begin, shard_end;
     int decay_all;
 } AdamWDecayTable;
 
-static inline void adamw_decay_visit(void *context, ParamKind kind, int layer) {
+static inline void adamw_decay_visit(void *context, int range, size_t begin, size_t end, ParamKind kind) {
     const AdamWDecayTable *t = (const AdamWDecayTable *)context;
-    size_t begin, end;
-    if (!adamw_shard_part(t->shard_begin, t->shard_end, param_offset(t->layout, kind, layer), t->layout->padded[kind],
-                          &begin, &end))
-        return;
     int decay = t->decay_all || param_kind_is_matrix(kind);
-    for (size_t e = begin; e < end; e += ADAMW_GROUP) t->table[(e - t->shard_begin) / ADAMW_GROUP] = (unsigned char)decay;
+    for (size_t e = begin; e < end; e += ADAMW_GROUP)  // begin: a tensor's or a part's, a multiple of 128
+        t->table[adamw_state_index(t->opt, range, e) / ADAMW_GROUP] = (unsigned char)decay;
 }
 
-// One byte per group of the shard: 1 where the tensor is decayed. Groups past the model (the
-// padding of the last ZeRO shard) hold only zeros and are not decayed.
-static inline void adamw_build_decay_table(unsigned char *table, const ParamLayout *layout, size_t shard_begin,
-                                           size_t shard_end, int decay_all) {
-    memset(table, 0, (shard_end - shard_begin) / ADAMW_GROUP);
-    AdamWDecayTable context = {table, layout, shard_begin, shard_end, decay_all};
-    param_for_each_tensor(layout, adamw_decay_visit, &context);
-}
-
-// Allocates the state of the shard [shard_begin, shard_end): moments zero (FP8 groups as an
-// all-zero group: s = k = c = 1), master zero until adamw_set_master_* fills it, step 0.
-static inline void adamw_create(AdamW *opt, OptimizerStateKind kind, const AdamWConfig *config,
-                                const ParamLayout *layout, size_t shard_begin, size_t shard_end, cudaStream_t stream) {
-    if (shard_begin % ADAMW_GROUP != 0 || shard_end % ADAMW_GROUP != 0 || shard_end <= shard_begin) {
-        char detail[160];
-        snprintf(detail, sizeof(detail), "shard [%zu, %zu) must be a non-empty range of multiples of %d", shard_begin,
-                 shard_end, ADAMW_GROUP);
-        fail_with("adamw_create", detail);
+// Allocates the state of this rank's parts of `ranges` (rank `rank`, ranges[i].state_at their
+// places back to back): moments zero (FP8 groups as an all-zero group: s = k = c = 1), master
+// zero until adamw_set_master_* or adamw_init_master fills it, step 0. The weight-decay table
+// holds 1 for the groups of decayed tensors; groups past the model (padding) hold only zeros
+// and are not decayed.
+static inline void adamw_create_ranges(AdamW *opt, OptimizerStateKind kind, const AdamWConfig *config,
+                                       const ParamLayout *layout, const ParamShardRange *ranges, int range_count, int rank,
+                                       cudaStream_t stream) {
+    size_t n = 0;
+    for (int i = 0; i < range_count; i++) {
+        const ParamShardRange *r = &ranges[i];
+        if (r->begin % ADAMW_GROUP != 0 || r->part % ADAMW_GROUP != 0 || r->at % ADAMW_GROUP != 0 || r->state_at != n) {
+            char detail[200];
+            snprintf(detail, sizeof(detail), "range %d ([%zu, %zu), parts of %zu at %zu, state at %zu) must be in multiples "
+                     "of %d, its parts back to back", i, r->begin, r->end, r->part, r->at, r->state_at, ADAMW_GROUP);
+            fail_with("adamw_create", detail);
+        }
+        n += r->part;
     }
-    size_t n = shard_end - shard_begin, groups = n / ADAMW_GROUP;
+    if (n == 0) fail_with("adamw_create", "the optimizer's parts are empty");
+    size_t groups = n / ADAMW_GROUP;
     size_t scalars = adamw_group_scalars(kind), moment_bytes = adamw_moment_elem_bytes(kind) * n;
     opt->config = *config;
     opt->kind = kind;
     opt->step = 0;
-    opt->shard_begin = shard_begin;
-    opt->shard_end = shard_end;
+    opt->rank = rank;
+    opt->range_count = range_count;
+    opt->ranges = (ParamShardRange *)malloc(range_count * sizeof(ParamShardRange));
+    if (!opt->ranges) fail_with("adamw_create", "out of host memory for the ranges");
+    memcpy(opt->ranges, ranges, range_count * sizeof(ParamShardRange));
     opt->n = n;
     opt->total = layout->total_padded;
     opt->state_bytes = adamw_payload_bytes(kind, n);
@@ -643,13 +694,24 @@ static inline void adamw_create(AdamW *opt, OptimizerStateKind kind, const AdamW
         adamw_fill_kernel<<<(unsigned)ceil_div_size(count, 256), 256, 0, stream>>>(opt->m_group, 1.0f, count);
         cudaCheckLaunch();
     }
-    unsigned char *table = (unsigned char *)malloc(groups);
+    unsigned char *table = (unsigned char *)calloc(groups, 1);
     if (!table) fail_with("adamw_create", "out of host memory for the weight-decay table");
-    adamw_build_decay_table(table, layout, shard_begin, shard_end, config->weight_decay_all);
+    AdamWDecayTable context = {opt, table, config->weight_decay_all};
+    adamw_for_each_tensor_part(opt, layout, adamw_decay_visit, &context);
     opt->decay_group = (unsigned char *)gpu_alloc(groups, "the weight-decay table");
     cudaCheck(cudaMemcpyAsync(opt->decay_group, table, groups, cudaMemcpyHostToDevice, stream));
     cudaCheck(cudaStreamSynchronize(stream));
     free(table);
+}
+
+// One range: the elements [shard_begin, shard_end) of the parameter order (multiples of 128; the
+// part past the model is padding), at the same place in the device buffer.
+static inline void adamw_create(AdamW *opt, OptimizerStateKind kind, const AdamWConfig *config,
+                                const ParamLayout *layout, size_t shard_begin, size_t shard_end, cudaStream_t stream) {
+    if (shard_end <= shard_begin) fail_with("adamw_create", "the shard is empty");
+    ParamShardRange range = {shard_begin, layout->total_padded > shard_begin ? layout->total_padded : shard_begin,
+                             shard_begin, shard_end - shard_begin, 0};
+    adamw_create_ranges(opt, kind, config, layout, &range, 1, 0, stream);
 }
 
 // Device bytes adamw_create allocated: the state and the weight-decay table beside it.
@@ -658,25 +720,27 @@ static inline size_t adamw_allocated_bytes(const AdamW *opt) { return opt->state
 static inline void adamw_free(AdamW *opt) {
     cudaCheck(cudaFree(opt->state));
     cudaCheck(cudaFree(opt->decay_group));
+    free(opt->ranges);
     opt->state = NULL;
     opt->decay_group = NULL;
+    opt->ranges = NULL;
 }
 
-// Elements of this shard inside [0, total): ZeRO's last shards may end in padding (or be all padding).
-static inline size_t adamw_shard_used(const AdamW *opt) {
-    return opt->shard_begin >= opt->total ? 0 : (opt->shard_end < opt->total ? opt->n : opt->total - opt->shard_begin);
-}
-
-// Master weights from an FP32 host buffer of the whole model, params_fp32[total]: the shard's
-// part of it (the padding after it stays zero).
+// Master weights from an FP32 host buffer of the whole model, params_fp32[total]: this rank's
+// parts of it (their padding stays zero).
 static inline void adamw_set_master_from_host(AdamW *opt, const float *params_fp32, cudaStream_t stream) {
-    cudaCheck(cudaMemcpyAsync(opt->master, params_fp32 + opt->shard_begin, 4 * adamw_shard_used(opt), cudaMemcpyHostToDevice,
-                              stream));
+    for (int i = 0; i < opt->range_count; i++) {
+        size_t begin, end;
+        adamw_part_of(opt, i, opt->rank, &begin, &end);
+        if (end > begin)
+            cudaCheck(cudaMemcpyAsync(opt->master + opt->ranges[i].state_at, params_fp32 + begin, 4 * (end - begin),
+                                      cudaMemcpyHostToDevice, stream));
+    }
     cudaCheck(cudaStreamSynchronize(stream));
 }
 
 // master[i] = value * (normal ? random_normal_at(seed, first + i) : 1) for count elements: one
-// tensor's part of the shard, element e of the buffer at index first + i = e (params.h's rule).
+// tensor's piece of a part, element e of the parameter order at index first + i = e (params.h's rule).
 __global__ void adamw_init_kernel(float *master, unsigned long long seed, size_t first, size_t count, float value,
                                   int normal) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -684,62 +748,68 @@ __global__ void adamw_init_kernel(float *master, unsigned long long seed, size_t
 }
 
 typedef struct {
-    AdamW *opt;
+    const AdamW *opt;
     const ParamLayout *layout;
     unsigned long long seed;
     cudaStream_t stream;
 } AdamWInit;
 
-static inline void adamw_init_visit(void *context, ParamKind kind, int layer) {
+static inline void adamw_init_visit(void *context, int range, size_t begin, size_t end, ParamKind kind) {
     const AdamWInit *init = (const AdamWInit *)context;
-    const AdamW *opt = init->opt;
-    size_t begin, end;
-    if (!adamw_shard_part(opt->shard_begin, opt->shard_end, param_offset(init->layout, kind, layer),
-                          param_numel(init->layout, kind), &begin, &end))
-        return;
     int normal = param_kind_is_matrix(kind);
     float value = normal ? param_init_std(init->layout, kind) : 1.0f;
     adamw_init_kernel<<<(unsigned)ceil_div_size(end - begin, 256), 256, 0, init->stream>>>(
-        opt->master + (begin - opt->shard_begin), init->seed, begin, end - begin, value, normal);
+        init->opt->master + adamw_state_index(init->opt, range, begin), init->seed, begin, end - begin, value, normal);
     cudaCheckLaunch();
 }
 
-// Master weights of the shard from a fresh initialisation, computed on the GPU: the same bits as
-// param_init_weights on the host, in a fraction of a second at any size (no host buffer).
+// Master weights of this rank's parts from a fresh initialisation, computed on the GPU: the same
+// bits as param_init_weights on the host, in a fraction of a second at any size (no host buffer).
 static inline void adamw_init_master(AdamW *opt, const ParamLayout *layout, unsigned long long seed, cudaStream_t stream) {
     cudaCheck(cudaMemsetAsync(opt->master, 0, 4 * opt->n, stream));  // padding
     AdamWInit init = {opt, layout, seed, stream};
-    param_for_each_tensor(layout, adamw_init_visit, &init);
+    adamw_for_each_tensor_part(opt, layout, adamw_init_visit, &init);
 }
 
-// Master weights from the BF16 parameters (whole buffer on the device), exactly.
+// Master weights from the BF16 parameters (the whole device buffer), exactly.
 static inline void adamw_set_master_from_params(AdamW *opt, const bf16 *params, cudaStream_t stream) {
     adamw_check_aligned(params, "adamw_set_master_from_params: params");
-    unsigned blocks = (unsigned)ceil_div_size(opt->n / ADAMW_VEC, ADAMW_THREADS);
-    adamw_params_to_master_kernel<<<blocks, ADAMW_THREADS, 0, stream>>>(opt->master, params + opt->shard_begin, opt->n);
-    cudaCheckLaunch();
+    for (int i = 0; i < opt->range_count; i++) {
+        size_t n = opt->ranges[i].part;
+        adamw_params_to_master_kernel<<<(unsigned)ceil_div_size(n / ADAMW_VEC, ADAMW_THREADS), ADAMW_THREADS, 0, stream>>>(
+            opt->master + opt->ranges[i].state_at, params + adamw_part_at(opt, i), n);
+        cudaCheckLaunch();
+    }
 }
 
-// The shard of the BF16 parameters (whole buffer on the device) as the master rounded to nearest
-// even: what a step writes, for after adamw_set_master_from_host or adamw_load.
+// This rank's parts of the BF16 parameters (the whole device buffer) as the master rounded to
+// nearest even: what a step writes, for after adamw_set_master_from_host or adamw_load.
 static inline void adamw_write_params(const AdamW *opt, bf16 *params, cudaStream_t stream) {
     adamw_check_aligned(params, "adamw_write_params: params");
-    unsigned blocks = (unsigned)ceil_div_size(opt->n / ADAMW_VEC, ADAMW_THREADS);
-    adamw_master_to_params_kernel<<<blocks, ADAMW_THREADS, 0, stream>>>(params + opt->shard_begin, opt->master, opt->n);
-    cudaCheckLaunch();
+    for (int i = 0; i < opt->range_count; i++) {
+        size_t n = opt->ranges[i].part;
+        adamw_master_to_params_kernel<<<(unsigned)ceil_div_size(n / ADAMW_VEC, ADAMW_THREADS), ADAMW_THREADS, 0, stream>>>(
+            params + adamw_part_at(opt, i), opt->master + opt->ranges[i].state_at, n);
+        cudaCheckLaunch();
+    }
 }
 
-// The shard's master weights into host_params[shard_begin, shard_end) (for the checkpoint's
-// FP32 weights); waits for the copy.
+// This rank's master weights into their places of host_params[total] (the checkpoint's FP32
+// weights); waits for the copies.
 static inline void adamw_copy_master_to_host(const AdamW *opt, float *host_params, cudaStream_t stream) {
-    cudaCheck(cudaMemcpyAsync(host_params + opt->shard_begin, opt->master, 4 * adamw_shard_used(opt), cudaMemcpyDeviceToHost,
-                              stream));
+    for (int i = 0; i < opt->range_count; i++) {
+        size_t begin, end;
+        adamw_part_of(opt, i, opt->rank, &begin, &end);
+        if (end > begin)
+            cudaCheck(cudaMemcpyAsync(host_params + begin, opt->master + opt->ranges[i].state_at, 4 * (end - begin),
+                                      cudaMemcpyDeviceToHost, stream));
+    }
     cudaCheck(cudaStreamSynchronize(stream));
 }
 
-// One AdamW step over the shard (t = ++opt->step): params is the whole buffer, the shard's n
-// gradients in BF16 (grads_shard) or FP32 (grads_f32, grads_shard NULL). grad_scale multiplies
-// every gradient first (the clip factor).
+// One AdamW step over this rank's parts (t = ++opt->step), a launch per part: params is the whole
+// device buffer, the parts' n gradients back to back in BF16 (grads_shard) or FP32 (grads_f32,
+// grads_shard NULL). grad_scale multiplies every gradient first (the clip factor).
 static inline void adamw_step_any(AdamW *opt, bf16 *params, const bf16 *grads_shard, const float *grads_f32, float lr,
                                   float grad_scale, cudaStream_t stream) {
     adamw_check_aligned(params, "adamw_step: params");
@@ -759,32 +829,36 @@ static inline void adamw_step_any(AdamW *opt, bf16 *params, const bf16 *grads_sh
     sc.inverse_bias_correction2 = (float)(1.0 / (1.0 - pow((double)c->beta2, (double)opt->step)));
     int stochastic = c->stochastic_rounding && adamw_group_scalars(opt->kind) > 0;
     for (int moment = 0; moment < 2; moment++) sc.rounding_key[moment] = stochastic ? adamw_rounding_key(opt->step, moment) : 0;
-    sc.first_index = opt->shard_begin;
-    AdamWShard shard;
-    shard.params = params + opt->shard_begin;
-    shard.grads = grads_shard;
-    shard.grads_f32 = grads_f32;
-    shard.master = opt->master;
-    shard.m = opt->m;
-    shard.v = opt->v;
-    shard.m_group = opt->m_group;
-    shard.v_group = opt->v_group;
-    shard.decay_group = opt->decay_group;
-    shard.n = opt->n;
-    unsigned blocks = (unsigned)ceil_div_size(opt->n / ADAMW_VEC, ADAMW_THREADS);
-    switch (opt->kind) {
-    case OPT_STATES_FP32: adamw_step_kernel<OPT_STATES_FP32, false><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc); break;
-    case OPT_STATES_BF16: adamw_step_kernel<OPT_STATES_BF16, false><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc); break;
-    case OPT_STATES_FP8:
-        if (stochastic) adamw_step_kernel<OPT_STATES_FP8, true><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc);
-        else adamw_step_kernel<OPT_STATES_FP8, false><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc);
-        break;
-    case OPT_STATES_FP8_DRE:
-        if (stochastic) adamw_step_kernel<OPT_STATES_FP8_DRE, true><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc);
-        else adamw_step_kernel<OPT_STATES_FP8_DRE, false><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc);
-        break;
+    size_t elem_bytes = adamw_moment_elem_bytes(opt->kind), scalars = adamw_group_scalars(opt->kind);
+    for (int i = 0; i < opt->range_count; i++) {
+        size_t at = opt->ranges[i].state_at, groups_at = at / ADAMW_GROUP * scalars;
+        sc.first_index = opt->ranges[i].begin + (size_t)opt->rank * opt->ranges[i].part;  // the stochastic rounding's index
+        AdamWShard shard;
+        shard.params = params + adamw_part_at(opt, i);
+        shard.grads = grads_shard ? grads_shard + at : NULL;
+        shard.grads_f32 = grads_f32 ? grads_f32 + at : NULL;
+        shard.master = opt->master + at;
+        shard.m = (unsigned char *)opt->m + at * elem_bytes;
+        shard.v = (unsigned char *)opt->v + at * elem_bytes;
+        shard.m_group = opt->m_group ? opt->m_group + groups_at : NULL;
+        shard.v_group = opt->v_group ? opt->v_group + groups_at : NULL;
+        shard.decay_group = opt->decay_group + at / ADAMW_GROUP;
+        shard.n = opt->ranges[i].part;
+        unsigned blocks = (unsigned)ceil_div_size(shard.n / ADAMW_VEC, ADAMW_THREADS);
+        switch (opt->kind) {
+        case OPT_STATES_FP32: adamw_step_kernel<OPT_STATES_FP32, false><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc); break;
+        case OPT_STATES_BF16: adamw_step_kernel<OPT_STATES_BF16, false><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc); break;
+        case OPT_STATES_FP8:
+            if (stochastic) adamw_step_kernel<OPT_STATES_FP8, true><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc);
+            else adamw_step_kernel<OPT_STATES_FP8, false><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc);
+            break;
+        case OPT_STATES_FP8_DRE:
+            if (stochastic) adamw_step_kernel<OPT_STATES_FP8_DRE, true><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc);
+            else adamw_step_kernel<OPT_STATES_FP8_DRE, false><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc);
+            break;
+        }
+        cudaCheckLaunch();
     }
-    cudaCheckLaunch();
 }
 
 static inline void adamw_step(AdamW *opt, bf16 *params, const bf16 *grads_shard, float lr, float grad_scale,
@@ -799,10 +873,11 @@ static inline void adamw_step_fp32_grads(AdamW *opt, bf16 *params, const float *
 // ---- checkpoints ------------------------------------------------------------------------
 // A checkpoint holds the state of the whole buffer [0, total) as one optimizer over it would:
 // the master weights (the checkpoint's weights), then a header and m, v, m's group scalars and
-// v's. Each section is an array over the 128-groups, so ZeRO's equal shards concatenate into it
-// section by section: rank r's part of a section sits at (its first group) x (bytes per group).
-// Rank 0 writes every rank's part, each fetched by the caller's `gather` a chunk at a time; every
-// rank reads its own part back, so a checkpoint resumes on any world size. The header is 7
+// v's. Each section is an array over the 128-groups of the parameter order, so the ranks' parts
+// map into it section by section: a part's groups sit at (its first element / 128) x (bytes per
+// group). Rank 0 writes every part in the parameter order (range by range, rank by rank), each
+// fetched by the caller's `gather` a chunk at a time; every rank reads its own parts back, so a
+// checkpoint resumes on any world size and any bucketing. The header is 7
 // little-endian uint64; the decay table is rebuilt from the config.
 
 typedef struct {
@@ -817,7 +892,7 @@ static inline size_t adamw_section_group_bytes(OptimizerStateKind kind, int sect
     return 4 * adamw_group_scalars(kind);
 }
 
-// Section `section` of this shard's device state.
+// Section `section` of this rank's device state.
 static inline unsigned char *adamw_section(const AdamW *opt, int section) {
     size_t at = 0;
     for (int i = 0; i < section; i++) at += opt->n / ADAMW_GROUP * adamw_section_group_bytes(opt->kind, i);
@@ -876,42 +951,50 @@ static inline int adamw_checkpoint_header_check(const AdamW *opt, const AdamWChe
 // Moves `bytes` of rank `from`'s device memory to rank 0's host memory `host` (one rank: a copy).
 typedef void (*AdamWGather)(void *context, const void *device, void *host, size_t bytes, int from);
 
-// Rank 0 writes section `section` of `ranks` equal shards (this process is rank `rank`, and
-// every rank calls this in the same order), through `host`, chunk_bytes of host memory. Returns 0,
-// or on rank 0 the errno of the first failed write: the gathers go on after it, so that every
-// rank stays in step, and the caller names the file.
+// Rank 0 writes section `section` of the parts of `ranks` ranks (this process is rank `rank`,
+// and every rank calls this in the same order), through `host`, chunk_bytes of host memory.
+// Returns 0, or on rank 0 the errno of the first failed write: the gathers go on after it, so
+// that every rank stays in step, and the caller names the file.
 static inline int adamw_write_section(const AdamW *opt, int section, FILE *file, int ranks, int rank, AdamWGather gather,
                                       void *context, unsigned char *host, size_t chunk_bytes) {
     int failed = 0;
-    for (int r = 0; r < ranks; r++) {
-        size_t begin = (size_t)r * opt->n, end = begin + opt->n < opt->total ? begin + opt->n : opt->total;
-        if (end <= begin) break;
-        size_t bytes = (end - begin) / ADAMW_GROUP * adamw_section_group_bytes(opt->kind, section);
-        const unsigned char *device = adamw_section(opt, section);  // at the same place in every rank's state
-        for (size_t done = 0; done < bytes; done += chunk_bytes) {
-            size_t chunk = bytes - done < chunk_bytes ? bytes - done : chunk_bytes;
-            gather(context, device + done, host, chunk, r);
-            if (rank == 0 && !failed && fwrite(host, 1, chunk, file) != chunk) failed = errno ? errno : EIO;
+    size_t group_bytes = adamw_section_group_bytes(opt->kind, section);
+    for (int i = 0; i < opt->range_count; i++)
+        for (int r = 0; r < ranks; r++) {
+            size_t begin, end;
+            adamw_part_of(opt, i, r, &begin, &end);
+            size_t bytes = (end - begin) / ADAMW_GROUP * group_bytes;
+            // a part sits at the same place in every rank's state: rank r sends its own
+            const unsigned char *device = adamw_section(opt, section) + opt->ranges[i].state_at / ADAMW_GROUP * group_bytes;
+            for (size_t done = 0; done < bytes; done += chunk_bytes) {
+                size_t chunk = bytes - done < chunk_bytes ? bytes - done : chunk_bytes;
+                gather(context, device + done, host, chunk, r);
+                if (rank == 0 && !failed && fwrite(host, 1, chunk, file) != chunk) failed = errno ? errno : EIO;
+            }
         }
-    }
     return failed;
 }
 
-// This shard's part of section `section`, which starts at byte `start` of the file (through
+// This rank's parts of section `section`, which starts at byte `start` of the file (through
 // `host`, ADAMW_COPY_CHUNK_BYTES of host memory).
 static inline void adamw_read_section(AdamW *opt, int section, FILE *file, long start, const char *path,
                                       unsigned char *host, cudaStream_t stream) {
     size_t group_bytes = adamw_section_group_bytes(opt->kind, section);
-    size_t bytes = adamw_shard_used(opt) / ADAMW_GROUP * group_bytes;
-    if (bytes == 0) return;
-    if (fseek(file, start + (long)(opt->shard_begin / ADAMW_GROUP * group_bytes), SEEK_SET) != 0)
-        fail_with(path, "cannot seek to this rank's optimizer state");
-    unsigned char *device = adamw_section(opt, section);
-    for (size_t done = 0; done < bytes; done += ADAMW_COPY_CHUNK_BYTES) {
-        size_t chunk = bytes - done < ADAMW_COPY_CHUNK_BYTES ? bytes - done : ADAMW_COPY_CHUNK_BYTES;
-        if (fread(host, 1, chunk, file) != chunk) fail_with(path, section == 0 ? "truncated weights" : "truncated optimizer state");
-        cudaCheck(cudaMemcpyAsync(device + done, host, chunk, cudaMemcpyHostToDevice, stream));
-        cudaCheck(cudaStreamSynchronize(stream));
+    for (int i = 0; i < opt->range_count; i++) {
+        size_t begin, end;
+        adamw_part_of(opt, i, opt->rank, &begin, &end);
+        size_t bytes = (end - begin) / ADAMW_GROUP * group_bytes;
+        if (bytes == 0) continue;
+        if (fseek(file, start + (long)(begin / ADAMW_GROUP * group_bytes), SEEK_SET) != 0)
+            fail_with(path, "cannot seek to this rank's optimizer state");
+        unsigned char *device = adamw_section(opt, section) + opt->ranges[i].state_at / ADAMW_GROUP * group_bytes;
+        for (size_t done = 0; done < bytes; done += ADAMW_COPY_CHUNK_BYTES) {
+            size_t chunk = bytes - done < ADAMW_COPY_CHUNK_BYTES ? bytes - done : ADAMW_COPY_CHUNK_BYTES;
+            if (fread(host, 1, chunk, file) != chunk)
+                fail_with(path, section == 0 ? "truncated weights" : "truncated optimizer state");
+            cudaCheck(cudaMemcpyAsync(device + done, host, chunk, cudaMemcpyHostToDevice, stream));
+            cudaCheck(cudaStreamSynchronize(stream));
+        }
     }
 }
 

@@ -9,6 +9,7 @@
 #include "random.h"
 
 #define PARAM_ALIGN_ELEMS 128
+#define PARAM_SEGMENTS_MAX 1026  // n_layers + 2 at the largest n_layers (coat/model_shape.h)
 
 typedef enum {
     PARAM_EMBEDDING,   // [vocab, dim]
@@ -48,11 +49,47 @@ typedef struct {
     size_t layer_stride;                          // padded elements per layer
     size_t within_layer[PARAM_KINDS];             // offset inside a layer (per-layer kinds)
     size_t tail_offset[PARAM_KINDS];              // offset of the final norm and lm_head
-    size_t total_padded;                          // buffer size in elements
+    size_t total_padded;                          // elements of the parameter order
     size_t total_params;                          // real parameters (no padding)
+    // The device buffers: segment s (param_segment) starts at segment_at[s], which data
+    // parallelism moves apart to pad its buckets (coat/zero.h); else the parameter order.
+    size_t segment_at[PARAM_SEGMENTS_MAX];
+    size_t buffer_elems;
 } ParamLayout;
 
+// 1/ranks of a range of the parameter order, as data parallelism shards a bucket (coat/zero.h):
+// rank r owns [begin + r part, begin + (r + 1) part) clipped to end, part a multiple of 128; the
+// range occupies ranks x part elements from `at` in the device buffers, and each rank's part sits
+// at state_at in its optimizer state.
+typedef struct {
+    size_t begin, end, at, part, state_at;
+} ParamShardRange;
+
+// Rank `rank`'s part of `range` in the parameter order: [*begin, *end), empty (equal) where the
+// range's padding begins before it.
+static inline void param_shard_part(const ParamShardRange *range, int rank, size_t *begin, size_t *end) {
+    size_t b = range->begin + (size_t)rank * range->part, e = b + range->part;
+    *begin = b < range->end ? b : range->end;
+    *end = e < range->end ? e : range->end;
+}
+
 static inline size_t round_up_size(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+// Segments: the parts of the parameter order in which backward finishes the gradient, numbered in
+// that order: 0 the tail (final norm, lm_head), 1 .. L the layers from the last (segment L - l is
+// layer l), L + 1 the embedding. Where segment s begins in the parameter order:
+static inline size_t param_segment_begin(const ParamLayout *layout, int s) {
+    int layers = layout->shape.n_layers;
+    if (s == 0) return layout->tail_offset[PARAM_FINAL_NORM];
+    if (s <= layers) return layout->first_layer_offset + (size_t)(layers - s) * layout->layer_stride;
+    return 0;
+}
+static inline size_t param_segment_end(const ParamLayout *layout, int s) {
+    int layers = layout->shape.n_layers;
+    if (s == 0) return layout->total_padded;
+    if (s <= layers) return param_segment_begin(layout, s) + layout->layer_stride;
+    return layout->first_layer_offset;
+}
 
 static inline void param_layout_init(ParamLayout *layout, const ModelShape *shape) {
     size_t hd = (size_t)model_head_dim(shape), H = (size_t)shape->dim, I = (size_t)shape->ffn_dim;
@@ -79,6 +116,8 @@ static inline void param_layout_init(ParamLayout *layout, const ModelShape *shap
     layout->tail_offset[PARAM_FINAL_NORM] = tail;
     layout->tail_offset[PARAM_LM_HEAD] = tail + layout->padded[PARAM_FINAL_NORM];
     layout->total_padded = layout->tail_offset[PARAM_LM_HEAD] + layout->padded[PARAM_LM_HEAD];
+    for (int s = 0; s < shape->n_layers + 2; s++) layout->segment_at[s] = param_segment_begin(layout, s);
+    layout->buffer_elems = layout->total_padded;
 }
 
 // Element offset of tensor `kind` of layer `layer` (layer ignored for the others).
@@ -86,6 +125,23 @@ static inline size_t param_offset(const ParamLayout *layout, ParamKind kind, int
     if (kind == PARAM_EMBEDDING) return 0;
     if (!param_kind_is_per_layer(kind)) return layout->tail_offset[kind];
     return layout->first_layer_offset + (size_t)layer * layout->layer_stride + layout->within_layer[kind];
+}
+
+// The segment that holds tensor `kind` of `layer`.
+static inline int param_segment_of(const ParamLayout *layout, ParamKind kind, int layer) {
+    if (kind == PARAM_EMBEDDING) return layout->shape.n_layers + 1;
+    if (!param_kind_is_per_layer(kind)) return 0;
+    return layout->shape.n_layers - layer;
+}
+
+// Where element `offset` of the parameter order, in segment s, sits in the device buffers.
+static inline size_t param_buffer_at(const ParamLayout *layout, int s, size_t offset) {
+    return layout->segment_at[s] + (offset - param_segment_begin(layout, s));
+}
+
+// Where tensor `kind` of `layer` starts in the device buffers.
+static inline size_t param_buffer_offset(const ParamLayout *layout, ParamKind kind, int layer) {
+    return param_buffer_at(layout, param_segment_of(layout, kind, layer), param_offset(layout, kind, layer));
 }
 
 static inline size_t param_numel(const ParamLayout *layout, ParamKind kind) {

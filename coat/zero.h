@@ -1,31 +1,39 @@
-// ZeRO sharding over W ranks (one process per GPU): which part of the parameter buffer each rank
-// owns, the gradient buckets of stage 2 and what each rank sends per optimizer step. Host
-// arithmetic only (the memory plan, dry_run and the tests use it).
-//   stage 0: every rank holds everything; the BF16 gradients are all-reduced once per step.
-//   stage 1: rank r owns elements [r S, (r + 1) S) of the parameter buffer padded to W S, S a
-//            multiple of 128 (FP8 groups never straddle shards, as they never straddle tensors):
-//            its FP32 master weights and optimizer states; in the step's last micro-batch each
-//            gradient bucket is reduced to the ranks that own its parts as backward finishes it
-//            (the bytes of a reduce-scatter), and after the step each bucket's parameters are
-//            broadcast from the owners of its parts (the bytes of an all-gather) while the next
-//            forward runs.
-//   stage 2: no rank holds the whole gradient either: during backward each bucket (the lm_head
-//            with the final norm, then each layer from the last, then the embedding: the order in
-//            which backward completes them) is reduced as soon as it is done, straight to the
-//            ranks that own its parts (one reduce per owner segment, grouped), and each owner adds
-//            its part into an FP32 accumulator of its shard. Every micro-batch sends its gradient.
-// Buckets go to their owners, rather than each rank taking a slice of every bucket: the optimizer
-// keeps one contiguous shard (coat/optimizer.cuh's step as it is), the shards of a checkpoint
-// concatenate into the one buffer, and a bucket costs each rank the bytes of a reduce-scatter of it.
-// Bytes sent per rank follow the ring algorithms (NCCL's for large messages): all-reduce of n bytes
-// 2 (W - 1) / W n, reduce-scatter and all-gather (W - 1) / W n.
+// ZeRO data parallelism over W ranks (one process per GPU), its host arithmetic: the gradient and
+// parameter buckets, the part of each that every rank owns, where they sit in the device buffers
+// and in each rank's optimizer state, the collective calls and bytes of a step. The memory plan,
+// dry_run, the optimizer, checkpoints and the tests use it; coat/zero.cuh runs it.
+// Buckets: runs of neighbouring segments, each at least min_bucket_elems (the config's
+// bucket_min_elems) where the layers allow (small layers are merged, the tail and the embedding
+// stand alone), numbered in the
+// parameter order (bucket 0 holds the embedding): bucket b is the elements [begin, end) of the
+// parameter order, the order of a checkpoint and of a one-rank run.
+// Sharding (stages 1 and 2): each bucket is padded to W parts of `part` elements, a multiple of
+// 128 (FP8 optimizer groups never straddle a part), and rank r owns part r of every bucket: the
+// elements [begin + r part, begin + (r + 1) part) clipped to end. In the device buffers (the BF16
+// parameters; stage 1's BF16 gradients) a bucket occupies W part elements from `at`, so that one
+// reduce-scatter takes a bucket's gradients to their owners and one all-gather brings its
+// parameters back: calls per step are the buckets' count plus a constant at any world size. Each
+// rank's optimizer state (and its gradient shard) is its parts back to back, part b at state_at.
+//   stage 0: every rank holds everything (one part of W = 1); each bucket of the BF16 gradient is
+//            all-reduced in the step's last micro-batch.
+//   stage 1: in the last micro-batch each bucket is reduce-scattered as backward finishes it into
+//            the rank's BF16 gradient shard; after the step each bucket's parameters are
+//            all-gathered, overlapping the next forward.
+//   stage 2: no rank holds the whole gradient: every micro-batch reduce-scatters each bucket
+//            from one of two bucket buffers, and each rank adds its part into an FP32 sum of its
+//            shard.
+// With one rank, or at stage 0, parts are whole buckets and the buffers are the parameter order.
+// Bytes sent per rank follow the ring algorithms (NCCL's for large messages): all-reduce of n
+// bytes 2 (W - 1) / W n, reduce-scatter and all-gather (W - 1) / W n.
 #pragma once
 #include <stddef.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include "linears.h"
 #include "params.h"
 
-#define ZERO_SCALARS 16  // the most values one zero_all_reduce_sum_f64 (coat/zero.cuh) sums
+#define ZERO_SEGMENTS_MAX PARAM_SEGMENTS_MAX
+#define ZERO_SCALARS 16  // the most values one collectives_all_reduce_sum_f64 sums (the loss, norm and stop votes)
 #define ZERO_SCALAR_BYTES (ZERO_SCALARS * sizeof(double))  // their device room, on every rank of W > 1
 
 typedef struct {
@@ -34,60 +42,106 @@ typedef struct {
 
 typedef struct {
     int ranks, stage;
-    size_t shard_elems;           // S: a multiple of 128
-    size_t padded_elems;          // W S >= the layout's total_padded (the tail is zeros)
-    int buckets;                  // stage 2's gradient buckets: n_layers + 2
-    size_t largest_bucket_elems;  // the bucket buffer's size
+    int shards;                            // ranks that share each bucket: ranks at stages 1 and 2, else 1
+    int segments, buckets;
+    ParamShardRange bucket[ZERO_SEGMENTS_MAX];  // in the parameter order
+    int first_segment[ZERO_SEGMENTS_MAX];  // bucket b holds segments first_segment[b] ..
+    int last_segment[ZERO_SEGMENTS_MAX];   // .. last_segment[b] (last_segment >= first_segment)
+    int bucket_of[ZERO_SEGMENTS_MAX];      // segment -> bucket
+    size_t buffer_elems;                   // the device buffers: every bucket's W parts
+    size_t shard_elems;                    // each rank's parts: its optimizer state and gradient shard
+    size_t largest_bucket_elems;           // W parts of the largest bucket (stage 2's bucket buffers)
+    size_t largest_layer_bucket_elems;     // the same among the buckets of layers (the E4M3 gather's staging)
 } ZeroPlan;
 
-static inline size_t zero_shard_elems(size_t total_padded, int ranks) {
-    return round_up_size((total_padded + (size_t)ranks - 1) / (size_t)ranks, PARAM_ALIGN_ELEMS);
-}
-
-static inline ZeroRange zero_shard(const ZeroPlan *z, int rank) {
-    ZeroRange r = {(size_t)rank * z->shard_elems, (size_t)(rank + 1) * z->shard_elems};
+// Segment s's elements of the parameter order (coat/params.h numbers them).
+static inline ZeroRange zero_segment(const ParamLayout *layout, int s) {
+    ZeroRange r = {param_segment_begin(layout, s), param_segment_end(layout, s)};
     return r;
 }
 
-// Bucket b (0 first) in the order backward completes them: the tail (final norm, lm_head), the
-// layers from the last to the first, the embedding.
-static inline ZeroRange zero_bucket(const ParamLayout *layout, int b) {
-    int layers = layout->shape.n_layers;
-    ZeroRange r;
-    if (b == 0) {
-        r.begin = layout->tail_offset[PARAM_FINAL_NORM];
-        r.end = layout->total_padded;
-    } else if (b <= layers) {
-        r.begin = layout->first_layer_offset + (size_t)(layers - b) * layout->layer_stride;
-        r.end = r.begin + layout->layer_stride;
-    } else {
-        r.begin = 0;
-        r.end = layout->first_layer_offset;
+static inline int zero_bucket_is_layers(const ZeroPlan *z, int b) {
+    return z->first_segment[b] >= 1 && z->last_segment[b] < z->segments - 1;
+}
+
+// Buckets in the parameter order: the embedding, the layers from the first (merged from the
+// last, as backward reaches them, until each holds min_bucket_elems), the tail.
+static inline void zero_plan_buckets(ZeroPlan *z, const ParamLayout *layout, size_t min_bucket_elems) {
+    int L = layout->shape.n_layers, S = L + 2, count = 0;
+    if (L < 1 || S > ZERO_SEGMENTS_MAX) {  // config.h refuses such shapes first
+        fprintf(stderr, "error: zero_plan_init: %d layers, 1 to %d supported\n", L, ZERO_SEGMENTS_MAX - 2);
+        exit(EXIT_FAILURE);
     }
-    return r;
+    int first[ZERO_SEGMENTS_MAX], last[ZERO_SEGMENTS_MAX];  // in backward's order while built
+    first[count] = last[count] = 0, count++;
+    for (int s = 1; s <= L; s++) {
+        ZeroRange open = {zero_segment(layout, last[count - 1]).begin, zero_segment(layout, first[count - 1]).end};
+        int open_is_layers = first[count - 1] >= 1;
+        if (open_is_layers && open.end - open.begin < min_bucket_elems) last[count - 1] = s;
+        else first[count] = last[count] = s, count++;
+    }
+    first[count] = last[count] = S - 1, count++;
+    z->segments = S;
+    z->buckets = count;
+    for (int b = 0; b < count; b++) {  // reversed into the parameter order
+        z->first_segment[b] = first[count - 1 - b];
+        z->last_segment[b] = last[count - 1 - b];
+        for (int s = z->first_segment[b]; s <= z->last_segment[b]; s++) z->bucket_of[s] = b;
+    }
 }
 
-// The bucket that holds tensor `kind` of `layer` (the inverse of zero_bucket).
-static inline int zero_bucket_of(const ParamLayout *layout, ParamKind kind, int layer) {
-    if (kind == PARAM_EMBEDDING) return layout->shape.n_layers + 1;
-    if (!param_kind_is_per_layer(kind)) return 0;
-    return layout->shape.n_layers - layer;
-}
-
-static inline void zero_plan_init(ZeroPlan *z, const ParamLayout *layout, int ranks, int stage) {
+static inline void zero_plan_init(ZeroPlan *z, const ParamLayout *layout, int ranks, int stage, size_t min_bucket_elems) {
     z->ranks = ranks;
     z->stage = stage;
-    z->shard_elems = stage >= 1 ? zero_shard_elems(layout->total_padded, ranks) : layout->total_padded;
-    z->padded_elems = stage >= 1 ? (size_t)ranks * z->shard_elems : layout->total_padded;
-    z->buckets = layout->shape.n_layers + 2;
-    z->largest_bucket_elems = 0;
+    z->shards = stage >= 1 ? ranks : 1;
+    zero_plan_buckets(z, layout, min_bucket_elems);
+    size_t at = 0, state_at = 0;
+    z->largest_bucket_elems = z->largest_layer_bucket_elems = 0;
     for (int b = 0; b < z->buckets; b++) {
-        ZeroRange r = zero_bucket(layout, b);
-        if (r.end - r.begin > z->largest_bucket_elems) z->largest_bucket_elems = r.end - r.begin;
+        ParamShardRange *r = &z->bucket[b];
+        r->begin = zero_segment(layout, z->last_segment[b]).begin;
+        r->end = zero_segment(layout, z->first_segment[b]).end;
+        r->part = round_up_size((r->end - r->begin + (size_t)z->shards - 1) / (size_t)z->shards, PARAM_ALIGN_ELEMS);
+        r->at = at;
+        r->state_at = state_at;
+        size_t padded = (size_t)z->shards * r->part;
+        at += padded;
+        state_at += r->part;
+        if (padded > z->largest_bucket_elems) z->largest_bucket_elems = padded;
+        if (zero_bucket_is_layers(z, b) && padded > z->largest_layer_bucket_elems) z->largest_layer_bucket_elems = padded;
     }
+    z->buffer_elems = at;
+    z->shard_elems = state_at;
 }
 
-// The elements of tensor `kind` of `layer` in the parameter buffer.
+// The layout's device buffers as the plan pads them: each segment where its bucket puts it.
+static inline void zero_place_segments(const ZeroPlan *z, ParamLayout *layout) {
+    for (int s = 0; s < z->segments; s++) {
+        const ParamShardRange *r = &z->bucket[z->bucket_of[s]];
+        layout->segment_at[s] = r->at + (param_segment_begin(layout, s) - r->begin);
+    }
+    layout->buffer_elems = z->buffer_elems;
+}
+
+// The model's layout with its segments where the plan puts them in the device buffers.
+static inline void zero_model_layout(const ZeroPlan *z, const ModelShape *shape, ParamLayout *layout) {
+    param_layout_init(layout, shape);
+    zero_place_segments(z, layout);
+}
+
+// The model's gradient buffer: stage 2's two bucket buffers, else the whole buffers.
+static inline size_t zero_grads_elems(const ZeroPlan *z) {
+    return z->stage == 2 ? 2 * z->largest_bucket_elems : z->buffer_elems;
+}
+
+// Rank `rank`'s part of bucket b in the parameter order (empty where the padding begins before it).
+static inline ZeroRange zero_owned(const ZeroPlan *z, int b, int rank) {
+    ZeroRange owned;
+    param_shard_part(&z->bucket[b], rank, &owned.begin, &owned.end);
+    return owned;
+}
+
+// The elements of tensor `kind` of `layer` in the parameter order.
 static inline ZeroRange zero_tensor_range(const ParamLayout *layout, ParamKind kind, int layer) {
     size_t begin = param_offset(layout, kind, layer);
     ZeroRange r = {begin, begin + param_numel(layout, kind)};
@@ -95,7 +149,7 @@ static inline ZeroRange zero_tensor_range(const ParamLayout *layout, ParamKind k
 }
 
 // Linear layer `which`'s weights in `layer`: its weights lie back to back (coat/linears.h), so
-// wq|wk|wv and w_gate|w_up are each one range, what the fused GEMM reads and the E4M3 gather sends.
+// wq|wk|wv and w_gate|w_up are each one range, what the fused GEMM reads and the E4M3 gather casts.
 static inline ZeroRange zero_linear_range(const ParamLayout *layout, Linear which, int layer) {
     LinearInfo info = linear_info(which);
     ZeroRange r = zero_tensor_range(layout, info.first_weight, layer);
@@ -110,38 +164,65 @@ static inline ZeroRange zero_intersection(ZeroRange a, ZeroRange b) {
     return r;
 }
 
-// The part of `range` that rank `rank` owns.
-static inline ZeroRange zero_owned_part(const ZeroPlan *z, ZeroRange range, int rank) {
-    return zero_intersection(range, zero_shard(z, rank));
+// The E4M3 gather (stages 1, 2 with FP8 GEMMs): each bucket of layers travels as one byte per
+// element (the linear weights' E4M3 codes, at their elements' places) through a staging buffer of
+// the largest such bucket, and the layers' norms, which stay BF16, in one table of every layer's
+// two norms that the owners fill and one all-reduce sums (each element has one owner, the others
+// add zeros).
+static inline size_t zero_norm_table_elems(const ParamLayout *layout) {
+    return (size_t)layout->shape.n_layers * (layout->padded[PARAM_ATTN_NORM] + layout->padded[PARAM_MLP_NORM]);
+}
+static inline size_t zero_e4m3_gather_bytes(const ZeroPlan *z, const ParamLayout *layout) {
+    return z->largest_layer_bucket_elems + 2 * zero_norm_table_elems(layout);
+}
+
+// The collective calls of one step as coat/zero.cuh issues them (stage 2 reduces every micro-batch).
+typedef struct {
+    long all_reduces, reduce_scatters, all_gathers;
+} ZeroCalls;
+
+static inline ZeroCalls zero_calls(const ZeroPlan *z, int accum_steps, int e4m3_gather) {
+    ZeroCalls calls = {1, 0, 0};  // the loss and gradient norm
+    if (z->ranks <= 1) {
+        calls.all_reduces = 0;
+        return calls;
+    }
+    if (z->stage == 0) {
+        calls.all_reduces += z->buckets;
+        return calls;
+    }
+    calls.reduce_scatters = (long)z->buckets * (z->stage == 2 ? accum_steps : 1);
+    calls.all_gathers = z->buckets;
+    if (e4m3_gather) calls.all_reduces += 2;  // the scale table's max, the norm table's sum
+    return calls;
 }
 
 // Bytes one rank sends in one optimizer step of `accum_steps` micro-batches. Parameters travel as
-// BF16, or with fp8_weights the block linears' weights as E4M3 (a scale per tensor beside them,
-// not counted) and the embedding, norms and lm_head as BF16.
+// BF16, or with the E4M3 gather the buckets of layers as a byte per element and their norms in
+// the norm table's all-reduce.
 typedef struct {
-    double gradient_bytes;   // all-reduce (stage 0), per-bucket reduces once (1) or per micro-batch (2)
-    double parameter_bytes;  // the gather after the step (stages 1 and 2), the bytes of an all-gather
+    double gradient_bytes;   // all-reduce (stage 0), reduce-scatters once (1) or per micro-batch (2)
+    double parameter_bytes;  // the gather after the step (stages 1 and 2)
 } ZeroTraffic;
 
-static inline size_t zero_block_linear_elems(const ParamLayout *layout) {
-    size_t per_layer = 0;
-    for (int i = 0; i < LINEARS; i++)
-        for (int k = linear_info((Linear)i).first_weight; k <= (int)linear_info((Linear)i).last_weight; k++)
-            per_layer += layout->padded[k];
-    return per_layer * (size_t)layout->shape.n_layers;
-}
-
-static inline ZeroTraffic zero_traffic(const ZeroPlan *z, const ParamLayout *layout, int accum_steps, int fp8_weights) {
+static inline ZeroTraffic zero_traffic(const ZeroPlan *z, const ParamLayout *layout, int accum_steps, int e4m3_gather) {
     ZeroTraffic t = {0.0, 0.0};
     if (z->ranks <= 1) return t;
-    double share = (double)(z->ranks - 1) / z->ranks, gradient = 2.0 * (double)z->padded_elems;
+    double share = (double)(z->ranks - 1) / z->ranks, gradient = 2.0 * (double)z->buffer_elems;
     if (z->stage == 0) {
         t.gradient_bytes = 2.0 * share * gradient;
         return t;
     }
     t.gradient_bytes = share * gradient * (z->stage == 2 ? accum_steps : 1);
-    double fp8_elems = fp8_weights ? (double)zero_block_linear_elems(layout) : 0.0;
-    t.parameter_bytes = share * (2.0 * ((double)z->padded_elems - fp8_elems) + fp8_elems);
+    if (!e4m3_gather) {
+        t.parameter_bytes = share * gradient;
+        return t;
+    }
+    double layers = 0.0;
+    for (int b = 0; b < z->buckets; b++)
+        if (zero_bucket_is_layers(z, b)) layers += (double)z->ranks * z->bucket[b].part;
+    t.parameter_bytes = share * (2.0 * ((double)z->buffer_elems - layers) + layers) +
+                        2.0 * share * 2.0 * (double)zero_norm_table_elems(layout);
     return t;
 }
 
@@ -149,55 +230,31 @@ static inline ZeroTraffic zero_traffic(const ZeroPlan *z, const ParamLayout *lay
 static inline void zero_print(FILE *out, const ZeroPlan *z, const ParamLayout *layout, int accum_steps, int fp8_gemms,
                               int e4m3_gather) {
     if (z->ranks <= 1) return;
-    {   // The collective calls of one step as train_llama.cu issues them: zero_reduce_bucket makes one
-        // reduce per bucket and owner segment (every micro-batch at stage 2), zero_broadcast_parts one
-        // broadcast per owner segment of each range gather_bucket sends (a bucket; with the E4M3
-        // gather a layer's linear weights, zero_linear_range, and its 2 norms); the all-reduces:
-        // stage 0's one per bucket, the loss and norm's, the E4M3 scale table's max.
-        int L = layout->shape.n_layers, e4m3 = z->stage >= 1 && fp8_gemms && e4m3_gather;
-        long reduces = 0, broadcasts = 0;
-        for (int b = 0; z->stage >= 1 && b < z->buckets; b++) {
-            ZeroRange ranges[LINEARS + 2] = {zero_bucket(layout, b)};
-            int n = e4m3 && b >= 1 && b <= L ? LINEARS + 2 : 1;
-            for (int i = 0; n > 1 && i < LINEARS; i++) ranges[i] = zero_linear_range(layout, (Linear)i, L - b);
-            if (n > 1) {
-                ranges[LINEARS] = zero_tensor_range(layout, PARAM_ATTN_NORM, L - b);
-                ranges[LINEARS + 1] = zero_tensor_range(layout, PARAM_MLP_NORM, L - b);
-            }
-            for (int r = 0; r < z->ranks; r++) {
-                ZeroRange part = zero_owned_part(z, zero_bucket(layout, b), r);
-                if (part.end > part.begin) reduces += z->stage == 2 ? accum_steps : 1;
-                for (int i = 0; i < n; i++) {
-                    part = zero_owned_part(z, ranges[i], r);
-                    if (part.end > part.begin) broadcasts++;
-                }
-            }
-        }
-        if (z->stage == 0)
-            fprintf(out, "collective calls per step: 0 reduces, 0 broadcasts, %d all-reduces (one per gradient bucket, the "
-                         "loss and gradient norm)\n", z->buckets + 1);
-        else
-            fprintf(out, "collective calls per step: %ld reduces (gradients: one per bucket and owner segment%s), %ld "
-                         "broadcasts (parameters, %s: one per owner segment of each %s), %d all-reduces (the loss and "
-                         "gradient norm%s)\n",
-                    reduces, z->stage == 2 ? ", per micro-batch" : "", broadcasts, e4m3 ? "e4m3" : "bf16",
-                    e4m3 ? "bucket or, in the layers, each linear weight and norm" : "bucket", 1 + e4m3,
-                    e4m3 ? ", the E4M3 scale table's max" : "");
-    }
+    int e4m3 = z->stage >= 1 && fp8_gemms && e4m3_gather;
+    ZeroCalls calls = zero_calls(z, accum_steps, e4m3);
+    if (z->stage == 0)
+        fprintf(out, "collective calls per step: 0 reduce-scatters, 0 all-gathers, %ld all-reduces (one per gradient "
+                     "bucket, the loss and gradient norm)\n", calls.all_reduces);
+    else
+        fprintf(out, "collective calls per step: %ld reduce-scatters (gradients: one per bucket%s), %ld all-gathers "
+                     "(parameters, %s: one per bucket), %ld all-reduces (the loss and gradient norm%s)\n",
+                calls.reduce_scatters, z->stage == 2 ? " and micro-batch" : "", calls.all_gathers, e4m3 ? "e4m3" : "bf16",
+                calls.all_reduces, e4m3 ? ", the E4M3 scale table's max, the norm table's sum" : "");
     ZeroTraffic bf16 = zero_traffic(z, layout, accum_steps, 0), fp8 = zero_traffic(z, layout, accum_steps, 1);
     if (z->stage == 0) {
-        fprintf(out, "ZeRO stage 0 over %d ranks: every rank holds all %zu elements\n", z->ranks, z->padded_elems);
+        fprintf(out, "ZeRO stage 0 over %d ranks: every rank holds all %zu elements; %d gradient buckets\n", z->ranks,
+                z->buffer_elems, z->buckets);
         fprintf(out, "sent per rank and step (%d accumulation step(s)): gradients %.3f GB (all-reduce)\n", accum_steps,
                 bf16.gradient_bytes / 1e9);
         return;
     }
-    fprintf(out, "ZeRO stage %d over %d ranks: %zu elements per rank's optimizer (the buffer padded to %zu); "
-                 "%d gradient buckets, the largest %zu elements\n",
-            z->stage, z->ranks, z->shard_elems, z->padded_elems, z->buckets, z->largest_bucket_elems);
+    fprintf(out, "ZeRO stage %d over %d ranks: %zu elements per rank's optimizer (1/%d of each of %d buckets, the "
+                 "buffers padded to %zu); the largest bucket %zu elements\n",
+            z->stage, z->ranks, z->shard_elems, z->ranks, z->buckets, z->buffer_elems, z->largest_bucket_elems);
     fprintf(out, "sent per rank and step (%d accumulation step(s)): gradients %.3f GB (%s), parameters %.3f GB "
                  "(all-gather, bf16)",
-            accum_steps, bf16.gradient_bytes / 1e9, z->stage == 1 ? "reduces to the owners, per bucket" : "reduces to the owners, per bucket and micro-batch",
+            accum_steps, bf16.gradient_bytes / 1e9, z->stage == 1 ? "reduce-scatters" : "reduce-scatters, per micro-batch",
             bf16.parameter_bytes / 1e9);
     if (fp8_gemms) fprintf(out, "; %.3f GB with the block weights gathered in e4m3", fp8.parameter_bytes / 1e9);
-    fprintf(out, "; this run gathers %s\n", e4m3_gather ? "e4m3" : "bf16");
+    fprintf(out, "; this run gathers %s\n", e4m3 ? "e4m3" : "bf16");
 }

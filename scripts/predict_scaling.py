@@ -7,15 +7,16 @@ the GPUs, the regime where communication weighs most). The step starts from the 
 scripts/bench.sh measured on an H200 (MEASURED below) and adds what communication exposes:
 
   calls   `./train_llama --dry_run=1 --world_size=W --zero_stage=1` prints the collective calls of a
-          step: one ncclReduce per gradient bucket and owner segment (zero_reduce_bucket), one
-          ncclBroadcast per owner segment of each range the parameter gather sends (a bucket; with the
-          E4M3 gather each layer's linear weights and norms), the loss-and-norm all-reduce and the E4M3
-          scale table's. The script derives the same calls per bucket from the parameter layout and
-          stops if its total differs from what dry_run prints.
-  a call  NCCL runs Reduce and Broadcast on rings only: a pipelined chain from (or to) the root through
-          all W ranks. A call takes base + (W - nodes) x NVLink hop + (nodes - 1) x network hop latency,
-          plus its bytes over the ring's bus bandwidth (every link of the chain carries all of them).
-          A small all-reduce (loss, norm, scale table) takes the latency of a tree.
+          step: one ncclReduceScatter per gradient bucket, one ncclAllGather per bucket for the
+          parameters (with the E4M3 gather a bucket of layers travels as a byte per element), the
+          loss-and-norm all-reduce and, with the E4M3 gather, the scale table's and the norm table's.
+          Buckets are the layers, the tail and the embedding (coat/zero.h merges layers smaller than
+          the config's bucket_min_elems, 32M by default), the same at any W. The script derives the same buckets from the
+          parameter layout and stops if its count differs from what dry_run prints.
+  a call  A ReduceScatter or AllGather on a ring: W - 1 steps, each a hop, so it takes base + (W -
+          nodes) x NVLink hop + (nodes - 1) x network hop latency, plus (W - 1) / W of the bucket's
+          bytes over the ring's bus bandwidth. A small all-reduce (loss, norm, the tables) takes the
+          latency of a tree.
   links   Within one node the ring runs over NVLink. Across nodes each node has --nics-per-node NICs, one
           per GPU, and NCCL lays its rings over all of them, so a ring's inter-node bus bandwidth is the
           node's aggregate NIC bandwidth, capped by NVLink's.
@@ -72,35 +73,40 @@ def parse(pattern, text, what):
     return m.groups()
 
 
+BUCKET_MIN_ELEMS = 33554432  # the config's default bucket_min_elems (coat/config.h)
+
+
+def segment_range(layout, s):
+    """Segment s (coat/params.h: 0 the tail, 1 .. L the layers from the last, L + 1 the embedding)."""
+    L = layout.shape.n_layers
+    if s == 0:
+        return layout.tail_offset[FINAL_NORM], layout.total_padded
+    if s <= L:
+        begin = layout.first_layer_offset + (L - s) * layout.layer_stride
+        return begin, begin + layout.layer_stride
+    return 0, layout.first_layer_offset
+
+
 def bucket_plan(layout, ranks, e4m3):
-    """Per bucket, in backward's order (coat/zero.h's zero_bucket: the tail, the layers from the last,
-    the embedding): (reduce calls, reduce bytes, broadcast calls, broadcast bytes, layer or None),
-    with one call per owner segment of each range, as zero_reduce_bucket and zero_broadcast_parts
-    issue them."""
-    shard = round_up(-(-layout.total_padded // ranks), PARAM_ALIGN_ELEMS)  # zero_shard_elems
-
-    def owners(begin, end):
-        return (end - 1) // shard - begin // shard + 1 if end > begin else 0
-
-    L, numel = layout.shape.n_layers, [r * c for r, c in zip(layout.rows, layout.cols)]
-    buckets = [(layout.tail_offset[FINAL_NORM], layout.total_padded, None)]
-    for b in range(1, L + 1):
-        begin = layout.first_layer_offset + (L - b) * layout.layer_stride
-        buckets.append((begin, begin + layout.layer_stride, L - b))
-    buckets.append((0, layout.first_layer_offset, None))
-    plan = []
-    for begin, end, layer in buckets:
-        reduces = owners(begin, end)
-        if e4m3 and layer is not None:  # gather_bucket: the 4 linear weights in E4M3, the 2 norms in BF16
-            pieces = [(WQ, numel[WQ] + numel[WK] + numel[WV], 1), (WO, numel[WO], 1),
-                      (W_GATE, numel[W_GATE] + numel[W_UP], 1), (W_DOWN, numel[W_DOWN], 1),
-                      (ATTN_NORM, numel[ATTN_NORM], 2), (MLP_NORM, numel[MLP_NORM], 2)]
-            spans = [(layout.offset(k, layer), n, size) for k, n, size in pieces]
-            broadcasts = sum(owners(at, at + n) for at, n, _ in spans)
-            broadcast_bytes = sum(n * size for _, n, size in spans)
+    """The buckets as coat/zero.h's zero_plan_buckets merges the segments, in backward's order:
+    (first segment, last segment, reduce-scatter bytes, all-gather bytes) per bucket, the bytes one
+    rank sends (a ring's (W - 1) / W of the bucket padded to W parts of a multiple of 128)."""
+    L = layout.shape.n_layers
+    runs = [[0, 0]]
+    for s in range(1, L + 1):
+        first, last = runs[-1]
+        if first >= 1 and segment_range(layout, first)[1] - segment_range(layout, last)[0] < BUCKET_MIN_ELEMS:
+            runs[-1][1] = s
         else:
-            broadcasts, broadcast_bytes = reduces, 2 * (end - begin)
-        plan.append((reduces, 2 * (end - begin), broadcasts, broadcast_bytes, layer))
+            runs.append([s, s])
+    runs.append([L + 1, L + 1])
+    plan = []
+    for first, last in runs:
+        n = segment_range(layout, first)[1] - segment_range(layout, last)[0]
+        padded = ranks * round_up(-(-n // ranks), PARAM_ALIGN_ELEMS)
+        share = (ranks - 1) / ranks
+        layers = first >= 1 and last <= L
+        plan.append((first, last, 2 * padded * share, (1 if e4m3 and layers else 2) * padded * share))
     return plan
 
 
@@ -147,7 +153,7 @@ def main():
         f.write(struct.pack("<256i", 20240520, 1, count, *([0] * 253)))
         f.write(struct.pack(f"<{count}H", *(i % 1000 for i in range(count))))
 
-    print("| model | GPUs | micro-batch | collective calls per step (reduces / broadcasts / all-reduces) | sent per GPU, GB "
+    print("| model | GPUs | micro-batch | collective calls per step (reduce-scatters / all-gathers / all-reduces) | sent per GPU, GB "
           "| communication ms | exposed ms | tokens/s per GPU | vs one GPU |")
     print("|---|---|---|---|---|---|---|---|---|")
     notes = {}
@@ -169,18 +175,18 @@ def main():
             common = [f"--world_size={gpus}", "--zero_stage=1", "--precision=coat", f"--seq_len={seq}",
                       f"--micro_batch_size={b}", f"--total_batch_tokens={tokens * gpus}", f"--param_gather={args.param_gather}"]
             text = dry_run(config, shard, common)
-            reduces, broadcasts, all_reduces = (int(x) for x in parse(
-                r"^collective calls per step: (\d+) reduces .*?, (\d+) broadcasts .*?, (\d+) all-reduces", text,
+            reduces, gathers, all_reduces = (int(x) for x in parse(
+                r"^collective calls per step: (\d+) reduce-scatters .*?, (\d+) all-gathers .*?, (\d+) all-reduces", text,
                 "collective calls"))
             e4m3 = parse(r"this run gathers (e4m3|bf16)", text, "gather precision")[0] == "e4m3"
             gradients, parameters, fp8_parameters = (float(x) if x else None for x in parse(
-                r"gradients ([0-9.]+) GB \(reduces to the owners, per bucket\), parameters ([0-9.]+) GB \(all-gather, bf16\)"
+                r"gradients ([0-9.]+) GB \(reduce-scatters\), parameters ([0-9.]+) GB \(all-gather, bf16\)"
                 r"(?:; ([0-9.]+) GB)?", text, "per-rank traffic"))
             sent = gradients + (fp8_parameters if e4m3 else parameters)
             plan = bucket_plan(layout, gpus, e4m3)
-            if (sum(p[0] for p in plan), sum(p[2] for p in plan)) != (reduces, broadcasts):
-                sys.exit(f"error: {model} at {gpus} GPUs: dry_run counts {reduces} reduces and {broadcasts} broadcasts, "
-                         f"this script's plan {sum(p[0] for p in plan)} and {sum(p[2] for p in plan)}")
+            if (len(plan), len(plan)) != (reduces, gathers):
+                sys.exit(f"error: {model} at {gpus} GPUs: dry_run counts {reduces} reduce-scatters and {gathers} "
+                         f"all-gathers, this script's plan {len(plan)} buckets")
 
             nodes = -(-gpus // args.gpus_per_node)
             bus = args.nvlink_gb_s if nodes == 1 else min(args.nvlink_gb_s, args.nics_per_node * args.nic_gb_s)
@@ -189,9 +195,15 @@ def main():
             local = min(gpus, args.gpus_per_node)  # a tree: up and down within the node, log2(nodes) across
             all_reduce = (args.latency_us + 2 * ((local - 1) * args.nvlink_hop_us +
                                                  math.ceil(math.log2(nodes)) * args.net_hop_us)) * 1e-6
-            reduce_s = [p[0] * call + p[1] / bus for p in plan]
-            gather_s = [p[2] * call + p[3] / bus for p in plan]
+            # Per segment: a bucket's calls at its last segment, where backward finishes it and the
+            # forward first reads it; its other segments wait for it there.
             L = layout.shape.n_layers
+            reduce_s, gather_s, holder = [0.0] * (L + 2), [0.0] * (L + 2), list(range(L + 2))
+            for first, last, reduce_bytes, gather_bytes in plan:
+                reduce_s[last] = call + reduce_bytes / bus
+                gather_s[last] = call + gather_bytes / bus
+                for s in range(first, last + 1):
+                    holder[s] = last
 
             # Forward: the gather, issued in the order the forward reads the buckets (the embedding,
             # layer 0, ..., the tail), runs on its own stream; the forward waits for the embedding and
@@ -199,9 +211,11 @@ def main():
             order = list(range(L + 1, -1, -1))
             arrival, t, gather_busy = {}, 0.0, []
             for bucket in order:
-                gather_busy.append((t, t + gather_s[bucket]))
-                t += gather_s[bucket]
+                if holder[bucket] == bucket:
+                    gather_busy.append((t, t + gather_s[bucket]))
+                    t += gather_s[bucket]
                 arrival[bucket] = t
+            arrival = {s: arrival[holder[s]] for s in arrival}
             t = max(arrival[L + 1], arrival[L])
             forward_busy = []
             for layer in range(L):
@@ -224,7 +238,7 @@ def main():
             comm_s = sum(reduce_s) + sum(gather_s) + all_reduces * all_reduce
             exposed_s = forward_stall + reduce_tail + all_reduces * all_reduce + args.sm_slowdown * overlapped
             per_gpu = tokens / (step_s + exposed_s)
-            print(f"| {model} | {gpus} | {b} x {seq} | {reduces} / {broadcasts} / {all_reduces} | {sent:.2f} | "
+            print(f"| {model} | {gpus} | {b} x {seq} | {reduces} / {gathers} / {all_reduces} | {sent:.2f} | "
                   f"{comm_s * 1e3:,.0f} | {exposed_s * 1e3:,.0f} | {per_gpu:,.0f} | {100 * per_gpu / rate:.1f}% |")
             notes[(model, gpus)] = (call, bus, adamw_s * (1 - 1 / gpus))
     call512, bus512, saving = notes[("llama2-7b", 512)]
@@ -233,18 +247,18 @@ def main():
     print(f"- One micro-batch per GPU and step at the measured one-GPU micro-batch, ZeRO-1, precision coat, "
           f"param_gather {args.param_gather}; one-GPU tokens/s measured on an H200: "
           + ", ".join(f"{m} {MEASURED[m][2]:,.0f} at {MEASURED[m][0]} x {MEASURED[m][1]}" for m in MODELS) + ".")
-    print("- Calls per step as dry_run prints them, from the plan as the code issues them: one ncclReduce per gradient "
-          "bucket and owner segment, one ncclBroadcast per owner segment of each gathered range, the loss-and-norm "
-          "all-reduce and, with the E4M3 gather, the scale table's.")
-    print(f"- A Reduce or Broadcast call runs on a ring (NCCL's only algorithm for them): {args.latency_us:g} us + "
-          f"{args.nvlink_hop_us:g} us per NVLink hop + {args.net_hop_us:g} us per hop across nodes along the W - 1 hops "
-          f"of the chain ({call512 * 1e3:.2f} ms at 512 GPUs), then its bytes over the ring's bus bandwidth; calls are "
-          f"charged one after the other (the pipelining NCCL may get within a group of calls is not credited; NCCL's own "
-          f"tuning model charges every hop of a multi-node ring at the network's latency, more than here).")
+    print("- Calls per step as dry_run prints them, from the plan as the code issues them: one ncclReduceScatter and one "
+          "ncclAllGather per bucket (a layer, the tail, the embedding), the loss-and-norm all-reduce and, with the E4M3 "
+          "gather, the scale table's and the norm table's.")
+    print(f"- A ReduceScatter or AllGather call runs on a ring: {args.latency_us:g} us + {args.nvlink_hop_us:g} us per "
+          f"NVLink hop + {args.net_hop_us:g} us per hop across nodes along its W - 1 steps ({call512 * 1e3:.2f} ms at "
+          f"512 GPUs), then (W - 1) / W of its bytes over the ring's bus bandwidth; calls are charged one after the "
+          f"other (NCCL's own tuning model charges every hop of a multi-node ring at the network's latency, more than "
+          f"here).")
     print(f"- Bus bandwidth per GPU: {args.nvlink_gb_s:g} GB/s over NVLink within a node of {args.gpus_per_node} GPUs; "
           f"across nodes, {args.nics_per_node} NICs per node at {args.nic_gb_s:g} GB/s each, one per GPU, NCCL's rings "
           f"spread over all of them: min(NVLink, {args.nics_per_node} x {args.nic_gb_s:g}) = {bus512 / 1e9:g} GB/s.")
-    print("- Small all-reduces (loss and norm, scale table) take a tree's latency, 2 x (NVLink hops within the node + "
+    print("- Small all-reduces (loss and norm, the scale and norm tables) take a tree's latency, 2 x (NVLink hops within the node + "
           "log2(nodes) network hops), exposed.")
     print("- Overlap as built: each bucket's reduce beside the rest of backward (the embedding's after it), the "
           "parameter gather beside the next forward, which waits for each bucket before reading it; the all-reduces and "

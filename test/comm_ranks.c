@@ -38,12 +38,12 @@ static int collectives(const Comm *c) {
     }
     comm_all_reduce_sum_bf16(c, data, n);
     failures += memcmp(data, expected, 2 * n) != 0;
-    for (int root = 0; root < c->world; root++) {  // a part of a bucket to each owner in turn
-        for (size_t i = 0; i < n; i++) data[i] = comm_float_to_bf16(input_value(c->rank, i));
-        memset(out, 0, 2 * n);
-        comm_reduce_sum_bf16(c, data + 7, out, 500, root);
-        if (c->rank == root) failures += memcmp(out, expected + 7, 2 * 500) != 0;
-    }
+    for (size_t i = 0; i < n; i++) data[i] = comm_float_to_bf16(input_value(c->rank, i));
+    comm_reduce_scatter_sum_bf16(c, data, out, shard);  // each rank's part of a bucket
+    failures += memcmp(out, expected + (size_t)c->rank * shard, 2 * shard) != 0;
+    memcpy(out + (size_t)c->rank * shard, data + (size_t)c->rank * shard, 2 * shard);
+    comm_all_gather(c, out + (size_t)c->rank * shard, out, 2 * shard);  // in place: every rank's part
+    for (size_t i = 0; i < n; i++) failures += out[i] != comm_float_to_bf16(input_value((int)(i / shard), i));
     double values[2] = {c->rank + 0.5, 1.0};
     comm_all_reduce_sum_f64(c, values, 2);
     failures += values[0] != c->world * c->world / 2.0 || values[1] != c->world;

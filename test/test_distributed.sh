@@ -5,10 +5,10 @@
 # writes the log and the checkpoints; checkpoints resume on other world sizes and stages; ZeRO
 # stage 0 (every rank steps everything), 1 (sharded master weights and states, checkpoints
 # gathered by rank 0) and 2 (also the gradients, per bucket during backward) in bf16 and coat,
-# coat's E4M3 parameter gather against its BF16 one; validation split over the ranks; one rank
-# under mpirun with NCCL equals the plain run bit for bit, two NCCL ranks on one GPU are refused by
-# name, and on a machine with several GPUs NCCL with one rank per GPU follows one rank too, also
-# when each rank sees only its own GPU.
+# coat's E4M3 parameter gather against its BF16 one, with a bucket per layer too; validation split
+# over the ranks; one rank under mpirun with NCCL equals the plain run bit for bit, two NCCL ranks
+# on one GPU are refused by name, and on a machine with several GPUs NCCL with one rank per GPU
+# follows one rank too, also when each rank sees only its own GPU.
 cd "$(dirname "$0")/.." || exit 1
 source test/check.sh
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -135,6 +135,19 @@ for pair in "1 2 coat_s1" "2 4 coat_s2_4"; do
            cmp -s <(numbers "$tmp/$3/log.jsonl") <(numbers "$tmp/$3_bf16/log.jsonl"); echo $?)" \
         "$(diff <(numbers "$tmp/$3/log.jsonl") <(numbers "$tmp/$3_bf16/log.jsonl") | head -4; grep '^ranks' "$tmp/$3.out")"
 done
+# A bucket per layer (bucket_min_elems = 1; tiny.conf's layers merge into one bucket otherwise):
+# stage 2's two bucket buffers in turn over 4 buckets, and the E4M3 gather a layer at a time, which
+# still equals the BF16 gather bit for bit.
+for gather in e4m3 bf16; do
+    "${mpi[@]}" 2 ./train_llama "${stage1[@]}" --precision=coat --zero_stage=2 --bucket_min_elems=1 --param_gather=$gather \
+        --comm_backend=mpi --out_dir="$tmp/layers_$gather" > "$tmp/layers_$gather.out" 2>&1
+    check "coat, ZeRO stage 2 on 2 ranks, a bucket per layer, $gather gather: 20 steps" $? "$(tail -5 "$tmp/layers_$gather.out")"
+done
+check_close "coat, ZeRO stage 2, 2 ranks, a bucket per layer against 1 rank" "$tmp/coat_one/log.jsonl" "$tmp/layers_e4m3/log.jsonl"
+check "coat, ZeRO stage 2, 2 ranks, a bucket per layer: the e4m3 gather's losses and norms equal the bf16 gather's bit for bit" \
+    "$([ "$(numbers "$tmp/layers_e4m3/log.jsonl" | wc -l)" -ge 22 ] &&
+       cmp -s <(numbers "$tmp/layers_e4m3/log.jsonl") <(numbers "$tmp/layers_bf16/log.jsonl"); echo $?)" \
+    "$(diff <(numbers "$tmp/layers_e4m3/log.jsonl") <(numbers "$tmp/layers_bf16/log.jsonl") | head -4)"
 # Sharded checkpoints across world sizes and stages: the step-10 checkpoint of RUN resumed on
 # RANKS ranks at STAGE.
 for triple in "s1_4 1 1" "s1_4 2 1" "s1_one 4 1" "s2_4 2 2" "s2_2 4 1"; do
@@ -144,6 +157,8 @@ done
 # coat's FP8+DRE states (group scales, k and c) across world sizes and stages too
 resume_on coat_s2_4 2 "$tmp/coat_s2_4-on-2-stage1" "${stage1[@]}" --precision=coat --zero_stage=1
 resume_on coat_s1 1 "$tmp/coat_s1-on-1" "${stage1[@]}" --precision=coat
+# and across bucketings: a bucket per layer's checkpoint on merged buckets
+resume_on layers_e4m3 2 "$tmp/layers_e4m3-merged" "${stage1[@]}" --precision=coat --zero_stage=1
 
 # NCCL refuses two ranks on one GPU, and so does the trainer before it: the ranks compare their
 # GPUs' UUIDs. (Logs of refused runs are *.log: the allocation check below reads every *.out.)

@@ -278,9 +278,9 @@ static void test_memory_plan_matches_allocation(GpuContext *gpu) {
         adamw_free(&opt);
         model_free(&model);
     }
-    // ZeRO over 3 ranks: each rank's padded parameters, its gradients (stage 1: padded; stage 2:
-    // two bucket buffers, and the trainer's FP32 shard sum) and its shard of the optimizer (the
-    // last one's ends in padding).
+    // ZeRO over 3 ranks: each rank's padded parameters, its gradients (stage 1: padded, and
+    // coat/zero.cuh's BF16 gradient shard; stage 2: two bucket buffers and the FP32 shard sum),
+    // the E4M3 gather's buffers, and its parts of the optimizer (the last one's end in padding).
     c->precision = PRECISION_COAT;
     c->activations = ACTS_AUTO;
     c->optimizer_states = STATES_AUTO;
@@ -290,26 +290,28 @@ static void test_memory_plan_matches_allocation(GpuContext *gpu) {
         MemoryPlan plan;
         memory_plan_compute(&plan, c, 3, c->micro_batch_size);
         LlamaModel model;
-        ParamLayout layout;
+        ParamLayout layout, buffers;
         param_layout_init(&layout, &c->model);
-        ZeroPlan z;
-        zero_plan_init(&z, &layout, 3, stage);
-        model_create_sized(&model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), z.padded_elems,
-                           stage == 2 ? 2 * z.largest_bucket_elems : z.padded_elems);
-        size_t grad_sum = stage == 2 ? 4 * z.shard_elems : 0;
-        ZeroRange shard = zero_shard(&z, rank);
+        ZeroPlan *z = (ZeroPlan *)malloc(sizeof(ZeroPlan));
+        zero_plan_init(z, &layout, 3, stage, (size_t)c->bucket_min_elems);
+        zero_model_layout(z, &c->model, &buffers);
+        model_create_sized(&model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), &buffers,
+                           zero_grads_elems(z));
+        int e4m3 = config_param_gather(c) == GATHER_E4M3;
+        size_t zero_bytes = (stage == 2 ? 4 : 2) * z->shard_elems + (e4m3 ? zero_e4m3_gather_bytes(z, &layout) : 0);
         AdamWConfig ac = {0.9f, 0.95f, 1e-8f, 0.1f, 0, 0};
         AdamW opt;
-        adamw_create(&opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &model.layout, shard.begin, shard.end,
-                     gpu->stream);
+        adamw_create_ranges(&opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &model.layout, z->bucket, z->buckets,
+                            rank, gpu->stream);
         size_t planned_model = plan.params_bytes + plan.grads_bytes + plan.activations_bytes + plan.working_bytes -
                                CUBLASLT_WORKSPACE_BYTES - ZERO_SCALAR_BYTES;
         size_t planned_optimizer = plan.master_bytes + plan.states_bytes, optimizer = adamw_allocated_bytes(&opt);
-        check(planned_model == model_allocated_bytes(&model) + grad_sum && planned_optimizer == optimizer &&
-                  z.padded_elems > layout.total_padded,
-              "ZeRO stage %d, rank %d of 3: the plan equals the allocation byte for byte (model %zu planned, %zu allocated; "
-              "optimizer %zu planned, %zu allocated)", stage, rank, planned_model, model_allocated_bytes(&model) + grad_sum,
-              planned_optimizer, optimizer);
+        check(planned_model == model_allocated_bytes(&model) + zero_bytes && planned_optimizer == optimizer &&
+                  z->buffer_elems > layout.total_padded && opt.n == z->shard_elems,
+              "ZeRO stage %d, rank %d of 3: the plan equals the allocation byte for byte (model and ZeRO's buffers %zu "
+              "planned, %zu allocated; optimizer %zu planned, %zu allocated)", stage, rank, planned_model,
+              model_allocated_bytes(&model) + zero_bytes, planned_optimizer, optimizer);
+        free(z);
         adamw_free(&opt);
         model_free(&model);
     }

@@ -207,7 +207,7 @@ static void gpu_run(AdamW *opt, Fixture *fx, int first_step, int steps) {
     for (int s = first_step; s < first_step + steps; s++) {
         make_grads(fx->grads_host, &fx->layout, fx->total, s);
         cudaCheck(cudaMemcpy(fx->grads, fx->grads_host, fx->total * sizeof(uint16_t), cudaMemcpyHostToDevice));
-        adamw_step(opt, fx->params, fx->grads + opt->shard_begin, step_lr(s), step_grad_scale(s), fx->stream);
+        adamw_step(opt, fx->params, fx->grads + opt->ranges[0].at, step_lr(s), step_grad_scale(s), fx->stream);
     }
     cudaCheck(cudaStreamSynchronize(fx->stream));
 }
@@ -897,71 +897,70 @@ static unsigned char *read_file(FILE *file, long *size) {
     return bytes;
 }
 
+// Each rank's parts of data parallelism's buckets (coat/zero.h, over 2 and 3 ranks, the last parts
+// ending in padding) read from a one-rank checkpoint are the whole state's slices, and written back
+// by rank 0 (in 4 KiB chunks) they are the one-rank file byte for byte.
 static void test_sharded_checkpoint(OptimizerStateKind kind) {
     const char *name = optimizer_state_kind_name(kind);
     ModelShape shape = test_shape();
     ParamLayout layout;
     param_layout_init(&layout, &shape);
-    ZeroPlan three;
-    zero_plan_init(&three, &layout, 3, 1);
     Fixture fx;
-    fixture_create(&fx, three.padded_elems - layout.total_padded);
+    fixture_create(&fx, 0);
     unsigned char *chunk = (unsigned char *)host_alloc(ADAMW_COPY_CHUNK_BYTES);
 
     AdamW whole;
     gpu_create(&whole, &fx, kind, 0, layout.total_padded);
     gpu_run(&whole, &fx, 0, 3);
-    FILE *one = tmpfile(), *sharded = tmpfile();
-    if (!one || !sharded) { fprintf(stderr, "error: tmpfile: cannot create a temporary file\n"); exit(EXIT_FAILURE); }
+    FILE *one = tmpfile();
+    if (!one) { fprintf(stderr, "error: tmpfile: cannot create a temporary file\n"); exit(EXIT_FAILURE); }
     adamw_write_section(&whole, 0, one, 1, 0, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
     adamw_save(&whole, one, 1, 0, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
-
-    AdamW shards[3];
-    for (int r = 0; r < 3; r++) {
-        ZeroRange range = zero_shard(&three, r);
-        gpu_create(&shards[r], &fx, kind, range.begin, range.end);
-        gpu_run(&shards[r], &fx, 0, 3);
-    }
-    ShardGather gather = {shards};
-    adamw_write_section(&shards[0], 0, sharded, 3, 0, gather_from_shards, &gather, chunk, 4096);
-    adamw_save(&shards[0], sharded, 3, 0, gather_from_shards, &gather, chunk, 4096);
-    long one_size, sharded_size;
-    unsigned char *one_bytes = read_file(one, &one_size), *sharded_bytes = read_file(sharded, &sharded_size);
-    check(one_size == sharded_size && memcmp(one_bytes, sharded_bytes, (size_t)one_size) == 0 &&
-              one_size == (long)(4 * layout.total_padded + adamw_checkpoint_bytes(&whole)),
-          "%s: 3 shards written by rank 0 in 4 KiB chunks are the one-rank file byte for byte (%ld and %ld bytes)", name,
-          sharded_size, one_size);
-
-    ZeroPlan two;
-    zero_plan_init(&two, &layout, 2, 1);
-    unsigned char *whole_state = download_state(&whole);
-    size_t bad = 0;
-    for (int r = 0; r < 2; r++) {
-        ZeroRange range = zero_shard(&two, r);
-        AdamW part;
-        AdamWConfig config = test_config(0);
-        adamw_create(&part, kind, &config, &layout, range.begin, range.end, fx.stream);
-        adamw_read_section(&part, 0, one, 0, "tmpfile", chunk, fx.stream);
-        if (fseek(one, (long)(4 * layout.total_padded), SEEK_SET) != 0) { fprintf(stderr, "error: fseek\n"); exit(EXIT_FAILURE); }
-        adamw_load(&part, one, "tmpfile", chunk, fx.stream);
-        unsigned char *state = download_state(&part);
-        size_t used = adamw_shard_used(&part);
-        for (int section = 0; section < ADAMW_SECTIONS; section++) {
-            size_t group_bytes = adamw_section_group_bytes(kind, section);
-            const unsigned char *mine = state + (adamw_section(&part, section) - (unsigned char *)part.state);
-            const unsigned char *want = whole_state + (adamw_section(&whole, section) - (unsigned char *)whole.state) +
-                                        range.begin / ADAMW_GROUP * group_bytes;
-            bad += memcmp(mine, want, used / ADAMW_GROUP * group_bytes) != 0;
+    long one_size;
+    unsigned char *one_bytes = read_file(one, &one_size), *whole_state = download_state(&whole);
+    ZeroPlan *plan = (ZeroPlan *)host_alloc(sizeof(ZeroPlan));
+    for (int ranks = 2; ranks <= 3; ranks++) {
+        zero_plan_init(plan, &layout, ranks, 1, 1);  // a bucket per layer
+        AdamW shards[3];
+        size_t bad = 0;
+        for (int r = 0; r < ranks; r++) {
+            AdamWConfig config = test_config(0);
+            adamw_create_ranges(&shards[r], kind, &config, &layout, plan->bucket, plan->buckets, r, fx.stream);
+            adamw_read_section(&shards[r], 0, one, 0, "tmpfile", chunk, fx.stream);
+            if (fseek(one, (long)(4 * layout.total_padded), SEEK_SET) != 0) { fprintf(stderr, "error: fseek\n"); exit(EXIT_FAILURE); }
+            adamw_load(&shards[r], one, "tmpfile", chunk, fx.stream);
+            unsigned char *state = download_state(&shards[r]);
+            for (int b = 0; b < plan->buckets; b++) {
+                ZeroRange part = zero_owned(plan, b, r);
+                for (int section = 0; section < ADAMW_SECTIONS; section++) {
+                    size_t group_bytes = adamw_section_group_bytes(kind, section);
+                    const unsigned char *mine = state + (adamw_section(&shards[r], section) - (unsigned char *)shards[r].state) +
+                                                plan->bucket[b].state_at / ADAMW_GROUP * group_bytes;
+                    const unsigned char *want = whole_state + (adamw_section(&whole, section) - (unsigned char *)whole.state) +
+                                                part.begin / ADAMW_GROUP * group_bytes;
+                    bad += memcmp(mine, want, (part.end - part.begin) / ADAMW_GROUP * group_bytes) != 0;
+                }
+            }
+            bad += shards[r].step != whole.step;
+            free(state);
         }
-        bad += part.step != whole.step;
-        free(state);
-        adamw_free(&part);
+        FILE *sharded = tmpfile();
+        if (!sharded) { fprintf(stderr, "error: tmpfile: cannot create a temporary file\n"); exit(EXIT_FAILURE); }
+        ShardGather gather = {shards};
+        adamw_write_section(&shards[0], 0, sharded, ranks, 0, gather_from_shards, &gather, chunk, 4096);
+        adamw_save(&shards[0], sharded, ranks, 0, gather_from_shards, &gather, chunk, 4096);
+        long sharded_size;
+        unsigned char *sharded_bytes = read_file(sharded, &sharded_size);
+        check(bad == 0 && one_size == sharded_size && memcmp(one_bytes, sharded_bytes, (size_t)one_size) == 0 &&
+                  one_size == (long)(4 * layout.total_padded + adamw_checkpoint_bytes(&whole)),
+              "%s: %d ranks' parts of %d buckets read the one-rank file as the whole state's slices (%zu differ) and "
+              "write it back byte for byte (%ld and %ld bytes)", name, ranks, plan->buckets, bad, sharded_size, one_size);
+        free(sharded_bytes);
+        fclose(sharded);
+        for (int r = 0; r < ranks; r++) adamw_free(&shards[r]);
     }
-    check(bad == 0, "%s: 2 shards read the file back as the whole state's slices (%zu sections differ)", name, bad);
-    free(whole_state); free(one_bytes); free(sharded_bytes); free(chunk);
+    free(plan); free(whole_state); free(one_bytes); free(chunk);
     fclose(one);
-    fclose(sharded);
-    for (int r = 0; r < 3; r++) adamw_free(&shards[r]);
     adamw_free(&whole);
     fixture_free(&fx);
 }
@@ -1249,9 +1248,9 @@ static void test_init_master(Fixture *fx) {
         float *master = host_floats(opt.n);
         cudaCheck(cudaMemcpy(master, opt.master, 4 * opt.n, cudaMemcpyDeviceToHost));
         size_t differ = 0;
-        for (size_t i = 0; i < opt.n; i++) differ += memcmp(&master[i], &fx->init[opt.shard_begin + i], 4) != 0;
+        for (size_t i = 0; i < opt.n; i++) differ += memcmp(&master[i], &fx->init[ranges[r][0] + i], 4) != 0;
         check(differ == 0, "GPU initialisation of [%zu, %zu) equals the host's bit for bit (%zu of %zu differ)",
-              opt.shard_begin, opt.shard_end, differ, opt.n);
+              ranges[r][0], ranges[r][1], differ, opt.n);
         free(master);
         adamw_free(&opt);
     }
@@ -1260,10 +1259,13 @@ static void test_init_master(Fixture *fx) {
     param_layout_init(&layout, &big);
     float *master;
     cudaCheck(cudaMalloc(&master, 4 * layout.total_padded));
-    AdamW opt;  // only the master pointer and the shard are read
+    AdamW opt;  // only the master pointer and the range are read
     memset(&opt, 0, sizeof(opt));
+    ParamShardRange all = {0, layout.total_padded, 0, layout.total_padded, 0};
     opt.master = master;
-    opt.shard_end = opt.n = layout.total_padded;
+    opt.ranges = &all;
+    opt.range_count = 1;
+    opt.n = layout.total_padded;
     cudaEvent_t start, stop;
     cudaCheck(cudaEventCreate(&start));
     cudaCheck(cudaEventCreate(&stop));

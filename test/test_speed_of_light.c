@@ -136,8 +136,9 @@ static int marked_names(const char *path, char names[][128], int count, int capa
 static void check_names(void) {
     static char names[SOL_MAX_OPS * 2][128];
     int count = marked_names("coat/model.cuh", names, 0, SOL_MAX_OPS * 2);
+    count = marked_names("coat/zero.cuh", names, count, SOL_MAX_OPS * 2);
     count = marked_names("train_llama.cu", names, count, SOL_MAX_OPS * 2);
-    check(count >= 30, "the trainer marks %d op names (coat/model.cuh, train_llama.cu)", count);
+    check(count >= 30, "the trainer marks %d op names (coat/model.cuh, coat/zero.cuh, train_llama.cu)", count);
     ModelShape m = llama_1b();
     SolRun run = sol_run_one_gpu(&m, 16, 2048, 1, 0, ACTS_BF16, OPT_STATES_FP32);
     SolTable t;

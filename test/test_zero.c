@@ -1,4 +1,6 @@
-// coat/zero.h: the ZeRO shard and bucket arithmetic for many shapes, world sizes and stages, the
+// coat/zero.h: the ZeRO bucket and part arithmetic for many shapes, world sizes and stages (the
+// buckets tile the parameter order, every rank owns an equal part of each, the parts map back to
+// the parameter order exactly once, as checkpoints need), the collective calls of a step, the
 // bytes each rank sends against a ring simulation that moves real values, and the per-rank memory
 // plan of each stage. CPU only.
 #include <stdio.h>
@@ -9,6 +11,8 @@
 #include "../coat/zero.h"
 #include "check.h"
 
+#define BUCKET_MIN ((size_t)33554432)  // the config's default bucket_min_elems
+
 static ModelShape shape_of(int vocab, int dim, int layers, int heads, int kv_heads, int ffn) {
     ModelShape s;
     memset(&s, 0, sizeof(s));
@@ -17,45 +21,85 @@ static ModelShape shape_of(int vocab, int dim, int layers, int heads, int kv_hea
     return s;
 }
 
-// Shards tile the padded buffer in multiples of 128 with the least padding; buckets tile the
-// parameters at tensor boundaries in backward order; each bucket's owned parts tile the bucket.
-static int check_plan(const char *name, const ParamLayout *layout, int ranks, int stage) {
-    ZeroPlan z;
-    zero_plan_init(&z, layout, ranks, stage);
-    int ok = z.shard_elems % PARAM_ALIGN_ELEMS == 0 && z.padded_elems >= layout->total_padded;
-    if (stage >= 1) ok &= z.padded_elems == (size_t)ranks * z.shard_elems && z.padded_elems - layout->total_padded < (size_t)ranks * 128;
-    else ok &= z.padded_elems == layout->total_padded && z.shard_elems == layout->total_padded;
-    for (int r = 0; stage >= 1 && r < ranks; r++) {
-        ZeroRange s = zero_shard(&z, r);
-        ok &= s.begin == (size_t)r * z.shard_elems && s.end - s.begin == z.shard_elems;
-    }
-    size_t covered = 0, largest = 0;
+// Buckets are runs of segments that tile the parameter order at tensor boundaries, merged only
+// while smaller than `min` elements; each is padded to `shards` equal parts of a multiple of
+// 128, placed back to back in the device buffers and in each rank's state; the ranks' parts of a
+// bucket tile it in rank order; every tensor lies in its segment's bucket at the place
+// zero_place_segments gives it.
+static int check_plan(const char *name, const ParamLayout *layout, int ranks, int stage, size_t min) {
+    static ZeroPlan z;
+    zero_plan_init(&z, layout, ranks, stage, min);
+    int shards = stage >= 1 ? ranks : 1, L = layout->shape.n_layers, ok = z.shards == shards && z.segments == L + 2;
+    size_t at = 0, state_at = 0, largest = 0;
     for (int b = 0; b < z.buckets; b++) {
-        ZeroRange bucket = zero_bucket(layout, b);
-        ok &= bucket.begin % 128 == 0 && bucket.end % 128 == 0 && bucket.end > bucket.begin;
-        covered += bucket.end - bucket.begin;
-        if (bucket.end - bucket.begin > largest) largest = bucket.end - bucket.begin;
-        if (b > 0) ok &= bucket.end == zero_bucket(layout, b - 1).begin;  // each ends where the one done before starts
-        size_t owned = 0;
-        for (int r = 0; stage >= 1 && r < ranks; r++) {
-            ZeroRange part = zero_owned_part(&z, bucket, r), shard = zero_shard(&z, r);
-            if (part.end == part.begin) continue;
-            ok &= part.begin >= bucket.begin && part.end <= bucket.end && part.begin >= shard.begin && part.end <= shard.end;
-            ok &= part.begin % 128 == 0 && part.end % 128 == 0;
-            owned += part.end - part.begin;
+        const ParamShardRange *r = &z.bucket[b];
+        size_t n = r->end - r->begin, padded = (size_t)shards * r->part;
+        ok &= r->begin == (b == 0 ? 0 : z.bucket[b - 1].end) && r->begin % 128 == 0 && r->end % 128 == 0 && n > 0;
+        ok &= r->part % 128 == 0 && padded >= n && padded < n + (size_t)shards * 128 && r->at == at && r->state_at == state_at;
+        ok &= z.first_segment[b] <= z.last_segment[b] && r->begin == param_segment_begin(layout, z.last_segment[b]) &&
+              r->end == param_segment_end(layout, z.first_segment[b]);
+        if (z.last_segment[b] > z.first_segment[b])  // merged: layers only, and without its last segment still small
+            ok &= zero_bucket_is_layers(&z, b) &&
+                  param_segment_end(layout, z.first_segment[b]) - param_segment_begin(layout, z.last_segment[b] - 1) < min;
+        for (int s = z.first_segment[b]; s <= z.last_segment[b]; s++) ok &= z.bucket_of[s] == b;
+        size_t next = r->begin;
+        for (int rank = 0; rank < shards; rank++) {
+            ZeroRange part = zero_owned(&z, b, rank);
+            ok &= part.begin == next && part.end - part.begin <= r->part && part.begin % 128 == 0 && part.end % 128 == 0;
+            ok &= part.end - part.begin == r->part || part.end == r->end;  // equal parts; the padding at the end
+            next = part.end;
         }
-        if (stage >= 1) ok &= owned == bucket.end - bucket.begin;
+        ok &= next == r->end;
+        at += padded;
+        state_at += r->part;
+        if (padded > largest) largest = padded;
     }
-    for (int k = 0; k < PARAM_KINDS; k++) {  // zero_bucket_of names the bucket that holds each tensor
-        for (int l = 0; l < (param_kind_is_per_layer((ParamKind)k) ? layout->shape.n_layers : 1); l++) {
-            ZeroRange bucket = zero_bucket(layout, zero_bucket_of(layout, (ParamKind)k, l));
+    ok &= z.bucket[z.buckets - 1].end == layout->total_padded && z.buffer_elems == at && z.shard_elems == state_at &&
+          z.largest_bucket_elems == largest && z.first_segment[0] == L + 1 && z.last_segment[z.buckets - 1] == 0;
+    ParamLayout placed = *layout;
+    zero_place_segments(&z, &placed);
+    for (int k = 0; k < PARAM_KINDS; k++)
+        for (int l = 0; l < (param_kind_is_per_layer((ParamKind)k) ? L : 1); l++) {
+            const ParamShardRange *r = &z.bucket[z.bucket_of[param_segment_of(layout, (ParamKind)k, l)]];
             size_t offset = param_offset(layout, (ParamKind)k, l);
-            ok &= offset >= bucket.begin && offset + layout->padded[k] <= bucket.end;
+            ok &= offset >= r->begin && offset + layout->padded[k] <= r->end &&
+                  param_buffer_offset(&placed, (ParamKind)k, l) == r->at + (offset - r->begin);
         }
-    }
-    ok &= covered == layout->total_padded && zero_bucket(layout, 0).end == layout->total_padded &&
-          zero_bucket(layout, z.buckets - 1).begin == 0 && largest == z.largest_bucket_elems;
-    if (!ok) check(0, "%s, %d ranks, stage %d: shards, buckets or owned parts do not tile", name, ranks, stage);
+    ok &= placed.buffer_elems == z.buffer_elems;
+    if (!ok) check(0, "%s, %d ranks, stage %d: buckets, parts or their places do not tile", name, ranks, stage);
+    return ok;
+}
+
+// Element by element on small shapes: every element of the parameter order is in exactly one
+// rank's part, at one place of the device buffers and of that rank's state; each rank's parts
+// fill its state [0, shard_elems) exactly once (the padding included); and a checkpoint's order
+// (bucket by bucket, rank by rank: what rank 0 writes) is the parameter order.
+static int check_parts_exactly_once(const ParamLayout *layout, int ranks, size_t min) {
+    static ZeroPlan z;
+    zero_plan_init(&z, layout, ranks, 1, min);
+    unsigned char *owner_count = calloc(layout->total_padded, 1), *buffer_count = calloc(z.buffer_elems, 1),
+                  *state_count = calloc((size_t)ranks * z.shard_elems, 1);
+    int ok = owner_count && buffer_count && state_count;
+    size_t written = 0;  // the checkpoint's order so far
+    for (int b = 0; ok && b < z.buckets; b++)
+        for (int r = 0; r < ranks; r++) {
+            const ParamShardRange *range = &z.bucket[b];
+            ZeroRange part = zero_owned(&z, b, r);
+            ok &= part.begin == written || part.end == part.begin;
+            written = part.end > part.begin ? part.end : written;
+            for (size_t e = part.begin; e < part.end; e++) owner_count[e]++;
+            for (size_t i = 0; i < range->part; i++) {  // the part's room, its padding included
+                buffer_count[range->at + (size_t)r * range->part + i]++;
+                state_count[(size_t)r * z.shard_elems + range->state_at + i]++;
+            }
+        }
+    for (size_t e = 0; ok && e < layout->total_padded; e++) ok &= owner_count[e] == 1;
+    for (size_t e = 0; ok && e < z.buffer_elems; e++) ok &= buffer_count[e] == 1;
+    for (size_t e = 0; ok && e < (size_t)ranks * z.shard_elems; e++) ok &= state_count[e] == 1;
+    ok &= written == layout->total_padded;
+    free(owner_count);
+    free(buffer_count);
+    free(state_count);
     return ok;
 }
 
@@ -65,49 +109,65 @@ typedef struct {
 } NamedShape;
 
 // The shapes both the tiling and the linear-weight tests walk (dims multiples of 16, as FP8 needs).
-static size_t test_shapes(NamedShape shapes[5]) {
-    NamedShape all[5] = {
+static size_t test_shapes(NamedShape shapes[6]) {
+    NamedShape all[6] = {
         {"tiny", shape_of(512, 64, 2, 4, 2, 128)},
         {"odd (no size a multiple of 128)", shape_of(1001, 192, 3, 3, 1, 208)},
         {"llama-125m", shape_of(32000, 768, 12, 12, 4, 2048)},
         {"llama-1b", shape_of(32000, 2048, 16, 32, 8, 5632)},
         {"llama2-7b", shape_of(32000, 4096, 32, 32, 32, 11008)},
+        {"1024 small layers", shape_of(256, 128, 1024, 2, 1, 256)},
     };
     memcpy(shapes, all, sizeof(all));
-    return 5;
+    return 6;
 }
 
 static void test_tiling(void) {
-    NamedShape shapes[5];
-    test_shapes(shapes);
+    NamedShape shapes[6];
+    size_t shape_count = test_shapes(shapes);
     int world_sizes[] = {1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 31, 64, 100, 512, 1000, 4096};
-    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+    for (size_t s = 0; s < shape_count; s++) {
         ParamLayout layout;
         param_layout_init(&layout, &shapes[s].shape);
         int all = 1, count = (int)(sizeof(world_sizes) / sizeof(world_sizes[0]));
         for (int w = 0; w < count; w++)
-            for (int stage = 0; stage <= 2; stage++) all &= check_plan(shapes[s].name, &layout, world_sizes[w], stage);
-        check(all, "%s: shards, stage-2 buckets and their owned parts tile exactly for %d world sizes (1 to 4096) x 3 stages",
+            for (int stage = 0; stage <= 2; stage++)
+                for (int m = 0; m < 2; m++)  // a bucket per layer; the default
+                    all &= check_plan(shapes[s].name, &layout, world_sizes[w], stage, m == 0 ? 1 : BUCKET_MIN);
+        check(all, "%s: buckets tile the parameter order, each rank owns an equal part (a multiple of 128) of each, "
+                   "placed back to back, for %d world sizes (1 to 4096) x 3 stages x a bucket per layer or merged",
               shapes[s].name, count);
     }
-    // More ranks than 128-groups: the last ranks own only padding, still whole groups.
+    for (size_t s = 0; s < 2; s++) {  // the small shapes, element by element
+        ParamLayout layout;
+        param_layout_init(&layout, &shapes[s].shape);
+        int all = 1;
+        for (int ranks = 1; ranks <= 17; ranks++)
+            all &= check_parts_exactly_once(&layout, ranks, 1) && check_parts_exactly_once(&layout, ranks, BUCKET_MIN);
+        check(all, "%s, 1 to 17 ranks: every element in one rank's part, every place of the buffers and the ranks' states "
+                   "once, a checkpoint's order (bucket by bucket, rank by rank) the parameter order", shapes[s].name);
+    }
+    // More ranks than 128-groups in a bucket: the last ranks own only padding, still whole groups.
     ParamLayout tiny;
     ModelShape shape = shape_of(512, 64, 2, 4, 2, 128);
     param_layout_init(&tiny, &shape);
-    ZeroPlan z;
-    zero_plan_init(&z, &tiny, 4096, 1);
-    check(z.shard_elems == 128 && zero_shard(&z, 4095).begin >= tiny.total_padded,
-          "tiny over 4096 ranks: shards of one group (%zu elements), the last ranks own only padding", z.shard_elems);
+    static ZeroPlan z;
+    zero_plan_init(&z, &tiny, 4096, 1, BUCKET_MIN);
+    ZeroRange last = zero_owned(&z, 0, 4095);
+    check(z.bucket[0].part == 128 && last.begin == last.end && z.shard_elems == (size_t)z.buckets * 128,
+          "tiny over 4096 ranks: parts of one group (%zu elements) in each of %d buckets, the last ranks own only padding",
+          z.bucket[0].part, z.buckets);
 }
 
 // The E4M3 parameter gather casts each rank's part of a linear weight as rows of 128 values: with
 // the dims FP8 GEMMs need (multiples of 16) the fused weights (wq|wk|wv, w_gate|w_up) lie back to
 // back, and every weight's range and every part a rank owns of it begin and end on multiples of 128.
 static void test_linear_weight_parts(void) {
-    NamedShape shapes[5];
+    NamedShape shapes[6];
     size_t count = test_shapes(shapes);
     int world_sizes[] = {2, 3, 5, 8, 17, 64, 512};
-    for (size_t s = 0; s < count; s++) {
+    static ZeroPlan z;
+    for (size_t s = 0; s < count - 1; s++) {
         ParamLayout layout;
         param_layout_init(&layout, &shapes[s].shape);
         int ok = 1;
@@ -126,31 +186,68 @@ static void test_linear_weight_parts(void) {
                 ok &= named.begin == range.begin && named.end == range.end && elems == in[i] * out[i];
                 ok &= range.begin % 128 == 0 && range.end % 128 == 0;
                 for (size_t w = 0; w < sizeof(world_sizes) / sizeof(world_sizes[0]); w++) {
-                    ZeroPlan z;
-                    zero_plan_init(&z, &layout, world_sizes[w], 1);
+                    zero_plan_init(&z, &layout, world_sizes[w], 1, BUCKET_MIN);
+                    int b = z.bucket_of[layout.shape.n_layers - l];
+                    ok &= zero_bucket_is_layers(&z, b);
                     for (int r = 0; r < world_sizes[w]; r++) {
-                        ZeroRange part = zero_owned_part(&z, range, r);
+                        ZeroRange part = zero_intersection(range, zero_owned(&z, b, r));
                         ok &= part.begin % 128 == 0 && part.end % 128 == 0;
                     }
                 }
             }
-        check(ok, "%s: every linear weight (fused ones back to back, zero_linear_range, in x out elements) and every "
-                  "rank's part of it start and end on multiples of 128 elements, 2 to 512 ranks", shapes[s].name);
+        check(ok, "%s: every linear weight (fused ones back to back, zero_linear_range, in x out elements) lies in a bucket "
+                  "of layers, and every rank's part of it starts and ends on multiples of 128 elements, 2 to 512 ranks",
+              shapes[s].name);
     }
 }
 
-static void test_largest_bucket(void) {
-    ModelShape one = shape_of(32000, 2048, 16, 32, 8, 5632), seven = shape_of(32000, 4096, 32, 32, 32, 11008);
-    ParamLayout a, b;
+static void test_buckets(void) {
+    ModelShape one = shape_of(32000, 2048, 16, 32, 8, 5632), seven = shape_of(32000, 4096, 32, 32, 32, 11008),
+               small = shape_of(32000, 768, 12, 12, 4, 2048);
+    ParamLayout a, b, c;
     param_layout_init(&a, &one);
     param_layout_init(&b, &seven);
-    ZeroPlan za, zb;
-    zero_plan_init(&za, &a, 8, 2);
-    zero_plan_init(&zb, &b, 8, 2);
-    check(za.largest_bucket_elems == a.padded[PARAM_FINAL_NORM] + a.padded[PARAM_LM_HEAD] && za.largest_bucket_elems > a.layer_stride,
-          "llama-1b: the largest bucket is the lm_head with the final norm (%zu elements; a layer %zu)",
-          za.largest_bucket_elems, a.layer_stride);
-    check(zb.largest_bucket_elems == b.layer_stride, "llama2-7b: the largest bucket is a layer (%zu elements)", zb.largest_bucket_elems);
+    param_layout_init(&c, &small);
+    static ZeroPlan za, zb, zc;
+    zero_plan_init(&za, &a, 8, 2, BUCKET_MIN);
+    zero_plan_init(&zb, &b, 8, 2, BUCKET_MIN);
+    zero_plan_init(&zc, &c, 8, 2, BUCKET_MIN);
+    const ParamShardRange *tail = &za.bucket[za.buckets - 1];
+    check(za.buckets == 18 && za.largest_bucket_elems == 8 * tail->part && tail->end - tail->begin == a.padded[PARAM_FINAL_NORM] + a.padded[PARAM_LM_HEAD],
+          "llama-1b: 18 buckets (a layer of %zu elements each), the largest the lm_head with the final norm (%zu elements padded)",
+          a.layer_stride, za.largest_bucket_elems);
+    check(zb.buckets == 34 && zb.largest_bucket_elems == 8 * zb.bucket[1].part && zb.bucket[1].end - zb.bucket[1].begin == b.layer_stride,
+          "llama2-7b: 34 buckets, the largest a layer (%zu elements padded)", zb.largest_bucket_elems);
+    int merged = 0;
+    for (int i = 0; i < zc.buckets; i++) merged += zc.last_segment[i] > zc.first_segment[i];
+    check(zc.buckets < 14 && merged > 0, "llama-125m: its small layers (%zu elements) merged, %d buckets for 12 layers",
+          c.layer_stride, zc.buckets);
+    zero_plan_init(&zc, &c, 8, 2, 1);
+    check(zc.buckets == 14, "llama-125m, bucket_min_elems 1: a bucket per layer, the tail and the embedding (%d)", zc.buckets);
+}
+
+// The collective calls of a step: a bucket's count plus a constant, at any world size.
+static void test_calls(void) {
+    ModelShape seven = shape_of(32000, 4096, 32, 32, 32, 11008);
+    ParamLayout layout;
+    param_layout_init(&layout, &seven);
+    static ZeroPlan z;
+    int ok = 1;
+    int world_sizes[] = {2, 8, 64, 512, 4096};
+    for (size_t w = 0; w < sizeof(world_sizes) / sizeof(world_sizes[0]); w++) {
+        for (int stage = 0; stage <= 2; stage++) {
+            zero_plan_init(&z, &layout, world_sizes[w], stage, BUCKET_MIN);
+            ZeroCalls bf16 = zero_calls(&z, 4, 0), e4m3 = zero_calls(&z, 4, 1);
+            if (stage == 0) ok &= bf16.all_reduces == 35 && bf16.reduce_scatters == 0 && bf16.all_gathers == 0;
+            if (stage >= 1) ok &= bf16.reduce_scatters == (stage == 2 ? 4 * 34 : 34) && bf16.all_gathers == 34 &&
+                                  bf16.all_reduces == 1 && e4m3.all_gathers == 34 && e4m3.all_reduces == 3;
+        }
+    }
+    zero_plan_init(&z, &layout, 1, 0, BUCKET_MIN);
+    ZeroCalls one = zero_calls(&z, 4, 1);
+    ok &= one.all_reduces == 0 && one.reduce_scatters == 0 && one.all_gathers == 0;
+    check(ok, "llama2-7b, 2 to 4096 ranks: 34 reduce-scatters (x micro-batches at stage 2) and 34 all-gathers a step, 1 "
+              "all-reduce (3 with the E4M3 gather); stage 0: 35 all-reduces; one rank: none");
 }
 
 // A ring all-reduce of W ranks' vectors of n = W k values: W - 1 reduce-scatter steps, then W - 1
@@ -200,10 +297,10 @@ static void test_traffic(void) {
     ParamLayout layout;
     param_layout_init(&layout, &shape);
     for (int W = 2; W <= 8; W++) {
-        ZeroPlan z0, z1, z2;
-        zero_plan_init(&z0, &layout, W, 0);
-        zero_plan_init(&z1, &layout, W, 1);
-        zero_plan_init(&z2, &layout, W, 2);
+        static ZeroPlan z0, z1, z2;
+        zero_plan_init(&z0, &layout, W, 0, BUCKET_MIN);
+        zero_plan_init(&z1, &layout, W, 1, BUCKET_MIN);
+        zero_plan_init(&z2, &layout, W, 2, BUCKET_MIN);
         // The simulation moves chunks of k values; per element of the vector a rank sends sent / (W k).
         size_t k = 3, all_reduce = ring_all_reduce(W, k, 0, 0), scatter = ring_all_reduce(W, k, 0, 1),
                gather = ring_all_reduce(W, k, 1, 0);
@@ -212,18 +309,21 @@ static void test_traffic(void) {
         double per_element_all_reduce = (double)all_reduce / (W * k), per_element_scatter = (double)scatter / (W * k),
                per_element_gather = (double)gather / (W * k);
         int ok = all_reduce != (size_t)-1 && scatter != (size_t)-1 && gather != (size_t)-1;
-        ok &= fabs(t0.gradient_bytes - per_element_all_reduce * 2.0 * z0.padded_elems) < 1e-6 && t0.parameter_bytes == 0.0;
-        ok &= fabs(t1.gradient_bytes - per_element_scatter * 2.0 * z1.padded_elems) < 1e-6;
-        ok &= fabs(t1.parameter_bytes - per_element_gather * 2.0 * z1.padded_elems) < 1e-6;
+        ok &= fabs(t0.gradient_bytes - per_element_all_reduce * 2.0 * z0.buffer_elems) < 1e-6 && t0.parameter_bytes == 0.0;
+        ok &= fabs(t1.gradient_bytes - per_element_scatter * 2.0 * z1.buffer_elems) < 1e-6;
+        ok &= fabs(t1.parameter_bytes - per_element_gather * 2.0 * z1.buffer_elems) < 1e-6;
         ok &= fabs(t2.gradient_bytes - 4 * t1.gradient_bytes) < 1e-6 && t2.parameter_bytes == t1.parameter_bytes;
-        double fp8_elems = (double)zero_block_linear_elems(&layout);
-        ok &= fabs(t1.parameter_bytes - t1_fp8.parameter_bytes - per_element_gather * fp8_elems) < 1e-6;
+        double layer_elems = 0.0;  // the buckets of layers travel a byte per element, their norms in the table's all-reduce
+        for (int b = 0; b < z1.buckets; b++)
+            if (zero_bucket_is_layers(&z1, b)) layer_elems += (double)W * z1.bucket[b].part;
+        ok &= fabs(t1.parameter_bytes - t1_fp8.parameter_bytes - per_element_gather * layer_elems +
+                   per_element_all_reduce * 2.0 * zero_norm_table_elems(&layout)) < 1e-6;
         check(ok, "%d ranks: bytes per rank = a ring simulation's (all-reduce %.3f, reduce-scatter %.3f, all-gather %.3f "
-                  "values sent per element); stage 2 sends every micro-batch; e4m3 block weights save 1 byte each",
+                  "values sent per element); stage 2 sends every micro-batch; e4m3 layers save 1 byte each, plus the norm table",
               W, per_element_all_reduce, per_element_scatter, per_element_gather);
     }
-    ZeroPlan single;
-    zero_plan_init(&single, &layout, 1, 2);
+    static ZeroPlan single;
+    zero_plan_init(&single, &layout, 1, 2, BUCKET_MIN);
     ZeroTraffic none = zero_traffic(&single, &layout, 8, 1);
     check(none.gradient_bytes == 0.0 && none.parameter_bytes == 0.0, "one rank sends nothing");
 }
@@ -244,14 +344,14 @@ static void test_memory(void) {
     struct { int ranks, stage; double expected; } cases[] = {
         {1, 0, 16.0 + decay},                       // 2 params + 2 gradients + 4 master + 8 states
         {4, 0, 16.0 + decay},                       // replicated
-        {4, 1, 4.0 + (12.0 + decay) / 4},           // params and gradients whole, master and states sharded
+        {4, 1, 4.0 + (14.0 + decay) / 4},           // params and gradients whole; the gradient shard, master, states sharded
         {4, 2, 2.0 + (16.0 + decay) / 4},           // + the FP32 gradient shard, and two buckets below
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         c.zero_stage = cases[i].stage;
         memory_plan_compute(&plan, &c, cases[i].ranks, 1);
-        ZeroPlan z;
-        zero_plan_init(&z, &layout, cases[i].ranks, cases[i].ranks > 1 ? cases[i].stage : 0);
+        static ZeroPlan z;
+        zero_plan_init(&z, &layout, cases[i].ranks, cases[i].ranks > 1 ? cases[i].stage : 0, BUCKET_MIN);
         double buckets = cases[i].stage == 2 ? 4.0 * z.largest_bucket_elems / plan.params_padded : 0.0;
         double per_param = (double)(plan.params_bytes + plan.grads_bytes + plan.master_bytes + plan.states_bytes) / plan.params_padded;
         check(fabs(per_param - cases[i].expected - buckets) < 0.01,
@@ -263,7 +363,8 @@ static void test_memory(void) {
 int main(void) {
     test_tiling();
     test_linear_weight_parts();
-    test_largest_bucket();
+    test_buckets();
+    test_calls();
     test_traffic();
     test_memory();
     return check_summary("test_zero");

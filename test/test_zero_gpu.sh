@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# coat/zero.cuh on the GPU (build/zero_ranks): every collective ZeRO needs, on device buffers,
+# coat/collectives.cuh on the GPU (build/zero_ranks): every collective ZeRO needs, on device buffers,
 # exact; the MPI backend with 1 to 4 ranks sharing this machine's GPU(s), NCCL with one rank per
 # GPU there is.
 cd "$(dirname "$0")/.." || exit 1
@@ -11,7 +11,7 @@ gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 if command -v mpirun > /dev/null && grep -qa MPI_Init build/zero_ranks; then
     for ranks in 1 2 3 4; do
         out=$("${mpi[@]}" $ranks build/zero_ranks mpi 2>&1); rc=$?
-        check "comm_backend mpi, $ranks rank(s) on $gpus GPU(s): all-reduce in place, reduce to each owner, a bucket's reduce to its owners, the owners' parts broadcast, the max of FP32 maxima exact" \
+        check "comm_backend mpi, $ranks rank(s) on $gpus GPU(s): all-reduce in place, reduce-scatter out of place and in place (with the FP32 accumulation of the part), all-gather in place of BF16 and of bytes, the max of FP32 maxima, FP64 sums exact" \
             "$([ $rc -eq 0 ] && [ "$(printf '%s\n' "$out" | grep -c "of $ranks: mpi collectives ok")" -eq $ranks ]; echo $?)" "$out"
     done
     for ranks in $(seq 2 "$gpus"); do

@@ -1,10 +1,12 @@
-// The program test/test_zero_gpu.sh launches as several ranks to test coat/zero.cuh on GPU
-// buffers: zero_ranks BACKEND (nccl or mpi). Each rank drives GPU local_rank % GPUs (the MPI
-// backend lets several ranks share one); every collective (all-reduce, reduce, a bucket's reduce
-// to its owners, the owners' parts broadcast, the max) on inputs each rank can
+// The program test/test_zero_gpu.sh launches as several ranks to test coat/collectives.cuh's
+// backends on GPU buffers: zero_ranks BACKEND (nccl or mpi). Each rank drives GPU local_rank % GPUs
+// (the MPI backend lets several ranks share one); every collective data parallelism runs (the
+// all-reduce, the reduce-scatter out of place and in place, stage 2's FP32 accumulation of the
+// part, the all-gather in place of BF16 elements and of bytes, the max) on inputs each rank can
 // compute for all the others, checked exactly (sums of multiples of 1/8 below 32 are exact in
-// BF16, and in FP32). zero_ranks nccl hang: the last rank skips an all-reduce and sleeps; the
-// others' watchdog (2 s) ends them, exit status EXIT_COLLECTIVE_FAILED.
+// BF16, and in FP32, whatever order the library adds them in: the per-owner reduces of earlier
+// versions gave these same bits). zero_ranks nccl hang: the last rank skips an all-reduce and
+// sleeps; the others' watchdog (2 s) ends them, exit status EXIT_COLLECTIVE_FAILED.
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -27,18 +29,25 @@ static float bits_float(uint16_t b) {
     return x;
 }
 
-static int skip_a_collective(ZeroComm *z, size_t n) {
-    if (z->comm->rank == z->comm->world - 1) {
+static int skip_a_collective(Collectives *c, size_t n) {
+    if (c->comm->rank == c->comm->world - 1) {
         sleep(30);
         return 0;
     }
     bf16 *data;
     cudaCheck(cudaMalloc(&data, 2 * n));
     cudaCheck(cudaMemset(data, 0, 2 * n));
-    zero_all_reduce_bf16(z, data, n, 0);
-    zero_wait_stream(z, z->stream, "the all-reduce the last rank skips");
-    printf("rank %d: the all-reduce the last rank skipped finished\n", z->comm->rank);
+    collectives_all_reduce_sum_bf16(c, data, n, 0);
+    collectives_wait_stream(c, c->stream, "the all-reduce the last rank skips");
+    printf("rank %d: the all-reduce the last rank skipped finished\n", c->comm->rank);
     return 1;
+}
+
+// Device data[n] to the host, once `compute` has waited for the collectives.
+static void download(Collectives *c, void *host, const void *data, size_t bytes, cudaStream_t compute) {
+    collectives_join(c, compute);
+    cudaCheck(cudaMemcpyAsync(host, data, bytes, cudaMemcpyDeviceToHost, compute));
+    cudaCheck(cudaStreamSynchronize(compute));
 }
 
 int main(int argc, char **argv) {
@@ -56,14 +65,14 @@ int main(int argc, char **argv) {
     int devices = 0;
     cudaCheck(cudaGetDeviceCount(&devices));
     cudaCheck(cudaSetDevice(comm.local_rank % devices));
-    size_t shard = 4096 + 8, n = (size_t)comm.world * shard;
-    ZeroComm z;
-    ZeroBackend backend = strcmp(argv[1], "nccl") == 0 ? ZERO_BACKEND_NCCL : ZERO_BACKEND_MPI;
-    if (zero_comm_init(&z, &comm, backend, n, hang ? 2.0 : 120.0, error, sizeof(error)) != 0) {
+    size_t shard = 4096 + 128, n = (size_t)comm.world * shard;  // a bucket of world parts of `shard`
+    Collectives c;
+    CollectivesBackend backend = strcmp(argv[1], "nccl") == 0 ? COLLECTIVES_NCCL : COLLECTIVES_MPI;
+    if (zero_open_collectives(&c, &comm, backend, n, hang ? 2.0 : 120.0, error, sizeof(error)) != 0) {
         fprintf(stderr, "error: %s\n", error);
         return 2;
     }
-    if (hang) return skip_a_collective(&z, n);
+    if (hang) return skip_a_collective(&c, n);
     uint16_t *mine = (uint16_t *)malloc(2 * n), *expected = (uint16_t *)malloc(2 * n), *got = (uint16_t *)malloc(2 * n);
     for (size_t i = 0; i < n; i++) {
         float sum = 0.0f;
@@ -80,79 +89,51 @@ int main(int argc, char **argv) {
     size_t place = (size_t)comm.rank * shard;
 
     cudaCheck(cudaMemcpyAsync(data, mine, 2 * n, cudaMemcpyHostToDevice, compute));
-    zero_all_reduce_bf16(&z, data, n, compute);
-    zero_comm_join(&z, compute);
-    cudaCheck(cudaMemcpyAsync(got, data, 2 * n, cudaMemcpyDeviceToHost, compute));
-    cudaCheck(cudaStreamSynchronize(compute));
+    collectives_all_reduce_sum_bf16(&c, data, n, compute);
+    download(&c, got, data, 2 * n, compute);
     if (memcmp(got, expected, 2 * n) != 0) { failures++; printf("rank %d: all-reduce wrong\n", comm.rank); }
 
-    for (int root = 0; root < comm.world; root++) {  // a part to each owner in turn
-        cudaCheck(cudaMemcpyAsync(data, mine, 2 * n, cudaMemcpyHostToDevice, compute));
-        cudaCheck(cudaMemsetAsync(out, 0, 2 * n, compute));
-        zero_reduce_bf16(&z, data + 8, out, 1000, root, compute);
-        zero_comm_join(&z, compute);
-        cudaCheck(cudaMemcpyAsync(got, out, 2 * 1000, cudaMemcpyDeviceToHost, compute));
-        cudaCheck(cudaStreamSynchronize(compute));
-        if (comm.rank == root && memcmp(got, expected + 8, 2 * 1000) != 0) { failures++; printf("rank %d: reduce to %d wrong\n", comm.rank, root); }
-    }
+    // Stage 1's reduce-scatter: a bucket's sum, this rank's part into a separate shard.
+    cudaCheck(cudaMemcpyAsync(data, mine, 2 * n, cudaMemcpyHostToDevice, compute));
+    cudaCheck(cudaMemsetAsync(out, 0, 2 * n, compute));
+    collectives_reduce_scatter_sum_bf16(&c, data, out + 128, shard, compute);
+    download(&c, got, out + 128, 2 * shard, compute);
+    if (memcmp(got, expected + place, 2 * shard) != 0) { failures++; printf("rank %d: reduce-scatter wrong\n", comm.rank); }
 
-    // A bucket [128, n - 128) reduced to the owners of its parts (shards of `shard` elements),
-    // twice into FP32 sums of each rank's shard (ZeRO stage 2): the owned part in data is the
-    // BF16 sum, the FP32 sums hold twice it (exact here), the rest of the shard's sums stay 0.
-    ZeroPlan plan;
-    memset(&plan, 0, sizeof(plan));
-    plan.ranks = comm.world;
-    plan.stage = 2;
-    plan.shard_elems = shard;
-    plan.padded_elems = n;
-    ZeroRange bucket = {128, n - 128}, owned = zero_owned_part(&plan, bucket, comm.rank);
-    float *sums;
-    cudaEvent_t done;
+    // Stage 2's: in place, twice into an FP32 sum of the part (exactly twice it here).
+    float *sums, *host_sums = (float *)malloc(4 * shard);
     cudaCheck(cudaMalloc(&sums, 4 * shard));
     cudaCheck(cudaMemsetAsync(sums, 0, 4 * shard, compute));
-    cudaCheck(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     for (int pass = 0; pass < 2; pass++) {
-        cudaCheck(cudaStreamWaitEvent(compute, done, 0));
+        collectives_join(&c, compute);  // the previous pass's sum is done with data
         cudaCheck(cudaMemcpyAsync(data, mine, 2 * n, cudaMemcpyHostToDevice, compute));
-        zero_reduce_bucket(&z, &plan, data + bucket.begin, bucket, sums, done, compute);
+        collectives_reduce_scatter_sum_bf16(&c, data, data + place, shard, compute);
+        zero_accumulate_kernel<<<(unsigned)ceil_div_size(shard, 256), 256, 0, c.stream>>>(sums, data + place, shard);
+        cudaCheckLaunch();
     }
-    zero_comm_join(&z, compute);
-    float *host_sums = (float *)malloc(4 * shard);
-    cudaCheck(cudaMemcpyAsync(got, data, 2 * n, cudaMemcpyDeviceToHost, compute));
-    cudaCheck(cudaMemcpyAsync(host_sums, sums, 4 * shard, cudaMemcpyDeviceToHost, compute));
-    cudaCheck(cudaStreamSynchronize(compute));
-    int wrong = memcmp(got + owned.begin, expected + owned.begin, 2 * (owned.end - owned.begin)) != 0;
-    for (size_t i = 0; i < shard; i++) {
-        size_t at = place + i;
-        float want = at >= owned.begin && at < owned.end ? 2.0f * bits_float(expected[at]) : 0.0f;
-        wrong |= host_sums[i] != want;
-    }
-    if (wrong) { failures++; printf("rank %d: bucket reduce to the owners wrong\n", comm.rank); }
+    download(&c, host_sums, sums, 4 * shard, compute);
+    int wrong = 0;
+    for (size_t i = 0; i < shard; i++) wrong |= host_sums[i] != 2.0f * bits_float(expected[place + i]);
+    if (wrong) { failures++; printf("rank %d: reduce-scatter in place and FP32 accumulation wrong\n", comm.rank); }
     free(host_sums);
     cudaCheck(cudaFree(sums));
-    cudaCheck(cudaEventDestroy(done));
-    // The owners' parts of a range sent to every rank: BF16 elements, and bytes (the E4M3 weight
-    // gather), each laid out from the range's start; outside the range nothing changes.
-    ZeroRange range = {3 * 128, n - 5 * 128};
-    cudaCheck(cudaMemcpyAsync(data, mine, 2 * n, cudaMemcpyHostToDevice, compute));
-    zero_broadcast_parts(&z, &plan, data + range.begin, 2, range, compute);
-    size_t codes_n = range.end - range.begin;
-    uint8_t *codes, *host_codes = (uint8_t *)malloc(codes_n);
-    for (size_t j = 0; j < codes_n; j++) host_codes[j] = (uint8_t)((comm.rank * 7 + j) % 251);
-    cudaCheck(cudaMalloc(&codes, codes_n));
-    cudaCheck(cudaMemcpyAsync(codes, host_codes, codes_n, cudaMemcpyHostToDevice, compute));
-    zero_broadcast_parts(&z, &plan, codes, 1, range, compute);
-    zero_comm_join(&z, compute);
-    cudaCheck(cudaMemcpyAsync(got, data, 2 * n, cudaMemcpyDeviceToHost, compute));
-    cudaCheck(cudaMemcpyAsync(host_codes, codes, codes_n, cudaMemcpyDeviceToHost, compute));
-    cudaCheck(cudaStreamSynchronize(compute));
+
+    // The parameter gather: each rank's part of BF16 elements, and of bytes (the E4M3 codes), in
+    // place to every rank.
+    cudaCheck(cudaMemsetAsync(data, 0, 2 * n, compute));
+    cudaCheck(cudaMemcpyAsync(data + place, mine + place, 2 * shard, cudaMemcpyHostToDevice, compute));
+    collectives_all_gather(&c, data, 2 * shard, compute);
+    download(&c, got, data, 2 * n, compute);
     wrong = 0;
-    for (size_t i = 0; i < n; i++) {
-        int owner = (int)(i / shard), inside = i >= range.begin && i < range.end;
-        wrong |= got[i] != bf16_bits(input_value(inside ? owner : comm.rank, i));
-        if (inside) wrong |= host_codes[i - range.begin] != (uint8_t)((owner * 7 + (i - range.begin)) % 251);
-    }
-    if (wrong) { failures++; printf("rank %d: broadcast of the owners' parts wrong\n", comm.rank); }
+    for (size_t i = 0; i < n; i++) wrong |= got[i] != bf16_bits(input_value((int)(i / shard), i));
+    uint8_t *codes, *host_codes = (uint8_t *)malloc(n);
+    for (size_t j = 0; j < n; j++) host_codes[j] = j / shard == (size_t)comm.rank ? (uint8_t)((comm.rank * 7 + j) % 251) : 0;
+    cudaCheck(cudaMalloc(&codes, n));
+    cudaCheck(cudaMemcpyAsync(codes, host_codes, n, cudaMemcpyHostToDevice, compute));
+    collectives_all_gather(&c, codes, shard, compute);
+    download(&c, host_codes, codes, n, compute);
+    for (size_t j = 0; j < n; j++) wrong |= host_codes[j] != (uint8_t)(((j / shard) * 7 + j) % 251);
+    if (wrong) { failures++; printf("rank %d: all-gather of BF16 elements or bytes wrong\n", comm.rank); }
     free(host_codes);
     cudaCheck(cudaFree(codes));
 
@@ -161,10 +142,8 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < shard; i++) host_maxima[i] = input_value(comm.rank, i) * 1e-3f;
     cudaCheck(cudaMalloc(&maxima, 4 * shard));
     cudaCheck(cudaMemcpyAsync(maxima, host_maxima, 4 * shard, cudaMemcpyHostToDevice, compute));
-    zero_all_reduce_max_f32(&z, maxima, shard, compute);
-    zero_comm_join(&z, compute);
-    cudaCheck(cudaMemcpyAsync(host_maxima, maxima, 4 * shard, cudaMemcpyDeviceToHost, compute));
-    cudaCheck(cudaStreamSynchronize(compute));
+    collectives_all_reduce_max_f32(&c, maxima, shard, compute);
+    download(&c, host_maxima, maxima, 4 * shard, compute);
     wrong = 0;
     for (size_t i = 0; i < shard; i++) {
         float want = 0.0f;
@@ -175,8 +154,15 @@ int main(int argc, char **argv) {
     free(host_maxima);
     cudaCheck(cudaFree(maxima));
 
+    double sums_f64[2] = {comm.rank + 0.5, 1.0};
+    collectives_all_reduce_sum_f64(&c, sums_f64, 2, compute, "the FP64 sums");
+    if (comm.world > 1 && (sums_f64[0] != comm.world * comm.world / 2.0 || sums_f64[1] != comm.world)) {
+        failures++;
+        printf("rank %d: FP64 sums wrong\n", comm.rank);
+    }
+
     printf("rank %d of %d: %s collectives %s\n", comm.rank, comm.world, argv[1], failures ? "WRONG" : "ok");
-    zero_comm_free(&z);
+    collectives_close(&c);
     cudaCheck(cudaFree(data));
     cudaCheck(cudaFree(out));
     cudaCheck(cudaStreamDestroy(compute));
