@@ -218,10 +218,10 @@ __global__ void __launch_bounds__(FP8_THREADS)
     fp8_quantize_kernel(uint8_t *out, uint8_t *out_t, Fp8Scale *slot, Source source, int R, int C) {
     constexpr int PLANES = Source::PLANES;
     __shared__ __align__(16) uint8_t tile_t[PLANES][FP8_TILE][FP8_TILE_PITCH];  // [plane][column][row] of the tile
-    __shared__ float scale_and_inverse[2];
+    float scale = fp8_scale_from_amax(slot->amax, FORMAT), inverse = 1.0f / scale;
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) slot->scale = scale;
     int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE, out_columns = PLANES * C;
     int tile_row = threadIdx.x / 8, tile_col = (threadIdx.x % 8) * 8, c = c0 + tile_col;
-    float amax = slot->amax;  // loaded with the data, not after it
     // Both vectors' values first, so that their loads are in flight together (the compiler would
     // not move the second one's loads above the first one's stores to out, which might alias).
     float v[2][PLANES][8];
@@ -229,14 +229,6 @@ __global__ void __launch_bounds__(FP8_THREADS)
         int r = r0 + tile_row + 32 * k;
         if (r < R && c < C) source.load(r, c, v[k]);
     }
-    // The scale and its reciprocal (two IEEE divisions) once per block instead of in every thread.
-    if (threadIdx.x == 0) {
-        float block_scale = fp8_scale_from_amax(amax, FORMAT);
-        scale_and_inverse[0] = block_scale, scale_and_inverse[1] = 1.0f / block_scale;
-        if (blockIdx.x == 0 && blockIdx.y == 0) slot->scale = block_scale;
-    }
-    __syncthreads();
-    float scale = scale_and_inverse[0], inverse = scale_and_inverse[1];
     for (int k = 0; k < 2; k++) {
         int tr = tile_row + 32 * k, r = r0 + tr;
         if (r >= R || c >= C) continue;
