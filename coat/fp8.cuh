@@ -221,19 +221,14 @@ __global__ void __launch_bounds__(FP8_THREADS)
     float scale = fp8_scale_from_amax(slot->amax, FORMAT), inverse = 1.0f / scale;
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) slot->scale = scale;
     int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE, out_columns = PLANES * C;
-    int tile_row = threadIdx.x / 8, tile_col = (threadIdx.x % 8) * 8, c = c0 + tile_col;
-    // Both vectors' values first, so that their loads are in flight together (the compiler would
-    // not move the second one's loads above the first one's stores to out, which might alias).
-    float v[2][PLANES][8];
+    int tile_row = threadIdx.x / 8, tile_col = (threadIdx.x % 8) * 8;
     for (int k = 0; k < 2; k++) {
-        int r = r0 + tile_row + 32 * k;
-        if (r < R && c < C) source.load(r, c, v[k]);
-    }
-    for (int k = 0; k < 2; k++) {
-        int tr = tile_row + 32 * k, r = r0 + tr;
+        int tr = tile_row + 32 * k, r = r0 + tr, c = c0 + tile_col;
         if (r >= R || c >= C) continue;
+        float v[PLANES][8];
+        source.load(r, c, v);
         for (int p = 0; p < PLANES; p++) {
-            uint2 codes = fp8_encode8(v[k][p], scale, inverse, FORMAT);
+            uint2 codes = fp8_encode8(v[p], scale, inverse, FORMAT);
             if (out != NULL) *reinterpret_cast<uint2 *>(out + (size_t)r * out_columns + p * C + c) = codes;
             if (out_t != NULL)
                 for (int j = 0; j < 8; j++) tile_t[p][tile_col + j][tr] = (uint8_t)((j < 4 ? codes.x : codes.y) >> (8 * (j % 4)));
@@ -242,12 +237,11 @@ __global__ void __launch_bounds__(FP8_THREADS)
     if (out_t == NULL) return;  // the same for the whole block
     __syncthreads();
     int column = threadIdx.x / 4, row_part = (threadIdx.x % 4) * 16;
-    int source_column = c0 + column, source_row = r0 + row_part;
-    if (source_column >= C || source_row >= R) return;
+    int c = c0 + column, r = r0 + row_part;
+    if (c >= C || r >= R) return;
     for (int p = 0; p < PLANES; p++) {
         const uint32_t *staged = reinterpret_cast<const uint32_t *>(&tile_t[p][column][row_part]);
-        *reinterpret_cast<uint4 *>(out_t + (size_t)(p * C + source_column) * R + source_row) =
-            make_uint4(staged[0], staged[1], staged[2], staged[3]);
+        *reinterpret_cast<uint4 *>(out_t + (size_t)(p * C + c) * R + r) = make_uint4(staged[0], staged[1], staged[2], staged[3]);
     }
 }
 
