@@ -82,7 +82,7 @@ int main(int argc, char **argv) {
     }
     bf16 *data, *out;
     cudaCheck(cudaMalloc(&data, 2 * n));
-    cudaCheck(cudaMalloc(&out, 2 * n));
+    cudaCheck(cudaMalloc(&out, 2 * (n + 128)));  // the separate shard lands at out + 128
     cudaStream_t compute;
     cudaCheck(cudaStreamCreate(&compute));
     int failures = 0;
@@ -95,7 +95,7 @@ int main(int argc, char **argv) {
 
     // Stage 1's reduce-scatter: a bucket's sum, this rank's part into a separate shard.
     cudaCheck(cudaMemcpyAsync(data, mine, 2 * n, cudaMemcpyHostToDevice, compute));
-    cudaCheck(cudaMemsetAsync(out, 0, 2 * n, compute));
+    cudaCheck(cudaMemsetAsync(out, 0, 2 * (n + 128), compute));
     collectives_reduce_scatter_sum_bf16(&c, data, out + 128, shard, compute);
     download(&c, got, out + 128, 2 * shard, compute);
     if (memcmp(got, expected + place, 2 * shard) != 0) { failures++; printf("rank %d: reduce-scatter wrong\n", comm.rank); }
