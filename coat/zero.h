@@ -2,11 +2,11 @@
 // parameter buckets, the part of each that every rank owns, where they sit in the device buffers
 // and in each rank's optimizer state, the collective calls and bytes of a step. The memory plan,
 // dry_run, the optimizer, checkpoints and the tests use it; coat/zero.cuh runs it.
-// Buckets: runs of neighbouring segments, each at least min_bucket_elems (the config's
-// bucket_min_elems) where the layers allow (small layers are merged, the tail and the embedding
-// stand alone), numbered in the
-// parameter order (bucket 0 holds the embedding): bucket b is the elements [begin, end) of the
-// parameter order, the order of a checkpoint and of a one-rank run.
+// Buckets: runs of neighbouring segments (coat/params.h), each at least min_bucket_elems (the
+// config's bucket_min_elems) where the layers allow (small layers are merged, the tail and the
+// embedding stand alone), numbered in the parameter order (bucket 0 holds the embedding): bucket
+// b is the elements [begin, end) of the parameter order, the order of a checkpoint and of a
+// one-rank run.
 // Sharding (stages 1 and 2): each bucket is padded to W parts of `part` elements, a multiple of
 // 128 (FP8 optimizer groups never straddle a part), and rank r owns part r of every bucket: the
 // elements [begin + r part, begin + (r + 1) part) clipped to end. In the device buffers (the BF16
@@ -32,22 +32,21 @@
 #include "linears.h"
 #include "params.h"
 
-#define ZERO_SEGMENTS_MAX PARAM_SEGMENTS_MAX
 #define ZERO_SCALARS 16  // the most values one collectives_all_reduce_sum_f64 sums (the loss, norm and stop votes)
 #define ZERO_SCALAR_BYTES (ZERO_SCALARS * sizeof(double))  // their device room, on every rank of W > 1
 
 typedef struct {
-    size_t begin, end;  // elements [begin, end) of the parameter buffer
+    size_t begin, end;  // elements [begin, end) of the parameter order
 } ZeroRange;
 
 typedef struct {
     int ranks, stage;
     int shards;                            // ranks that share each bucket: ranks at stages 1 and 2, else 1
     int segments, buckets;
-    ParamShardRange bucket[ZERO_SEGMENTS_MAX];  // in the parameter order
-    int first_segment[ZERO_SEGMENTS_MAX];  // bucket b holds segments first_segment[b] ..
-    int last_segment[ZERO_SEGMENTS_MAX];   // .. last_segment[b] (last_segment >= first_segment)
-    int bucket_of[ZERO_SEGMENTS_MAX];      // segment -> bucket
+    ParamShardRange bucket[PARAM_SEGMENTS_MAX];  // in the parameter order
+    int first_segment[PARAM_SEGMENTS_MAX];  // bucket b holds segments first_segment[b] ..
+    int last_segment[PARAM_SEGMENTS_MAX];   // .. last_segment[b] (last_segment >= first_segment)
+    int bucket_of[PARAM_SEGMENTS_MAX];      // segment -> bucket
     size_t buffer_elems;                   // the device buffers: every bucket's W parts
     size_t shard_elems;                    // each rank's parts: its optimizer state and gradient shard
     size_t largest_bucket_elems;           // W parts of the largest bucket (stage 2's bucket buffers)
@@ -68,11 +67,11 @@ static inline int zero_bucket_is_layers(const ZeroPlan *z, int b) {
 // last, as backward reaches them, until each holds min_bucket_elems), the tail.
 static inline void zero_plan_buckets(ZeroPlan *z, const ParamLayout *layout, size_t min_bucket_elems) {
     int L = layout->shape.n_layers, S = L + 2, count = 0;
-    if (L < 1 || S > ZERO_SEGMENTS_MAX) {  // config.h refuses such shapes first
-        fprintf(stderr, "error: zero_plan_init: %d layers, 1 to %d supported\n", L, ZERO_SEGMENTS_MAX - 2);
+    if (L < 1 || S > PARAM_SEGMENTS_MAX) {  // config.h refuses such shapes first
+        fprintf(stderr, "error: zero_plan_init: %d layers, 1 to %d supported\n", L, PARAM_SEGMENTS_MAX - 2);
         exit(EXIT_FAILURE);
     }
-    int first[ZERO_SEGMENTS_MAX], last[ZERO_SEGMENTS_MAX];  // in backward's order while built
+    int first[PARAM_SEGMENTS_MAX], last[PARAM_SEGMENTS_MAX];  // in backward's order while built
     first[count] = last[count] = 0, count++;
     for (int s = 1; s <= L; s++) {
         ZeroRange open = {zero_segment(layout, last[count - 1]).begin, zero_segment(layout, first[count - 1]).end};

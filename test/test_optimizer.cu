@@ -897,6 +897,72 @@ static unsigned char *read_file(FILE *file, long *size) {
     return bytes;
 }
 
+// Data parallelism's parts (coat/zero.h: 3 ranks, a bucket per layer, the last parts ending in
+// padding): each rank's optimizer, its parameters at the parts' places in a padded buffer and its
+// gradients back to back, steps exactly as the whole optimizer does on those elements: master,
+// moments and group scalars, weight decay, stochastic rounding (indexed by the parameter order)
+// and the BF16 parameters, bit for bit.
+static void test_bucket_parts(Fixture *fx, OptimizerStateKind kind) {
+    const char *name = optimizer_state_kind_name(kind);
+    AdamWConfig config = test_config(0);
+    config.stochastic_rounding = 1;
+    AdamW whole;
+    adamw_create(&whole, kind, &config, &fx->layout, 0, fx->layout.total_padded, fx->stream);
+    adamw_set_master_from_host(&whole, fx->init, fx->stream);
+    fixture_reset_params(fx);
+    gpu_run(&whole, fx, 0, 3);
+    unsigned char *whole_state = download_state(&whole);
+    uint16_t *whole_params = download_params(fx);
+    ZeroPlan *plan = (ZeroPlan *)host_alloc(sizeof(ZeroPlan));
+    zero_plan_init(plan, &fx->layout, 3, 1, 1);
+    size_t bad = 0;
+    bf16 *params, *grads;
+    cudaCheck(cudaMalloc(&params, plan->buffer_elems * sizeof(bf16)));
+    cudaCheck(cudaMalloc(&grads, plan->shard_elems * sizeof(bf16)));
+    uint16_t *host_params = (uint16_t *)host_alloc(plan->buffer_elems * sizeof(uint16_t));
+    uint16_t *host_grads = (uint16_t *)host_alloc(plan->shard_elems * sizeof(uint16_t));
+    for (int r = 0; r < 3; r++) {
+        AdamW part;
+        adamw_create_ranges(&part, kind, &config, &fx->layout, plan->bucket, plan->buckets, r, fx->stream);
+        adamw_set_master_from_host(&part, fx->init, fx->stream);
+        cudaCheck(cudaMemset(params, 0, plan->buffer_elems * sizeof(bf16)));
+        for (int s = 0; s < 3; s++) {
+            make_grads(fx->grads_host, &fx->layout, fx->total, s);
+            memset(host_grads, 0, plan->shard_elems * sizeof(uint16_t));
+            for (int b = 0; b < plan->buckets; b++) {
+                ZeroRange mine = zero_owned(plan, b, r);
+                memcpy(host_grads + plan->bucket[b].state_at, fx->grads_host + mine.begin, (mine.end - mine.begin) * 2);
+            }
+            cudaCheck(cudaMemcpy(grads, host_grads, plan->shard_elems * sizeof(uint16_t), cudaMemcpyHostToDevice));
+            adamw_step(&part, params, grads, step_lr(s), step_grad_scale(s), fx->stream);
+        }
+        cudaCheck(cudaStreamSynchronize(fx->stream));
+        unsigned char *state = download_state(&part);
+        cudaCheck(cudaMemcpy(host_params, params, plan->buffer_elems * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+        for (int b = 0; b < plan->buckets; b++) {
+            ZeroRange mine = zero_owned(plan, b, r);
+            size_t at = plan->bucket[b].at + (size_t)r * plan->bucket[b].part;
+            bad += memcmp(host_params + at, whole_params + mine.begin, (mine.end - mine.begin) * 2) != 0;
+            for (int section = 0; section < ADAMW_SECTIONS; section++) {
+                size_t group_bytes = adamw_section_group_bytes(kind, section);
+                const unsigned char *got = state + (adamw_section(&part, section) - (unsigned char *)part.state) +
+                                           plan->bucket[b].state_at / ADAMW_GROUP * group_bytes;
+                const unsigned char *want = whole_state + (adamw_section(&whole, section) - (unsigned char *)whole.state) +
+                                            mine.begin / ADAMW_GROUP * group_bytes;
+                bad += memcmp(got, want, (mine.end - mine.begin) / ADAMW_GROUP * group_bytes) != 0;
+            }
+        }
+        free(state);
+        adamw_free(&part);
+    }
+    check(bad == 0, "%s: 3 ranks' parts of %d buckets step as the whole optimizer on them, bit for bit (%zu parts differ)",
+          name, plan->buckets, bad);
+    cudaCheck(cudaFree(params));
+    cudaCheck(cudaFree(grads));
+    free(host_params); free(host_grads); free(plan); free(whole_state); free(whole_params);
+    adamw_free(&whole);
+}
+
 // Each rank's parts of data parallelism's buckets (coat/zero.h, over 2 and 3 ranks, the last parts
 // ending in padding) read from a one-rank checkpoint are the whole state's slices, and written back
 // by rank 0 (in 4 KiB chunks) they are the one-rank file byte for byte.
@@ -1360,6 +1426,7 @@ int main(void) {
     test_fp32_grads(&fx, OPT_STATES_FP8_DRE);
     test_sharded_checkpoint(OPT_STATES_FP32);
     test_sharded_checkpoint(OPT_STATES_FP8_DRE);
+    for (int k = 0; k < 4; k++) test_bucket_parts(&fx, (OptimizerStateKind)k);
     test_crafted_groups(&fx);
     test_infinite_moment(&fx);
     test_fp8_long_run(&fx);
