@@ -720,7 +720,7 @@ static void load_checkpoint(Trainer *t, const char *path, int resume) {
     long weights = ftell(f);
     adamw_read_section(&t->opt, 0, f, weights, path, t->host_chunk, t->gpu.stream);
     adamw_write_params(&t->opt, t->model.params, t->gpu.stream);
-    zero_gather_params(&t->zero);
+    zero_gather_params(&t->zero, t->opt.master);
     if (resume) {
         if (fseek(f, weights + (long)(4 * h.total_padded), SEEK_SET) != 0) fail("cannot seek past the checkpoint's weights");
         adamw_load(&t->opt, f, path, t->host_chunk, t->gpu.stream);
@@ -1002,8 +1002,12 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     ac.weight_decay = c->weight_decay;
     ac.weight_decay_all = c->weight_decay_all;
     ac.stochastic_rounding = c->optimizer_rounding;
-    adamw_create_ranges(&t->opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &layout, t->zero.plan.bucket,
+    ParamShardRange *ranges = (ParamShardRange *)malloc(t->zero.plan.buckets * sizeof(ParamShardRange));
+    if (!ranges) fail("out of host memory for the optimizer's ranges");
+    zero_optimizer_ranges(&t->zero, ranges);
+    adamw_create_ranges(&t->opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &layout, ranges,
                         t->zero.plan.buckets, zero_optimizer_rank(&t->zero), t->gpu.stream);
+    free(ranges);
     report_allocation(t);
     if (!c->generate) open_loader_rank(&t->train_loader, parser, "train_data", training_order(c), comm->rank, ranks);
     t->have_val = c->val_data[0] != '\0' && !c->generate;
@@ -1032,7 +1036,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     } else {
         adamw_init_master(&t->opt, &t->model.layout, c->seed, t->gpu.stream);
         adamw_write_params(&t->opt, t->model.params, t->gpu.stream);
-        zero_gather_params(&t->zero);
+        zero_gather_params(&t->zero, t->opt.master);
     }
 }
 
@@ -1112,7 +1116,7 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
         if (grad_sum) adamw_step_fp32_grads(&t->opt, m->params, grad_sum, lr, scale, s);
         else adamw_step(&t->opt, m->params, grads, lr, scale, s);
         op_timer_mark(m->timer, "adamw (after the host's wait)", s);
-        zero_gather_params(z);
+        zero_gather_params(z, t->opt.master);
         if (sharded) op_timer_mark(m->timer, "parameter gather (its transfer overlaps the next forward)", s);
     }
     m->timer = NULL;

@@ -562,6 +562,13 @@ static inline ParamGatherChoice config_param_gather(const TrainConfig *c) {
     return config_fp8_gemms(c) ? GATHER_E4M3 : GATHER_BF16;
 }
 
+// Whether the block's linear weights live only as E4M3 codes, cast from the FP32 master weights
+// (coat/zero.cuh): FP8 GEMMs with param_gather e4m3 (auto), at any stage and world size; bf16
+// keeps their BF16 copy, which it gathers.
+static inline int config_weights_from_master(const TrainConfig *c) {
+    return config_fp8_gemms(c) && config_param_gather(c) == GATHER_E4M3;
+}
+
 static inline void config_print_help(FILE *out) {
     fprintf(out, "usage: train_llama CONFIG [--key=value ...]\n"
                  "       train_llama --help\n\n"

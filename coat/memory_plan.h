@@ -120,7 +120,12 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
     plan->micro_batch_size = micro_batch_size;
     plan->params_padded = layout.total_padded;
     plan->shard_elems = zero.shard_elems;
-    plan->params_bytes = 2 * zero.buffer_elems;
+    // Without BF16 block weights: the embedding's and the tail's buckets, and the layers' norms.
+    ParamLayout buffers = layout, params;
+    zero_place_segments(&zero, &buffers);
+    param_layout_without_layers(&params, &buffers);
+    plan->params_bytes = config_weights_from_master(c) ? 2 * (params.buffer_elems + param_norm_table_elems(&layout))
+                                                       : 2 * zero.buffer_elems;
     // ZeRO-2: the shard's FP32 accumulator and two BF16 buffers of the largest bucket (one fills
     // while the other is reduced); ZeRO-1: the whole BF16 gradient and the rank's BF16 shard of
     // its sum; otherwise the whole BF16 gradient.
@@ -137,7 +142,7 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
     working_layout_init(&working, m, micro_batch_size, c->seq_len, config_fp8_gemms(c), acts);
     int e4m3_gather = zero.stage >= 1 && config_fp8_gemms(c) && config_param_gather(c) == GATHER_E4M3;
     plan->working_bytes = working.total_bytes + CUBLASLT_WORKSPACE_BYTES + (ranks > 1 ? ZERO_SCALAR_BYTES : 0) +
-                          (ranks > 1 && e4m3_gather ? zero_e4m3_gather_bytes(&zero, &layout) : 0);  // coat/zero.cuh's
+                          (ranks > 1 && e4m3_gather ? zero_e4m3_gather_bytes(&zero) : 0);  // coat/zero.cuh's
     plan->total_bytes = plan->params_bytes + plan->grads_bytes + plan->master_bytes + plan->states_bytes +
                         plan->activations_bytes + plan->working_bytes;
 }

@@ -165,15 +165,10 @@ static inline ZeroRange zero_intersection(ZeroRange a, ZeroRange b) {
 
 // The E4M3 gather (stages 1, 2 with FP8 GEMMs): each bucket of layers travels as one byte per
 // element (the linear weights' E4M3 codes, at their elements' places) through a staging buffer of
-// the largest such bucket, and the layers' norms, which stay BF16, in one table of every layer's
-// two norms that the owners fill and one all-reduce sums (each element has one owner, the others
-// add zeros).
-static inline size_t zero_norm_table_elems(const ParamLayout *layout) {
-    return (size_t)layout->shape.n_layers * (layout->padded[PARAM_ATTN_NORM] + layout->padded[PARAM_MLP_NORM]);
-}
-static inline size_t zero_e4m3_gather_bytes(const ZeroPlan *z, const ParamLayout *layout) {
-    return z->largest_layer_bucket_elems + 2 * zero_norm_table_elems(layout);
-}
+// the largest such bucket, and the layers' norms, which stay BF16, in the model's norm table
+// (coat/params.h) that the owners fill and one all-reduce sums (each element has one owner, the
+// others add zeros).
+static inline size_t zero_e4m3_gather_bytes(const ZeroPlan *z) { return z->largest_layer_bucket_elems; }
 
 // The collective calls of one step as coat/zero.cuh issues them (stage 2 reduces every micro-batch).
 typedef struct {
@@ -221,7 +216,7 @@ static inline ZeroTraffic zero_traffic(const ZeroPlan *z, const ParamLayout *lay
     for (int b = 0; b < z->buckets; b++)
         if (zero_bucket_is_layers(z, b)) layers += (double)z->ranks * z->bucket[b].part;
     t.parameter_bytes = share * (2.0 * ((double)z->buffer_elems - layers) + layers) +
-                        2.0 * share * 2.0 * (double)zero_norm_table_elems(layout);
+                        2.0 * share * 2.0 * (double)param_norm_table_elems(layout);
     return t;
 }
 

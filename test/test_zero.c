@@ -317,7 +317,7 @@ static void test_traffic(void) {
         for (int b = 0; b < z1.buckets; b++)
             if (zero_bucket_is_layers(&z1, b)) layer_elems += (double)W * z1.bucket[b].part;
         ok &= fabs(t1.parameter_bytes - t1_fp8.parameter_bytes - per_element_gather * layer_elems +
-                   per_element_all_reduce * 2.0 * zero_norm_table_elems(&layout)) < 1e-6;
+                   per_element_all_reduce * 2.0 * param_norm_table_elems(&layout)) < 1e-6;
         check(ok, "%d ranks: bytes per rank = a ring simulation's (all-reduce %.3f, reduce-scatter %.3f, all-gather %.3f "
                   "values sent per element); stage 2 sends every micro-batch; e4m3 layers save 1 byte each, plus the norm table",
               W, per_element_all_reduce, per_element_scatter, per_element_gather);
