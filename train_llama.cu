@@ -987,9 +987,8 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     zero_model_layout(plan, &c->model, &buffers);
     model_create_sized(&t->model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), &buffers,
                        zero_grads_elems(plan));
-    int e4m3_gather = plan->stage >= 1 && t->model.precision.fp8_gemms && config_param_gather(c) == GATHER_E4M3;
     CollectivesBackend backend = c->comm_backend == COMM_MPI ? COLLECTIVES_MPI : COLLECTIVES_NCCL;
-    if (zero_attach(&t->zero, plan, comm, &t->model, t->gpu.stream, backend, e4m3_gather, c->collective_timeout_s, error,
+    if (zero_attach(&t->zero, plan, comm, &t->model, t->gpu.stream, backend, c->collective_timeout_s, error,
                     sizeof(error)) != 0)
         fail_config(parser, "comm_backend", error);
     free(plan);
@@ -1118,6 +1117,7 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
         op_timer_mark(m->timer, "adamw (after the host's wait)", s);
         zero_gather_params(z, t->opt.master);
         if (sharded) op_timer_mark(m->timer, "parameter gather (its transfer overlaps the next forward)", s);
+        else if (m->precision.weights_from_master) op_timer_mark(m->timer, "fp8 cast of the weights (once per step)", s);
     }
     m->timer = NULL;
     return loss;
@@ -1134,6 +1134,10 @@ static void profile_speed_of_light(const Trainer *t, SolTable *table) {
     run.optimizer_elems = t->opt.n;
     run.fp32_grads = z->stage == 2;
     run.casts_weights = m->precision.fp8_gemms && !t->zero.e4m3_gather;
+    run.casts_from_master = m->precision.weights_from_master;
+    run.params_written_elems = 0;
+    for (int i = 0; i < t->opt.range_count; i++)
+        if (adamw_part_has_params(&t->opt, i)) run.params_written_elems += t->opt.ranges[i].part;
     speed_of_light_table(table, &run);
 }
 

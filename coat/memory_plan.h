@@ -3,7 +3,8 @@
 // dry_run prints it; the trainer allocates exactly these buffers and refuses a micro-batch
 // that does not fit. Bytes per parameter with FP32 states (coat/README.md, Memory per parameter):
 // ZeRO-1 4P + 14P/N, ZeRO-2 2P + 16P/N plus two BF16 bucket buffers (coat/zero.h pads each bucket
-// to N equal parts, a few elements more).
+// to N equal parts, a few elements more); with FP8 GEMMs casting from the master weights 2 bytes
+// less for each block linear weight, which has no BF16 copy (its E4M3 copies are working buffers).
 #pragma once
 #include <stdio.h>
 #include "activations.h"
@@ -140,9 +141,9 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
     plan->activations_bytes = (size_t)m->n_layers * activation_layer_bytes(m, acts, tokens) + final_activation_bytes(m, tokens);
     WorkingLayout working;
     working_layout_init(&working, m, micro_batch_size, c->seq_len, config_fp8_gemms(c), acts);
-    int e4m3_gather = zero.stage >= 1 && config_fp8_gemms(c) && config_param_gather(c) == GATHER_E4M3;
+    int e4m3_gather = zero.shards > 1 && config_weights_from_master(c);
     plan->working_bytes = working.total_bytes + CUBLASLT_WORKSPACE_BYTES + (ranks > 1 ? ZERO_SCALAR_BYTES : 0) +
-                          (ranks > 1 && e4m3_gather ? zero_e4m3_gather_bytes(&zero) : 0);  // coat/zero.cuh's
+                          (e4m3_gather ? zero_e4m3_gather_bytes(&zero) : 0);  // coat/zero.cuh's
     plan->total_bytes = plan->params_bytes + plan->grads_bytes + plan->master_bytes + plan->states_bytes +
                         plan->activations_bytes + plan->working_bytes;
 }

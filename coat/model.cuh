@@ -101,7 +101,7 @@ typedef struct {
     bf16 *gate_up_working;         // COAT forward: gate_up before its 1x16 cast (in fp8_grad and fp8_grad_t, or wide)
     uint8_t *fp8_weights;          // per layer and linear: W [out, in] then W^T [in, out], E4M3
     Fp8Scale *fp8_scales;          // [n_layers][FP8_SCALES_PER_LAYER]
-    int fp8_weights_current;       // the FP8 weights were cast from the present BF16 weights
+    int fp8_weights_current;       // the FP8 weights are those of the present weights
     float *rope_cos, *rope_sin;
     float *mean_loss, *grad_norm_squared;  // device scalars
     void *kernel_scratch;

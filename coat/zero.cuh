@@ -143,7 +143,7 @@ static inline void *zero_alloc(Zero *z, size_t bytes, const char *what) {
 // the collectives (`backend`, collective_timeout_s timeout_s), the hooks and this rank's buffers.
 // Returns 0, or -1 with a message.
 static inline int zero_attach(Zero *z, const ZeroPlan *plan, const Comm *comm, LlamaModel *model, cudaStream_t compute,
-                              CollectivesBackend backend, int e4m3_gather, double timeout_s, char *error, size_t error_size) {
+                              CollectivesBackend backend, double timeout_s, char *error, size_t error_size) {
     memset(z, 0, sizeof(*z));
     z->plan = *plan;
     z->comm = comm;
@@ -151,11 +151,7 @@ static inline int zero_attach(Zero *z, const ZeroPlan *plan, const Comm *comm, L
     z->compute = compute;
     z->collectives.comm = comm;  // one rank: the waits and the one-rank shortcuts only
     if (comm->world <= 1) return 0;
-    z->e4m3_gather = e4m3_gather && plan->stage >= 1;
-    if (z->e4m3_gather != (model->precision.weights_from_master && plan->shards > 1)) {
-        snprintf(error, error_size, "the E4M3 gather and weights cast from the master weights go together");
-        return -1;
-    }
+    z->e4m3_gather = model->precision.weights_from_master && plan->shards > 1;
     if (zero_open_collectives(&z->collectives, comm, backend, plan->largest_bucket_elems, timeout_s, error, error_size) != 0)
         return -1;
     z->allocated_bytes = ZERO_SCALAR_BYTES;  // the collectives' scalars

@@ -253,7 +253,7 @@ static void test_weights_from_master(GpuContext *gpu) {
     comm.world = 1;
     Zero zero;
     char error[256];
-    check(zero_attach(&zero, plan, &comm, &mastered, gpu->stream, COLLECTIVES_MPI, 1, 60.0, error, sizeof(error)) == 0,
+    check(zero_attach(&zero, plan, &comm, &mastered, gpu->stream, COLLECTIVES_MPI, 60.0, error, sizeof(error)) == 0,
           "zero_attach on one rank");
     ParamShardRange *ranges = (ParamShardRange *)host_alloc(plan->buckets * sizeof(ParamShardRange));
     zero_optimizer_ranges(&zero, ranges);
