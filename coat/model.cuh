@@ -11,7 +11,9 @@
 // by linear_forward / linear_backward in the model's GEMM precision. With FP8 GEMMs every input
 // is cast to E4M3 per tensor just in time (its producer gathers the amax), output gradients to
 // E5M2 with their transposes, and the weights to E4M3 with their transposes once per optimizer
-// step; the embedding, the norms' math, attention, the lm_head and the loss stay BF16/FP32.
+// step (from the FP32 master weights by coat/zero.cuh when the model keeps no BF16 copy of them,
+// weights_from_master); the embedding, the norms' math, attention, the lm_head and the loss stay
+// BF16/FP32.
 #pragma once
 #include "activations.h"
 #include "attention.cuh"

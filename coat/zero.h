@@ -10,7 +10,9 @@
 // Sharding (stages 1 and 2): each bucket is padded to W parts of `part` elements, a multiple of
 // 128 (FP8 optimizer groups never straddle a part), and rank r owns part r of every bucket: the
 // elements [begin + r part, begin + (r + 1) part) clipped to end. In the device buffers (the BF16
-// parameters; stage 1's BF16 gradients) a bucket occupies W part elements from `at`, so that one
+// parameters, which with FP8 GEMMs casting from the master weights hold only the embedding's and
+// the tail's buckets, coat/params.h; stage 1's BF16 gradients) a bucket occupies W part elements
+// from `at` (zero_params_at in coat/zero.cuh for the parameters), so that one
 // reduce-scatter takes a bucket's gradients to their owners and one all-gather brings its
 // parameters back: calls per step are the buckets' count plus a constant at any world size. Each
 // rank's optimizer state (and its gradient shard) is its parts back to back, part b at state_at.
