@@ -244,7 +244,8 @@ static inline size_t zero_master_index(const Zero *z, int b, size_t e) {
 // the parameter order (empty: begin == end).
 static inline ZeroRange zero_mine_of_linear(const Zero *z, int layer, Linear which) {
     const ParamLayout *layout = &z->model->layout;
-    return zero_intersection(zero_linear_range(layout, which, layer), zero_mine(z, z->plan.bucket_of[layout->shape.n_layers - layer]));
+    int b = z->plan.bucket_of[layout->shape.n_layers - layer];
+    return zero_intersection(zero_linear_range(layout, which, layer), zero_mine(z, b));
 }
 
 // Every weight's amax slot = max |w| over its elements in this rank's master weights, rounded to
@@ -277,13 +278,14 @@ static inline void zero_norms_from_master(Zero *z, const float *master) {
     int L = m->shape.n_layers;
     for (int l = 0; l < L; l++)
         for (int k = 0; k < 2; k++) {
+            int b = z->plan.bucket_of[L - l];
             size_t begin = param_offset(layout, norms[k], l);
-            ZeroRange norm = {begin, begin + layout->padded[norms[k]]}, mine = zero_intersection(norm, zero_mine(z, z->plan.bucket_of[L - l]));
+            ZeroRange norm = {begin, begin + layout->padded[norms[k]]}, mine = zero_intersection(norm, zero_mine(z, b));
             if (mine.end == mine.begin) continue;
             size_t n = mine.end - mine.begin;
             zero_master_to_bf16_kernel<<<(unsigned)ceil_div_size(n, 256), 256, 0, z->compute>>>(
                 m->norms + param_norm_table_offset(layout, norms[k], l) + (mine.begin - norm.begin),
-                master + zero_master_index(z, z->plan.bucket_of[L - l], mine.begin), n);
+                master + zero_master_index(z, b, mine.begin), n);
             cudaCheckLaunch();
         }
 }
@@ -297,10 +299,10 @@ static inline void zero_cast_weights_from_master(Zero *z, const float *master) {
         for (int i = 0; i < LINEARS; i++) {
             Linear which = (Linear)i;
             LinearShape shape = linear_shape(m, which);
-            ZeroRange weight = zero_linear_range(&m->layout, which, l);
+            size_t first = zero_linear_range(&m->layout, which, l).begin;
+            const float *weight = master + zero_master_index(z, z->plan.bucket_of[L - l], first);
             fp8_quantize(linear_fp8_weight(m, l, which, 0), linear_fp8_weight(m, l, which, 1),
-                         model_fp8_scale(m, l, FP8_SLOT_WEIGHT, which), master + zero_master_index(z, z->plan.bucket_of[L - l], weight.begin),
-                         shape.out, shape.in, FP8_E4M3, z->compute);
+                         model_fp8_scale(m, l, FP8_SLOT_WEIGHT, which), weight, shape.out, shape.in, FP8_E4M3, z->compute);
         }
 }
 
@@ -316,9 +318,9 @@ static inline void zero_gather_layers_e4m3(Zero *z, int b, const float *master) 
         for (int i = 0; i < LINEARS; i++) {
             ZeroRange mine = zero_mine_of_linear(z, L - s, (Linear)i);
             if (mine.end > mine.begin)
-                fp8_quantize(z->e4m3_staging + (mine.begin - r->begin), NULL, model_fp8_scale(m, L - s, FP8_SLOT_WEIGHT, (Linear)i),
-                             master + zero_master_index(z, b, mine.begin), (int)((mine.end - mine.begin) / PARAM_ALIGN_ELEMS),
-                             PARAM_ALIGN_ELEMS, FP8_E4M3, c->stream);
+                fp8_quantize(z->e4m3_staging + (mine.begin - r->begin), NULL,
+                             model_fp8_scale(m, L - s, FP8_SLOT_WEIGHT, (Linear)i), master + zero_master_index(z, b, mine.begin),
+                             (int)((mine.end - mine.begin) / PARAM_ALIGN_ELEMS), PARAM_ALIGN_ELEMS, FP8_E4M3, c->stream);
         }
     collectives_all_gather(c, z->e4m3_staging, r->part, c->stream);
     for (int s = z->plan.first_segment[b]; s <= z->plan.last_segment[b]; s++)

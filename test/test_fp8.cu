@@ -717,8 +717,10 @@ static void test_cast_from_fp32(void) {
         bf16 *d_b = device_bf16_from(x, n);
         Fp8Scale zero;
         memset(&zero, 0, sizeof(zero));
-        Fp8Scale *d_slot_f = (Fp8Scale *)device_copy_of(&zero, sizeof(zero)), *d_slot_b = (Fp8Scale *)device_copy_of(&zero, sizeof(zero));
-        uint8_t *d_codes[2] = {device_poisoned(n, 0x5a), device_poisoned(n, 0x5a)}, *d_codes_t[2] = {device_poisoned(n, 0x5a), device_poisoned(n, 0x5a)};
+        Fp8Scale *d_slot_f = (Fp8Scale *)device_copy_of(&zero, sizeof(zero));
+        Fp8Scale *d_slot_b = (Fp8Scale *)device_copy_of(&zero, sizeof(zero));
+        uint8_t *d_codes[2] = {device_poisoned(n, 0x5a), device_poisoned(n, 0x5a)};
+        uint8_t *d_codes_t[2] = {device_poisoned(n, 0x5a), device_poisoned(n, 0x5a)};
         fp8_amax(d_slot_f, d_f, n, 0);
         fp8_quantize(d_codes[0], d_codes_t[0], d_slot_f, d_f, R, C, FP8_E4M3, 0);
         fp8_amax(d_slot_b, d_b, n, 0);

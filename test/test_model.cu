@@ -277,7 +277,8 @@ static void test_weights_from_master(GpuContext *gpu) {
     }
     size_t code_bytes = cast.working_layout.fp8_weights_bytes, scale_count = (size_t)L * FP8_SCALES_PER_LAYER;
     uint8_t *codes[2] = {(uint8_t *)host_alloc(code_bytes), (uint8_t *)host_alloc(code_bytes)};
-    Fp8Scale *scales[2] = {(Fp8Scale *)host_alloc(scale_count * sizeof(Fp8Scale)), (Fp8Scale *)host_alloc(scale_count * sizeof(Fp8Scale))};
+    Fp8Scale *scales[2] = {(Fp8Scale *)host_alloc(scale_count * sizeof(Fp8Scale)),
+                           (Fp8Scale *)host_alloc(scale_count * sizeof(Fp8Scale))};
     bf16 *grads[2] = {host_bf16s(P), host_bf16s(P)}, *norms[2] = {host_bf16s(shape.dim), host_bf16s(shape.dim)};
     int same_codes = 1, same_scales = 1, same_norms = 1, same_losses = 1, same_grads = 1;
     for (int step = 0; step < 3; step++) {

@@ -949,7 +949,8 @@ static void test_bucket_parts(Fixture *fx, OptimizerStateKind kind, int layers_w
             ZeroRange mine = zero_owned(plan, b, r);
             size_t at = plan->bucket[b].at + (size_t)r * plan->bucket[b].part;
             size_t written = 0;  // where the range has no BF16 parameters
-            for (size_t i = 0; ranges[b].at == PARAM_NOT_IN_BUFFER && i < plan->bucket[b].part; i++) written += host_params[at + i] != 0xffff;
+            for (size_t i = 0; ranges[b].at == PARAM_NOT_IN_BUFFER && i < plan->bucket[b].part; i++)
+                written += host_params[at + i] != 0xffff;
             if (ranges[b].at == PARAM_NOT_IN_BUFFER) bad += written != 0;
             else bad += memcmp(host_params + at, whole_params + mine.begin, (mine.end - mine.begin) * 2) != 0;
             for (int section = 0; section < ADAMW_SECTIONS; section++) {

@@ -111,8 +111,8 @@ static void check_coat(void) {
     // Without BF16 block weights: the cast reads the FP32 master weights, AdamW writes BF16 only
     // outside the layers (here the embedding, final norm and lm_head, 2 V H + H elements).
     double weights = L * ((H + 2 * KV) * H + H * H + 2 * I * H + I * H);
-    check_value("coat weights cast: amax pass, codes and transpose from BF16 weights", op(&t, "fp8 cast of the weights (once per step)")->bytes,
-                (2 + 2 + 1 + 1) * weights);
+    check_value("coat weights cast: amax pass, codes and transpose from BF16 weights",
+                op(&t, "fp8 cast of the weights (once per step)")->bytes, (2 + 2 + 1 + 1) * weights);
     run.casts_from_master = 1;
     run.params_written_elems = (size_t)(2 * V * H + H);
     speed_of_light_table(&t, &run);
