@@ -193,7 +193,8 @@ static inline void memory_plan_print(FILE *out, const MemoryPlan *plan, const Tr
     fprintf(out, "memory plan per rank: precision %s, optimizer states %s, activations %s, "
                  "micro-batch %d x %d tokens, %d rank(s), ZeRO stage %d\n",
             precision, states, acts, plan->micro_batch_size, c->seq_len, plan->ranks, c->zero_stage);
-    fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param)\n", "parameters (bf16)", gib(plan->params_bytes), plan->params_bytes / p);
+    fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param%s)\n", "parameters (bf16)", gib(plan->params_bytes), plan->params_bytes / p,
+            config_weights_from_master(c) ? "; the block's linear weights in E4M3 only, among the working buffers" : "");
     fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param)\n", "gradients", gib(plan->grads_bytes), plan->grads_bytes / p);
     fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param)\n", "master weights (fp32)", gib(plan->master_bytes), plan->master_bytes / p);
     fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param)\n", "optimizer states", gib(plan->states_bytes), plan->states_bytes / p);
