@@ -720,7 +720,7 @@ static void load_checkpoint(Trainer *t, const char *path, int resume) {
     long weights = ftell(f);
     adamw_read_section(&t->opt, 0, f, weights, path, t->host_chunk, t->gpu.stream);
     adamw_write_params(&t->opt, t->model.params, t->gpu.stream);
-    zero_gather_params(&t->zero);
+    zero_gather_params(&t->zero, t->opt.master);
     if (resume) {
         if (fseek(f, weights + (long)(4 * h.total_padded), SEEK_SET) != 0) fail("cannot seek past the checkpoint's weights");
         adamw_load(&t->opt, f, path, t->host_chunk, t->gpu.stream);
@@ -987,9 +987,8 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     zero_model_layout(plan, &c->model, &buffers);
     model_create_sized(&t->model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), &buffers,
                        zero_grads_elems(plan));
-    int e4m3_gather = plan->stage >= 1 && t->model.precision.fp8_gemms && config_param_gather(c) == GATHER_E4M3;
     CollectivesBackend backend = c->comm_backend == COMM_MPI ? COLLECTIVES_MPI : COLLECTIVES_NCCL;
-    if (zero_attach(&t->zero, plan, comm, &t->model, t->gpu.stream, backend, e4m3_gather, c->collective_timeout_s, error,
+    if (zero_attach(&t->zero, plan, comm, &t->model, t->gpu.stream, backend, c->collective_timeout_s, error,
                     sizeof(error)) != 0)
         fail_config(parser, "comm_backend", error);
     free(plan);
@@ -1002,8 +1001,12 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     ac.weight_decay = c->weight_decay;
     ac.weight_decay_all = c->weight_decay_all;
     ac.stochastic_rounding = c->optimizer_rounding;
-    adamw_create_ranges(&t->opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &layout, t->zero.plan.bucket,
+    ParamShardRange *ranges = (ParamShardRange *)malloc(t->zero.plan.buckets * sizeof(ParamShardRange));
+    if (!ranges) fail("out of host memory for the optimizer's ranges");
+    zero_optimizer_ranges(&t->zero, ranges);
+    adamw_create_ranges(&t->opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &layout, ranges,
                         t->zero.plan.buckets, zero_optimizer_rank(&t->zero), t->gpu.stream);
+    free(ranges);
     report_allocation(t);
     if (!c->generate) open_loader_rank(&t->train_loader, parser, "train_data", training_order(c), comm->rank, ranks);
     t->have_val = c->val_data[0] != '\0' && !c->generate;
@@ -1032,7 +1035,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     } else {
         adamw_init_master(&t->opt, &t->model.layout, c->seed, t->gpu.stream);
         adamw_write_params(&t->opt, t->model.params, t->gpu.stream);
-        zero_gather_params(&t->zero);
+        zero_gather_params(&t->zero, t->opt.master);
     }
 }
 
@@ -1112,8 +1115,9 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
         if (grad_sum) adamw_step_fp32_grads(&t->opt, m->params, grad_sum, lr, scale, s);
         else adamw_step(&t->opt, m->params, grads, lr, scale, s);
         op_timer_mark(m->timer, "adamw (after the host's wait)", s);
-        zero_gather_params(z);
+        zero_gather_params(z, t->opt.master);
         if (sharded) op_timer_mark(m->timer, "parameter gather (its transfer overlaps the next forward)", s);
+        else if (m->precision.weights_from_master) op_timer_mark(m->timer, "fp8 cast of the weights (once per step)", s);
     }
     m->timer = NULL;
     return loss;
@@ -1130,6 +1134,10 @@ static void profile_speed_of_light(const Trainer *t, SolTable *table) {
     run.optimizer_elems = t->opt.n;
     run.fp32_grads = z->stage == 2;
     run.casts_weights = m->precision.fp8_gemms && !t->zero.e4m3_gather;
+    run.casts_from_master = m->precision.weights_from_master;
+    run.params_written_elems = 0;
+    for (int i = 0; i < t->opt.range_count; i++)
+        if (adamw_part_has_params(&t->opt, i)) run.params_written_elems += t->opt.ranges[i].part;
     speed_of_light_table(table, &run);
 }
 

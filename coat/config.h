@@ -172,7 +172,8 @@ static const ConfigKey config_keys[] = {
      "collectives between ranks: nccl (a GPU per rank) or mpi (through host memory: ranks may share a GPU)"},
     {"param_gather", KEY_CHOICE, CFG(param_gather), "auto", 0, 0, "auto|bf16|e4m3",
      "how ZeRO stages 1 and 2 gather the parameters after the step: all bf16, or the block weights as the E4M3 "
-     "copies the FP8 GEMMs read (auto: e4m3 with FP8 GEMMs)"},
+     "copies the FP8 GEMMs read (auto: e4m3 with FP8 GEMMs); e4m3 casts them from the FP32 master weights and keeps "
+     "no BF16 copy of them, at any stage and world size"},
     {"collective_timeout_s", KEY_FLOAT, CFG(collective_timeout_s), "600", 1, 1e6, NULL,
      "seconds a rank launched without MPI waits for the others at the rendezvous before it gives up, naming the missing rank; "
      "with NCCL and several ranks, also the longest a rank waits for work that includes collectives (a micro-batch, a "
@@ -560,6 +561,13 @@ static inline ActivationsChoice config_activations(const TrainConfig *c) {
 static inline ParamGatherChoice config_param_gather(const TrainConfig *c) {
     if (c->param_gather != GATHER_AUTO) return (ParamGatherChoice)c->param_gather;
     return config_fp8_gemms(c) ? GATHER_E4M3 : GATHER_BF16;
+}
+
+// Whether the block's linear weights live only as E4M3 codes, cast from the FP32 master weights
+// (coat/zero.cuh): FP8 GEMMs with param_gather e4m3 (auto), at any stage and world size; bf16
+// keeps their BF16 copy, which it gathers.
+static inline int config_weights_from_master(const TrainConfig *c) {
+    return config_fp8_gemms(c) && config_param_gather(c) == GATHER_E4M3;
 }
 
 static inline void config_print_help(FILE *out) {

@@ -187,26 +187,40 @@ __device__ __forceinline__ void fp8_load_group(float out[16], const uint8_t *cod
 
 // ---- per-tensor passes ------------------------------------------------------------------
 
-__global__ void __launch_bounds__(FP8_THREADS) fp8_amax_kernel(Fp8Scale *slot, const bf16 *in, size_t n_vecs) {
+// 8 values from 16-byte aligned memory: BF16 as they are, FP32 rounded to BF16 first (the FP32
+// master weights cast as the BF16 weights they round to, which nothing has to store).
+__device__ __forceinline__ void fp8_load8(const bf16 *in, float v[8]) {
+    Vec16<bf16> x = load16_stream(in);
+    for (int j = 0; j < 8; j++) v[j] = __bfloat162float(x[j]);
+}
+__device__ __forceinline__ void fp8_load8(const float *in, float v[8]) {
+    Vec16<float> a = load16_stream(in), b = load16_stream(in + 4);
+    for (int j = 0; j < 4; j++) {
+        v[j] = __bfloat162float(__float2bfloat16_rn(a[j]));
+        v[j + 4] = __bfloat162float(__float2bfloat16_rn(b[j]));
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(FP8_THREADS) fp8_amax_kernel(Fp8Scale *slot, const T *in, size_t n_vecs) {
     float m = 0.0f;
     for (size_t v = (size_t)blockIdx.x * blockDim.x + threadIdx.x; v < n_vecs; v += (size_t)gridDim.x * blockDim.x) {
-        Vec16<bf16> x = load16_stream(in + v * 8);
+        float x[8];
+        fp8_load8(in + v * 8, x);
         for (int j = 0; j < 8; j++) {
-            m = fp8_abs_max(m, __bfloat162float(x[j]));
+            m = fp8_abs_max(m, x[j]);
         }
     }
     fp8_block_amax(slot, m);
 }
 
-// The plain source: a BF16 tensor [R, C].
-struct Fp8SourceBf16 {
+// The plain source: a tensor [R, C] in BF16, or in FP32 read as its BF16 rounding.
+template <typename T>
+struct Fp8SourcePlain {
     static constexpr int PLANES = 1;
-    const bf16 *in;
+    const T *in;
     int C;
-    __device__ __forceinline__ void load(int r, int c, float v[1][8]) const {
-        Vec16<bf16> x = load16_stream(in + (size_t)r * C + c);
-        for (int j = 0; j < 8; j++) v[0][j] = __bfloat162float(x[j]);
-    }
+    __device__ __forceinline__ void load(int r, int c, float v[1][8]) const { fp8_load8(in + (size_t)r * C + c, v[0]); }
 };
 
 // One block per tile of 64 rows x 64 columns of each of the source's PLANES planes (plane p is
@@ -280,9 +294,10 @@ static inline void fp8_check(const char *launcher, bool ok, const char *what) {
     if (!ok) fail_with(launcher, what);
 }
 
-// slot->amax = max(slot->amax, max |in|) over n BF16 values (n a multiple of 8): for tensors
-// whose producer does not gather it (the weights, once per step).
-static inline void fp8_amax(Fp8Scale *slot, const bf16 *in, size_t n, cudaStream_t stream) {
+// slot->amax = max(slot->amax, max |in|) over n values (n a multiple of 8), BF16 or FP32 rounded
+// to BF16: for tensors whose producer does not gather it (the weights, once per step).
+template <typename T>
+static inline void fp8_amax(Fp8Scale *slot, const T *in, size_t n, cudaStream_t stream) {
     fp8_check("fp8_amax", n % 8 == 0 && ((uintptr_t)in & 15u) == 0, "n must be a multiple of 8 and in 16-byte aligned");
     size_t vecs = n / 8, blocks = ceil_div_size(vecs, FP8_THREADS);  // a grid-stride loop past 1024 blocks
     if (blocks > 1024) blocks = 1024;
@@ -329,9 +344,11 @@ static inline void fp8_transpose_codes(uint8_t *out_t, const uint8_t *in, Fp8Sca
     cudaCheckLaunch();
 }
 
-// The cast of a BF16 tensor in [R, C] (16-byte aligned).
-static inline void fp8_quantize(uint8_t *out, uint8_t *out_t, Fp8Scale *slot, const bf16 *in, int R, int C,
+// The cast of a tensor in [R, C] (16-byte aligned): BF16, or FP32 cast as its BF16 rounding
+// (the same codes as the cast of that BF16 tensor).
+template <typename T>
+static inline void fp8_quantize(uint8_t *out, uint8_t *out_t, Fp8Scale *slot, const T *in, int R, int C,
                                 Fp8Format format, cudaStream_t stream) {
     fp8_check("fp8_quantize", ((uintptr_t)in & 15u) == 0, "in must be 16-byte aligned");
-    fp8_quantize_source(out, out_t, slot, Fp8SourceBf16{in, C}, R, C, format, stream);
+    fp8_quantize_source(out, out_t, slot, Fp8SourcePlain<T>{in, C}, R, C, format, stream);
 }

@@ -3,7 +3,8 @@
 // dry_run prints it; the trainer allocates exactly these buffers and refuses a micro-batch
 // that does not fit. Bytes per parameter with FP32 states (coat/README.md, Memory per parameter):
 // ZeRO-1 4P + 14P/N, ZeRO-2 2P + 16P/N plus two BF16 bucket buffers (coat/zero.h pads each bucket
-// to N equal parts, a few elements more).
+// to N equal parts, a few elements more); with FP8 GEMMs casting from the master weights 2 bytes
+// less for each block linear weight, which has no BF16 copy (its E4M3 copies are working buffers).
 #pragma once
 #include <stdio.h>
 #include "activations.h"
@@ -120,7 +121,12 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
     plan->micro_batch_size = micro_batch_size;
     plan->params_padded = layout.total_padded;
     plan->shard_elems = zero.shard_elems;
-    plan->params_bytes = 2 * zero.buffer_elems;
+    // Without BF16 block weights: the embedding's and the tail's buckets, and the layers' norms.
+    ParamLayout buffers = layout, params;
+    zero_place_segments(&zero, &buffers);
+    param_layout_without_layers(&params, &buffers);
+    plan->params_bytes = config_weights_from_master(c) ? 2 * (params.buffer_elems + param_norm_table_elems(&layout))
+                                                       : 2 * zero.buffer_elems;
     // ZeRO-2: the shard's FP32 accumulator and two BF16 buffers of the largest bucket (one fills
     // while the other is reduced); ZeRO-1: the whole BF16 gradient and the rank's BF16 shard of
     // its sum; otherwise the whole BF16 gradient.
@@ -135,9 +141,9 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
     plan->activations_bytes = (size_t)m->n_layers * activation_layer_bytes(m, acts, tokens) + final_activation_bytes(m, tokens);
     WorkingLayout working;
     working_layout_init(&working, m, micro_batch_size, c->seq_len, config_fp8_gemms(c), acts);
-    int e4m3_gather = zero.stage >= 1 && config_fp8_gemms(c) && config_param_gather(c) == GATHER_E4M3;
+    int e4m3_gather = zero.shards > 1 && config_weights_from_master(c);
     plan->working_bytes = working.total_bytes + CUBLASLT_WORKSPACE_BYTES + (ranks > 1 ? ZERO_SCALAR_BYTES : 0) +
-                          (ranks > 1 && e4m3_gather ? zero_e4m3_gather_bytes(&zero, &layout) : 0);  // coat/zero.cuh's
+                          (e4m3_gather ? zero_e4m3_gather_bytes(&zero) : 0);  // coat/zero.cuh's
     plan->total_bytes = plan->params_bytes + plan->grads_bytes + plan->master_bytes + plan->states_bytes +
                         plan->activations_bytes + plan->working_bytes;
 }
@@ -187,7 +193,8 @@ static inline void memory_plan_print(FILE *out, const MemoryPlan *plan, const Tr
     fprintf(out, "memory plan per rank: precision %s, optimizer states %s, activations %s, "
                  "micro-batch %d x %d tokens, %d rank(s), ZeRO stage %d\n",
             precision, states, acts, plan->micro_batch_size, c->seq_len, plan->ranks, c->zero_stage);
-    fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param)\n", "parameters (bf16)", gib(plan->params_bytes), plan->params_bytes / p);
+    fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param%s)\n", "parameters (bf16)", gib(plan->params_bytes), plan->params_bytes / p,
+            config_weights_from_master(c) ? "; the block's linear weights in E4M3 only, among the working buffers" : "");
     fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param)\n", "gradients", gib(plan->grads_bytes), plan->grads_bytes / p);
     fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param)\n", "master weights (fp32)", gib(plan->master_bytes), plan->master_bytes / p);
     fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param)\n", "optimizer states", gib(plan->states_bytes), plan->states_bytes / p);

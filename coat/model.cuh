@@ -11,7 +11,9 @@
 // by linear_forward / linear_backward in the model's GEMM precision. With FP8 GEMMs every input
 // is cast to E4M3 per tensor just in time (its producer gathers the amax), output gradients to
 // E5M2 with their transposes, and the weights to E4M3 with their transposes once per optimizer
-// step; the embedding, the norms' math, attention, the lm_head and the loss stay BF16/FP32.
+// step (from the FP32 master weights by coat/zero.cuh when the model keeps no BF16 copy of them,
+// weights_from_master); the embedding, the norms' math, attention, the lm_head and the loss stay
+// BF16/FP32.
 #pragma once
 #include "activations.h"
 #include "attention.cuh"
@@ -34,15 +36,17 @@ typedef struct {
     int fp8_gemms;              // FP8 GEMMs for the block's linear layers
     ActivationsChoice activations;
     int fast_accumulation;      // Hopper's FP8 fast accumulation
+    int weights_from_master;    // FP8 GEMMs: no BF16 copy of the block's linear weights (their codes are cast
+                                // from the master weights, coat/zero.cuh); the layers' norms in the norm table
 } ModelPrecision;
 
 static inline ModelPrecision model_precision_bf16(void) {
-    ModelPrecision p = {0, ACTS_BF16, 0};
+    ModelPrecision p = {0, ACTS_BF16, 0, 0};
     return p;
 }
 
 static inline ModelPrecision model_precision_from_config(const TrainConfig *c) {
-    ModelPrecision p = {config_fp8_gemms(c), config_activations(c), c->fp8_fast_accum};
+    ModelPrecision p = {config_fp8_gemms(c), config_activations(c), c->fp8_fast_accum, config_weights_from_master(c)};
     return p;
 }
 
@@ -72,11 +76,14 @@ typedef struct {
 
 typedef struct {
     ModelShape shape;
-    ParamLayout layout;
+    ParamLayout layout;            // the gradients' buffer
+    ParamLayout params_layout;     // the parameters' buffer: the same, or without the layers (weights_from_master)
     ModelPrecision precision;
     int B, T;
-    bf16 *params, *grads;          // params_elems (the layout's buffer_elems) and grads_elems
+    bf16 *params, *grads;          // params_elems (params_layout's buffer_elems) and grads_elems
     size_t params_elems, grads_elems;
+    bf16 *norms;                   // weights_from_master: the layers' norms, the norm table (coat/params.h); else NULL
+    size_t norms_elems;
     const BucketHooks *buckets;    // NULL: one rank (the whole gradient in grads)
     char *activations;             // saved for backward
     size_t activations_bytes;
@@ -96,15 +103,18 @@ typedef struct {
     bf16 *gate_up_working;         // COAT forward: gate_up before its 1x16 cast (in fp8_grad and fp8_grad_t, or wide)
     uint8_t *fp8_weights;          // per layer and linear: W [out, in] then W^T [in, out], E4M3
     Fp8Scale *fp8_scales;          // [n_layers][FP8_SCALES_PER_LAYER]
-    int fp8_weights_current;       // the FP8 weights were cast from the present BF16 weights
+    int fp8_weights_current;       // the FP8 weights are those of the present weights
     float *rope_cos, *rope_sin;
     float *mean_loss, *grad_norm_squared;  // device scalars
     void *kernel_scratch;
     OpTimer *timer;  // per-op GPU times when profiling; NULL otherwise
 } LlamaModel;
 
+// A tensor's BF16 weights; NULL for the block's linear weights when they are E4M3 only.
 static inline bf16 *model_param(const LlamaModel *model, ParamKind kind, int layer) {
-    return model->params + param_buffer_offset(&model->layout, kind, layer);
+    if (model->norms && param_kind_is_layer_norm(kind)) return model->norms + param_norm_table_offset(&model->layout, kind, layer);
+    if (model->norms && param_kind_is_per_layer(kind)) return NULL;
+    return model->params + param_buffer_offset(&model->params_layout, kind, layer);
 }
 static inline bf16 *model_grad(const LlamaModel *model, ParamKind kind, int layer) {
     size_t offset = param_buffer_offset(&model->layout, kind, layer);
@@ -180,13 +190,21 @@ static inline void model_create_sized(LlamaModel *model, const ModelShape *shape
     model->T = T;
     const char *unsupported = model_precision_unsupported(shape, B, T, precision);
     if (unsupported != NULL) fail_with("model_create", unsupported);
+    if (precision.weights_from_master && !precision.fp8_gemms) fail_with("model_create", "weights_from_master needs FP8 GEMMs");
     if (buffers) model->layout = *buffers;
     else param_layout_init(&model->layout, shape);
     size_t N = (size_t)B * T, L = (size_t)shape->n_layers;
-    model->params_elems = model->layout.buffer_elems;
-    model->grads_elems = grads_elems ? grads_elems : model->params_elems;
+    model->params_layout = model->layout;
+    if (precision.weights_from_master) param_layout_without_layers(&model->params_layout, &model->layout);
+    model->params_elems = model->params_layout.buffer_elems;
+    model->grads_elems = grads_elems ? grads_elems : model->layout.buffer_elems;
     model->params = (bf16 *)gpu_alloc(2 * model->params_elems, "parameters");
     cudaCheck(cudaMemset(model->params, 0, 2 * model->params_elems));  // ZeRO's padding stays zero
+    if (precision.weights_from_master) {
+        model->norms_elems = param_norm_table_elems(&model->layout);
+        model->norms = (bf16 *)gpu_alloc(2 * model->norms_elems, "the layers' norms");
+        cudaCheck(cudaMemset(model->norms, 0, 2 * model->norms_elems));
+    }
     model->grads = (bf16 *)gpu_alloc(2 * model->grads_elems, "gradients");
     cudaCheck(cudaMemset(model->grads, 0, 2 * model->grads_elems));
 
@@ -261,6 +279,7 @@ static inline void model_create_sized(LlamaModel *model, const ModelShape *shape
 
 static inline void model_free(LlamaModel *model) {
     cudaCheck(cudaFree(model->params));
+    if (model->norms) cudaCheck(cudaFree(model->norms));
     cudaCheck(cudaFree(model->grads));
     cudaCheck(cudaFree(model->activations));
     cudaCheck(cudaFree(model->working));
@@ -269,7 +288,8 @@ static inline void model_free(LlamaModel *model) {
 
 // Bytes of GPU memory the model allocates (what the memory plan counts for it).
 static inline size_t model_allocated_bytes(const LlamaModel *model) {
-    return 2 * (model->params_elems + model->grads_elems) + model->activations_bytes + model->working_layout.total_bytes;
+    return 2 * (model->params_elems + model->norms_elems + model->grads_elems) + model->activations_bytes +
+           model->working_layout.total_bytes;
 }
 
 static inline void model_create(LlamaModel *model, const ModelShape *shape, int B, int T, ModelPrecision precision) {
@@ -277,7 +297,7 @@ static inline void model_create(LlamaModel *model, const ModelShape *shape, int 
 }
 
 // The BF16 weights changed (an optimizer step, a load): the FP8 copies are cast again before
-// the next forward pass.
+// the next forward pass (with BF16 block weights; without them coat/zero.cuh casts them).
 static inline void model_weights_changed(LlamaModel *model) { model->fp8_weights_current = 0; }
 
 static inline int model_qkv_dim(const ModelShape *m) { return (m->n_heads + 2 * m->n_kv_heads) * model_head_dim(m); }
@@ -328,8 +348,11 @@ static inline Fp8Scale *linear_input_amax(const LlamaModel *model, int layer, Li
     return model_fp8_scale(model, layer, FP8_SLOT_INPUT, which);
 }
 
-// Casts every layer's weights to E4M3 and their transposes (FP8 GEMMs, once per optimizer step).
+// Casts every layer's weights to E4M3 and their transposes (FP8 GEMMs with BF16 block weights,
+// once per optimizer step).
 static inline void model_cast_weights(LlamaModel *model, cudaStream_t s) {
+    if (model->precision.weights_from_master)
+        fail_with("model_cast_weights", "the block's linear weights have no BF16 copy: they are cast from the master weights");
     for (int l = 0; l < model->shape.n_layers; l++)
         for (int i = 0; i < LINEARS; i++) {
             Linear which = (Linear)i;

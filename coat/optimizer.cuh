@@ -30,7 +30,9 @@
 // (ParamShardRange, coat/params.h: one per data-parallel bucket, coat/zero.h, or one range of the
 // whole model), each part a multiple of 128 elements so that every 128-group lies in one tensor
 // and one part. params is the whole BF16 device buffer (the layout's buffer_elems), of which it
-// writes its parts; n is the sum of the parts, and its state and the gradients it reads are the
+// writes its parts, each where its range's `at` says; a range at PARAM_NOT_IN_BUFFER has no BF16
+// copy (the block's linear weights with FP8 GEMMs, coat/zero.cuh) and its step writes only the
+// master. n is the sum of the parts, and its state and the gradients it reads are the
 // parts back to back (part i at the range's state_at): BF16 (a whole one-rank gradient buffer, or
 // ZeRO-1's gradient shard) or FP32 (ZeRO-2's shard sum).
 // Its device state is one allocation, whose sections a checkpoint holds (below):
@@ -254,7 +256,7 @@ static __host__ __device__ __forceinline__ uint8_t e4m3_stochastic(float y, floa
 
 // The shard as the kernel sees it; every pointer starts at the shard's first element.
 typedef struct {
-    bf16 *params;
+    bf16 *params;            // NULL: none (the kernel's WRITE_PARAMS false)
     const bf16 *grads;       // BF16 gradients, or
     const float *grads_f32;  // FP32 ones (ZeRO stage 2's accumulated shard) when not NULL
     float *master;
@@ -444,7 +446,8 @@ __device__ __forceinline__ uint2 quantize8_e4m3(const float x[ADAMW_VEC], DreEnc
 }
 
 // One thread per 8 elements, 16 threads per 128-group; the grid covers the shard once.
-template <OptimizerStateKind KIND, bool STOCHASTIC>
+// WRITE_PARAMS false: the shard has no BF16 parameters, the rest is the same arithmetic.
+template <OptimizerStateKind KIND, bool STOCHASTIC, bool WRITE_PARAMS>
 __global__ void __launch_bounds__(ADAMW_THREADS) adamw_step_kernel(AdamWShard shard, AdamWStepScalars sc) {
     constexpr bool FP8 = KIND == OPT_STATES_FP8 || KIND == OPT_STATES_FP8_DRE;
     constexpr bool DRE = KIND == OPT_STATES_FP8_DRE;
@@ -501,7 +504,7 @@ __global__ void __launch_bounds__(ADAMW_THREADS) adamw_step_kernel(AdamWShard sh
             p[j] = fmaf(-sc.lr, update, p[j]);
         }
         adamw_store8(shard.master + i, p);
-        adamw_store8(shard.params + i, p);
+        if constexpr (WRITE_PARAMS) adamw_store8(shard.params + i, p);
         if constexpr (KIND == OPT_STATES_FP32) {
             adamw_store8((float *)shard.m + i, m);
             adamw_store8((float *)shard.v + i, v);
@@ -585,6 +588,7 @@ static inline void adamw_part_of(const AdamW *opt, int i, int rank, size_t *begi
 }
 
 // Where this rank's part of range i sits in the device buffers.
+static inline int adamw_part_has_params(const AdamW *opt, int i) { return opt->ranges[i].at != PARAM_NOT_IN_BUFFER; }
 static inline size_t adamw_part_at(const AdamW *opt, int i) {
     return opt->ranges[i].at + (size_t)opt->rank * opt->ranges[i].part;
 }
@@ -659,7 +663,8 @@ static inline void adamw_create_ranges(AdamW *opt, OptimizerStateKind kind, cons
     size_t n = 0;
     for (int i = 0; i < range_count; i++) {
         const ParamShardRange *r = &ranges[i];
-        if (r->begin % ADAMW_GROUP != 0 || r->part % ADAMW_GROUP != 0 || r->at % ADAMW_GROUP != 0 || r->state_at != n) {
+        int at_aligned = r->at == PARAM_NOT_IN_BUFFER || r->at % ADAMW_GROUP == 0;
+        if (r->begin % ADAMW_GROUP != 0 || r->part % ADAMW_GROUP != 0 || !at_aligned || r->state_at != n) {
             char detail[200];
             snprintf(detail, sizeof(detail), "range %d ([%zu, %zu), parts of %zu at %zu, state at %zu) must be in multiples "
                      "of %d, its parts back to back", i, r->begin, r->end, r->part, r->at, r->state_at, ADAMW_GROUP);
@@ -775,6 +780,7 @@ static inline void adamw_init_master(AdamW *opt, const ParamLayout *layout, unsi
 static inline void adamw_set_master_from_params(AdamW *opt, const bf16 *params, cudaStream_t stream) {
     adamw_check_aligned(params, "adamw_set_master_from_params: params");
     for (int i = 0; i < opt->range_count; i++) {
+        if (!adamw_part_has_params(opt, i)) fail_with("adamw_set_master_from_params", "a range has no BF16 parameters");
         size_t n = opt->ranges[i].part;
         adamw_params_to_master_kernel<<<(unsigned)ceil_div_size(n / ADAMW_VEC, ADAMW_THREADS), ADAMW_THREADS, 0, stream>>>(
             opt->master + opt->ranges[i].state_at, params + adamw_part_at(opt, i), n);
@@ -787,6 +793,7 @@ static inline void adamw_set_master_from_params(AdamW *opt, const bf16 *params, 
 static inline void adamw_write_params(const AdamW *opt, bf16 *params, cudaStream_t stream) {
     adamw_check_aligned(params, "adamw_write_params: params");
     for (int i = 0; i < opt->range_count; i++) {
+        if (!adamw_part_has_params(opt, i)) continue;
         size_t n = opt->ranges[i].part;
         adamw_master_to_params_kernel<<<(unsigned)ceil_div_size(n / ADAMW_VEC, ADAMW_THREADS), ADAMW_THREADS, 0, stream>>>(
             params + adamw_part_at(opt, i), opt->master + opt->ranges[i].state_at, n);
@@ -805,6 +812,14 @@ static inline void adamw_copy_master_to_host(const AdamW *opt, float *host_param
                                       cudaMemcpyDeviceToHost, stream));
     }
     cudaCheck(cudaStreamSynchronize(stream));
+}
+
+// The step kernel over one part, with or without its BF16 parameters.
+template <OptimizerStateKind KIND, bool STOCHASTIC>
+static inline void adamw_launch_step(unsigned blocks, cudaStream_t stream, const AdamWShard &shard, const AdamWStepScalars &sc) {
+    if (shard.params) adamw_step_kernel<KIND, STOCHASTIC, true><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc);
+    else adamw_step_kernel<KIND, STOCHASTIC, false><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc);
+    cudaCheckLaunch();
 }
 
 // One AdamW step over this rank's parts (t = ++opt->step), a launch per part: params is the whole
@@ -834,7 +849,7 @@ static inline void adamw_step_any(AdamW *opt, bf16 *params, const bf16 *grads_sh
         size_t at = opt->ranges[i].state_at, groups_at = at / ADAMW_GROUP * scalars;
         sc.first_index = opt->ranges[i].begin + (size_t)opt->rank * opt->ranges[i].part;  // the stochastic rounding's index
         AdamWShard shard;
-        shard.params = params + adamw_part_at(opt, i);
+        shard.params = adamw_part_has_params(opt, i) ? params + adamw_part_at(opt, i) : NULL;
         shard.grads = grads_shard ? grads_shard + at : NULL;
         shard.grads_f32 = grads_f32 ? grads_f32 + at : NULL;
         shard.master = opt->master + at;
@@ -846,18 +861,17 @@ static inline void adamw_step_any(AdamW *opt, bf16 *params, const bf16 *grads_sh
         shard.n = opt->ranges[i].part;
         unsigned blocks = (unsigned)ceil_div_size(shard.n / ADAMW_VEC, ADAMW_THREADS);
         switch (opt->kind) {
-        case OPT_STATES_FP32: adamw_step_kernel<OPT_STATES_FP32, false><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc); break;
-        case OPT_STATES_BF16: adamw_step_kernel<OPT_STATES_BF16, false><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc); break;
+        case OPT_STATES_FP32: adamw_launch_step<OPT_STATES_FP32, false>(blocks, stream, shard, sc); break;
+        case OPT_STATES_BF16: adamw_launch_step<OPT_STATES_BF16, false>(blocks, stream, shard, sc); break;
         case OPT_STATES_FP8:
-            if (stochastic) adamw_step_kernel<OPT_STATES_FP8, true><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc);
-            else adamw_step_kernel<OPT_STATES_FP8, false><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc);
+            if (stochastic) adamw_launch_step<OPT_STATES_FP8, true>(blocks, stream, shard, sc);
+            else adamw_launch_step<OPT_STATES_FP8, false>(blocks, stream, shard, sc);
             break;
         case OPT_STATES_FP8_DRE:
-            if (stochastic) adamw_step_kernel<OPT_STATES_FP8_DRE, true><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc);
-            else adamw_step_kernel<OPT_STATES_FP8_DRE, false><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc);
+            if (stochastic) adamw_launch_step<OPT_STATES_FP8_DRE, true>(blocks, stream, shard, sc);
+            else adamw_launch_step<OPT_STATES_FP8_DRE, false>(blocks, stream, shard, sc);
             break;
         }
-        cudaCheckLaunch();
     }
 }
 

@@ -10,6 +10,7 @@
 
 #define PARAM_ALIGN_ELEMS 128
 #define PARAM_SEGMENTS_MAX 1026  // n_layers + 2 at the largest n_layers (coat/model_shape.h)
+#define PARAM_NOT_IN_BUFFER ((size_t)-1)  // a segment or range with no place in the BF16 parameter buffer
 
 typedef enum {
     PARAM_EMBEDDING,   // [vocab, dim]
@@ -138,6 +139,31 @@ static inline int param_segment_of(const ParamLayout *layout, ParamKind kind, in
 static inline size_t param_buffer_at(const ParamLayout *layout, int s, size_t offset) {
     return layout->segment_at[s] + (offset - param_segment_begin(layout, s));
 }
+
+// `buffers` without the layers, for a BF16 parameter buffer that holds no layer (FP8 GEMMs cast
+// the block's linear weights from the FP32 master weights, coat/zero.cuh, and the layers' norms
+// sit in the norm table below): the embedding's room where it was (up to the first layer), the
+// tail's room right after it, the layers nowhere.
+static inline void param_layout_without_layers(ParamLayout *params, const ParamLayout *buffers) {
+    int L = buffers->shape.n_layers;
+    size_t embedding_elems = buffers->segment_at[L], tail_elems = buffers->buffer_elems - buffers->segment_at[0];
+    *params = *buffers;
+    params->segment_at[0] = embedding_elems;
+    for (int s = 1; s <= L; s++) params->segment_at[s] = PARAM_NOT_IN_BUFFER;
+    params->buffer_elems = embedding_elems + tail_elems;
+}
+
+// The norm table: every layer's two norms (attention, then MLP, each padded), layer by layer. The
+// layers' norms live there when the parameter buffer holds no layer, and ZeRO's E4M3 gather
+// all-reduces it (coat/zero.h).
+static inline size_t param_norm_table_elems(const ParamLayout *layout) {
+    return (size_t)layout->shape.n_layers * (layout->padded[PARAM_ATTN_NORM] + layout->padded[PARAM_MLP_NORM]);
+}
+static inline size_t param_norm_table_offset(const ParamLayout *layout, ParamKind norm, int layer) {
+    size_t at = (size_t)layer * (layout->padded[PARAM_ATTN_NORM] + layout->padded[PARAM_MLP_NORM]);
+    return norm == PARAM_MLP_NORM ? at + layout->padded[PARAM_ATTN_NORM] : at;
+}
+static inline int param_kind_is_layer_norm(ParamKind kind) { return kind == PARAM_ATTN_NORM || kind == PARAM_MLP_NORM; }
 
 // Where tensor `kind` of `layer` starts in the device buffers.
 static inline size_t param_buffer_offset(const ParamLayout *layout, ParamKind kind, int layer) {

@@ -35,6 +35,8 @@ typedef struct {
     size_t optimizer_elems;       // elements the gradient norm and AdamW cover on this GPU
     int fp32_grads;               // they read FP32 gradient sums (ZeRO stage 2), not BF16
     int casts_weights;            // this GPU casts the FP8 weights once per step (not gathered as codes)
+    int casts_from_master;        // ... from the FP32 master weights (no BF16 block weights), not BF16 ones
+    size_t params_written_elems;  // BF16 parameters AdamW writes on this GPU (none of the block weights without them)
 } SolRun;
 
 typedef struct {
@@ -57,7 +59,7 @@ static inline SolRun sol_run_one_gpu(const ModelShape *shape, int B, int T, int 
     ParamLayout layout;
     param_layout_init(&layout, shape);
     SolRun run = {*shape, B, T, micro_batches, fp8_gemms, activations, states,
-                  2 * layout.total_padded, layout.total_padded, 0, fp8_gemms};
+                  2 * layout.total_padded, layout.total_padded, 0, fp8_gemms, 0, layout.total_padded};
     return run;
 }
 
@@ -130,11 +132,12 @@ static inline void sol_add_linears(SolTable *t, const SolRun *r, double per_laye
         sol_add(t, "fp8 cast of an output gradient (+ transpose)", fp8 && i != LINEAR_GATE_UP ? per_layer : 0, 0, 0,
                 2 * dy + 2 * dy);
     }
-    // Once per step: each weight's amax pass (read), then its cast (read, codes and transpose written).
-    double weights = 0;
+    // Once per step: each weight's amax pass (read), then its cast (read, codes and transpose
+    // written), reading BF16 weights or FP32 master weights.
+    double weights = 0, weight_bytes = r->casts_from_master ? 4 : 2;
     for (int i = 0; i < LINEARS; i++) weights += (double)in[i] * out[i];
     sol_add(t, "fp8 cast of the weights (once per step)", fp8 && r->casts_weights ? 1 : 0, 0, 0,
-            r->shape.n_layers * (2 + 2 + 1 + 1) * weights);
+            r->shape.n_layers * (2 * weight_bytes + 1 + 1) * weights);
 }
 
 // The norms (coat/rmsnorm.cuh), per micro-batch: BF16 rows in and out, rstd, weights; the
@@ -209,11 +212,13 @@ static inline void speed_of_light_table(SolTable *t, const SolRun *r) {
     double n = (double)r->optimizer_elems, grad = r->fp32_grads ? 4 : 2;
     sol_add(t, "zero gradients", 1, 0, 0, (double)r->zeroed_grad_bytes);
     sol_add(t, "gradient norm", 1, 0, 0, grad * n);
-    // AdamW: gradient read; FP32 master and both moments read and written; BF16 parameter
-    // written; the FP8 kinds' group scalars read and written; one decay byte per group.
+    // AdamW: gradient read; FP32 master and both moments read and written; BF16 parameters
+    // written where they are kept; the FP8 kinds' group scalars read and written; one decay byte
+    // per group.
     double moments = 2 * 2 * (double)adamw_moment_elem_bytes(r->states) * n;
     double scalars = 2 * 2 * 4 * (double)adamw_group_scalars(r->states) * (n / ADAMW_GROUP);
-    sol_add(t, "adamw (after the host's wait)", 1, 0, 0, grad * n + 2 * 4 * n + 2 * n + moments + scalars + n / ADAMW_GROUP);
+    sol_add(t, "adamw (after the host's wait)", 1, 0, 0,
+            grad * n + 2 * 4 * n + 2 * (double)r->params_written_elems + moments + scalars + n / ADAMW_GROUP);
     sol_unbounded(t, "embedding backward", "its weight-gradient rows depend on the batch's distinct tokens (a radix sort first)");
     sol_unbounded(t, "batch upload (after the host's wait)", "the host's wait for the loader");
     sol_unbounded(t, "wait for the gradient reduces", "a wait for the network");

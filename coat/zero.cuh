@@ -4,7 +4,8 @@
 //   zero_attach                            the collectives, the hooks on the model, this rank's buffers
 //   zero_step_begin, zero_micro_batch      the gradient accumulators zeroed; which micro-batch reduces
 //   zero_gradients_done                    the compute stream waits for the gradients' reduces
-//   zero_gather_params                     after the optimizer wrote this rank's parts of the parameters
+//   zero_optimizer_ranges                  the buckets as the optimizer steps them (where their BF16 is)
+//   zero_gather_params                     after the optimizer stepped this rank's parts of the parameters
 // Backward (the hooks): as backward finishes the last segment of a bucket, the bucket's gradient
 // is all-reduced (stage 0) or reduce-scattered (stages 1, 2) on the collectives' stream while
 // backward goes on. Stage 0 and 1 reduce in the step's last micro-batch (the others accumulate in
@@ -14,15 +15,17 @@
 // the FP32 sum of its shard.
 // Forward: after the step each bucket's parameters are all-gathered, in the order the forward
 // reads them; the forward waits for each bucket just before its first read (`ready`), so the gather
-// overlaps it. The E4M3 gather (param_gather, with FP8 GEMMs): the owners cast their parts of the
-// block's linear weights to the codes the FP8 GEMMs read, with each weight's amax over all ranks
-// (one max all-reduce of the scale table), and each bucket of layers travels as one byte per
-// element through a staging buffer, from which every rank copies each weight's codes into its
-// place; the layers' norms travel in one table that the owners fill and one all-reduce sums, and
-// each layer's transposes are written once its bucket is here. Every rank ends with the codes and
-// scales of model_cast_weights, bit for bit. The BF16 copies of the block weights then go stale on
-// the ranks that do not own them: with FP8 GEMMs nothing reads them (checkpoints come from the
-// master weights).
+// overlaps it. Weights from the master (FP8 GEMMs with param_gather e4m3, at any stage and world
+// size): no rank holds the block's linear weights in BF16. After the step each rank casts its
+// parts of them from its FP32 master weights, rounded to BF16 in registers, to the codes the FP8
+// GEMMs read, with each weight's amax over all ranks, and writes its parts of the layers' norms
+// (BF16) into the model's norm table. Sharded (stages 1, 2 over several ranks): one max
+// all-reduce of the scale table, then each bucket of layers travels as one byte per element
+// through a staging buffer, from which every rank copies each weight's codes into its place, the
+// norm table's all-reduce sums the owners' norms, and each layer's transposes are written once its
+// bucket is here; otherwise the rank owns everything and casts each weight and its transpose in
+// one pass. Every rank ends with the codes and scales that model_cast_weights gives from the BF16
+// weights, bit for bit.
 #pragma once
 #include "collectives_mpi.cuh"
 #include "collectives_nccl.cuh"
@@ -44,7 +47,6 @@ typedef struct {
     cudaEvent_t *params_gathered;   // stages 1, 2: per bucket, its gather after the step is done
     unsigned char *gathering;       // per bucket: the forward has yet to wait for its gather
     uint8_t *e4m3_staging;          // the E4M3 gather: a bucket of layers' codes
-    bf16 *norm_table;               // the E4M3 gather: every layer's two norms
     size_t allocated_bytes;         // device memory allocated here (the memory plan's)
 } Zero;
 
@@ -141,7 +143,7 @@ static inline void *zero_alloc(Zero *z, size_t bytes, const char *what) {
 // the collectives (`backend`, collective_timeout_s timeout_s), the hooks and this rank's buffers.
 // Returns 0, or -1 with a message.
 static inline int zero_attach(Zero *z, const ZeroPlan *plan, const Comm *comm, LlamaModel *model, cudaStream_t compute,
-                              CollectivesBackend backend, int e4m3_gather, double timeout_s, char *error, size_t error_size) {
+                              CollectivesBackend backend, double timeout_s, char *error, size_t error_size) {
     memset(z, 0, sizeof(*z));
     z->plan = *plan;
     z->comm = comm;
@@ -149,7 +151,7 @@ static inline int zero_attach(Zero *z, const ZeroPlan *plan, const Comm *comm, L
     z->compute = compute;
     z->collectives.comm = comm;  // one rank: the waits and the one-rank shortcuts only
     if (comm->world <= 1) return 0;
-    z->e4m3_gather = e4m3_gather && plan->stage >= 1;
+    z->e4m3_gather = model->precision.weights_from_master && plan->shards > 1;
     if (zero_open_collectives(&z->collectives, comm, backend, plan->largest_bucket_elems, timeout_s, error, error_size) != 0)
         return -1;
     z->allocated_bytes = ZERO_SCALAR_BYTES;  // the collectives' scalars
@@ -171,10 +173,7 @@ static inline int zero_attach(Zero *z, const ZeroPlan *plan, const Comm *comm, L
         for (int b = 0; b < plan->buckets; b++)
             cudaCheck(cudaEventCreateWithFlags(&z->params_gathered[b], cudaEventDisableTiming));
     }
-    if (z->e4m3_gather) {
-        z->e4m3_staging = (uint8_t *)zero_alloc(z, plan->largest_layer_bucket_elems, "the E4M3 gather's staging");
-        z->norm_table = (bf16 *)zero_alloc(z, 2 * zero_norm_table_elems(&model->layout), "the E4M3 gather's norm table");
-    }
+    if (z->e4m3_gather) z->e4m3_staging = (uint8_t *)zero_alloc(z, zero_e4m3_gather_bytes(plan), "the E4M3 gather's staging");
     return 0;
 }
 
@@ -192,7 +191,6 @@ static inline void zero_free(Zero *z) {
         free(z->gathering);
     }
     if (z->e4m3_staging) cudaCheck(cudaFree(z->e4m3_staging));
-    if (z->norm_table) cudaCheck(cudaFree(z->norm_table));
     z->model->buckets = NULL;
 }
 
@@ -215,104 +213,163 @@ static inline void zero_gradients_done(Zero *z) {
 static inline bf16 *zero_gradient_shard(const Zero *z) { return z->grad_shard ? z->grad_shard : z->model->grads; }
 static inline const float *zero_gradient_sum(const Zero *z) { return z->grad_sum; }
 
-// The linear weight `which` of `layer` as far as it lies in this rank's part of bucket b, in the
-// device buffers: [*begin, *end) (empty: equal), and where the weight starts there.
-static inline size_t zero_owned_linear(const Zero *z, int b, int layer, Linear which, size_t *begin, size_t *end) {
-    const ParamLayout *layout = &z->model->layout;
-    ZeroRange weight = zero_linear_range(layout, which, layer);
-    ZeroRange mine = zero_intersection(weight, zero_owned(&z->plan, b, z->comm->rank));
-    int segment = layout->shape.n_layers - layer;
-    *begin = param_buffer_at(layout, segment, mine.begin);
-    *end = *begin + (mine.end - mine.begin);
-    return param_buffer_at(layout, segment, weight.begin);
+// Where bucket b sits in the model's BF16 parameter buffer (PARAM_NOT_IN_BUFFER: a bucket of
+// layers whose linear weights are E4M3 only; its norms are in the norm table).
+static inline size_t zero_params_at(const Zero *z, int b) {
+    const LlamaModel *m = z->model;
+    if (m->precision.weights_from_master && zero_bucket_is_layers(&z->plan, b)) return PARAM_NOT_IN_BUFFER;
+    return param_buffer_at(&m->params_layout, z->plan.last_segment[b], z->plan.bucket[b].begin);
 }
 
-// Every weight's amax slot = max |w| over its elements in this rank's parts (0 where it has none).
-static inline void zero_weights_amax_mine(Zero *z) {
+// The plan's buckets as this rank's optimizer steps them: at where each sits in the BF16
+// parameter buffer (zero_params_at), ranges[plan.buckets].
+static inline void zero_optimizer_ranges(const Zero *z, ParamShardRange *ranges) {
+    for (int b = 0; b < z->plan.buckets; b++) {
+        ranges[b] = z->plan.bucket[b];
+        ranges[b].at = zero_params_at(z, b);
+    }
+}
+
+// ---- weights from the master -------------------------------------------------------------
+
+// This rank's part of bucket b (its optimizer's: the whole bucket when not sharded) and where
+// element e of it sits in the rank's master weights (its parts back to back).
+static inline ZeroRange zero_mine(const Zero *z, int b) { return zero_owned(&z->plan, b, zero_optimizer_rank(z)); }
+static inline size_t zero_master_index(const Zero *z, int b, size_t e) {
+    const ParamShardRange *r = &z->plan.bucket[b];
+    return r->state_at + (e - r->begin - (size_t)zero_optimizer_rank(z) * r->part);
+}
+
+// The linear weight `which` of `layer` as far as it lies in this rank's part of its bucket, in
+// the parameter order (empty: begin == end).
+static inline ZeroRange zero_mine_of_linear(const Zero *z, int layer, Linear which) {
+    const ParamLayout *layout = &z->model->layout;
+    int b = z->plan.bucket_of[layout->shape.n_layers - layer];
+    return zero_intersection(zero_linear_range(layout, which, layer), zero_mine(z, b));
+}
+
+// Every weight's amax slot = max |w| over its elements in this rank's master weights, rounded to
+// BF16 (0 where it has none).
+static inline void zero_weights_amax_mine(Zero *z, const float *master) {
     LlamaModel *m = z->model;
-    for (int l = 0; l < m->shape.n_layers; l++)
+    int L = m->shape.n_layers;
+    for (int l = 0; l < L; l++)
         for (int i = 0; i < LINEARS; i++) {
             Fp8Scale *slot = model_fp8_scale(m, l, FP8_SLOT_WEIGHT, (Linear)i);
-            size_t begin, end;
-            zero_owned_linear(z, z->plan.bucket_of[m->shape.n_layers - l], l, (Linear)i, &begin, &end);
+            ZeroRange mine = zero_mine_of_linear(z, l, (Linear)i);
             cudaCheck(cudaMemsetAsync(slot, 0, sizeof(Fp8Scale), z->compute));
-            if (end > begin) fp8_amax(slot, m->params + begin, end - begin, z->compute);
+            if (mine.end > mine.begin)
+                fp8_amax(slot, master + zero_master_index(z, z->plan.bucket_of[L - l], mine.begin), mine.end - mine.begin,
+                         z->compute);
         }
 }
 
-// The norm table: this rank's parts of every layer's norms into their places (the rest zero)
-// before the sum, and every norm from it after.
-static inline void zero_norm_table_copy(Zero *z, int into_table, cudaStream_t s) {
+__global__ void zero_master_to_bf16_kernel(bf16 *out, const float *master, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = __float2bfloat16_rn(master[i]);
+}
+
+// This rank's parts of every layer's norms (their padding too), rounded to BF16 as a step rounds
+// the parameters, into their places in the norm table.
+static inline void zero_norms_from_master(Zero *z, const float *master) {
     LlamaModel *m = z->model;
     const ParamLayout *layout = &m->layout;
     ParamKind norms[2] = {PARAM_ATTN_NORM, PARAM_MLP_NORM};
-    size_t at = 0;
     int L = m->shape.n_layers;
     for (int l = 0; l < L; l++)
         for (int k = 0; k < 2; k++) {
-            ZeroRange norm = zero_tensor_range(layout, norms[k], l), copy = norm;
-            if (into_table) copy = zero_intersection(norm, zero_owned(&z->plan, z->plan.bucket_of[L - l], z->comm->rank));
-            if (copy.end > copy.begin) {
-                bf16 *param = m->params + param_buffer_at(layout, L - l, copy.begin);
-                bf16 *entry = z->norm_table + at + (copy.begin - norm.begin);
-                cudaCheck(cudaMemcpyAsync(into_table ? entry : param, into_table ? param : entry, 2 * (copy.end - copy.begin),
-                                          cudaMemcpyDeviceToDevice, s));
-            }
-            at += layout->padded[norms[k]];
+            int b = z->plan.bucket_of[L - l];
+            size_t begin = param_offset(layout, norms[k], l);
+            ZeroRange norm = {begin, begin + layout->padded[norms[k]]}, mine = zero_intersection(norm, zero_mine(z, b));
+            if (mine.end == mine.begin) continue;
+            size_t n = mine.end - mine.begin;
+            zero_master_to_bf16_kernel<<<(unsigned)ceil_div_size(n, 256), 256, 0, z->compute>>>(
+                m->norms + param_norm_table_offset(layout, norms[k], l) + (mine.begin - norm.begin),
+                master + zero_master_index(z, b, mine.begin), n);
+            cudaCheckLaunch();
         }
 }
 
-// A bucket of layers in E4M3, on the collectives' stream: this rank's codes into its part of the
-// staging, the all-gather, each weight's codes out to where the FP8 GEMMs read them.
-static inline void zero_gather_layers_e4m3(Zero *z, int b) {
+// Unsharded: every weight and its transpose cast from the master in one pass, as
+// model_cast_weights casts them from the BF16 weights.
+static inline void zero_cast_weights_from_master(Zero *z, const float *master) {
+    LlamaModel *m = z->model;
+    int L = m->shape.n_layers;
+    for (int l = 0; l < L; l++)
+        for (int i = 0; i < LINEARS; i++) {
+            Linear which = (Linear)i;
+            LinearShape shape = linear_shape(m, which);
+            size_t first = zero_linear_range(&m->layout, which, l).begin;
+            const float *weight = master + zero_master_index(z, z->plan.bucket_of[L - l], first);
+            fp8_quantize(linear_fp8_weight(m, l, which, 0), linear_fp8_weight(m, l, which, 1),
+                         model_fp8_scale(m, l, FP8_SLOT_WEIGHT, which), weight, shape.out, shape.in, FP8_E4M3, z->compute);
+        }
+}
+
+// A bucket of layers in E4M3, on the collectives' stream: this rank's codes, cast from its master
+// weights, into its part of the staging, the all-gather, each weight's codes out to where the FP8
+// GEMMs read them.
+static inline void zero_gather_layers_e4m3(Zero *z, int b, const float *master) {
     LlamaModel *m = z->model;
     const ParamShardRange *r = &z->plan.bucket[b];
     Collectives *c = &z->collectives;
     int L = m->shape.n_layers;
     for (int s = z->plan.first_segment[b]; s <= z->plan.last_segment[b]; s++)
         for (int i = 0; i < LINEARS; i++) {
-            size_t begin, end;
-            zero_owned_linear(z, b, L - s, (Linear)i, &begin, &end);
-            if (end > begin)
-                fp8_quantize(z->e4m3_staging + (begin - r->at), NULL, model_fp8_scale(m, L - s, FP8_SLOT_WEIGHT, (Linear)i),
-                             m->params + begin, (int)((end - begin) / PARAM_ALIGN_ELEMS), PARAM_ALIGN_ELEMS, FP8_E4M3, c->stream);
+            ZeroRange mine = zero_mine_of_linear(z, L - s, (Linear)i);
+            if (mine.end > mine.begin)
+                fp8_quantize(z->e4m3_staging + (mine.begin - r->begin), NULL,
+                             model_fp8_scale(m, L - s, FP8_SLOT_WEIGHT, (Linear)i), master + zero_master_index(z, b, mine.begin),
+                             (int)((mine.end - mine.begin) / PARAM_ALIGN_ELEMS), PARAM_ALIGN_ELEMS, FP8_E4M3, c->stream);
         }
     collectives_all_gather(c, z->e4m3_staging, r->part, c->stream);
     for (int s = z->plan.first_segment[b]; s <= z->plan.last_segment[b]; s++)
         for (int i = 0; i < LINEARS; i++) {
-            size_t begin, end, weight_at = zero_owned_linear(z, b, L - s, (Linear)i, &begin, &end);
-            LinearShape shape = linear_shape(m, (Linear)i);
-            cudaCheck(cudaMemcpyAsync(linear_fp8_weight(m, L - s, (Linear)i, 0), z->e4m3_staging + (weight_at - r->at),
-                                      (size_t)shape.in * shape.out, cudaMemcpyDeviceToDevice, c->stream));
+            ZeroRange weight = zero_linear_range(&m->layout, (Linear)i, L - s);
+            cudaCheck(cudaMemcpyAsync(linear_fp8_weight(m, L - s, (Linear)i, 0), z->e4m3_staging + (weight.begin - r->begin),
+                                      weight.end - weight.begin, cudaMemcpyDeviceToDevice, c->stream));
         }
 }
 
-// After the optimizer wrote this rank's parts of the BF16 parameters (on the compute stream):
-// every rank gets all of them, a bucket at a time in the forward's order (the parameter order).
-static inline void zero_gather_params(Zero *z) {
+// Sharded: the scale table's max and the norm table's sum, then each bucket in the forward's
+// order, the buckets of layers in E4M3, the others in BF16.
+static inline void zero_gather_from_master(Zero *z, const float *master) {
     LlamaModel *m = z->model;
-    if (z->plan.stage == 0 || z->comm->world == 1) {
-        model_weights_changed(m);
-        return;
-    }
     Collectives *c = &z->collectives;
-    if (z->e4m3_gather) {
-        zero_weights_amax_mine(z);
-        cudaCheck(cudaMemsetAsync(z->norm_table, 0, 2 * zero_norm_table_elems(&m->layout), z->compute));
-        zero_norm_table_copy(z, 1, z->compute);
-        // The whole scale table: the activations' and gradients' entries, reset by every forward, ride along.
-        collectives_all_reduce_max_f32(c, (float *)m->fp8_scales, m->working_layout.fp8_scales_bytes / sizeof(float), z->compute);
-        collectives_join(c, z->compute);  // the next forward resets the activations' entries after it
-        collectives_all_reduce_sum_bf16(c, z->norm_table, zero_norm_table_elems(&m->layout), c->stream);
-        zero_norm_table_copy(z, 0, c->stream);
-    }
+    // The whole scale table: the activations' and gradients' entries, reset by every forward, ride along.
+    collectives_all_reduce_max_f32(c, (float *)m->fp8_scales, m->working_layout.fp8_scales_bytes / sizeof(float), z->compute);
+    collectives_join(c, z->compute);  // the next forward resets the activations' entries after it
+    collectives_all_reduce_sum_bf16(c, m->norms, m->norms_elems, c->stream);
     for (int b = 0; b < z->plan.buckets; b++) {
         const ParamShardRange *r = &z->plan.bucket[b];
-        if (z->e4m3_gather && zero_bucket_is_layers(&z->plan, b)) zero_gather_layers_e4m3(z, b);
-        else collectives_all_gather(c, m->params + r->at, 2 * r->part, z->compute);
+        if (zero_bucket_is_layers(&z->plan, b)) zero_gather_layers_e4m3(z, b, master);
+        else collectives_all_gather(c, m->params + zero_params_at(z, b), 2 * r->part, z->compute);
         cudaCheck(cudaEventRecord(z->params_gathered[b], c->stream));
         z->gathering[b] = 1;
     }
-    if (z->e4m3_gather) m->fp8_weights_current = 1;  // the codes, once zero_params_ready has waited for them
-    else model_weights_changed(m);
+}
+
+// After the optimizer stepped this rank's parts of the parameters (on the compute stream; its
+// FP32 master weights `master`, the parts back to back): every rank gets all of the weights the
+// model reads, a bucket at a time in the forward's order (the parameter order).
+static inline void zero_gather_params(Zero *z, const float *master) {
+    LlamaModel *m = z->model;
+    if (m->precision.weights_from_master) {
+        int sharded = z->plan.shards > 1;
+        if (sharded) cudaCheck(cudaMemsetAsync(m->norms, 0, 2 * m->norms_elems, z->compute));
+        zero_norms_from_master(z, master);
+        zero_weights_amax_mine(z, master);
+        if (sharded) zero_gather_from_master(z, master);
+        else zero_cast_weights_from_master(z, master);
+        m->fp8_weights_current = 1;  // the codes, once zero_params_ready has waited for them
+        return;
+    }
+    model_weights_changed(m);
+    if (z->plan.stage == 0 || z->comm->world == 1) return;
+    Collectives *c = &z->collectives;
+    for (int b = 0; b < z->plan.buckets; b++) {
+        collectives_all_gather(c, m->params + zero_params_at(z, b), 2 * z->plan.bucket[b].part, z->compute);
+        cudaCheck(cudaEventRecord(z->params_gathered[b], c->stream));
+        z->gathering[b] = 1;
+    }
 }

@@ -10,7 +10,9 @@
 // Sharding (stages 1 and 2): each bucket is padded to W parts of `part` elements, a multiple of
 // 128 (FP8 optimizer groups never straddle a part), and rank r owns part r of every bucket: the
 // elements [begin + r part, begin + (r + 1) part) clipped to end. In the device buffers (the BF16
-// parameters; stage 1's BF16 gradients) a bucket occupies W part elements from `at`, so that one
+// parameters, which with FP8 GEMMs casting from the master weights hold only the embedding's and
+// the tail's buckets, coat/params.h; stage 1's BF16 gradients) a bucket occupies W part elements
+// from `at` (zero_params_at in coat/zero.cuh for the parameters), so that one
 // reduce-scatter takes a bucket's gradients to their owners and one all-gather brings its
 // parameters back: calls per step are the buckets' count plus a constant at any world size. Each
 // rank's optimizer state (and its gradient shard) is its parts back to back, part b at state_at.
@@ -165,15 +167,10 @@ static inline ZeroRange zero_intersection(ZeroRange a, ZeroRange b) {
 
 // The E4M3 gather (stages 1, 2 with FP8 GEMMs): each bucket of layers travels as one byte per
 // element (the linear weights' E4M3 codes, at their elements' places) through a staging buffer of
-// the largest such bucket, and the layers' norms, which stay BF16, in one table of every layer's
-// two norms that the owners fill and one all-reduce sums (each element has one owner, the others
-// add zeros).
-static inline size_t zero_norm_table_elems(const ParamLayout *layout) {
-    return (size_t)layout->shape.n_layers * (layout->padded[PARAM_ATTN_NORM] + layout->padded[PARAM_MLP_NORM]);
-}
-static inline size_t zero_e4m3_gather_bytes(const ZeroPlan *z, const ParamLayout *layout) {
-    return z->largest_layer_bucket_elems + 2 * zero_norm_table_elems(layout);
-}
+// the largest such bucket, and the layers' norms, which stay BF16, in the model's norm table
+// (coat/params.h) that the owners fill and one all-reduce sums (each element has one owner, the
+// others add zeros).
+static inline size_t zero_e4m3_gather_bytes(const ZeroPlan *z) { return z->largest_layer_bucket_elems; }
 
 // The collective calls of one step as coat/zero.cuh issues them (stage 2 reduces every micro-batch).
 typedef struct {
@@ -221,7 +218,7 @@ static inline ZeroTraffic zero_traffic(const ZeroPlan *z, const ParamLayout *lay
     for (int b = 0; b < z->buckets; b++)
         if (zero_bucket_is_layers(z, b)) layers += (double)z->ranks * z->bucket[b].part;
     t.parameter_bytes = share * (2.0 * ((double)z->buffer_elems - layers) + layers) +
-                        2.0 * share * 2.0 * (double)zero_norm_table_elems(layout);
+                        2.0 * share * 2.0 * (double)param_norm_table_elems(layout);
     return t;
 }
 

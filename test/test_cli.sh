@@ -315,6 +315,17 @@ check "llama2-7b bf16 8 x 2048 in 80 GiB at ZeRO stage 2: one rank is refused na
 err=$(./train_llama "${fewest[@]}" --zero_stage=0 2>&1 >/dev/null); rc=$?
 check "at ZeRO stage 0 no number of ranks fits it, saying what each holds" \
     "$([ $rc -eq 2 ] && printf '%s' "$err" | grep -q 'at ZeRO stage 0 no number of ranks fits it: each holds at least [0-9.]* GiB'; echo $?)" "$err"
+# FP8 GEMMs keep no BF16 copy of the block's linear weights (their E4M3 copies are cast from the
+# master weights): llama2-7b in coat at ZeRO-1 on 8 ranks plans 12 GiB less BF16 parameters per
+# rank than with the copy that param_gather = bf16 keeps.
+params_gib() { printf '%s\n' "$1" | sed -n 's/^  parameters (bf16) *\([0-9.]*\) GiB.*/\1/p'; }
+seven=(configs/models/llama2-7b.conf --dry_run=1 "$plan_data" --precision=coat --world_size=8 --micro_batch_size=8 --seq_len=2048)
+out=$(./train_llama "${seven[@]}" 2>&1); rc=$?
+out2=$(./train_llama "${seven[@]}" --param_gather=bf16 2>&1); rc2=$?
+check "llama2-7b coat, ZeRO-1, 8 ranks: BF16 parameters $(params_gib "$out") GiB without the block weights, $(params_gib "$out2") GiB with them (12 GiB more)" \
+    "$([ $rc -eq 0 ] && [ $rc2 -eq 0 ] &&
+       awk -v a="$(params_gib "$out")" -v b="$(params_gib "$out2")" 'BEGIN { exit !(a > 0 && b - a >= 12) }'; echo $?)" \
+    "$(params_gib "$out") / $(params_gib "$out2")"
 
 # Bad inputs that dry_run opens: checkpoints, shards and tokenizers, each named in one line.
 python3 - "$tmp" <<'PY'

@@ -695,6 +695,68 @@ static void test_transpose_codes(void) {
     }
 }
 
+// The FP32 master weights cast as the BF16 weights they round to (coat/zero.cuh casts the block's
+// weights so, keeping no BF16 copy): fp8_amax and fp8_quantize from FP32 give the amax, scale,
+// codes and transpose that they give from the BF16 rounding, bit for bit. Values of every
+// magnitude, with ties and near-ties of the rounding to BF16.
+static void test_cast_from_fp32(void) {
+    static const int shapes[][2] = {{64, 64}, {48, 208}, {1040, 80}};
+    for (size_t s = 0; s < ARRAY_LEN(shapes); s++) {
+        int R = shapes[s][0], C = shapes[s][1];
+        size_t n = (size_t)R * C;
+        Random rng;
+        random_seed(&rng, SEED + 800 + s);
+        float *x = (float *)malloc(n * sizeof(float));
+        for (size_t i = 0; i < n; i++) {
+            uint32_t bits = (uint32_t)random_below(&rng, 1u << 23) | (uint32_t)(100 + random_below(&rng, 60)) << 23;
+            if (i % 7 == 0) bits = (bits & ~0xffffu) | 0x8000u;  // a tie: rounds to even
+            if (i % 2) bits |= 0x80000000u;
+            memcpy(&x[i], &bits, 4);
+        }
+        float *d_f = (float *)device_copy_of(x, n * sizeof(float));
+        bf16 *d_b = device_bf16_from(x, n);
+        Fp8Scale zero;
+        memset(&zero, 0, sizeof(zero));
+        Fp8Scale *d_slot_f = (Fp8Scale *)device_copy_of(&zero, sizeof(zero));
+        Fp8Scale *d_slot_b = (Fp8Scale *)device_copy_of(&zero, sizeof(zero));
+        uint8_t *d_codes[2] = {device_poisoned(n, 0x5a), device_poisoned(n, 0x5a)};
+        uint8_t *d_codes_t[2] = {device_poisoned(n, 0x5a), device_poisoned(n, 0x5a)};
+        fp8_amax(d_slot_f, d_f, n, 0);
+        fp8_quantize(d_codes[0], d_codes_t[0], d_slot_f, d_f, R, C, FP8_E4M3, 0);
+        fp8_amax(d_slot_b, d_b, n, 0);
+        fp8_quantize(d_codes[1], d_codes_t[1], d_slot_b, d_b, R, C, FP8_E4M3, 0);
+        size_t codes_differ = 0, transpose_differ = 0;
+        uint8_t *codes[2], *codes_t[2];
+        for (int k = 0; k < 2; k++) {
+            codes[k] = (uint8_t *)host_copy_of(d_codes[k], n);
+            codes_t[k] = (uint8_t *)host_copy_of(d_codes_t[k], n);
+        }
+        for (size_t i = 0; i < n; i++) {
+            codes_differ += codes[0][i] != codes[1][i];
+            transpose_differ += codes_t[0][i] != codes_t[1][i];
+        }
+        Fp8Scale from_f32, from_bf16;
+        cudaCheck(cudaMemcpy(&from_f32, d_slot_f, sizeof(from_f32), cudaMemcpyDeviceToHost));
+        cudaCheck(cudaMemcpy(&from_bf16, d_slot_b, sizeof(from_bf16), cudaMemcpyDeviceToHost));
+        check(codes_differ == 0 && transpose_differ == 0 && same_float(from_f32.amax, from_bf16.amax) &&
+                  same_float(from_f32.scale, from_bf16.scale),
+              "[%d, %d] cast from FP32 = cast from its BF16 rounding: %zu codes, %zu transposed codes differ; amax %.9g vs "
+              "%.9g, scale %.9g vs %.9g", R, C, codes_differ, transpose_differ, (double)from_f32.amax, (double)from_bf16.amax,
+              (double)from_f32.scale, (double)from_bf16.scale);
+        for (int k = 0; k < 2; k++) {
+            free(codes[k]);
+            free(codes_t[k]);
+            cudaCheck(cudaFree(d_codes[k]));
+            cudaCheck(cudaFree(d_codes_t[k]));
+        }
+        free(x);
+        cudaCheck(cudaFree(d_f));
+        cudaCheck(cudaFree(d_b));
+        cudaCheck(cudaFree(d_slot_f));
+        cudaCheck(cudaFree(d_slot_b));
+    }
+}
+
 // ---- 1x16 groups ------------------------------------------------------------------------
 
 // Half group h (8 values) of x [R, C] per thread, C a multiple of 16, so that lanes 2k and 2k+1
@@ -962,6 +1024,7 @@ int main(void) {
     }
     test_amax_accumulates();
     test_transpose_codes();
+    test_cast_from_fp32();
     test_group_helpers();
     bench_quantize();
     return check_summary("test_fp8");

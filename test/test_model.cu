@@ -8,8 +8,8 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include "../coat/model.cuh"
 #include "../coat/optimizer.cuh"
+#include "../coat/zero.cuh"
 #include "check.h"
 #include "gpu_test_util.cuh"
 #include "reference_llama.h"
@@ -231,6 +231,104 @@ static void test_against_pytorch(GpuContext *gpu, const char *path, const Precis
     free(weights); free(logits); free(grads); free(losses); free(tokens); free(targets); free(got_logits); free(got_grads);
 }
 
+// Without BF16 block weights (weights_from_master) one rank casts the E4M3 weights and writes the
+// layers' norms from its FP32 master weights (coat/zero.cuh): the same codes, scales, norms,
+// losses and gradients, over AdamW steps, as the model that keeps BF16 weights and casts those
+// (model_cast_weights), bit for bit; and the step writes no BF16 block weight.
+static void test_weights_from_master(GpuContext *gpu) {
+    ModelShape shape = {1000, 128, 2, 2, 1, 352, 64, 10000.0f, 1e-5f, 0, 1, 4, 8192};
+    int B = 2, T = 64, N = B * T, L = shape.n_layers;
+    ParamLayout layout, buffers;
+    param_layout_init(&layout, &shape);
+    size_t P = layout.total_padded;
+    ZeroPlan *plan = (ZeroPlan *)host_alloc(sizeof(ZeroPlan));
+    zero_plan_init(plan, &layout, 1, 0, 1u << 25);
+    zero_model_layout(plan, &shape, &buffers);
+    ModelPrecision with_bf16 = {1, ACTS_COAT, 0, 0}, from_master = {1, ACTS_COAT, 0, 1};
+    LlamaModel cast, mastered;
+    model_create(&cast, &shape, B, T, with_bf16);
+    model_create_sized(&mastered, &shape, B, T, from_master, &buffers, zero_grads_elems(plan));
+    Comm comm;
+    memset(&comm, 0, sizeof(comm));
+    comm.world = 1;
+    Zero zero;
+    char error[256];
+    check(zero_attach(&zero, plan, &comm, &mastered, gpu->stream, COLLECTIVES_MPI, 60.0, error, sizeof(error)) == 0,
+          "zero_attach on one rank");
+    ParamShardRange *ranges = (ParamShardRange *)host_alloc(plan->buckets * sizeof(ParamShardRange));
+    zero_optimizer_ranges(&zero, ranges);
+    AdamWConfig ac = {0.9f, 0.95f, 1e-8f, 0.1f, 0, 0};
+    AdamW cast_opt, master_opt;
+    adamw_create(&cast_opt, OPT_STATES_FP8_DRE, &ac, &layout, 0, P, gpu->stream);
+    adamw_create_ranges(&master_opt, OPT_STATES_FP8_DRE, &ac, &layout, ranges, plan->buckets, 0, gpu->stream);
+    adamw_init_master(&cast_opt, &layout, 7, gpu->stream);
+    adamw_init_master(&master_opt, &layout, 7, gpu->stream);
+    adamw_write_params(&cast_opt, cast.params, gpu->stream);
+    model_weights_changed(&cast);
+    adamw_write_params(&master_opt, mastered.params, gpu->stream);
+    zero_gather_params(&zero, master_opt.master);
+    int *tokens = (int *)host_alloc(N * sizeof(int));
+    Random rng;
+    random_seed(&rng, 9);
+    for (int i = 0; i < N; i++) tokens[i] = (int)random_below(&rng, 1000);
+    for (int k = 0; k < 2; k++) {
+        cudaCheck(cudaMemcpy(k ? mastered.tokens : cast.tokens, tokens, N * sizeof(int), cudaMemcpyHostToDevice));
+        cudaCheck(cudaMemcpy(k ? mastered.targets : cast.targets, tokens, N * sizeof(int), cudaMemcpyHostToDevice));
+    }
+    size_t code_bytes = cast.working_layout.fp8_weights_bytes, scale_count = (size_t)L * FP8_SCALES_PER_LAYER;
+    uint8_t *codes[2] = {(uint8_t *)host_alloc(code_bytes), (uint8_t *)host_alloc(code_bytes)};
+    Fp8Scale *scales[2] = {(Fp8Scale *)host_alloc(scale_count * sizeof(Fp8Scale)),
+                           (Fp8Scale *)host_alloc(scale_count * sizeof(Fp8Scale))};
+    bf16 *grads[2] = {host_bf16s(P), host_bf16s(P)}, *norms[2] = {host_bf16s(shape.dim), host_bf16s(shape.dim)};
+    int same_codes = 1, same_scales = 1, same_norms = 1, same_losses = 1, same_grads = 1;
+    for (int step = 0; step < 3; step++) {
+        float cast_loss = gpu_forward_backward(gpu, &cast), master_loss = gpu_forward_backward(gpu, &mastered);
+        same_losses &= cast_loss == master_loss;
+        LlamaModel *models[2] = {&cast, &mastered};
+        for (int k = 0; k < 2; k++) {
+            cudaCheck(cudaMemcpy(codes[k], models[k]->fp8_weights, code_bytes, cudaMemcpyDeviceToHost));
+            cudaCheck(cudaMemcpy(scales[k], models[k]->fp8_scales, scale_count * sizeof(Fp8Scale), cudaMemcpyDeviceToHost));
+            cudaCheck(cudaMemcpy(grads[k], models[k]->grads, 2 * P, cudaMemcpyDeviceToHost));
+        }
+        same_codes &= memcmp(codes[0], codes[1], code_bytes) == 0;
+        for (int l = 0; l < L; l++)
+            for (int i = 0; i < LINEARS; i++) {
+                size_t at = (size_t)l * FP8_SCALES_PER_LAYER + FP8_SLOT_WEIGHT + i;
+                same_scales &= memcmp(&scales[0][at], &scales[1][at], sizeof(Fp8Scale)) == 0;
+            }
+        for (int l = 0; l < L; l++)
+            for (int n = 0; n < 2; n++) {
+                ParamKind kind = n ? PARAM_MLP_NORM : PARAM_ATTN_NORM;
+                for (int k = 0; k < 2; k++)
+                    cudaCheck(cudaMemcpy(norms[k], model_param(models[k], kind, l), 2 * shape.dim, cudaMemcpyDeviceToHost));
+                same_norms &= memcmp(norms[0], norms[1], 2 * shape.dim) == 0;
+            }
+        same_grads &= memcmp(grads[0], grads[1], 2 * P) == 0;
+        adamw_step(&cast_opt, cast.params, cast.grads, 1e-3f, 1.0f, gpu->stream);
+        model_weights_changed(&cast);
+        adamw_step(&master_opt, mastered.params, zero_gradient_shard(&zero), 1e-3f, 1.0f, gpu->stream);
+        zero_gather_params(&zero, master_opt.master);
+    }
+    check(same_codes && same_scales, "weights from the master: the E4M3 weights and their scales equal model_cast_weights' "
+          "(codes %s, scales %s)", same_codes ? "equal" : "differ", same_scales ? "equal" : "differ");
+    check(same_norms, "weights from the master: the layers' norms equal the BF16 parameters'");
+    check(same_losses && same_grads, "weights from the master: 3 AdamW steps give the same losses and gradients bit for bit "
+          "(losses %s, gradients %s)", same_losses ? "equal" : "differ", same_grads ? "equal" : "differ");
+    check(model_param(&mastered, PARAM_WQ, 0) == NULL && mastered.params_elems == layout.first_layer_offset +
+          layout.padded[PARAM_FINAL_NORM] + layout.padded[PARAM_LM_HEAD],
+          "weights from the master: the BF16 parameters hold the embedding, the final norm and the lm_head only (%zu elements)",
+          mastered.params_elems);
+    zero_free(&zero);
+    adamw_free(&cast_opt);
+    adamw_free(&master_opt);
+    model_free(&cast);
+    model_free(&mastered);
+    for (int k = 0; k < 2; k++) { free(codes[k]); free(scales[k]); free(grads[k]); free(norms[k]); }
+    free(tokens);
+    free(ranges);
+    free(plan);
+}
+
 // The memory plan (dry_run's, and the trainer's check that a micro-batch fits) equals what
 // model_create and adamw_create allocate, byte for byte, in every precision.
 static void test_memory_plan_matches_allocation(GpuContext *gpu) {
@@ -298,7 +396,7 @@ static void test_memory_plan_matches_allocation(GpuContext *gpu) {
         model_create_sized(&model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), &buffers,
                            zero_grads_elems(z));
         int e4m3 = config_param_gather(c) == GATHER_E4M3;
-        size_t zero_bytes = (stage == 2 ? 4 : 2) * z->shard_elems + (e4m3 ? zero_e4m3_gather_bytes(z, &layout) : 0);
+        size_t zero_bytes = (stage == 2 ? 4 : 2) * z->shard_elems + (e4m3 ? zero_e4m3_gather_bytes(z) : 0);
         AdamWConfig ac = {0.9f, 0.95f, 1e-8f, 0.1f, 0, 0};
         AdamW opt;
         adamw_create_ranges(&opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &model.layout, z->bucket, z->buckets,
@@ -323,17 +421,18 @@ int main(int argc, char **argv) {
     gpu_context_create(&gpu, 0);
     test_against_cpu_reference(&gpu);
     test_memory_plan_matches_allocation(&gpu);
+    test_weights_from_master(&gpu);
     const PrecisionCase cases[] = {
         {"bf16", model_precision_bf16(), LOSS_REL_TOL, 0.02, GRAD_REL_TOL, 0.02},
-        {"fp8 GEMMs, bf16 activations", {1, ACTS_BF16, 0}, 0.02, 0.10, 0.25, 0.03},
-        {"fp8", {1, ACTS_FP8, 0}, 0.02, 0.10, 0.25, 0.03},
-        {"coat", {1, ACTS_COAT, 0}, 0.02, 0.10, 0.25, 0.03},
-        {"coat, fast accumulation", {1, ACTS_COAT, 1}, 0.02, 0.10, 0.25, 0.03},
-        {"bf16 GEMMs, fp8 activations", {0, ACTS_FP8, 0}, 0.02, 0.10, 0.25, 0.03},
-        {"bf16 GEMMs, coat activations", {0, ACTS_COAT, 0}, 0.02, 0.10, 0.25, 0.03},
-        {"coat, 1x16 copies of the residual stream only", {1, ACTS_COAT_RESIDUAL, 0}, 0.02, 0.10, 0.25, 0.03},
-        {"coat, 1x16 copies of gate_up only", {1, ACTS_COAT_GATE_UP, 0}, 0.02, 0.10, 0.25, 0.03},
-        {"bf16 GEMMs, 1x16 copies of the residual stream only", {0, ACTS_COAT_RESIDUAL, 0}, 0.02, 0.10, 0.25, 0.03},
+        {"fp8 GEMMs, bf16 activations", {1, ACTS_BF16, 0, 0}, 0.02, 0.10, 0.25, 0.03},
+        {"fp8", {1, ACTS_FP8, 0, 0}, 0.02, 0.10, 0.25, 0.03},
+        {"coat", {1, ACTS_COAT, 0, 0}, 0.02, 0.10, 0.25, 0.03},
+        {"coat, fast accumulation", {1, ACTS_COAT, 1, 0}, 0.02, 0.10, 0.25, 0.03},
+        {"bf16 GEMMs, fp8 activations", {0, ACTS_FP8, 0, 0}, 0.02, 0.10, 0.25, 0.03},
+        {"bf16 GEMMs, coat activations", {0, ACTS_COAT, 0, 0}, 0.02, 0.10, 0.25, 0.03},
+        {"coat, 1x16 copies of the residual stream only", {1, ACTS_COAT_RESIDUAL, 0, 0}, 0.02, 0.10, 0.25, 0.03},
+        {"coat, 1x16 copies of gate_up only", {1, ACTS_COAT_GATE_UP, 0, 0}, 0.02, 0.10, 0.25, 0.03},
+        {"bf16 GEMMs, 1x16 copies of the residual stream only", {0, ACTS_COAT_RESIDUAL, 0, 0}, 0.02, 0.10, 0.25, 0.03},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
         test_against_pytorch(&gpu, argc > 1 ? argv[1] : "build/debug_state.bin", &cases[i]);

@@ -38,6 +38,16 @@ for precision in bf16 fp8 coat bf16-gemms-coat-activations bf16-shuffle-rows; do
     last=$(grep -o '"val_loss": [0-9.]*' "$tmp/runs/straight-$precision/log.jsonl" | tail -1 | cut -d' ' -f2)
     check "$precision: validation loss falls ($first -> $last)" "$(awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 0.5) }'; echo $?)"
 done
+# fp8 and coat cast the E4M3 weights from the FP32 master weights and keep no BF16 copy of the
+# block's linear weights; param_gather = bf16 keeps the copy and casts it: the same codes, so the
+# same losses to the bit.
+for precision in fp8 coat; do
+    ./train_llama "${common[@]}" --precision=$precision --param_gather=bf16 --out_dir="$tmp/runs/copy-$precision" > "$tmp/copy.out" 2>&1
+    check "$precision with a BF16 copy of the block weights (param_gather = bf16): 20 steps" $? "$(tail -3 "$tmp/copy.out")"
+    check "$precision: the weights cast from the master weights log the same losses as those cast from the BF16 copy, to the bit" \
+        "$(diff <(losses "$tmp/runs/straight-$precision/log.jsonl") <(losses "$tmp/runs/copy-$precision/log.jsonl") > "$tmp/diff"; echo $?)" \
+        "$(head -4 "$tmp/diff")"
+done
 # The FP8 modes follow bf16 closely on this short run: final validation losses within 2%.
 bf16_last=$(grep -o '"val_loss": [0-9.]*' "$tmp/runs/straight-bf16/log.jsonl" | tail -1 | cut -d' ' -f2)
 for precision in fp8 coat bf16-gemms-coat-activations; do
