@@ -103,7 +103,7 @@ check "the log's training records carry elapsed_s, growing over the resume, and 
 import json, sys
 records = [r for r in map(json.loads, open(sys.argv[1])) if "train_loss" in r]
 elapsed = [r["elapsed_s"] for r in records]
-ok = len(records) == 24 and elapsed == sorted(elapsed) and elapsed[0] > 0 and records[-1]["remaining_s"] == 0 and \
+ok = len(records) == 24 and elapsed == sorted(elapsed) and elapsed[-1] > elapsed[0] >= 0 and records[-1]["remaining_s"] == 0 and \
      records[-1]["tokens"] == 24 * 2 * 128
 sys.exit(0 if ok else 1)
 PY
