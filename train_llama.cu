@@ -152,6 +152,9 @@ static void check_precision(const ConfigParser *parser) {
                     "fp8_dre (precision = coat picks fp8_dre)");
     if (c->param_gather == GATHER_E4M3 && !config_fp8_gemms(c))
         fail_config(parser, "param_gather", "= e4m3 gathers the E4M3 weights of FP8 GEMMs: set precision = fp8 or coat");
+    if (c->zero_stage == 3 && config_fp8_gemms(c) && config_param_gather(c) != GATHER_E4M3)
+        fail_config(parser, "param_gather", "= bf16 would hold every layer's E4M3 weights on each rank, which ZeRO stage 3 "
+                    "shards: stage 3 with FP8 GEMMs gathers the E4M3 codes (param_gather = e4m3 or auto)");
     const char *reason = model_precision_unsupported(&c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c));
     if (reason != NULL) fail_config(parser, c->activations != ACTS_AUTO ? "activations" : "precision", reason);
 }
@@ -694,6 +697,7 @@ static int dry_run(const ConfigParser *parser, int ranks, LaunchKind launch) {
     param_layout_init(&layout, &c->model);
     ZeroPlan zero;
     zero_plan_init(&zero, &layout, ranks, c->zero_stage, (size_t)c->bucket_min_elems);
+    zero_plan_micro_batches(&zero, grad_accum);
     zero_print(stdout, &zero, &layout, grad_accum, config_fp8_gemms(c), config_param_gather(c) == GATHER_E4M3);
     print_activation_table(c);
     if (c->gpu_memory_gib > 0) {
@@ -983,10 +987,11 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     ZeroPlan *plan = (ZeroPlan *)malloc(sizeof(ZeroPlan));
     if (!plan) fail("out of host memory for the ZeRO plan");
     zero_plan_init(plan, &layout, ranks, ranks > 1 ? c->zero_stage : 0, (size_t)c->bucket_min_elems);
+    zero_plan_micro_batches(plan, t->grad_accum);
     ParamLayout buffers;
     zero_model_layout(plan, &c->model, &buffers);
     model_create_sized(&t->model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), &buffers,
-                       zero_grads_elems(plan));
+                       zero_grads_elems(plan), zero_layers_gathered(plan));
     CollectivesBackend backend = c->comm_backend == COMM_MPI ? COLLECTIVES_MPI : COLLECTIVES_NCCL;
     if (zero_attach(&t->zero, plan, comm, &t->model, t->gpu.stream, backend, c->collective_timeout_s, error,
                     sizeof(error)) != 0)
@@ -1085,7 +1090,8 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
         loss_sum += *t->host_scalar;
     }
     // Once the buckets' reduces are done, stage 0: every rank holds the gradient of the whole
-    // global batch; stage 1: its parts of it, in its gradient shard; stage 2: their FP32 sum.
+    // global batch; stage 1: its parts of it, in its gradient shard; stage 2: their FP32 sum;
+    // stage 3: the same, or with one micro-batch its BF16 shard.
     int ranks = t->comm->world, sharded = z->plan.shards > 1;
     bf16 *grads = zero_gradient_shard(z);
     const float *grad_sum = zero_gradient_sum(z);
@@ -1132,7 +1138,7 @@ static void profile_speed_of_light(const Trainer *t, SolTable *table) {
                                  t->opt.kind);
     run.zeroed_grad_bytes = zero_gradient_sum(&t->zero) ? 4 * z->shard_elems : 2 * m->grads_elems;
     run.optimizer_elems = t->opt.n;
-    run.fp32_grads = z->stage == 2;
+    run.fp32_grads = zero_gradient_sum(&t->zero) != NULL;
     run.casts_weights = m->precision.fp8_gemms && !t->zero.e4m3_gather;
     run.casts_from_master = m->precision.weights_from_master;
     run.params_written_elems = 0;
@@ -1275,7 +1281,9 @@ static int train_loop(Trainer *t, double elapsed_s) {
 // the gradients are summed over the ranks. ZeRO stage 0: every rank steps the whole optimizer
 // state; stage 1: each steps its part of every bucket (coat/zero.h) and the parameters are gathered
 // after the step, under the next forward (zero_gather_params); stage 2: no rank holds the whole
-// gradient either (backward's buckets are reduce-scattered as they are done). Rank 0 alone writes the log,
+// gradient either (backward's buckets are reduce-scattered as they are done); stage 3: nor all of the
+// layers' working weights (each bucket of layers is gathered before the forward and the backward
+// read it, coat/zero.cuh). Rank 0 alone writes the log,
 // the samples and the checkpoints (any world size resumes from them).
 static int train(ConfigParser *parser, const Comm *comm) {
     const TrainConfig *c = &parser->values;

@@ -247,7 +247,7 @@ static void test_weights_from_master(GpuContext *gpu) {
     ModelPrecision with_bf16 = {1, ACTS_COAT, 0, 0}, from_master = {1, ACTS_COAT, 0, 1};
     LlamaModel cast, mastered;
     model_create(&cast, &shape, B, T, with_bf16);
-    model_create_sized(&mastered, &shape, B, T, from_master, &buffers, zero_grads_elems(plan));
+    model_create_sized(&mastered, &shape, B, T, from_master, &buffers, zero_grads_elems(plan), 0);
     Comm comm;
     memset(&comm, 0, sizeof(comm));
     comm.world = 1;
