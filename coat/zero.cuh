@@ -274,6 +274,10 @@ static inline int zero_layers_acquire(Zero *z, int b, int next) {
     return k;
 }
 
+// Whether a forward pass runs collectives (stage 3's gathers of the layers): then every rank runs
+// each one, the same number of times.
+static inline int zero_forward_is_collective(const Zero *z) { return zero_layers_gathered(&z->plan); }
+
 // The step changed the master weights: no slot holds a bucket of the present weights.
 static inline void zero_layers_stale(Zero *z) {
     for (int k = 0; k < ZERO_GATHER_SLOTS; k++) z->slot_bucket[k] = -1;
@@ -324,7 +328,8 @@ static void zero_params_ready(void *context, int segment) {
     Zero *z = (Zero *)context;
     int b = z->plan.bucket_of[segment];
     if (zero_layers_gathered(&z->plan) && zero_bucket_is_layers(&z->plan, b)) {
-        if (segment == z->plan.last_segment[b]) zero_layers_acquire(z, b, zero_next_layers(z, b, 1));
+        if (segment != z->plan.last_segment[b]) return;
+        zero_layers_acquire(z, b, zero_next_layers(z, b, 1));
         op_timer_mark(z->model->timer, "parameter gather: waiting for a bucket of layers", z->compute);
         return;
     }
@@ -502,6 +507,16 @@ static inline void zero_optimizer_ranges(const Zero *z, ParamShardRange *ranges)
     }
 }
 
+// Stage 3: every weight's scale from its amax (the max over the ranks by now), on every rank: the
+// forward's FP8 GEMMs read it before backward's transposes would write it, and a rank that owns
+// none of a weight casts none of it. The casts write the same value.
+__global__ void zero_weight_scales_kernel(Fp8Scale *table, int layers) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= layers * LINEARS) return;
+    Fp8Scale *slot = table + (size_t)(i / LINEARS) * FP8_SCALES_PER_LAYER + FP8_SLOT_WEIGHT + i % LINEARS;
+    slot->scale = fp8_scale_from_amax(slot->amax, FP8_E4M3);
+}
+
 // Sharded: the scale table's max and the norm table's sum, then each bucket in the forward's
 // order, the buckets of layers in E4M3 (stage 3: none, they are gathered where they are read),
 // the others in BF16.
@@ -511,6 +526,12 @@ static inline void zero_gather_from_master(Zero *z, const float *master) {
     // The whole scale table: the activations' and gradients' entries, reset by every forward, ride along.
     collectives_all_reduce_max_f32(c, (float *)m->fp8_scales, m->working_layout.fp8_scales_bytes / sizeof(float), z->compute);
     collectives_join(c, z->compute);  // the next forward resets the activations' entries after it
+    if (zero_layers_gathered(&z->plan)) {
+        int weights = m->shape.n_layers * LINEARS;
+        zero_weight_scales_kernel<<<(unsigned)ceil_div_size((size_t)weights, 256), 256, 0, z->compute>>>(m->fp8_scales,
+                                                                                                          m->shape.n_layers);
+        cudaCheckLaunch();
+    }
     collectives_all_reduce_sum_bf16(c, m->norms, m->norms_elems, c->stream);
     for (int b = 0; b < z->plan.buckets; b++) {
         const ParamShardRange *r = &z->plan.bucket[b];
