@@ -270,7 +270,7 @@ static inline int zero_layers_acquire(Zero *z, int b, int next) {
         zero_gather_layers_into(z, b, k);
     }
     cudaCheck(cudaStreamWaitEvent(z->compute, z->slot_gathered[k], 0));
-    if (next >= 0 && zero_slot_holding(z, next) < 0) zero_gather_layers_into(z, next, 1 - k);
+    if (next >= 0 && zero_slot_holding(z, next) < 0) zero_gather_layers_into(z, next, (k + 1) % ZERO_GATHER_SLOTS);
     return k;
 }
 
