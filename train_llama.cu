@@ -152,6 +152,9 @@ static void check_precision(const ConfigParser *parser) {
                     "fp8_dre (precision = coat picks fp8_dre)");
     if (c->param_gather == GATHER_E4M3 && !config_fp8_gemms(c))
         fail_config(parser, "param_gather", "= e4m3 gathers the E4M3 weights of FP8 GEMMs: set precision = fp8 or coat");
+    if (c->zero_stage == 3 && config_fp8_gemms(c) && config_param_gather(c) != GATHER_E4M3)
+        fail_config(parser, "param_gather", "= bf16 would hold every layer's E4M3 weights on each rank, which ZeRO stage 3 "
+                    "shards: stage 3 with FP8 GEMMs gathers the E4M3 codes (param_gather = e4m3 or auto)");
     const char *reason = model_precision_unsupported(&c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c));
     if (reason != NULL) fail_config(parser, c->activations != ACTS_AUTO ? "activations" : "precision", reason);
 }
@@ -694,6 +697,7 @@ static int dry_run(const ConfigParser *parser, int ranks, LaunchKind launch) {
     param_layout_init(&layout, &c->model);
     ZeroPlan zero;
     zero_plan_init(&zero, &layout, ranks, c->zero_stage, (size_t)c->bucket_min_elems);
+    zero_plan_micro_batches(&zero, grad_accum);
     zero_print(stdout, &zero, &layout, grad_accum, config_fp8_gemms(c), config_param_gather(c) == GATHER_E4M3);
     print_activation_table(c);
     if (c->gpu_memory_gib > 0) {
@@ -808,19 +812,23 @@ static void load_batch(Trainer *t, Dataloader *loader) {
 
 // Mean loss over the fixed validation batches. Rank r of W evaluates batches r, r + W, ... and
 // the ranks' FP64 sums are added: exact for these few values, so the mean is the same for any W.
+// When a forward pass is collective (ZeRO stage 3) every rank runs as many: a rank past the last
+// batch runs the round's first again and adds nothing.
 static float validation_loss(Trainer *t) {
     double total = 0.0;
-    int N = t->model.B * t->model.T;
+    int N = t->model.B * t->model.T, world = t->comm->world;
     char error[1024];
-    for (int i = t->comm->rank; i < t->val_batches; i += t->comm->world) {
-        DataloaderPosition batch = {0, i};  // the validation order is the identity
+    for (int round = 0; round < t->val_batches; round += world) {
+        int i = round + t->comm->rank, mine = i < t->val_batches;
+        if (!mine && !zero_forward_is_collective(&t->zero)) break;
+        DataloaderPosition batch = {0, mine ? i : round};  // the validation order is the identity
         if (dataloader_set_position(&t->val_loader, batch, error, sizeof(error)) != 0) fail_input(t->parser, "val_data", error);
         load_batch(t, &t->val_loader);
         model_forward(&t->gpu, &t->model, 0, 0.0f);
         classifier_mean_loss(&t->gpu, t->model.mean_loss, t->model.losses, N);
         cudaCheck(cudaMemcpyAsync(t->host_scalar, t->model.mean_loss, sizeof(float), cudaMemcpyDeviceToHost, t->gpu.stream));
         collectives_wait_stream(&t->zero.collectives, t->gpu.stream, "a validation batch and the parameter gather before it");
-        total += *t->host_scalar;
+        if (mine) total += *t->host_scalar;
     }
     if (t->comm->world > 1)
         collectives_all_reduce_sum_f64(&t->zero.collectives, &total, 1, t->gpu.stream, "the validation loss's all-reduce");
@@ -881,6 +889,19 @@ static void sequence_logits(Trainer *t, const uint32_t *ids, int count, int firs
     collectives_wait_stream(&t->zero.collectives, t->gpu.stream, "a sample's forward and the parameter gather before it");
 }
 
+// Samples are rank 0's, and so are its forward passes, unless a forward pass is collective (ZeRO
+// stage 3 gathers the layers from every rank): then every rank runs them with rank 0's tokens,
+// and rank 0 alone prints and writes.
+static int samples_here(const Trainer *t) { return t->comm->rank == 0 || zero_forward_is_collective(&t->zero); }
+
+// Rank 0's sampled token on every rank that samples: an FP64 sum of it and the others' zeros, exact.
+static int rank0_token(Trainer *t, int token) {
+    if (t->comm->world == 1 || !zero_forward_is_collective(&t->zero)) return token;
+    double value = t->comm->rank == 0 ? (double)token : 0.0;
+    collectives_all_reduce_sum_f64(&t->zero.collectives, &value, 1, t->gpu.stream, "a sampled token's all-reduce");
+    return (int)value;
+}
+
 // logits_out: the prompt's tokens and the logits at every position, for comparisons with other
 // implementations (scripts/check_hf_export.py).
 static void write_prompt_logits(Trainer *t, const uint32_t *ids, int count) {
@@ -888,6 +909,10 @@ static void write_prompt_logits(Trainer *t, const uint32_t *ids, int count) {
     float *logits = (float *)malloc((size_t)count * stride * sizeof(float));
     if (!logits) fail("out of host memory for the prompt's logits");
     sequence_logits(t, ids, count, 0, logits);
+    if (t->comm->rank != 0) {
+        free(logits);
+        return;
+    }
     const char *path = t->c->logits_out;
     FILE *f = fopen(path, "wb");
     if (!f) { fprintf(stderr, "error: %s: cannot create: %s\n", path, strerror(errno)); exit(EXIT_FAILURE); }
@@ -925,7 +950,7 @@ static void print_sample(Trainer *t) {
     if (!logits || !probs || !order) fail("out of host memory for sampling");
     for (int i = 0; i < c->sample_tokens && count < (size_t)T_max; i++) {
         sequence_logits(t, ids, (int)count, (int)count - 1, logits);
-        int next = sample_token(logits, V, c->top_p, c->temperature, &t->sample_rng, order, probs);
+        int next = rank0_token(t, sample_token(logits, V, c->top_p, c->temperature, &t->sample_rng, order, probs));
         if (count == capacity) {
             capacity = capacity ? 2 * capacity : 16;
             uint32_t *grown = (uint32_t *)realloc(ids, capacity * sizeof(uint32_t));
@@ -935,6 +960,13 @@ static void print_sample(Trainer *t) {
         ids[count++] = (uint32_t)next;
         if (next == tokenizer_eos_id(t->tokenizer)) break;
     }
+    free(logits);
+    free(probs);
+    free(order);
+    if (t->comm->rank != 0) {
+        free(ids);
+        return;
+    }
     size_t length = 0, skip = bos >= 0 ? 1 : 0;
     char *text = tokenizer_decode(t->tokenizer, ids + skip, count - skip, &length);
     if (!text) fail("out of host memory decoding the sample");
@@ -942,9 +974,6 @@ static void print_sample(Trainer *t) {
     fflush(stdout);
     free(text);
     free(ids);
-    free(logits);
-    free(probs);
-    free(order);
 }
 
 // Each rank's device buffers, all allocated by now (the sizes given to cudaMalloc), against its
@@ -983,10 +1012,11 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     ZeroPlan *plan = (ZeroPlan *)malloc(sizeof(ZeroPlan));
     if (!plan) fail("out of host memory for the ZeRO plan");
     zero_plan_init(plan, &layout, ranks, ranks > 1 ? c->zero_stage : 0, (size_t)c->bucket_min_elems);
+    zero_plan_micro_batches(plan, t->grad_accum);
     ParamLayout buffers;
     zero_model_layout(plan, &c->model, &buffers);
     model_create_sized(&t->model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), &buffers,
-                       zero_grads_elems(plan));
+                       zero_grads_elems(plan), zero_layers_gathered(plan));
     CollectivesBackend backend = c->comm_backend == COMM_MPI ? COLLECTIVES_MPI : COLLECTIVES_NCCL;
     if (zero_attach(&t->zero, plan, comm, &t->model, t->gpu.stream, backend, c->collective_timeout_s, error,
                     sizeof(error)) != 0)
@@ -1085,7 +1115,8 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
         loss_sum += *t->host_scalar;
     }
     // Once the buckets' reduces are done, stage 0: every rank holds the gradient of the whole
-    // global batch; stage 1: its parts of it, in its gradient shard; stage 2: their FP32 sum.
+    // global batch; stage 1: its parts of it, in its gradient shard; stage 2: their FP32 sum;
+    // stage 3: the same, or with one micro-batch its BF16 shard.
     int ranks = t->comm->world, sharded = z->plan.shards > 1;
     bf16 *grads = zero_gradient_shard(z);
     const float *grad_sum = zero_gradient_sum(z);
@@ -1132,7 +1163,7 @@ static void profile_speed_of_light(const Trainer *t, SolTable *table) {
                                  t->opt.kind);
     run.zeroed_grad_bytes = zero_gradient_sum(&t->zero) ? 4 * z->shard_elems : 2 * m->grads_elems;
     run.optimizer_elems = t->opt.n;
-    run.fp32_grads = z->stage == 2;
+    run.fp32_grads = zero_gradient_sum(&t->zero) != NULL;
     run.casts_weights = m->precision.fp8_gemms && !t->zero.e4m3_gather;
     run.casts_from_master = m->precision.weights_from_master;
     run.params_written_elems = 0;
@@ -1258,7 +1289,7 @@ static int train_loop(Trainer *t, double elapsed_s) {
         }
         int last = step == c->max_steps;
         if (t->have_val && c->val_every > 0 && (step % c->val_every == 0 || last)) log_validation(t);
-        if (t->comm->rank == 0 && c->sample_every > 0 && (step % c->sample_every == 0 || last)) print_sample(t);
+        if (samples_here(t) && c->sample_every > 0 && (step % c->sample_every == 0 || last)) print_sample(t);
         int saved = (last && c->checkpoint_final) || (c->checkpoint_every > 0 && step % c->checkpoint_every == 0);
         preempted = t->stop_requested && !last;
         if (saved || preempted) save_checkpoint(t);  // every rank: with sharded states each sends rank 0 its shard
@@ -1275,7 +1306,9 @@ static int train_loop(Trainer *t, double elapsed_s) {
 // the gradients are summed over the ranks. ZeRO stage 0: every rank steps the whole optimizer
 // state; stage 1: each steps its part of every bucket (coat/zero.h) and the parameters are gathered
 // after the step, under the next forward (zero_gather_params); stage 2: no rank holds the whole
-// gradient either (backward's buckets are reduce-scattered as they are done). Rank 0 alone writes the log,
+// gradient either (backward's buckets are reduce-scattered as they are done); stage 3: nor all of the
+// layers' working weights (each bucket of layers is gathered before the forward and the backward
+// read it, coat/zero.cuh). Rank 0 alone writes the log,
 // the samples and the checkpoints (any world size resumes from them).
 static int train(ConfigParser *parser, const Comm *comm) {
     const TrainConfig *c = &parser->values;
@@ -1306,7 +1339,7 @@ static int train(ConfigParser *parser, const Comm *comm) {
     trainer_create(t, parser, comm);
     int status = 0;
     if (c->generate) {
-        if (rank0) print_sample(t);
+        if (samples_here(t)) print_sample(t);
     } else {
         double elapsed_s = rank0 ? prepare_out_dir(t) : 0.0;
         install_stop_handlers();

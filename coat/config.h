@@ -164,7 +164,8 @@ static const ConfigKey config_keys[] = {
     {"temperature", KEY_FLOAT, CFG(temperature), "1.0", 0, 100, NULL, "sampling temperature"},
     {"sample_prompt", KEY_STRING, CFG(sample_prompt), "", 0, 0, NULL, "text the samples continue"},
     // distribution and planning
-    {"zero_stage", KEY_INT, CFG(zero_stage), "1", 0, 2, NULL, "ZeRO: 0 replicate, 1 shard optimizer states, 2 also gradients"},
+    {"zero_stage", KEY_INT, CFG(zero_stage), "1", 0, 3, NULL,
+     "ZeRO: 0 replicate, 1 shard optimizer states, 2 also gradients, 3 also the layers' working weights"},
     {"bucket_min_elems", KEY_INT, CFG(bucket_min_elems), "33554432", 1, INT_MAX, NULL,
      "data parallelism merges neighbouring layers into one gradient bucket (one reduce-scatter and one all-gather a "
      "step) until it holds this many parameters; the tail and the embedding stand alone"},

@@ -36,6 +36,14 @@ static inline void linear_shapes(const ModelShape *m, size_t in[LINEARS], size_t
     for (int i = 0; i < LINEARS; i++) { in[i] = ins[i]; out[i] = outs[i]; }
 }
 
+// A layer's linear weights, every linear layer's in x out elements (its E4M3 codes take a byte each).
+static inline size_t linear_layer_weight_elems(const ModelShape *m) {
+    size_t in[LINEARS], out[LINEARS], elems = 0;
+    linear_shapes(m, in, out);
+    for (int i = 0; i < LINEARS; i++) elems += in[i] * out[i];
+    return elems;
+}
+
 // Per layer, the FP8 scale table holds the input, the output gradient and the weight of each
 // linear layer, in that order.
 typedef enum { FP8_SLOT_INPUT = 0, FP8_SLOT_GRAD = LINEARS, FP8_SLOT_WEIGHT = 2 * LINEARS } Fp8SlotGroup;

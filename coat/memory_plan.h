@@ -5,6 +5,10 @@
 // ZeRO-1 4P + 14P/N, ZeRO-2 2P + 16P/N plus two BF16 bucket buffers (coat/zero.h pads each bucket
 // to N equal parts, a few elements more); with FP8 GEMMs casting from the master weights 2 bytes
 // less for each block linear weight, which has no BF16 copy (its E4M3 copies are working buffers).
+// ZeRO-3 16P/N (14P/N with one micro-batch per step: a BF16 gradient shard) plus the two bucket
+// buffers, the embedding's and the tail's BF16 (and with FP8 GEMMs the layers' norms) on every
+// rank, and two gather slots of the largest bucket of layers (with FP8 GEMMs E4M3, and the room
+// for one bucket's transposes) in place of every layer's working weights.
 #pragma once
 #include <stdio.h>
 #include "activations.h"
@@ -23,7 +27,8 @@
 // chunk of logits and the kernels' scratch. With FP8 GEMMs also: the E4M3 input of the current
 // GEMM (in backward: the remade transpose of an input saved in BF16), the E5M2 output gradient
 // and its transpose, every layer's E4M3 weights and their transposes (cast once per optimizer
-// step); the table of per-tensor FP8 scales (also for FP8 activations with BF16 GEMMs). With
+// step; none at ZeRO stage 3, which gathers them a bucket at a time, coat/zero.h); the table of
+// per-tensor FP8 scales (also for FP8 activations with BF16 GEMMs). With
 // COAT's 1x16 copies of the residual stream, the BF16 residual stream, updated in place (only
 // the copies are saved); with those of gate_up, the forward's BF16 gate_up output (before its
 // 1x16 cast) lives in the two output-gradient buffers, idle in forward (with BF16 GEMMs: in
@@ -43,7 +48,7 @@ typedef struct {
 static inline size_t max_size(size_t a, size_t b) { return a > b ? a : b; }
 
 static inline void working_layout_init(WorkingLayout *w, const ModelShape *m, int micro_batch_size, int seq_len,
-                                       int fp8_gemms, ActivationsChoice activations) {
+                                       int fp8_gemms, ActivationsChoice activations, int layers_gathered) {
     size_t H = (size_t)m->dim, I = (size_t)m->ffn_dim, hd = (size_t)model_head_dim(m), NH = (size_t)m->n_heads;
     size_t qkv = (NH + 2 * (size_t)m->n_kv_heads) * hd, attn = NH * hd;
     size_t tokens = (size_t)micro_batch_size * (size_t)seq_len;
@@ -57,17 +62,16 @@ static inline void working_layout_init(WorkingLayout *w, const ModelShape *m, in
     // backward's partial sums, attention backward's row sums, the gradient norm's partials);
     // the model checks the real needs against it at start.
     w->kernel_scratch_bytes = tokens * (H / 4 + 4 * NH + 64) + (8u << 20);
-    size_t in[LINEARS], out[LINEARS], widest_in = 0, widest_out = 0, layer_linear = 0;
+    size_t in[LINEARS], out[LINEARS], widest_in = 0, widest_out = 0;
     linear_shapes(m, in, out);
     for (int i = 0; i < LINEARS; i++) {
         widest_in = max_size(widest_in, in[i]);
         widest_out = max_size(widest_out, out[i]);
-        layer_linear += in[i] * out[i];
     }
     w->residual_bytes = activations_group_residual(activations) ? 2 * tokens * H : 0;
     w->fp8_input_bytes = fp8_gemms ? tokens * widest_in : 0;
     w->fp8_grad_bytes = fp8_gemms ? tokens * widest_out : 0;
-    w->fp8_weights_bytes = fp8_gemms ? 2 * layer_linear * (size_t)m->n_layers : 0;
+    w->fp8_weights_bytes = fp8_gemms && !layers_gathered ? 2 * linear_layer_weight_elems(m) * (size_t)m->n_layers : 0;
     int any_fp8 = fp8_gemms || activations != ACTS_BF16;
     w->fp8_scales_bytes = any_fp8 ? FP8_SCALE_BYTES * FP8_SCALES_PER_LAYER * (size_t)m->n_layers : 0;
     size_t at = 0;
@@ -99,6 +103,7 @@ typedef struct {
     size_t states_bytes;       // AdamW m and v
     size_t activations_bytes;  // saved for backward, all layers
     size_t working_bytes;      // reused across layers (WorkingLayout), the cuBLASLt workspace, the collectives' scalars
+    size_t gather_bytes;       // ZeRO-3: the gather slots of the buckets of layers (coat/zero.h)
     size_t total_bytes;
 } MemoryPlan;
 
@@ -106,6 +111,15 @@ typedef struct {
 // and the input and target ids, each 256-byte aligned.
 static inline size_t final_activation_bytes(const ModelShape *m, size_t tokens) {
     return 2 * align256(2 * tokens * (size_t)m->dim) + 4 * align256(4 * tokens);
+}
+
+// Micro-batches per rank and step at this micro-batch and world size (total_batch_tokens 0: one),
+// or 0 where total_batch_tokens is no multiple of a micro-step's tokens (a config the trainer
+// refuses; planned as several).
+static inline int memory_plan_micro_batches(const TrainConfig *c, int ranks, int micro_batch_size) {
+    long long per_micro_step = (long long)micro_batch_size * c->seq_len * ranks;
+    if (c->total_batch_tokens == 0) return 1;
+    return c->total_batch_tokens % per_micro_step == 0 ? (int)(c->total_batch_tokens / per_micro_step) : 0;
 }
 
 static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, int ranks, int micro_batch_size) {
@@ -116,23 +130,25 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
     ActivationsChoice acts = config_activations(c);
     ZeroPlan zero;
     zero_plan_init(&zero, &layout, ranks, ranks > 1 ? c->zero_stage : 0, (size_t)c->bucket_min_elems);
+    zero_plan_micro_batches(&zero, memory_plan_micro_batches(c, ranks, micro_batch_size));
+    int layers_gathered = zero_layers_gathered(&zero);
 
     plan->ranks = ranks;
     plan->micro_batch_size = micro_batch_size;
     plan->params_padded = layout.total_padded;
     plan->shard_elems = zero.shard_elems;
-    // Without BF16 block weights: the embedding's and the tail's buckets, and the layers' norms.
+    // Without BF16 block weights: the embedding's and the tail's buckets, and the layers' norms;
+    // at ZeRO-3 in BF16 the embedding's and the tail's buckets (the layers are in the gather slots).
     ParamLayout buffers = layout, params;
     zero_place_segments(&zero, &buffers);
     param_layout_without_layers(&params, &buffers);
     plan->params_bytes = config_weights_from_master(c) ? 2 * (params.buffer_elems + param_norm_table_elems(&layout))
+                       : layers_gathered               ? 2 * params.buffer_elems
                                                        : 2 * zero.buffer_elems;
-    // ZeRO-2: the shard's FP32 accumulator and two BF16 buffers of the largest bucket (one fills
-    // while the other is reduced); ZeRO-1: the whole BF16 gradient and the rank's BF16 shard of
-    // its sum; otherwise the whole BF16 gradient.
-    plan->grads_bytes = zero.stage == 2 ? 4 * zero.shard_elems + 2 * 2 * zero.largest_bucket_elems
-                      : zero.stage == 1 ? 2 * zero.buffer_elems + 2 * zero.shard_elems
-                                        : 2 * zero.buffer_elems;
+    // ZeRO-2 and 3: two BF16 buffers of the largest bucket (one fills while the other is reduced)
+    // and the shard's sum (FP32, or BF16 at ZeRO-3 with one micro-batch); ZeRO-1: the whole BF16
+    // gradient and the rank's BF16 shard of its sum; otherwise the whole BF16 gradient.
+    plan->grads_bytes = 2 * zero_grads_elems(&zero) + zero_grad_shard_bytes(&zero);
     plan->master_bytes = 4 * plan->shard_elems;
     // beside the FP32 master weights: m, v, their group scalars and the decay table
     plan->states_bytes = adamw_state_bytes(adamw_kind_from_config(config_optimizer_states(c)), plan->shard_elems) -
@@ -140,12 +156,13 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
 
     plan->activations_bytes = (size_t)m->n_layers * activation_layer_bytes(m, acts, tokens) + final_activation_bytes(m, tokens);
     WorkingLayout working;
-    working_layout_init(&working, m, micro_batch_size, c->seq_len, config_fp8_gemms(c), acts);
+    working_layout_init(&working, m, micro_batch_size, c->seq_len, config_fp8_gemms(c), acts, layers_gathered);
     int e4m3_gather = zero.shards > 1 && config_weights_from_master(c);
     plan->working_bytes = working.total_bytes + CUBLASLT_WORKSPACE_BYTES + (ranks > 1 ? ZERO_SCALAR_BYTES : 0) +
                           (e4m3_gather ? zero_e4m3_gather_bytes(&zero) : 0);  // coat/zero.cuh's
+    plan->gather_bytes = zero_layer_gather_bytes(&zero, m, config_fp8_gemms(c));
     plan->total_bytes = plan->params_bytes + plan->grads_bytes + plan->master_bytes + plan->states_bytes +
-                        plan->activations_bytes + plan->working_bytes;
+                        plan->activations_bytes + plan->working_bytes + plan->gather_bytes;
 }
 
 // Largest micro-batch whose plan fits in `budget_bytes` (0 if even 1 does not).
@@ -193,12 +210,18 @@ static inline void memory_plan_print(FILE *out, const MemoryPlan *plan, const Tr
     fprintf(out, "memory plan per rank: precision %s, optimizer states %s, activations %s, "
                  "micro-batch %d x %d tokens, %d rank(s), ZeRO stage %d\n",
             precision, states, acts, plan->micro_batch_size, c->seq_len, plan->ranks, c->zero_stage);
+    const char *where = config_weights_from_master(c) ? plan->gather_bytes ? "; the block's linear weights in E4M3 only, in the layer gather"
+                                                                           : "; the block's linear weights in E4M3 only, among the working buffers"
+                      : plan->gather_bytes ? "; the layers in the layer gather only" : "";
     fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param%s)\n", "parameters (bf16)", gib(plan->params_bytes), plan->params_bytes / p,
-            config_weights_from_master(c) ? "; the block's linear weights in E4M3 only, among the working buffers" : "");
+            where);
     fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param)\n", "gradients", gib(plan->grads_bytes), plan->grads_bytes / p);
     fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param)\n", "master weights (fp32)", gib(plan->master_bytes), plan->master_bytes / p);
     fprintf(out, "  %-22s %9.3f GiB  (%5.2f bytes/param)\n", "optimizer states", gib(plan->states_bytes), plan->states_bytes / p);
     fprintf(out, "  %-22s %9.3f GiB\n", "activations (saved)", gib(plan->activations_bytes));
     fprintf(out, "  %-22s %9.3f GiB\n", "working buffers", gib(plan->working_bytes));
+    if (plan->gather_bytes)
+        fprintf(out, "  %-22s %9.3f GiB  (ZeRO-3: %d slots of a bucket of layers%s)\n", "layer gather", gib(plan->gather_bytes),
+                ZERO_GATHER_SLOTS, config_fp8_gemms(c) ? " in e4m3, one bucket's transposes" : " in bf16");
     fprintf(out, "  %-22s %9.3f GiB\n", "total", gib(plan->total_bytes));
 }

@@ -63,21 +63,29 @@ typedef struct {
 // segments in the order it completes them): `begin` runs before a segment's first gradient, `end`
 // after its last, so that a bucket's reduce overlaps the rest of backward. `gradient` (NULL: the
 // gradients stay in place in grads) says where a tensor's gradient goes, given its segment and
-// its offset in the device buffers (ZeRO stage 2's bucket buffers). Forward: `ready` (NULL: none)
-// runs before the first read of a segment's parameters, so that their gather after the previous
-// step overlaps the forward.
+// its offset in the device buffers (ZeRO stages 2 and 3's bucket buffers). Forward: `ready` (NULL:
+// none) runs before the first read of a segment's parameters, so that their gather after the
+// previous step overlaps the forward; `ready_backward` (NULL: none) before backward's first read
+// of a layer's parameters (ZeRO stage 3 gathers them again). Where a layer's weights are (NULL:
+// in the model's buffers; ZeRO stage 3: where its bucket was gathered, once `ready` or
+// `ready_backward` ran for it): `layer_param` a per-layer tensor's BF16 weights, `fp8_weight` a
+// linear layer's E4M3 W or its transpose.
 typedef struct {
     void (*begin)(void *context, int segment);
     void (*end)(void *context, int segment);
     bf16 *(*gradient)(void *context, int segment, size_t buffer_offset);
     void (*ready)(void *context, int segment);
+    void (*ready_backward)(void *context, int segment);
+    bf16 *(*layer_param)(void *context, ParamKind kind, int layer);
+    uint8_t *(*fp8_weight)(void *context, int layer, Linear which, int transposed);
     void *context;
 } BucketHooks;
 
 typedef struct {
     ModelShape shape;
     ParamLayout layout;            // the gradients' buffer
-    ParamLayout params_layout;     // the parameters' buffer: the same, or without the layers (weights_from_master)
+    ParamLayout params_layout;     // the parameters' buffer: the same, or without the layers (weights_from_master,
+                                   // or gathered a bucket at a time, ZeRO stage 3)
     ModelPrecision precision;
     int B, T;
     bf16 *params, *grads;          // params_elems (params_layout's buffer_elems) and grads_elems
@@ -101,7 +109,7 @@ typedef struct {
     uint8_t *fp8_input;            // E4M3 input of the current FP8 GEMM, or in backward a remade input transpose
     uint8_t *fp8_grad, *fp8_grad_t;  // E5M2 output gradient [N, out] and its transpose [out, N]
     bf16 *gate_up_working;         // COAT forward: gate_up before its 1x16 cast (in fp8_grad and fp8_grad_t, or wide)
-    uint8_t *fp8_weights;          // per layer and linear: W [out, in] then W^T [in, out], E4M3
+    uint8_t *fp8_weights;          // per layer and linear: W [out, in] then W^T [in, out], E4M3 (none: ZeRO stage 3)
     Fp8Scale *fp8_scales;          // [n_layers][FP8_SCALES_PER_LAYER]
     int fp8_weights_current;       // the FP8 weights are those of the present weights
     float *rope_cos, *rope_sin;
@@ -114,6 +122,8 @@ typedef struct {
 static inline bf16 *model_param(const LlamaModel *model, ParamKind kind, int layer) {
     if (model->norms && param_kind_is_layer_norm(kind)) return model->norms + param_norm_table_offset(&model->layout, kind, layer);
     if (model->norms && param_kind_is_per_layer(kind)) return NULL;
+    if (param_kind_is_per_layer(kind) && model->buckets && model->buckets->layer_param)
+        return model->buckets->layer_param(model->buckets->context, kind, layer);
     return model->params + param_buffer_offset(&model->params_layout, kind, layer);
 }
 static inline bf16 *model_grad(const LlamaModel *model, ParamKind kind, int layer) {
@@ -129,6 +139,9 @@ static inline void model_segment_end(const LlamaModel *model, int segment) {
 }
 static inline void model_params_ready(const LlamaModel *model, int segment) {
     if (model->buckets && model->buckets->ready) model->buckets->ready(model->buckets->context, segment);
+}
+static inline void model_params_ready_backward(const LlamaModel *model, int segment) {
+    if (model->buckets && model->buckets->ready_backward) model->buckets->ready_backward(model->buckets->context, segment);
 }
 static inline const SavedTensor *model_saved_tensor(const LlamaModel *model, int layer, LayerActivation kind) {
     return &model->saved[layer * ACT_LAYER_KINDS + kind];
@@ -179,10 +192,11 @@ static inline const char *model_precision_unsupported(const ModelShape *shape, i
 // Allocates every buffer for micro-batches of B sequences of T tokens, in `precision` (the
 // caller refuses what model_precision_unsupported names), the parameters laid out by `buffers`
 // (a layout of this shape whose segments data parallelism placed, coat/zero.h; NULL: the
-// parameter order) and grads_elems BF16 gradients (0: as many as parameters). Exactly the
-// buffers of the memory plan.
+// parameter order) and grads_elems BF16 gradients (0: as many as parameters); layers_gathered:
+// no buffer holds the layers' working weights, which data parallelism gathers a bucket at a time
+// (ZeRO stage 3) and the hooks find. Exactly the buffers of the memory plan.
 static inline void model_create_sized(LlamaModel *model, const ModelShape *shape, int B, int T, ModelPrecision precision,
-                                      const ParamLayout *buffers, size_t grads_elems) {
+                                      const ParamLayout *buffers, size_t grads_elems, int layers_gathered) {
     memset(model, 0, sizeof(*model));
     model->shape = *shape;
     model->precision = precision;
@@ -195,7 +209,7 @@ static inline void model_create_sized(LlamaModel *model, const ModelShape *shape
     else param_layout_init(&model->layout, shape);
     size_t N = (size_t)B * T, L = (size_t)shape->n_layers;
     model->params_layout = model->layout;
-    if (precision.weights_from_master) param_layout_without_layers(&model->params_layout, &model->layout);
+    if (precision.weights_from_master || layers_gathered) param_layout_without_layers(&model->params_layout, &model->layout);
     model->params_elems = model->params_layout.buffer_elems;
     model->grads_elems = grads_elems ? grads_elems : model->layout.buffer_elems;
     model->params = (bf16 *)gpu_alloc(2 * model->params_elems, "parameters");
@@ -234,7 +248,7 @@ static inline void model_create_sized(LlamaModel *model, const ModelShape *shape
     model->targets = (int *)at;
 
     WorkingLayout *w = &model->working_layout;
-    working_layout_init(w, shape, B, T, precision.fp8_gemms, precision.activations);
+    working_layout_init(w, shape, B, T, precision.fp8_gemms, precision.activations, layers_gathered);
     size_t scratch_needed = model_kernel_scratch_needed(shape, B, T);
     if (scratch_needed > w->kernel_scratch_bytes) {
         char message[160];
@@ -293,7 +307,7 @@ static inline size_t model_allocated_bytes(const LlamaModel *model) {
 }
 
 static inline void model_create(LlamaModel *model, const ModelShape *shape, int B, int T, ModelPrecision precision) {
-    model_create_sized(model, shape, B, T, precision, NULL, 0);
+    model_create_sized(model, shape, B, T, precision, NULL, 0, 0);
 }
 
 // The BF16 weights changed (an optimizer step, a load): the FP8 copies are cast again before
@@ -323,6 +337,8 @@ static inline LinearShape linear_shape(const LlamaModel *model, Linear which) {
 
 // E4M3 copies of the weight W [out, in] and its transpose [in, out].
 static inline uint8_t *linear_fp8_weight(const LlamaModel *model, int layer, Linear which, int transposed) {
+    if (model->buckets && model->buckets->fp8_weight)
+        return model->buckets->fp8_weight(model->buckets->context, layer, which, transposed);
     size_t in[LINEARS], out[LINEARS], at = 0, per_layer = 0;
     linear_shapes(&model->shape, in, out);
     for (int i = 0; i < LINEARS; i++) {
@@ -567,6 +583,7 @@ static inline void model_backward(GpuContext *gpu, LlamaModel *model) {
                            model_fp8_scale(model, L - 1, FP8_SLOT_GRAD, LINEAR_DOWN)));
     model_segment_end(model, 0);
     for (int l = L - 1; l >= 0; l--) {
+        model_params_ready_backward(model, L - l);
         model_segment_begin(model, L - l);
         // MLP block: x_out = x_mid + Wdown swiglu(Wgate_up rmsnorm(x_mid))
         // With FP8 GEMMs d_gate_up goes straight to E5M2 (and its transpose), never to BF16.

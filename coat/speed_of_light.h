@@ -224,4 +224,7 @@ static inline void speed_of_light_table(SolTable *t, const SolRun *r) {
     sol_unbounded(t, "wait for the gradient reduces", "a wait for the network");
     sol_unbounded(t, "parameter gather (its transfer overlaps the next forward)", "a wait for the network");
     sol_unbounded(t, "parameter gather: waiting for a bucket (+ its E4M3 transposes)", "a wait for the network");
+    sol_unbounded(t, "parameter gather: waiting for a bucket of layers", "a wait for the network (ZeRO stage 3)");
+    sol_unbounded(t, "parameter gather: waiting for a bucket of layers (+ its E4M3 transposes)",
+                  "a wait for the network (ZeRO stage 3, backward)");
 }

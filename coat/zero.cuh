@@ -1,13 +1,14 @@
 // Data parallelism's one home: the ZeRO plan of coat/zero.h run on the GPU over the collectives
 // of coat/collectives.cuh, behind a few calls that the trainer makes and the model's hooks.
 //   zero_model_layout / zero_grads_elems   the device buffers the model allocates for the plan
+//   / zero_layers_gathered                 (stage 3: none for the layers' working weights)
 //   zero_attach                            the collectives, the hooks on the model, this rank's buffers
 //   zero_step_begin, zero_micro_batch      the gradient accumulators zeroed; which micro-batch reduces
 //   zero_gradients_done                    the compute stream waits for the gradients' reduces
 //   zero_optimizer_ranges                  the buckets as the optimizer steps them (where their BF16 is)
 //   zero_gather_params                     after the optimizer stepped this rank's parts of the parameters
 // Backward (the hooks): as backward finishes the last segment of a bucket, the bucket's gradient
-// is all-reduced (stage 0) or reduce-scattered (stages 1, 2) on the collectives' stream while
+// is all-reduced (stage 0) or reduce-scattered (stages 1 to 3) on the collectives' stream while
 // backward goes on. Stage 0 and 1 reduce in the step's last micro-batch (the others accumulate in
 // BF16, as on one rank); stage 1 into this rank's BF16 gradient shard, its parts back to back;
 // stage 2 in every micro-batch, from one of two bucket buffers (backward writes bucket b into
@@ -26,6 +27,19 @@
 // bucket is here; otherwise the rank owns everything and casts each weight and its transpose in
 // one pass. Every rank ends with the codes and scales that model_cast_weights gives from the BF16
 // weights, bit for bit.
+// Stage 3 (coat/zero.h): after the step only the embedding's and the tail's buckets (and with
+// E4M3 the scale table's max and the norm table) are gathered. A bucket of layers is gathered
+// when the forward's `ready` reaches it, into one of two slots, the next bucket into the other
+// slot meanwhile, and again when backward's `ready_backward` reaches it, the bucket before it
+// meanwhile (the hooks `layer_param` and `fp8_weight` tell the model where its weights are): each
+// rank casts its part from its master weights on the collectives' stream, as above (E4M3 codes,
+// or BF16 rounded as a step writes them), and one all-gather fills the slot, from which the
+// forward's FP8 GEMMs read W and in which backward remakes the bucket's transposes into one room
+// (BF16: every layer tensor is read in the slot). A slot is overwritten only by a gather that
+// waits for every kernel queued on the compute stream so far, so never before the kernels that
+// read its bucket are done; the compute stream waits for a slot's gather before it reads it. The
+// slots keep what they hold until the step changes the weights: the buckets the forward ends with
+// are backward's first, and those backward ends with the next micro-batch's first.
 #pragma once
 #include "collectives_mpi.cuh"
 #include "collectives_nccl.cuh"
@@ -44,9 +58,15 @@ typedef struct {
     bf16 *grad_shard;               // stage 1: this rank's parts of the gradient, summed over the ranks
     float *grad_sum;                // stage 2: their FP32 sum over the micro-batches
     cudaEvent_t bucket_free[2];     // stage 2: a bucket buffer's reduce is done with it
-    cudaEvent_t *params_gathered;   // stages 1, 2: per bucket, its gather after the step is done
+    cudaEvent_t *params_gathered;   // stages 1 to 3: per bucket, its gather after the step is done
     unsigned char *gathering;       // per bucket: the forward has yet to wait for its gather
-    uint8_t *e4m3_staging;          // the E4M3 gather: a bucket of layers' codes
+    uint8_t *e4m3_staging;          // the E4M3 gather at stages 1, 2: a bucket of layers' codes
+    const float *master;            // stage 3: the optimizer's master weights (this rank's parts), gathers cast from them
+    char *layer_slots;              // stage 3: ZERO_GATHER_SLOTS slots of slot_bytes, each a bucket of layers
+    size_t slot_bytes;
+    int slot_bucket[ZERO_GATHER_SLOTS];            // the bucket a slot holds for the present weights, -1: none
+    cudaEvent_t slot_gathered[ZERO_GATHER_SLOTS];  // a slot's last gather is done
+    uint8_t *layer_transposes;      // stage 3 with E4M3: the W^T of the bucket backward reads, layer by layer
     size_t allocated_bytes;         // device memory allocated here (the memory plan's)
 } Zero;
 
@@ -75,7 +95,8 @@ __global__ void zero_accumulate_kernel(float *sum, const bf16 *part, size_t n) {
     if (i < n) sum[i] += __bfloat162float(part[i]);
 }
 
-// Bucket b's gradient to the ranks, as the stage says.
+// Bucket b's gradient to the ranks, as the stage says (stage 3 as stage 2, or with one
+// micro-batch per step straight into its BF16 shard: the same sum, without the FP32 zeros).
 static inline void zero_reduce_bucket(Zero *z, int b) {
     const ParamShardRange *r = &z->plan.bucket[b];
     Collectives *c = &z->collectives;
@@ -83,6 +104,9 @@ static inline void zero_reduce_bucket(Zero *z, int b) {
         collectives_all_reduce_sum_bf16(c, z->model->grads + r->at, r->part, z->compute);
     } else if (z->plan.stage == 1) {
         collectives_reduce_scatter_sum_bf16(c, z->model->grads + r->at, z->grad_shard + r->state_at, r->part, z->compute);
+    } else if (z->grad_shard) {
+        collectives_reduce_scatter_sum_bf16(c, zero_bucket_buffer(z, b), z->grad_shard + r->state_at, r->part, z->compute);
+        cudaCheck(cudaEventRecord(z->bucket_free[b % 2], c->stream));
     } else {
         bf16 *data = zero_bucket_buffer(z, b), *mine = data + (size_t)z->comm->rank * r->part;
         collectives_reduce_scatter_sum_bf16(c, data, mine, r->part, z->compute);
@@ -90,143 +114,6 @@ static inline void zero_reduce_bucket(Zero *z, int b) {
                                                                                               r->part);
         cudaCheckLaunch();
         cudaCheck(cudaEventRecord(z->bucket_free[b % 2], c->stream));
-    }
-}
-
-// ---- the model's hooks ----------------------------------------------------------------------
-
-// Stage 2: a bucket's buffer, once free, zeroed before backward adds its first gradient.
-static void zero_segment_begin(void *context, int segment) {
-    Zero *z = (Zero *)context;
-    int b = z->plan.bucket_of[segment];
-    if (z->plan.stage != 2 || segment != z->plan.first_segment[b]) return;
-    cudaCheck(cudaStreamWaitEvent(z->compute, z->bucket_free[b % 2], 0));
-    cudaCheck(cudaMemsetAsync(zero_bucket_buffer(z, b), 0, 2 * (size_t)z->plan.shards * z->plan.bucket[b].part, z->compute));
-}
-
-static void zero_segment_end(void *context, int segment) {
-    Zero *z = (Zero *)context;
-    int b = z->plan.bucket_of[segment];
-    if (segment != z->plan.last_segment[b]) return;
-    if (z->plan.stage == 2 || z->last_micro_batch) zero_reduce_bucket(z, b);
-}
-
-static bf16 *zero_stage2_gradient(void *context, int segment, size_t buffer_offset) {
-    Zero *z = (Zero *)context;
-    int b = z->plan.bucket_of[segment];
-    return zero_bucket_buffer(z, b) + (buffer_offset - z->plan.bucket[b].at);
-}
-
-// The forward's wait for a bucket's gather (once per gather); with the E4M3 gather its layers'
-// transposes follow.
-static void zero_params_ready(void *context, int segment) {
-    Zero *z = (Zero *)context;
-    int b = z->plan.bucket_of[segment];
-    if (!z->gathering[b]) return;
-    z->gathering[b] = 0;
-    cudaCheck(cudaStreamWaitEvent(z->compute, z->params_gathered[b], 0));
-    int L = z->model->shape.n_layers, layers = z->e4m3_gather && zero_bucket_is_layers(&z->plan, b);
-    for (int s = z->plan.first_segment[b]; layers && s <= z->plan.last_segment[b]; s++)
-        model_transpose_layer_weights(z->model, L - s, z->compute);
-    op_timer_mark(z->model->timer, "parameter gather: waiting for a bucket (+ its E4M3 transposes)", z->compute);
-}
-
-// ---- set-up ------------------------------------------------------------------------------------
-
-static inline void *zero_alloc(Zero *z, size_t bytes, const char *what) {
-    z->allocated_bytes += bytes;
-    return gpu_alloc(bytes, what);
-}
-
-// Runs `plan` (set with zero_plan_init, the model created with zero_model_layout and
-// zero_grads_elems) for `model`, whose forward and backward run on `compute`: with several ranks
-// the collectives (`backend`, collective_timeout_s timeout_s), the hooks and this rank's buffers.
-// Returns 0, or -1 with a message.
-static inline int zero_attach(Zero *z, const ZeroPlan *plan, const Comm *comm, LlamaModel *model, cudaStream_t compute,
-                              CollectivesBackend backend, double timeout_s, char *error, size_t error_size) {
-    memset(z, 0, sizeof(*z));
-    z->plan = *plan;
-    z->comm = comm;
-    z->model = model;
-    z->compute = compute;
-    z->collectives.comm = comm;  // one rank: the waits and the one-rank shortcuts only
-    if (comm->world <= 1) return 0;
-    z->e4m3_gather = model->precision.weights_from_master && plan->shards > 1;
-    if (zero_open_collectives(&z->collectives, comm, backend, plan->largest_bucket_elems, timeout_s, error, error_size) != 0)
-        return -1;
-    z->allocated_bytes = ZERO_SCALAR_BYTES;  // the collectives' scalars
-    z->hooks.begin = zero_segment_begin;
-    z->hooks.end = zero_segment_end;
-    z->hooks.gradient = plan->stage == 2 ? zero_stage2_gradient : NULL;
-    z->hooks.ready = plan->stage >= 1 ? zero_params_ready : NULL;
-    z->hooks.context = z;
-    model->buckets = &z->hooks;
-    if (plan->stage == 1) z->grad_shard = (bf16 *)zero_alloc(z, 2 * plan->shard_elems, "the gradient shard (bf16)");
-    if (plan->stage == 2) {
-        z->grad_sum = (float *)zero_alloc(z, 4 * plan->shard_elems, "the gradient shard (fp32)");
-        for (int i = 0; i < 2; i++) cudaCheck(cudaEventCreateWithFlags(&z->bucket_free[i], cudaEventDisableTiming));
-    }
-    if (plan->stage >= 1) {
-        z->params_gathered = (cudaEvent_t *)malloc(plan->buckets * sizeof(cudaEvent_t));
-        z->gathering = (unsigned char *)calloc(plan->buckets, 1);
-        if (!z->params_gathered || !z->gathering) fail_with("zero_attach", "out of host memory for the gather's events");
-        for (int b = 0; b < plan->buckets; b++)
-            cudaCheck(cudaEventCreateWithFlags(&z->params_gathered[b], cudaEventDisableTiming));
-    }
-    if (z->e4m3_gather) z->e4m3_staging = (uint8_t *)zero_alloc(z, zero_e4m3_gather_bytes(plan), "the E4M3 gather's staging");
-    return 0;
-}
-
-static inline void zero_free(Zero *z) {
-    if (z->comm->world <= 1) return;
-    collectives_close(&z->collectives);
-    if (z->grad_shard) cudaCheck(cudaFree(z->grad_shard));
-    if (z->grad_sum) {
-        cudaCheck(cudaFree(z->grad_sum));
-        for (int i = 0; i < 2; i++) cudaCheck(cudaEventDestroy(z->bucket_free[i]));
-    }
-    if (z->params_gathered) {
-        for (int b = 0; b < z->plan.buckets; b++) cudaCheck(cudaEventDestroy(z->params_gathered[b]));
-        free(z->params_gathered);
-        free(z->gathering);
-    }
-    if (z->e4m3_staging) cudaCheck(cudaFree(z->e4m3_staging));
-    z->model->buckets = NULL;
-}
-
-// ---- a step ------------------------------------------------------------------------------------
-
-// The gradients that accumulate over a step's micro-batches start from zero.
-static inline void zero_step_begin(Zero *z) {
-    if (z->grad_sum) cudaCheck(cudaMemsetAsync(z->grad_sum, 0, 4 * z->plan.shard_elems, z->compute));
-    else cudaCheck(cudaMemsetAsync(z->model->grads, 0, 2 * z->model->grads_elems, z->compute));
-}
-
-static inline void zero_micro_batch(Zero *z, int last) { z->last_micro_batch = last; }
-
-// The compute stream waits for the reduces of the step's gradients: then the BF16 gradients this
-// rank's optimizer steps are zero_gradient_shard (stage 2: the FP32 zero_gradient_sum instead),
-// its parts back to back (with one rank or at stage 0, the whole buffer).
-static inline void zero_gradients_done(Zero *z) {
-    if (z->comm->world > 1) collectives_join(&z->collectives, z->compute);
-}
-static inline bf16 *zero_gradient_shard(const Zero *z) { return z->grad_shard ? z->grad_shard : z->model->grads; }
-static inline const float *zero_gradient_sum(const Zero *z) { return z->grad_sum; }
-
-// Where bucket b sits in the model's BF16 parameter buffer (PARAM_NOT_IN_BUFFER: a bucket of
-// layers whose linear weights are E4M3 only; its norms are in the norm table).
-static inline size_t zero_params_at(const Zero *z, int b) {
-    const LlamaModel *m = z->model;
-    if (m->precision.weights_from_master && zero_bucket_is_layers(&z->plan, b)) return PARAM_NOT_IN_BUFFER;
-    return param_buffer_at(&m->params_layout, z->plan.last_segment[b], z->plan.bucket[b].begin);
-}
-
-// The plan's buckets as this rank's optimizer steps them: at where each sits in the BF16
-// parameter buffer (zero_params_at), ranges[plan.buckets].
-static inline void zero_optimizer_ranges(const Zero *z, ParamShardRange *ranges) {
-    for (int b = 0; b < z->plan.buckets; b++) {
-        ranges[b] = z->plan.bucket[b];
-        ranges[b].at = zero_params_at(z, b);
     }
 }
 
@@ -306,10 +193,10 @@ static inline void zero_cast_weights_from_master(Zero *z, const float *master) {
         }
 }
 
-// A bucket of layers in E4M3, on the collectives' stream: this rank's codes, cast from its master
-// weights, into its part of the staging, the all-gather, each weight's codes out to where the FP8
-// GEMMs read them.
-static inline void zero_gather_layers_e4m3(Zero *z, int b, const float *master) {
+// A bucket of layers in E4M3 into `codes` (W parts of a byte per element), on the collectives'
+// stream: this rank's codes of its parts of the linear weights, cast from its master weights with
+// each weight's scale, into its part, then the all-gather (the norms' bytes stay as they were).
+static inline void zero_cast_and_gather_e4m3(Zero *z, int b, const float *master, uint8_t *codes) {
     LlamaModel *m = z->model;
     const ParamShardRange *r = &z->plan.bucket[b];
     Collectives *c = &z->collectives;
@@ -318,11 +205,21 @@ static inline void zero_gather_layers_e4m3(Zero *z, int b, const float *master) 
         for (int i = 0; i < LINEARS; i++) {
             ZeroRange mine = zero_mine_of_linear(z, L - s, (Linear)i);
             if (mine.end > mine.begin)
-                fp8_quantize(z->e4m3_staging + (mine.begin - r->begin), NULL,
-                             model_fp8_scale(m, L - s, FP8_SLOT_WEIGHT, (Linear)i), master + zero_master_index(z, b, mine.begin),
-                             (int)((mine.end - mine.begin) / PARAM_ALIGN_ELEMS), PARAM_ALIGN_ELEMS, FP8_E4M3, c->stream);
+                fp8_quantize(codes + (mine.begin - r->begin), NULL, model_fp8_scale(m, L - s, FP8_SLOT_WEIGHT, (Linear)i),
+                             master + zero_master_index(z, b, mine.begin), (int)((mine.end - mine.begin) / PARAM_ALIGN_ELEMS),
+                             PARAM_ALIGN_ELEMS, FP8_E4M3, c->stream);
         }
-    collectives_all_gather(c, z->e4m3_staging, r->part, c->stream);
+    collectives_all_gather(c, codes, r->part, c->stream);
+}
+
+// Stages 1, 2: a bucket of layers in E4M3 through the staging, then each weight's codes out to
+// where the FP8 GEMMs read them.
+static inline void zero_gather_layers_e4m3(Zero *z, int b, const float *master) {
+    LlamaModel *m = z->model;
+    const ParamShardRange *r = &z->plan.bucket[b];
+    Collectives *c = &z->collectives;
+    int L = m->shape.n_layers;
+    zero_cast_and_gather_e4m3(z, b, master, z->e4m3_staging);
     for (int s = z->plan.first_segment[b]; s <= z->plan.last_segment[b]; s++)
         for (int i = 0; i < LINEARS; i++) {
             ZeroRange weight = zero_linear_range(&m->layout, (Linear)i, L - s);
@@ -331,18 +228,316 @@ static inline void zero_gather_layers_e4m3(Zero *z, int b, const float *master) 
         }
 }
 
+// ---- stage 3: the buckets of layers, gathered where they are read -----------------------------
+
+static inline int zero_slot_holding(const Zero *z, int b) {
+    for (int k = 0; k < ZERO_GATHER_SLOTS; k++)
+        if (z->slot_bucket[k] == b) return k;
+    return -1;
+}
+
+static inline char *zero_slot(const Zero *z, int k) { return z->layer_slots + (size_t)k * z->slot_bytes; }
+
+// Bucket b of layers into slot k, on the collectives' stream once every kernel the compute stream
+// has queued is done (those that read the slot's bucket before, the step that wrote the master
+// weights): this rank's part cast from its master weights (E4M3, or BF16 rounded to nearest even
+// as a step writes the parameters), then one all-gather.
+static inline void zero_gather_layers_into(Zero *z, int b, int k) {
+    Collectives *c = &z->collectives;
+    const ParamShardRange *r = &z->plan.bucket[b];
+    collectives_after(c, z->compute);
+    if (z->e4m3_gather) {
+        zero_cast_and_gather_e4m3(z, b, z->master, (uint8_t *)zero_slot(z, k));
+    } else {
+        bf16 *slot = (bf16 *)zero_slot(z, k);
+        zero_master_to_bf16_kernel<<<(unsigned)ceil_div_size(r->part, 256), 256, 0, c->stream>>>(
+            slot + (size_t)z->comm->rank * r->part, z->master + r->state_at, r->part);
+        cudaCheckLaunch();
+        collectives_all_gather(c, slot, 2 * r->part, c->stream);
+    }
+    cudaCheck(cudaEventRecord(z->slot_gathered[k], c->stream));
+    z->slot_bucket[k] = b;
+}
+
+// Bucket b of layers made readable on the compute stream: gathered unless a slot holds it (into
+// the slot that does not hold `next`), the compute stream waits for it; then the bucket `next`
+// (-1: none), which the model reads after it, is gathered into the other slot unless it is there.
+// Returns b's slot.
+static inline int zero_layers_acquire(Zero *z, int b, int next) {
+    int k = zero_slot_holding(z, b);
+    if (k < 0) {
+        k = z->slot_bucket[0] == next && next >= 0 ? 1 : 0;
+        zero_gather_layers_into(z, b, k);
+    }
+    cudaCheck(cudaStreamWaitEvent(z->compute, z->slot_gathered[k], 0));
+    if (next >= 0 && zero_slot_holding(z, next) < 0) zero_gather_layers_into(z, next, (k + 1) % ZERO_GATHER_SLOTS);
+    return k;
+}
+
+// Whether a forward pass runs collectives (stage 3's gathers of the layers): then every rank runs
+// each one, the same number of times.
+static inline int zero_forward_is_collective(const Zero *z) { return zero_layers_gathered(&z->plan); }
+
+// The step changed the master weights: no slot holds a bucket of the present weights.
+static inline void zero_layers_stale(Zero *z) {
+    for (int k = 0; k < ZERO_GATHER_SLOTS; k++) z->slot_bucket[k] = -1;
+}
+
+// The neighbour of bucket b that the model reads next (forward: b + 1, backward: b - 1) when it is
+// a bucket of layers, else -1.
+static inline int zero_next_layers(const Zero *z, int b, int step) {
+    return zero_bucket_is_layers(&z->plan, b + step) ? b + step : -1;
+}
+
+// Where `layer`'s bucket lies now (its slot), and the element of the parameter order `e` in it.
+static inline size_t zero_slot_offset(const Zero *z, int layer, size_t e, int *slot) {
+    int b = z->plan.bucket_of[z->model->shape.n_layers - layer];
+    *slot = zero_slot_holding(z, b);
+    if (*slot < 0) fail_with("zero_slot_offset", "a layer's weights are read before their bucket's gather");
+    return e - z->plan.bucket[b].begin;
+}
+
+// ---- the model's hooks ----------------------------------------------------------------------
+
+// Stages 2 and 3: a bucket's buffer, once free, zeroed before backward adds its first gradient.
+static void zero_segment_begin(void *context, int segment) {
+    Zero *z = (Zero *)context;
+    int b = z->plan.bucket_of[segment];
+    if (z->plan.stage < 2 || segment != z->plan.first_segment[b]) return;
+    cudaCheck(cudaStreamWaitEvent(z->compute, z->bucket_free[b % 2], 0));
+    cudaCheck(cudaMemsetAsync(zero_bucket_buffer(z, b), 0, 2 * (size_t)z->plan.shards * z->plan.bucket[b].part, z->compute));
+}
+
+static void zero_segment_end(void *context, int segment) {
+    Zero *z = (Zero *)context;
+    int b = z->plan.bucket_of[segment];
+    if (segment != z->plan.last_segment[b]) return;
+    if (z->plan.stage >= 2 || z->last_micro_batch) zero_reduce_bucket(z, b);
+}
+
+static bf16 *zero_bucket_gradient(void *context, int segment, size_t buffer_offset) {
+    Zero *z = (Zero *)context;
+    int b = z->plan.bucket_of[segment];
+    return zero_bucket_buffer(z, b) + (buffer_offset - z->plan.bucket[b].at);
+}
+
+// The forward's wait for a bucket's gather (once per gather); with the E4M3 gather its layers'
+// transposes follow. Stage 3: a bucket of layers, at its first layer, gathered (the next one
+// meanwhile).
+static void zero_params_ready(void *context, int segment) {
+    Zero *z = (Zero *)context;
+    int b = z->plan.bucket_of[segment];
+    if (zero_layers_gathered(&z->plan) && zero_bucket_is_layers(&z->plan, b)) {
+        if (segment != z->plan.last_segment[b]) return;
+        zero_layers_acquire(z, b, zero_next_layers(z, b, 1));
+        op_timer_mark(z->model->timer, "parameter gather: waiting for a bucket of layers", z->compute);
+        return;
+    }
+    if (!z->gathering[b]) return;
+    z->gathering[b] = 0;
+    cudaCheck(cudaStreamWaitEvent(z->compute, z->params_gathered[b], 0));
+    int L = z->model->shape.n_layers, layers = z->e4m3_gather && zero_bucket_is_layers(&z->plan, b);
+    for (int s = z->plan.first_segment[b]; layers && s <= z->plan.last_segment[b]; s++)
+        model_transpose_layer_weights(z->model, L - s, z->compute);
+    op_timer_mark(z->model->timer, "parameter gather: waiting for a bucket (+ its E4M3 transposes)", z->compute);
+}
+
+// Stage 3, backward: a bucket of layers, at its last layer (backward's first), gathered unless a
+// slot holds it (the bucket before it meanwhile); with E4M3 its transposes remade for backward's
+// FP8 GEMMs, after the previous bucket's backward is done with the room (the same stream).
+static void zero_params_ready_backward(void *context, int segment) {
+    Zero *z = (Zero *)context;
+    int b = z->plan.bucket_of[segment];
+    if (!zero_bucket_is_layers(&z->plan, b) || segment != z->plan.first_segment[b]) return;
+    zero_layers_acquire(z, b, zero_next_layers(z, b, -1));
+    int L = z->model->shape.n_layers;
+    for (int s = z->plan.first_segment[b]; z->e4m3_gather && s <= z->plan.last_segment[b]; s++)
+        model_transpose_layer_weights(z->model, L - s, z->compute);
+    op_timer_mark(z->model->timer, "parameter gather: waiting for a bucket of layers (+ its E4M3 transposes)", z->compute);
+}
+
+// Stage 3 in BF16: a layer's tensor in its bucket's slot.
+static bf16 *zero_layer_param(void *context, ParamKind kind, int layer) {
+    Zero *z = (Zero *)context;
+    int slot;
+    size_t at = zero_slot_offset(z, layer, param_offset(&z->model->layout, kind, layer), &slot);
+    return (bf16 *)zero_slot(z, slot) + at;
+}
+
+// Stage 3 in E4M3: a linear layer's W codes in its bucket's slot (at their elements' places), or
+// its W^T in the transposes' room (the layer's place in its bucket, then linear_fp8_weight's
+// order of the linear layers).
+static uint8_t *zero_layer_fp8_weight(void *context, int layer, Linear which, int transposed) {
+    Zero *z = (Zero *)context;
+    const LlamaModel *m = z->model;
+    if (!transposed) {
+        int slot;
+        size_t at = zero_slot_offset(z, layer, zero_linear_range(&m->layout, which, layer).begin, &slot);
+        return (uint8_t *)zero_slot(z, slot) + at;
+    }
+    int first_layer = m->shape.n_layers - z->plan.last_segment[z->plan.bucket_of[m->shape.n_layers - layer]];
+    size_t in[LINEARS], out[LINEARS], at = 0;
+    linear_shapes(&m->shape, in, out);
+    for (int i = 0; i < (int)which; i++) at += in[i] * out[i];
+    return z->layer_transposes + (size_t)(layer - first_layer) * linear_layer_weight_elems(&m->shape) + at;
+}
+
+// ---- set-up ------------------------------------------------------------------------------------
+
+static inline void *zero_alloc(Zero *z, size_t bytes, const char *what) {
+    z->allocated_bytes += bytes;
+    return gpu_alloc(bytes, what);
+}
+
+// Runs `plan` (set with zero_plan_init, the model created with zero_model_layout and
+// zero_grads_elems) for `model`, whose forward and backward run on `compute`: with several ranks
+// the collectives (`backend`, collective_timeout_s timeout_s), the hooks and this rank's buffers.
+// Returns 0, or -1 with a message.
+static inline int zero_attach(Zero *z, const ZeroPlan *plan, const Comm *comm, LlamaModel *model, cudaStream_t compute,
+                              CollectivesBackend backend, double timeout_s, char *error, size_t error_size) {
+    memset(z, 0, sizeof(*z));
+    z->plan = *plan;
+    z->comm = comm;
+    z->model = model;
+    z->compute = compute;
+    z->collectives.comm = comm;  // one rank: the waits and the one-rank shortcuts only
+    if (comm->world <= 1) return 0;
+    z->e4m3_gather = model->precision.weights_from_master && plan->shards > 1;
+    int layers_gathered = zero_layers_gathered(plan);
+    if (layers_gathered && model->precision.fp8_gemms && !z->e4m3_gather) {
+        snprintf(error, error_size, "ZeRO stage 3 with FP8 GEMMs gathers the layers' E4M3 codes: param_gather = e4m3 (auto)");
+        return -1;
+    }
+    if (zero_open_collectives(&z->collectives, comm, backend, plan->largest_bucket_elems, timeout_s, error, error_size) != 0)
+        return -1;
+    z->allocated_bytes = ZERO_SCALAR_BYTES;  // the collectives' scalars
+    z->hooks.begin = zero_segment_begin;
+    z->hooks.end = zero_segment_end;
+    z->hooks.gradient = plan->stage >= 2 ? zero_bucket_gradient : NULL;
+    z->hooks.ready = plan->stage >= 1 ? zero_params_ready : NULL;
+    z->hooks.ready_backward = layers_gathered ? zero_params_ready_backward : NULL;
+    z->hooks.layer_param = layers_gathered && !z->e4m3_gather ? zero_layer_param : NULL;
+    z->hooks.fp8_weight = layers_gathered && z->e4m3_gather ? zero_layer_fp8_weight : NULL;
+    z->hooks.context = z;
+    model->buckets = &z->hooks;
+    size_t shard_bytes = zero_grad_shard_bytes(plan);
+    if (plan->stage == 1 || plan->bf16_grad_shard) z->grad_shard = (bf16 *)zero_alloc(z, shard_bytes, "the gradient shard (bf16)");
+    else if (plan->stage >= 2) z->grad_sum = (float *)zero_alloc(z, shard_bytes, "the gradient shard (fp32)");
+    if (plan->stage >= 2)
+        for (int i = 0; i < 2; i++) cudaCheck(cudaEventCreateWithFlags(&z->bucket_free[i], cudaEventDisableTiming));
+    if (plan->stage >= 1) {
+        z->params_gathered = (cudaEvent_t *)malloc(plan->buckets * sizeof(cudaEvent_t));
+        z->gathering = (unsigned char *)calloc(plan->buckets, 1);
+        if (!z->params_gathered || !z->gathering) fail_with("zero_attach", "out of host memory for the gather's events");
+        for (int b = 0; b < plan->buckets; b++)
+            cudaCheck(cudaEventCreateWithFlags(&z->params_gathered[b], cudaEventDisableTiming));
+    }
+    if (z->e4m3_gather && !layers_gathered)
+        z->e4m3_staging = (uint8_t *)zero_alloc(z, zero_e4m3_gather_bytes(plan), "the E4M3 gather's staging");
+    if (layers_gathered) {
+        z->slot_bytes = zero_layer_slot_bytes(plan, z->e4m3_gather);
+        z->layer_slots = (char *)zero_alloc(z, ZERO_GATHER_SLOTS * z->slot_bytes, "the gather slots of the buckets of layers");
+        for (int k = 0; k < ZERO_GATHER_SLOTS; k++) cudaCheck(cudaEventCreateWithFlags(&z->slot_gathered[k], cudaEventDisableTiming));
+        if (z->e4m3_gather)
+            z->layer_transposes = (uint8_t *)zero_alloc(z, zero_layer_transposes_bytes(plan, &model->shape),
+                                                        "the transposes of a bucket of layers");
+        zero_layers_stale(z);
+    }
+    return 0;
+}
+
+static inline void zero_free(Zero *z) {
+    if (z->comm->world <= 1) return;
+    collectives_close(&z->collectives);
+    if (z->grad_shard) cudaCheck(cudaFree(z->grad_shard));
+    if (z->grad_sum) cudaCheck(cudaFree(z->grad_sum));
+    if (z->plan.stage >= 2)
+        for (int i = 0; i < 2; i++) cudaCheck(cudaEventDestroy(z->bucket_free[i]));
+    if (z->params_gathered) {
+        for (int b = 0; b < z->plan.buckets; b++) cudaCheck(cudaEventDestroy(z->params_gathered[b]));
+        free(z->params_gathered);
+        free(z->gathering);
+    }
+    if (z->e4m3_staging) cudaCheck(cudaFree(z->e4m3_staging));
+    if (z->layer_slots) {
+        cudaCheck(cudaFree(z->layer_slots));
+        for (int k = 0; k < ZERO_GATHER_SLOTS; k++) cudaCheck(cudaEventDestroy(z->slot_gathered[k]));
+    }
+    if (z->layer_transposes) cudaCheck(cudaFree(z->layer_transposes));
+    z->model->buckets = NULL;
+}
+
+// ---- a step ------------------------------------------------------------------------------------
+
+// The gradients that accumulate over a step's micro-batches start from zero (stage 3's BF16 shard
+// is written whole by the step's one reduce-scatter of each bucket).
+static inline void zero_step_begin(Zero *z) {
+    if (z->grad_sum) cudaCheck(cudaMemsetAsync(z->grad_sum, 0, 4 * z->plan.shard_elems, z->compute));
+    else if (z->plan.stage <= 1) cudaCheck(cudaMemsetAsync(z->model->grads, 0, 2 * z->model->grads_elems, z->compute));
+}
+
+static inline void zero_micro_batch(Zero *z, int last) { z->last_micro_batch = last; }
+
+// The compute stream waits for the reduces of the step's gradients: then the BF16 gradients this
+// rank's optimizer steps are zero_gradient_shard (stage 2, and 3 with several micro-batches: the
+// FP32 zero_gradient_sum instead),
+// its parts back to back (with one rank or at stage 0, the whole buffer).
+static inline void zero_gradients_done(Zero *z) {
+    if (z->comm->world > 1) collectives_join(&z->collectives, z->compute);
+}
+static inline bf16 *zero_gradient_shard(const Zero *z) { return z->grad_shard ? z->grad_shard : z->model->grads; }
+static inline const float *zero_gradient_sum(const Zero *z) { return z->grad_sum; }
+
+// Where bucket b sits in the model's BF16 parameter buffer (PARAM_NOT_IN_BUFFER: a bucket of
+// layers whose linear weights are E4M3 only, its norms in the norm table, or that stage 3
+// gathers from the master weights where it is read).
+static inline size_t zero_params_at(const Zero *z, int b) {
+    const LlamaModel *m = z->model;
+    int layers_elsewhere = m->precision.weights_from_master || zero_layers_gathered(&z->plan);
+    if (layers_elsewhere && zero_bucket_is_layers(&z->plan, b)) return PARAM_NOT_IN_BUFFER;
+    return param_buffer_at(&m->params_layout, z->plan.last_segment[b], z->plan.bucket[b].begin);
+}
+
+// The plan's buckets as this rank's optimizer steps them: at where each sits in the BF16
+// parameter buffer (zero_params_at), ranges[plan.buckets].
+static inline void zero_optimizer_ranges(const Zero *z, ParamShardRange *ranges) {
+    for (int b = 0; b < z->plan.buckets; b++) {
+        ranges[b] = z->plan.bucket[b];
+        ranges[b].at = zero_params_at(z, b);
+    }
+}
+
+// Stage 3: every weight's scale from its amax (the max over the ranks by now), on every rank: the
+// forward's FP8 GEMMs read it before backward's transposes would write it, and a rank that owns
+// none of a weight casts none of it. The casts write the same value.
+__global__ void zero_weight_scales_kernel(Fp8Scale *table, int layers) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= layers * LINEARS) return;
+    Fp8Scale *slot = table + (size_t)(i / LINEARS) * FP8_SCALES_PER_LAYER + FP8_SLOT_WEIGHT + i % LINEARS;
+    slot->scale = fp8_scale_from_amax(slot->amax, FP8_E4M3);
+}
+
 // Sharded: the scale table's max and the norm table's sum, then each bucket in the forward's
-// order, the buckets of layers in E4M3, the others in BF16.
+// order, the buckets of layers in E4M3 (stage 3: none, they are gathered where they are read),
+// the others in BF16.
 static inline void zero_gather_from_master(Zero *z, const float *master) {
     LlamaModel *m = z->model;
     Collectives *c = &z->collectives;
     // The whole scale table: the activations' and gradients' entries, reset by every forward, ride along.
     collectives_all_reduce_max_f32(c, (float *)m->fp8_scales, m->working_layout.fp8_scales_bytes / sizeof(float), z->compute);
     collectives_join(c, z->compute);  // the next forward resets the activations' entries after it
+    if (zero_layers_gathered(&z->plan)) {
+        int weights = m->shape.n_layers * LINEARS;
+        zero_weight_scales_kernel<<<(unsigned)ceil_div_size((size_t)weights, 256), 256, 0, z->compute>>>(m->fp8_scales,
+                                                                                                          m->shape.n_layers);
+        cudaCheckLaunch();
+    }
     collectives_all_reduce_sum_bf16(c, m->norms, m->norms_elems, c->stream);
     for (int b = 0; b < z->plan.buckets; b++) {
         const ParamShardRange *r = &z->plan.bucket[b];
-        if (zero_bucket_is_layers(&z->plan, b)) zero_gather_layers_e4m3(z, b, master);
+        int layers = zero_bucket_is_layers(&z->plan, b);
+        if (layers && zero_layers_gathered(&z->plan)) continue;
+        if (layers) zero_gather_layers_e4m3(z, b, master);
         else collectives_all_gather(c, m->params + zero_params_at(z, b), 2 * r->part, z->compute);
         cudaCheck(cudaEventRecord(z->params_gathered[b], c->stream));
         z->gathering[b] = 1;
@@ -351,9 +546,15 @@ static inline void zero_gather_from_master(Zero *z, const float *master) {
 
 // After the optimizer stepped this rank's parts of the parameters (on the compute stream; its
 // FP32 master weights `master`, the parts back to back): every rank gets all of the weights the
-// model reads, a bucket at a time in the forward's order (the parameter order).
+// model reads, a bucket at a time in the forward's order (the parameter order); at stage 3 the
+// buckets of layers only when the model reads them (the slots' buckets are stale now).
 static inline void zero_gather_params(Zero *z, const float *master) {
     LlamaModel *m = z->model;
+    if (zero_layers_gathered(&z->plan)) {
+        collectives_join(&z->collectives, z->compute);  // no earlier gather still reads the scales or the master
+        z->master = master;
+        zero_layers_stale(z);
+    }
     if (m->precision.weights_from_master) {
         int sharded = z->plan.shards > 1;
         if (sharded) cudaCheck(cudaMemsetAsync(m->norms, 0, 2 * m->norms_elems, z->compute));
@@ -368,6 +569,7 @@ static inline void zero_gather_params(Zero *z, const float *master) {
     if (z->plan.stage == 0 || z->comm->world == 1) return;
     Collectives *c = &z->collectives;
     for (int b = 0; b < z->plan.buckets; b++) {
+        if (zero_params_at(z, b) == PARAM_NOT_IN_BUFFER) continue;  // stage 3's layers
         collectives_all_gather(c, m->params + zero_params_at(z, b), 2 * z->plan.bucket[b].part, z->compute);
         cudaCheck(cudaEventRecord(z->params_gathered[b], c->stream));
         z->gathering[b] = 1;

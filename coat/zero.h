@@ -7,7 +7,7 @@
 // embedding stand alone), numbered in the parameter order (bucket 0 holds the embedding): bucket
 // b is the elements [begin, end) of the parameter order, the order of a checkpoint and of a
 // one-rank run.
-// Sharding (stages 1 and 2): each bucket is padded to W parts of `part` elements, a multiple of
+// Sharding (stages 1 to 3): each bucket is padded to W parts of `part` elements, a multiple of
 // 128 (FP8 optimizer groups never straddle a part), and rank r owns part r of every bucket: the
 // elements [begin + r part, begin + (r + 1) part) clipped to end. In the device buffers (the BF16
 // parameters, which with FP8 GEMMs casting from the master weights hold only the embedding's and
@@ -24,6 +24,18 @@
 //   stage 2: no rank holds the whole gradient: every micro-batch reduce-scatters each bucket
 //            from one of two bucket buffers, and each rank adds its part into an FP32 sum of its
 //            shard.
+//   stage 3: stage 2, and no rank holds the working weights of every layer either. A bucket of
+//            layers is cast by each rank from its FP32 master part (E4M3 codes with FP8 GEMMs,
+//            else BF16) and all-gathered into one of ZERO_GATHER_SLOTS slots just before the
+//            forward reads it, the next bucket into the other slot meanwhile, and again in the
+//            reverse order before backward reads it: the parameters travel twice a step, but for
+//            the buckets the two slots still hold (the last two of the forward are backward's
+//            first two, backward's last two the next micro-batch's first two). The embedding's
+//            and the tail's buckets, and with FP8 GEMMs the layers' norms (the norm table), stay
+//            whole on every rank, gathered after the step as at stage 1 (70B: 0.98 GiB, read at
+//            the forward's two ends and backward's start). With one micro-batch per step the
+//            gradient shard is BF16, the reduce-scatter's sum, which is what stage 2 adds to its
+//            FP32 zeros; with several it is stage 2's FP32 sum.
 // With one rank, or at stage 0, parts are whole buckets and the buffers are the parameter order.
 // Bytes sent per rank follow the ring algorithms (NCCL's for large messages): all-reduce of n
 // bytes 2 (W - 1) / W n, reduce-scatter and all-gather (W - 1) / W n.
@@ -36,6 +48,7 @@
 
 #define ZERO_SCALARS 16  // the most values one collectives_all_reduce_sum_f64 sums (the loss, norm and stop votes)
 #define ZERO_SCALAR_BYTES (ZERO_SCALARS * sizeof(double))  // their device room, on every rank of W > 1
+#define ZERO_GATHER_SLOTS 2  // stage 3: the bucket of layers the model reads and the next one
 
 typedef struct {
     size_t begin, end;  // elements [begin, end) of the parameter order
@@ -43,7 +56,8 @@ typedef struct {
 
 typedef struct {
     int ranks, stage;
-    int shards;                            // ranks that share each bucket: ranks at stages 1 and 2, else 1
+    int shards;                            // ranks that share each bucket: ranks at stages 1 to 3, else 1
+    int bf16_grad_shard;                   // stage 3 with one micro-batch per step (zero_plan_micro_batches)
     int segments, buckets;
     ParamShardRange bucket[PARAM_SEGMENTS_MAX];  // in the parameter order
     int first_segment[PARAM_SEGMENTS_MAX];  // bucket b holds segments first_segment[b] ..
@@ -53,6 +67,7 @@ typedef struct {
     size_t shard_elems;                    // each rank's parts: its optimizer state and gradient shard
     size_t largest_bucket_elems;           // W parts of the largest bucket (stage 2's bucket buffers)
     size_t largest_layer_bucket_elems;     // the same among the buckets of layers (the E4M3 gather's staging)
+    int most_layers_per_bucket;            // among the buckets of layers
 } ZeroPlan;
 
 // Segment s's elements of the parameter order (coat/params.h numbers them).
@@ -95,9 +110,11 @@ static inline void zero_plan_init(ZeroPlan *z, const ParamLayout *layout, int ra
     z->ranks = ranks;
     z->stage = stage;
     z->shards = stage >= 1 ? ranks : 1;
+    z->bf16_grad_shard = 0;
     zero_plan_buckets(z, layout, min_bucket_elems);
     size_t at = 0, state_at = 0;
     z->largest_bucket_elems = z->largest_layer_bucket_elems = 0;
+    z->most_layers_per_bucket = 0;
     for (int b = 0; b < z->buckets; b++) {
         ParamShardRange *r = &z->bucket[b];
         r->begin = zero_segment(layout, z->last_segment[b]).begin;
@@ -109,7 +126,10 @@ static inline void zero_plan_init(ZeroPlan *z, const ParamLayout *layout, int ra
         at += padded;
         state_at += r->part;
         if (padded > z->largest_bucket_elems) z->largest_bucket_elems = padded;
-        if (zero_bucket_is_layers(z, b) && padded > z->largest_layer_bucket_elems) z->largest_layer_bucket_elems = padded;
+        if (!zero_bucket_is_layers(z, b)) continue;
+        if (padded > z->largest_layer_bucket_elems) z->largest_layer_bucket_elems = padded;
+        int layers = z->last_segment[b] - z->first_segment[b] + 1;
+        if (layers > z->most_layers_per_bucket) z->most_layers_per_bucket = layers;
     }
     z->buffer_elems = at;
     z->shard_elems = state_at;
@@ -130,9 +150,40 @@ static inline void zero_model_layout(const ZeroPlan *z, const ModelShape *shape,
     zero_place_segments(z, layout);
 }
 
-// The model's gradient buffer: stage 2's two bucket buffers, else the whole buffers.
+// Stage 3 over several ranks: the buckets of layers are gathered a bucket at a time (their
+// working weights, BF16 or E4M3, are in no buffer of the model).
+static inline int zero_layers_gathered(const ZeroPlan *z) { return z->stage == 3 && z->shards > 1; }
+
+// The step's micro-batches per rank: stage 3 keeps its gradient shard in BF16 when there is one.
+static inline void zero_plan_micro_batches(ZeroPlan *z, int micro_batches) {
+    z->bf16_grad_shard = zero_layers_gathered(z) && micro_batches == 1;
+}
+
+// The model's gradient buffer: stage 2's and 3's two bucket buffers, else the whole buffers.
 static inline size_t zero_grads_elems(const ZeroPlan *z) {
-    return z->stage == 2 ? 2 * z->largest_bucket_elems : z->buffer_elems;
+    return z->stage >= 2 ? 2 * z->largest_bucket_elems : z->buffer_elems;
+}
+
+// The rank's gradient shard, its parts back to back: stage 1's BF16 sum, stage 2's FP32 sum over
+// the micro-batches, stage 3's either (BF16 with one micro-batch per step); none at stage 0.
+static inline size_t zero_grad_shard_bytes(const ZeroPlan *z) {
+    if (z->stage == 0) return 0;
+    return (z->stage == 1 || z->bf16_grad_shard ? 2 : 4) * z->shard_elems;
+}
+
+// Stage 3's gather slots, each the largest bucket of layers as W parts (E4M3: a byte per element,
+// the linear weights' codes at their elements' places; else BF16), and with E4M3 the room where
+// backward remakes the transposes of the bucket it reads (FP8 GEMMs read W^T there): the linear
+// weights of the most layers a bucket holds.
+static inline size_t zero_layer_slot_bytes(const ZeroPlan *z, int e4m3) {
+    return (e4m3 ? 1 : 2) * z->largest_layer_bucket_elems;
+}
+static inline size_t zero_layer_transposes_bytes(const ZeroPlan *z, const ModelShape *shape) {
+    return (size_t)z->most_layers_per_bucket * linear_layer_weight_elems(shape);
+}
+static inline size_t zero_layer_gather_bytes(const ZeroPlan *z, const ModelShape *shape, int e4m3) {
+    if (!zero_layers_gathered(z)) return 0;
+    return ZERO_GATHER_SLOTS * zero_layer_slot_bytes(z, e4m3) + (e4m3 ? zero_layer_transposes_bytes(z, shape) : 0);
 }
 
 // Rank `rank`'s part of bucket b in the parameter order (empty where the padding begins before it).
@@ -165,14 +216,33 @@ static inline ZeroRange zero_intersection(ZeroRange a, ZeroRange b) {
     return r;
 }
 
-// The E4M3 gather (stages 1, 2 with FP8 GEMMs): each bucket of layers travels as one byte per
+// The E4M3 gather (stages 1 to 3 with FP8 GEMMs): each bucket of layers travels as one byte per
 // element (the linear weights' E4M3 codes, at their elements' places) through a staging buffer of
-// the largest such bucket, and the layers' norms, which stay BF16, in the model's norm table
-// (coat/params.h) that the owners fill and one all-reduce sums (each element has one owner, the
-// others add zeros).
-static inline size_t zero_e4m3_gather_bytes(const ZeroPlan *z) { return z->largest_layer_bucket_elems; }
+// the largest such bucket (stage 3: its gather slots), and the layers' norms, which stay BF16, in
+// the model's norm table (coat/params.h) that the owners fill and one all-reduce sums (each
+// element has one owner, the others add zeros).
+static inline size_t zero_e4m3_gather_bytes(const ZeroPlan *z) {
+    return zero_layers_gathered(z) ? 0 : z->largest_layer_bucket_elems;
+}
 
-// The collective calls of one step as coat/zero.cuh issues them (stage 2 reduces every micro-batch).
+// Stage 3's gathers of buckets of layers in a step of `accum_steps` micro-batches, as
+// coat/zero.cuh issues them: every bucket before the first forward (the step changed them all),
+// then each forward and each backward all but the two the slots still hold (a forward's first
+// two, buckets 1 and 2, and a backward's first two, the last two): *calls gathers of `elems`
+// elements (W parts each) in all.
+static inline void zero_layer_gathers(const ZeroPlan *z, int accum_steps, long *calls, double *elems) {
+    int last = z->buckets - 2;  // the buckets of layers are 1 .. last
+    *calls = 0;
+    *elems = 0.0;
+    for (int b = 1; b <= last; b++) {
+        long times = 1 + (b > 2 ? accum_steps - 1 : 0) + (b < last - 1 ? accum_steps : 0);
+        *calls += times;
+        *elems += (double)times * z->shards * z->bucket[b].part;
+    }
+}
+
+// The collective calls of one step as coat/zero.cuh issues them (stages 2 and 3 reduce every
+// micro-batch).
 typedef struct {
     long all_reduces, reduce_scatters, all_gathers;
 } ZeroCalls;
@@ -187,8 +257,13 @@ static inline ZeroCalls zero_calls(const ZeroPlan *z, int accum_steps, int e4m3_
         calls.all_reduces += z->buckets;
         return calls;
     }
-    calls.reduce_scatters = (long)z->buckets * (z->stage == 2 ? accum_steps : 1);
+    calls.reduce_scatters = (long)z->buckets * (z->stage >= 2 ? accum_steps : 1);
     calls.all_gathers = z->buckets;
+    if (zero_layers_gathered(z)) {
+        double elems;
+        zero_layer_gathers(z, accum_steps, &calls.all_gathers, &elems);
+        calls.all_gathers += 2;  // the embedding's and the tail's after the step
+    }
     if (e4m3_gather) calls.all_reduces += 2;  // the scale table's max, the norm table's sum
     return calls;
 }
@@ -197,8 +272,8 @@ static inline ZeroCalls zero_calls(const ZeroPlan *z, int accum_steps, int e4m3_
 // BF16, or with the E4M3 gather the buckets of layers as a byte per element and their norms in
 // the norm table's all-reduce.
 typedef struct {
-    double gradient_bytes;   // all-reduce (stage 0), reduce-scatters once (1) or per micro-batch (2)
-    double parameter_bytes;  // the gather after the step (stages 1 and 2)
+    double gradient_bytes;   // all-reduce (stage 0), reduce-scatters once (1) or per micro-batch (2, 3)
+    double parameter_bytes;  // the gather after the step (stages 1 and 2); stage 3's gathers of the layers too
 } ZeroTraffic;
 
 static inline ZeroTraffic zero_traffic(const ZeroPlan *z, const ParamLayout *layout, int accum_steps, int e4m3_gather) {
@@ -209,16 +284,21 @@ static inline ZeroTraffic zero_traffic(const ZeroPlan *z, const ParamLayout *lay
         t.gradient_bytes = 2.0 * share * gradient;
         return t;
     }
-    t.gradient_bytes = share * gradient * (z->stage == 2 ? accum_steps : 1);
-    if (!e4m3_gather) {
-        t.parameter_bytes = share * gradient;
-        return t;
-    }
-    double layers = 0.0;
+    t.gradient_bytes = share * gradient * (z->stage >= 2 ? accum_steps : 1);
+    double layers = 0.0, gathered = 0.0;  // the buckets of layers' elements, and those gathered in a step
     for (int b = 0; b < z->buckets; b++)
         if (zero_bucket_is_layers(z, b)) layers += (double)z->ranks * z->bucket[b].part;
-    t.parameter_bytes = share * (2.0 * ((double)z->buffer_elems - layers) + layers) +
-                        2.0 * share * 2.0 * (double)param_norm_table_elems(layout);
+    gathered = layers;
+    if (zero_layers_gathered(z)) {
+        long calls;
+        zero_layer_gathers(z, accum_steps, &calls, &gathered);
+    }
+    double others = (double)z->buffer_elems - layers;
+    if (!e4m3_gather) {
+        t.parameter_bytes = share * 2.0 * (others + gathered);
+        return t;
+    }
+    t.parameter_bytes = share * (2.0 * others + gathered) + 2.0 * share * 2.0 * (double)param_norm_table_elems(layout);
     return t;
 }
 
@@ -233,8 +313,11 @@ static inline void zero_print(FILE *out, const ZeroPlan *z, const ParamLayout *l
                      "bucket, the loss and gradient norm)\n", calls.all_reduces);
     else
         fprintf(out, "collective calls per step: %ld reduce-scatters (gradients: one per bucket%s), %ld all-gathers "
-                     "(parameters, %s: one per bucket), %ld all-reduces (the loss and gradient norm%s)\n",
-                calls.reduce_scatters, z->stage == 2 ? " and micro-batch" : "", calls.all_gathers, e4m3 ? "e4m3" : "bf16",
+                     "(parameters, %s: %s), %ld all-reduces (the loss and gradient norm%s)\n",
+                calls.reduce_scatters, z->stage >= 2 ? " and micro-batch" : "", calls.all_gathers, e4m3 ? "e4m3" : "bf16",
+                zero_layers_gathered(z) ? "the embedding and the tail after the step, the buckets of layers before each "
+                                          "forward and backward but those the two slots hold"
+                                        : "one per bucket",
                 calls.all_reduces, e4m3 ? ", the E4M3 scale table's max, the norm table's sum" : "");
     ZeroTraffic bf16 = zero_traffic(z, layout, accum_steps, 0), fp8 = zero_traffic(z, layout, accum_steps, 1);
     if (z->stage == 0) {
@@ -247,6 +330,10 @@ static inline void zero_print(FILE *out, const ZeroPlan *z, const ParamLayout *l
     fprintf(out, "ZeRO stage %d over %d ranks: %zu elements per rank's optimizer (1/%d of each of %d buckets, the "
                  "buffers padded to %zu); the largest bucket %zu elements\n",
             z->stage, z->ranks, z->shard_elems, z->ranks, z->buckets, z->buffer_elems, z->largest_bucket_elems);
+    if (zero_layers_gathered(z))
+        fprintf(out, "ZeRO stage 3: the buckets of layers gathered into %d slots of %zu elements, the gradient shard %s\n",
+                ZERO_GATHER_SLOTS, z->largest_layer_bucket_elems,
+                z->bf16_grad_shard ? "bf16 (one micro-batch per step)" : "fp32 (summed over the micro-batches)");
     fprintf(out, "sent per rank and step (%d accumulation step(s)): gradients %.3f GB (%s), parameters %.3f GB "
                  "(all-gather, bf16)",
             accum_steps, bf16.gradient_bytes / 1e9, z->stage == 1 ? "reduce-scatters" : "reduce-scatters, per micro-batch",

@@ -327,6 +327,31 @@ check "llama2-7b coat, ZeRO-1, 8 ranks: BF16 parameters $(params_gib "$out") GiB
        awk -v a="$(params_gib "$out")" -v b="$(params_gib "$out2")" 'BEGIN { exit !(a > 0 && b - a >= 12) }'; echo $?)" \
     "$(params_gib "$out") / $(params_gib "$out2")"
 
+# ZeRO stage 3 shards the layers' working weights: llama2-70b in coat, 1 x 4096, plans at most
+# 130 GiB per rank on 8 ranks and 70 GiB on 64 (stage 2: 266 and 194), with the layer gather's
+# slots among its lines; the fewest ranks that fit 80 GiB; stage 3 with FP8 GEMMs and
+# param_gather = bf16 is refused by name.
+total_gib() { printf '%s\n' "$1" | sed -n 's/^  total *\([0-9.]*\) GiB.*/\1/p'; }
+seventy=(configs/models/llama2-70b.conf --dry_run=1 "$plan_data" --precision=coat --micro_batch_size=1 --seq_len=4096)
+out8=$(./train_llama "${seventy[@]}" --world_size=8 --zero_stage=3 2>&1); rc8=$?
+out64=$(./train_llama "${seventy[@]}" --world_size=64 --zero_stage=3 2>&1); rc64=$?
+out2=$(./train_llama "${seventy[@]}" --world_size=8 --zero_stage=2 2>&1)
+check "llama2-70b coat 1 x 4096, ZeRO stage 3: $(total_gib "$out8") GiB per rank on 8 ranks (at most 130; stage 2 $(total_gib "$out2")), $(total_gib "$out64") on 64 (at most 70), the layer gather planned" \
+    "$([ $rc8 -eq 0 ] && [ $rc64 -eq 0 ] && printf '%s\n' "$out8" | grep -q '^  layer gather  *[0-9.]* GiB' &&
+       printf '%s\n' "$out8" | grep -q 'the gradient shard bf16 (one micro-batch per step)' &&
+       awk -v a="$(total_gib "$out8")" -v b="$(total_gib "$out64")" -v c="$(total_gib "$out2")" \
+           'BEGIN { exit !(a > 0 && a <= 130 && b > 0 && b <= 70 && c > 200) }'; echo $?)" "$(printf '%s\n' "$out8" | grep -A9 '^memory plan')"
+err=$(./train_llama "${seventy[@]}" --zero_stage=3 --gpu_memory_gib=80 2>&1 >/dev/null); rc=$?
+ranks=$(printf '%s' "$err" | sed -n 's/.*at ZeRO stage 3 it fits from \([0-9]*\) rank(s) on.*/\1/p')
+out=$(./train_llama "${seventy[@]}" --zero_stage=3 --gpu_memory_gib=80 --world_size="${ranks:-0}" 2>&1); rc2=$?
+out3=$(./train_llama "${seventy[@]}" --zero_stage=3 --gpu_memory_gib=80 --world_size="$(( ${ranks:-2} - 1 ))" 2>&1); rc3=$?
+check "llama2-70b coat in 80 GiB at ZeRO stage 3: one rank is refused naming the fewest ranks that fit ($ranks), which fit, and one fewer does not" \
+    "$([ $rc -eq 2 ] && [ "${ranks:-0}" -gt 8 ] && [ $rc2 -eq 0 ] && printf '%s' "$out" | grep -q "fits from $ranks rank(s) on" &&
+       [ $rc3 -eq 2 ]; echo $?)" "$err / $(printf '%s' "$out" | tail -2) / $(printf '%s' "$out3" | tail -1)"
+err=$(./train_llama "${seventy[@]}" --world_size=8 --zero_stage=3 --param_gather=bf16 2>&1); rc=$?
+check "ZeRO stage 3 with FP8 GEMMs and param_gather = bf16 is refused, naming the key" \
+    "$([ $rc -eq 2 ] && printf '%s' "$err" | grep -q '^error: command line: param_gather = bf16 .*ZeRO stage 3'; echo $?)" "$err"
+
 # Bad inputs that dry_run opens: checkpoints, shards and tokenizers, each named in one line.
 python3 - "$tmp" <<'PY'
 import struct, sys

@@ -59,8 +59,8 @@ static void test_errors(ConfigParser *p) {
     const char *bad = write_file("bad.conf", "n_layers = twelve\n");
     check(load(p, bad, error) != 0 && strstr(error, "bad.conf:1: n_layers: 'twelve' is not an integer"),
           "a bad value names file:line (%s)", error);
-    const char *range = write_file("range.conf", "zero_stage = 3\n");
-    check(load(p, range, error) != 0 && strstr(error, "range.conf:1: zero_stage: 3 is outside"),
+    const char *range = write_file("range.conf", "zero_stage = 4\n");
+    check(load(p, range, error) != 0 && strstr(error, "range.conf:1: zero_stage: 4 is outside"),
           "a value out of range is refused (%s)", error);
     const char *choice = write_file("choice.conf", "precision = fp16\n");
     check(load(p, choice, error) != 0 && strstr(error, "'fp16' is not one of bf16|fp8|coat"),
@@ -408,7 +408,7 @@ static void test_memory_plan(ConfigParser *p) {
         ActivationInfo table[ACT_LAYER_KINDS];
         activation_table(table, m, ablations[i].mode);
         WorkingLayout w;
-        working_layout_init(&w, m, 16, 2048, 1, ablations[i].mode);
+        working_layout_init(&w, m, 16, 2048, 1, ablations[i].mode, 0);
         check(table[ACT_RESIDUAL_IN].storage == ablations[i].residual && table[ACT_RESIDUAL_MID].storage == ablations[i].residual &&
               table[ACT_GATE_UP].storage == ablations[i].gate_up && table[ACT_SWIGLU_OUT].storage == STORE_E4M3_TENSOR &&
               (w.residual_bytes > 0) == ablations[i].working_residual,

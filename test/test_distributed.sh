@@ -4,9 +4,12 @@
 # between them): every logged loss within the BF16 reduction-order noise, printed; rank 0 alone
 # writes the log and the checkpoints; checkpoints resume on other world sizes and stages; ZeRO
 # stage 0 (every rank steps everything), 1 (sharded master weights and states, checkpoints
-# gathered by rank 0) and 2 (also the gradients, per bucket during backward) in bf16 and coat,
-# coat's E4M3 parameter gather against its BF16 one, with a bucket per layer too; validation split
-# over the ranks; one rank under mpirun with NCCL equals the plain run bit for bit, two NCCL ranks
+# gathered by rank 0), 2 (also the gradients, per bucket during backward) and 3 (also the layers'
+# working weights, gathered before their forward and their backward: the same losses and norms as
+# stage 2 bit for bit, with one micro-batch a step and with several, with the two gather slots in
+# turn over 4 buckets of layers) in bf16 and coat, coat's E4M3 parameter gather against its BF16
+# one, with a bucket per layer too; validation split over the ranks (at stage 3 every rank runs as
+# many forward passes); one rank under mpirun with NCCL equals the plain run bit for bit, two NCCL ranks
 # on one GPU are refused by name, and on a machine with several GPUs NCCL with one rank per GPU
 # follows one rank too, also when each rank sees only its own GPU.
 cd "$(dirname "$0")/.." || exit 1
@@ -82,11 +85,11 @@ check "rank 0 alone prints and writes: one set of step lines, one checkpoint per
 resume_on two 1 "$tmp/two-on-1" "${common[@]}"
 resume_on one 2 "$tmp/one-on-2" "${common[@]}"
 
-# ZeRO stages 1 and 2: 4 micro-batches a step, on 1, 2 and 4 ranks; against stage 0; in coat.
+# ZeRO stages 1 to 3: 4 micro-batches a step on 1 rank, 2 on 2 ranks, 1 on 4; against stage 0; in coat.
 stage1=("${common[@]}" --total_batch_tokens=1024 --zero_stage=1)
 ./train_llama "${stage1[@]}" --out_dir="$tmp/s1_one" > "$tmp/s1_one.out" 2>&1
 check "one rank, 4 micro-batches a step: 20 steps" $? "$(tail -3 "$tmp/s1_one.out")"
-for stage in 1 2; do
+for stage in 1 2 3; do
     for ranks in 2 4; do
         run=s${stage}_$ranks
         "${mpi[@]}" $ranks ./train_llama "${stage1[@]}" --zero_stage=$stage --comm_backend=mpi --out_dir="$tmp/$run" \
@@ -102,6 +105,17 @@ val0() { grep -o '"step": 0, "val_loss": [0-9.e+-]*' "$1"; }
 ./train_llama "${stage1[@]}" --val_batches=3 --max_steps=1 --warmup_steps=1 --out_dir="$tmp/val3_one" > "$tmp/val3_one.out" 2>&1
 "${mpi[@]}" 4 ./train_llama "${stage1[@]}" --val_batches=3 --max_steps=1 --warmup_steps=1 --comm_backend=mpi --out_dir="$tmp/val3_4" \
     > "$tmp/val3_4.out" 2>&1
+for precision in bf16 coat; do  # stage 3: rank 3 runs the first batch again (the forward gathers) and adds nothing
+    "${mpi[@]}" 4 ./train_llama "${stage1[@]}" --val_batches=3 --max_steps=1 --warmup_steps=1 --zero_stage=3 --precision=$precision \
+        --comm_backend=mpi --out_dir="$tmp/val3_4_s3_$precision" > "$tmp/val3_4_s3_$precision.out" 2>&1
+    check "$precision, ZeRO stage 3 on 4 ranks, 3 validation batches: 1 step" $? "$(tail -3 "$tmp/val3_4_s3_$precision.out")"
+done
+./train_llama "${stage1[@]}" --val_batches=3 --max_steps=1 --warmup_steps=1 --precision=coat --out_dir="$tmp/val3_one_coat" \
+    > "$tmp/val3_one_coat.out" 2>&1
+check "the step-0 validation loss at ZeRO stage 3 on 4 ranks (3 batches) is one rank's bit for bit, in bf16 and coat" \
+    "$(v=$(val0 "$tmp/val3_one/log.jsonl") && [ -n "$v" ] && [ "$(val0 "$tmp/val3_4_s3_bf16/log.jsonl")" = "$v" ] &&
+       c=$(val0 "$tmp/val3_one_coat/log.jsonl") && [ -n "$c" ] && [ "$(val0 "$tmp/val3_4_s3_coat/log.jsonl")" = "$c" ]; echo $?)" \
+    "$(val0 "$tmp/val3_one/log.jsonl"); $(val0 "$tmp/val3_4_s3_bf16/log.jsonl"); $(val0 "$tmp/val3_one_coat/log.jsonl"); $(val0 "$tmp/val3_4_s3_coat/log.jsonl")"
 check "the step-0 validation loss on 2 and 4 ranks (4 batches) and on 4 ranks (3 batches) is one rank's, bit for bit" \
     "$(v=$(val0 "$tmp/s1_one/log.jsonl") && [ -n "$v" ] && [ "$(val0 "$tmp/s1_2/log.jsonl")" = "$v" ] &&
        [ "$(val0 "$tmp/s1_4/log.jsonl")" = "$v" ] && v3=$(val0 "$tmp/val3_one/log.jsonl") && [ -n "$v3" ] &&
@@ -112,7 +126,7 @@ check_close "2 ranks, ZeRO stage 1 against stage 0" "$tmp/s0_2/log.jsonl" "$tmp/
 check_close "2 ranks, ZeRO stage 2 against stage 1" "$tmp/s1_2/log.jsonl" "$tmp/s2_2/log.jsonl"
 ./train_llama "${stage1[@]}" --precision=coat --out_dir="$tmp/coat_one" > "$tmp/coat_one.out" 2>&1
 check "coat, one rank: 20 steps" $? "$(tail -3 "$tmp/coat_one.out")"
-for stage in 0 1 2; do
+for stage in 0 1 2 3; do
     for ranks in 2 4; do
         run=coat_s$stage$([ "$ranks" = 2 ] || echo "_$ranks")
         "${mpi[@]}" $ranks ./train_llama "${stage1[@]}" --precision=coat --zero_stage=$stage --comm_backend=mpi \
@@ -135,6 +149,33 @@ for pair in "1 2 coat_s1" "2 4 coat_s2_4"; do
            cmp -s <(numbers "$tmp/$3/log.jsonl") <(numbers "$tmp/$3_bf16/log.jsonl"); echo $?)" \
         "$(diff <(numbers "$tmp/$3/log.jsonl") <(numbers "$tmp/$3_bf16/log.jsonl") | head -4; grep '^ranks' "$tmp/$3.out")"
 done
+# ZeRO stage 3 gathers the weights stage 2 holds, and reduce-scatters the same gradients (with one
+# micro-batch a step, on 4 ranks, straight into a BF16 shard: the same sum as stage 2's FP32 one):
+# the same losses and gradient norms bit for bit, in bf16 and coat, on 2 and 4 ranks; and with 4
+# layers in a bucket each, which the two gather slots take in turn (each forward and backward
+# gathers all but the two buckets the slots hold).
+same_numbers() {  # NAME RUN REFERENCE
+    check "$1: the losses and norms equal $3's bit for bit" \
+        "$([ "$(numbers "$tmp/$2/log.jsonl" | wc -l)" -ge 22 ] && cmp -s <(numbers "$tmp/$2/log.jsonl") <(numbers "$tmp/$3/log.jsonl"); echo $?)" \
+        "$(diff <(numbers "$tmp/$2/log.jsonl") <(numbers "$tmp/$3/log.jsonl") | head -4)"
+}
+for pair in "s3_2 s2_2" "s3_4 s2_4" "coat_s3 coat_s2" "coat_s3_4 coat_s2_4"; do
+    set -- $pair
+    same_numbers "ZeRO stage 3 ($1) against stage 2" "$1" "$2"
+done
+ring=("${stage1[@]}" --n_layers=4 --bucket_min_elems=1)
+for precision in bf16 coat; do
+    for ranks in 2 4; do
+        for stage in 2 3; do
+            run=ring_${precision}_s${stage}_$ranks
+            "${mpi[@]}" $ranks ./train_llama "${ring[@]}" --precision=$precision --zero_stage=$stage --comm_backend=mpi \
+                --out_dir="$tmp/$run" > "$tmp/$run.out" 2>&1
+            check "$precision, 4 layers, a bucket each, ZeRO stage $stage on $ranks ranks: 20 steps" $? "$(tail -5 "$tmp/$run.out")"
+        done
+        same_numbers "$precision, 4 buckets of layers through 2 gather slots, $ranks ranks, ZeRO stage 3 against stage 2" \
+            "ring_${precision}_s3_$ranks" "ring_${precision}_s2_$ranks"
+    done
+done
 # A bucket per layer (bucket_min_elems = 1; tiny.conf's layers merge into one bucket otherwise):
 # stage 2's two bucket buffers in turn over 4 buckets, and the E4M3 gather a layer at a time, which
 # still equals the BF16 gather bit for bit.
@@ -150,12 +191,16 @@ check "coat, ZeRO stage 2, 2 ranks, a bucket per layer: the e4m3 gather's losses
     "$(diff <(numbers "$tmp/layers_e4m3/log.jsonl") <(numbers "$tmp/layers_bf16/log.jsonl") | head -4)"
 # Sharded checkpoints across world sizes and stages: the step-10 checkpoint of RUN resumed on
 # RANKS ranks at STAGE.
-for triple in "s1_4 1 1" "s1_4 2 1" "s1_one 4 1" "s2_4 2 2" "s2_2 4 1"; do
+for triple in "s1_4 1 1" "s1_4 2 1" "s1_one 4 1" "s2_4 2 2" "s2_2 4 1" "s3_4 1 0" "s3_4 2 0" "s3_4 2 2" "s3_2 4 1" \
+              "s2_4 2 3" "s1_one 4 3" "s3_2 4 3"; do
     set -- $triple
     resume_on "$1" "$2" "$tmp/$1-on-$2-stage$3" "${stage1[@]}" --zero_stage="$3"
 done
 # coat's FP8+DRE states (group scales, k and c) across world sizes and stages too
 resume_on coat_s2_4 2 "$tmp/coat_s2_4-on-2-stage1" "${stage1[@]}" --precision=coat --zero_stage=1
+resume_on coat_s3_4 2 "$tmp/coat_s3_4-on-2-stage1" "${stage1[@]}" --precision=coat --zero_stage=1
+resume_on coat_s3 1 "$tmp/coat_s3-on-1" "${stage1[@]}" --precision=coat
+resume_on coat_s1 4 "$tmp/coat_s1-on-4-stage3" "${stage1[@]}" --precision=coat --zero_stage=3
 resume_on coat_s1 1 "$tmp/coat_s1-on-1" "${stage1[@]}" --precision=coat
 # and across bucketings: a bucket per layer's checkpoint on merged buckets
 resume_on layers_e4m3 2 "$tmp/layers_e4m3-merged" "${stage1[@]}" --precision=coat --zero_stage=1
@@ -225,7 +270,7 @@ check "the stopped 2-rank run resumes to its end" $? "$(tail -3 "$tmp/stop-resum
 check "stopped by one rank's signal and resumed, the 2-rank log equals the undisturbed run's" \
     "$(diff <(numbers "$tmp/stop_ref/log.jsonl") <(numbers "$tmp/stop/log.jsonl") > "$tmp/stop.diff"; echo $?)" "$(head -6 "$tmp/stop.diff")"
 
-# Every run above, 1 to 4 ranks at stages 0 to 2, bf16 and coat: each rank allocated its memory plan.
+# Every run above, 1 to 4 ranks at stages 0 to 3, bf16 and coat: each rank allocated its memory plan.
 outs=("$tmp"/*.out)
 matched=$(grep -l "^GPU memory allocated: [0-9.]* GiB per rank, each rank's plan byte for byte$" "${outs[@]}" | wc -l)
 check "each of the ${#outs[@]} runs allocated every rank's memory plan byte for byte" "$([ "$matched" = "${#outs[@]}" ]; echo $?)" \

@@ -247,7 +247,7 @@ static void test_weights_from_master(GpuContext *gpu) {
     ModelPrecision with_bf16 = {1, ACTS_COAT, 0, 0}, from_master = {1, ACTS_COAT, 0, 1};
     LlamaModel cast, mastered;
     model_create(&cast, &shape, B, T, with_bf16);
-    model_create_sized(&mastered, &shape, B, T, from_master, &buffers, zero_grads_elems(plan));
+    model_create_sized(&mastered, &shape, B, T, from_master, &buffers, zero_grads_elems(plan), 0);
     Comm comm;
     memset(&comm, 0, sizeof(comm));
     comm.world = 1;
@@ -377,14 +377,21 @@ static void test_memory_plan_matches_allocation(GpuContext *gpu) {
         model_free(&model);
     }
     // ZeRO over 3 ranks: each rank's padded parameters, its gradients (stage 1: padded, and
-    // coat/zero.cuh's BF16 gradient shard; stage 2: two bucket buffers and the FP32 shard sum),
-    // the E4M3 gather's buffers, and its parts of the optimizer (the last one's end in padding).
-    c->precision = PRECISION_COAT;
+    // coat/zero.cuh's BF16 gradient shard; stages 2 and 3: two bucket buffers and the FP32 shard
+    // sum, at stage 3 with one micro-batch a BF16 shard), the E4M3 gather's buffers (stage 3: the
+    // gather slots and the transposes' room; in bf16 BF16 slots), and its parts of the optimizer
+    // (the last one's end in padding).
     c->activations = ACTS_AUTO;
     c->optimizer_states = STATES_AUTO;
-    for (int run = 0; run < 4; run++) {
-        int rank = run % 2 ? 2 : 0, stage = run < 2 ? 1 : 2;
+    const struct { int stage, precision; long long total_batch_tokens; } zero_cases[] = {
+        {1, PRECISION_COAT, 0}, {2, PRECISION_COAT, 0}, {3, PRECISION_COAT, 0}, {3, PRECISION_COAT, 4 * 3 * 4 * 64},
+        {3, PRECISION_BF16, 0}, {3, PRECISION_BF16, 2 * 3 * 4 * 64},
+    };
+    for (int run = 0; run < 2 * (int)(sizeof(zero_cases) / sizeof(zero_cases[0])); run++) {
+        int rank = run % 2 ? 2 : 0, stage = zero_cases[run / 2].stage;
         c->zero_stage = stage;
+        c->precision = zero_cases[run / 2].precision;
+        c->total_batch_tokens = zero_cases[run / 2].total_batch_tokens;
         MemoryPlan plan;
         memory_plan_compute(&plan, c, 3, c->micro_batch_size);
         LlamaModel model;
@@ -392,22 +399,25 @@ static void test_memory_plan_matches_allocation(GpuContext *gpu) {
         param_layout_init(&layout, &c->model);
         ZeroPlan *z = (ZeroPlan *)malloc(sizeof(ZeroPlan));
         zero_plan_init(z, &layout, 3, stage, (size_t)c->bucket_min_elems);
+        zero_plan_micro_batches(z, memory_plan_micro_batches(c, 3, c->micro_batch_size));
         zero_model_layout(z, &c->model, &buffers);
         model_create_sized(&model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), &buffers,
-                           zero_grads_elems(z));
-        int e4m3 = config_param_gather(c) == GATHER_E4M3;
-        size_t zero_bytes = (stage == 2 ? 4 : 2) * z->shard_elems + (e4m3 ? zero_e4m3_gather_bytes(z) : 0);
+                           zero_grads_elems(z), zero_layers_gathered(z));
+        int fp8 = config_fp8_gemms(c), e4m3 = fp8 && config_param_gather(c) == GATHER_E4M3;
+        size_t zero_bytes = zero_grad_shard_bytes(z) + (e4m3 ? zero_e4m3_gather_bytes(z) : 0) +
+                            zero_layer_gather_bytes(z, &c->model, fp8);
         AdamWConfig ac = {0.9f, 0.95f, 1e-8f, 0.1f, 0, 0};
         AdamW opt;
         adamw_create_ranges(&opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &model.layout, z->bucket, z->buckets,
                             rank, gpu->stream);
-        size_t planned_model = plan.params_bytes + plan.grads_bytes + plan.activations_bytes + plan.working_bytes -
-                               CUBLASLT_WORKSPACE_BYTES - ZERO_SCALAR_BYTES;
+        size_t planned_model = plan.params_bytes + plan.grads_bytes + plan.activations_bytes + plan.working_bytes +
+                               plan.gather_bytes - CUBLASLT_WORKSPACE_BYTES - ZERO_SCALAR_BYTES;
         size_t planned_optimizer = plan.master_bytes + plan.states_bytes, optimizer = adamw_allocated_bytes(&opt);
         check(planned_model == model_allocated_bytes(&model) + zero_bytes && planned_optimizer == optimizer &&
-                  z->buffer_elems > layout.total_padded && opt.n == z->shard_elems,
-              "ZeRO stage %d, rank %d of 3: the plan equals the allocation byte for byte (model and ZeRO's buffers %zu "
-              "planned, %zu allocated; optimizer %zu planned, %zu allocated)", stage, rank, planned_model,
+                  z->buffer_elems > layout.total_padded && opt.n == z->shard_elems && (stage == 3) == (plan.gather_bytes > 0),
+              "ZeRO stage %d, %s, %s micro-batch(es), rank %d of 3: the plan equals the allocation byte for byte (model and "
+              "ZeRO's buffers %zu planned, %zu allocated; optimizer %zu planned, %zu allocated)", stage,
+              fp8 ? "coat" : "bf16", zero_cases[run / 2].total_batch_tokens ? "several" : "one", rank, planned_model,
               model_allocated_bytes(&model) + zero_bytes, planned_optimizer, optimizer);
         free(z);
         adamw_free(&opt);

@@ -131,11 +131,11 @@ static void test_tiling(void) {
         param_layout_init(&layout, &shapes[s].shape);
         int all = 1, count = (int)(sizeof(world_sizes) / sizeof(world_sizes[0]));
         for (int w = 0; w < count; w++)
-            for (int stage = 0; stage <= 2; stage++)
+            for (int stage = 0; stage <= 3; stage++)
                 for (int m = 0; m < 2; m++)  // a bucket per layer; the default
                     all &= check_plan(shapes[s].name, &layout, world_sizes[w], stage, m == 0 ? 1 : BUCKET_MIN);
         check(all, "%s: buckets tile the parameter order, each rank owns an equal part (a multiple of 128) of each, "
-                   "placed back to back, for %d world sizes (1 to 4096) x 3 stages x a bucket per layer or merged",
+                   "placed back to back, for %d world sizes (1 to 4096) x 4 stages x a bucket per layer or merged",
               shapes[s].name, count);
     }
     for (size_t s = 0; s < 2; s++) {  // the small shapes, element by element
@@ -297,10 +297,11 @@ static void test_traffic(void) {
     ParamLayout layout;
     param_layout_init(&layout, &shape);
     for (int W = 2; W <= 8; W++) {
-        static ZeroPlan z0, z1, z2;
+        static ZeroPlan z0, z1, z2, z3;
         zero_plan_init(&z0, &layout, W, 0, BUCKET_MIN);
         zero_plan_init(&z1, &layout, W, 1, BUCKET_MIN);
         zero_plan_init(&z2, &layout, W, 2, BUCKET_MIN);
+        zero_plan_init(&z3, &layout, W, 3, 1);  // a bucket per layer: 3 buckets of layers
         // The simulation moves chunks of k values; per element of the vector a rank sends sent / (W k).
         size_t k = 3, all_reduce = ring_all_reduce(W, k, 0, 0), scatter = ring_all_reduce(W, k, 0, 1),
                gather = ring_all_reduce(W, k, 1, 0);
@@ -318,8 +319,24 @@ static void test_traffic(void) {
             if (zero_bucket_is_layers(&z1, b)) layer_elems += (double)W * z1.bucket[b].part;
         ok &= fabs(t1.parameter_bytes - t1_fp8.parameter_bytes - per_element_gather * layer_elems +
                    per_element_all_reduce * 2.0 * param_norm_table_elems(&layout)) < 1e-6;
+        // Stage 3 over 4 micro-batches, buckets of layers 1 to 3 in the forward's order: the first
+        // forward gathers all three; each backward bucket 1 (the slots hold 3 and 2 from the forward);
+        // each later forward bucket 3 (the slots hold 1 and 2 from the backward): 5, 1 and 4 times;
+        // the embedding and the tail once.
+        ZeroTraffic t3 = zero_traffic(&z3, &layout, 4, 0), t3_fp8 = zero_traffic(&z3, &layout, 4, 1);
+        double layers3 = 0.0, gathered3 = 0.0, times[4] = {0, 5, 1, 4};
+        for (int b = 1; b < z3.buckets - 1; b++) {
+            layers3 += (double)W * z3.bucket[b].part;
+            gathered3 += times[b] * W * z3.bucket[b].part;
+        }
+        double others3 = (double)z3.buffer_elems - layers3;
+        ok &= z3.buckets == 5 && fabs(t3.gradient_bytes - 4 * per_element_scatter * 2.0 * z3.buffer_elems) < 1e-6 &&
+              fabs(t3.parameter_bytes - per_element_gather * 2.0 * (others3 + gathered3)) < 1e-6 &&
+              fabs(t3_fp8.parameter_bytes - per_element_gather * (2.0 * others3 + gathered3) -
+                   per_element_all_reduce * 2.0 * param_norm_table_elems(&layout)) < 1e-6;
         check(ok, "%d ranks: bytes per rank = a ring simulation's (all-reduce %.3f, reduce-scatter %.3f, all-gather %.3f "
-                  "values sent per element); stage 2 sends every micro-batch; e4m3 layers save 1 byte each, plus the norm table",
+                  "values sent per element); stages 2 and 3 send every micro-batch; e4m3 layers save 1 byte each, plus the "
+                  "norm table; stage 3 gathers its 3 buckets of layers 5, 1 and 4 times in 4 micro-batches",
               W, per_element_all_reduce, per_element_scatter, per_element_gather);
     }
     static ZeroPlan single;
@@ -346,17 +363,26 @@ static void test_memory(void) {
         {4, 0, 16.0 + decay},                       // replicated
         {4, 1, 4.0 + (14.0 + decay) / 4},           // params and gradients whole; the gradient shard, master, states sharded
         {4, 2, 2.0 + (16.0 + decay) / 4},           // + the FP32 gradient shard, and two buckets below
+        {4, 3, (14.0 + decay) / 4},                 // one micro-batch: a BF16 gradient shard; two buckets and the
+                                                    // embedding's and tail's BF16 below
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         c.zero_stage = cases[i].stage;
         memory_plan_compute(&plan, &c, cases[i].ranks, 1);
         static ZeroPlan z;
         zero_plan_init(&z, &layout, cases[i].ranks, cases[i].ranks > 1 ? cases[i].stage : 0, BUCKET_MIN);
-        double buckets = cases[i].stage == 2 ? 4.0 * z.largest_bucket_elems / plan.params_padded : 0.0;
+        double buckets = cases[i].stage >= 2 ? 4.0 * z.largest_bucket_elems / plan.params_padded : 0.0;
+        if (cases[i].stage == 3)  // the embedding's and the tail's buckets stay whole, in BF16
+            buckets += 2.0 * 4 * (z.bucket[0].part + z.bucket[z.buckets - 1].part) / plan.params_padded;
         double per_param = (double)(plan.params_bytes + plan.grads_bytes + plan.master_bytes + plan.states_bytes) / plan.params_padded;
-        check(fabs(per_param - cases[i].expected - buckets) < 0.01,
+        size_t gather = cases[i].stage == 3 ? 2 * 2 * z.largest_layer_bucket_elems : 0;
+        check(fabs(per_param - cases[i].expected - buckets) < 0.01 && plan.gather_bytes == gather,
               "llama-1b, %d rank(s), ZeRO stage %d: %.3f bytes/param (expected %.3f%s)", cases[i].ranks, cases[i].stage,
-              per_param, cases[i].expected + buckets, cases[i].stage == 2 ? ", with two BF16 buffers of the largest bucket" : "");
+              per_param, cases[i].expected + buckets,
+              cases[i].stage == 2   ? ", with two BF16 buffers of the largest bucket"
+              : cases[i].stage == 3 ? ", with two BF16 buffers of the largest bucket, the embedding and the tail; the layers "
+                                      "in two BF16 slots of the largest bucket of layers"
+                                    : "");
     }
 }
 
@@ -399,6 +425,98 @@ static void test_memory_without_bf16_block_weights(void) {
     }
 }
 
+// ZeRO-3's plan: the buckets of layers gathered into two slots (the largest bucket of layers,
+// E4M3 or BF16, and with E4M3 one bucket's transposes), stage 2's bucket buffers, the gradient
+// shard BF16 with one micro-batch per step, FP32 with several; nothing gathered on one rank.
+static void test_stage3_plan(void) {
+    ModelShape seven = shape_of(32000, 4096, 32, 32, 32, 11008), small = shape_of(32000, 768, 12, 12, 4, 2048);
+    ParamLayout a, b;
+    param_layout_init(&a, &seven);
+    param_layout_init(&b, &small);
+    static ZeroPlan z;
+    zero_plan_init(&z, &a, 8, 3, BUCKET_MIN);
+    size_t layer_linear = linear_layer_weight_elems(&seven), largest = 0;
+    for (int k = 1; k < z.buckets - 1; k++)
+        if ((size_t)8 * z.bucket[k].part > largest) largest = (size_t)8 * z.bucket[k].part;
+    int ok = zero_layers_gathered(&z) && z.largest_layer_bucket_elems == largest && z.most_layers_per_bucket == 1 &&
+             zero_grads_elems(&z) == 2 * z.largest_bucket_elems && zero_grad_shard_bytes(&z) == 4 * z.shard_elems;
+    ok &= zero_layer_gather_bytes(&z, &seven, 1) == 2 * largest + layer_linear &&
+          zero_layer_gather_bytes(&z, &seven, 0) == 2 * 2 * largest && zero_e4m3_gather_bytes(&z) == 0;
+    zero_plan_micro_batches(&z, 1);
+    ok &= z.bf16_grad_shard && zero_grad_shard_bytes(&z) == 2 * z.shard_elems;
+    zero_plan_micro_batches(&z, 4);
+    ok &= !z.bf16_grad_shard && zero_grad_shard_bytes(&z) == 4 * z.shard_elems;
+    check(ok, "llama2-7b, ZeRO-3 on 8 ranks: 2 slots of the largest bucket of layers (%zu elements; e4m3 %zu bytes with a "
+              "layer's transposes, bf16 %zu), two bucket buffers, the gradient shard bf16 with one micro-batch, fp32 with 4",
+          largest, zero_layer_gather_bytes(&z, &seven, 1), zero_layer_gather_bytes(&z, &seven, 0));
+    zero_plan_init(&z, &b, 8, 3, BUCKET_MIN);
+    check(z.most_layers_per_bucket > 1 &&
+              zero_layer_transposes_bytes(&z, &small) == (size_t)z.most_layers_per_bucket * linear_layer_weight_elems(&small),
+          "llama-125m, merged buckets: the transposes' room holds the %d layers of the fullest bucket", z.most_layers_per_bucket);
+    zero_plan_init(&z, &a, 1, 3, BUCKET_MIN);
+    zero_plan_micro_batches(&z, 1);
+    check(!zero_layers_gathered(&z) && zero_layer_gather_bytes(&z, &seven, 1) == 0 && !z.bf16_grad_shard,
+          "ZeRO-3 on one rank gathers nothing");
+    zero_plan_init(&z, &a, 8, 2, BUCKET_MIN);
+    zero_plan_micro_batches(&z, 1);
+    check(!zero_layers_gathered(&z) && !z.bf16_grad_shard && zero_grad_shard_bytes(&z) == 4 * z.shard_elems,
+          "ZeRO-2 keeps its FP32 gradient shard with one micro-batch too");
+}
+
+// ZeRO-3's gathers: the embedding and the tail after the step; the L buckets of layers before the
+// first forward, then each forward and backward all but the two the slots hold: L + (2A - 1)(L - 2)
+// for A micro-batches; a model whose layers fit in two buckets gathers them once a step.
+static void test_stage3_calls(void) {
+    ModelShape seven = shape_of(32000, 4096, 32, 32, 32, 11008), tiny = shape_of(512, 64, 2, 4, 2, 128);
+    ParamLayout a, b;
+    param_layout_init(&a, &seven);
+    param_layout_init(&b, &tiny);
+    static ZeroPlan z;
+    int ok = 1;
+    int world_sizes[] = {2, 8, 64, 4096};
+    for (size_t w = 0; w < sizeof(world_sizes) / sizeof(world_sizes[0]); w++)
+        for (int accum = 1; accum <= 4; accum++) {
+            zero_plan_init(&z, &a, world_sizes[w], 3, BUCKET_MIN);
+            ZeroCalls bf16 = zero_calls(&z, accum, 0), e4m3 = zero_calls(&z, accum, 1);
+            long layer_gathers = 32 + (2L * accum - 1) * 30;
+            ok &= bf16.reduce_scatters == 34L * accum && bf16.all_gathers == 2 + layer_gathers && bf16.all_reduces == 1 &&
+                  e4m3.all_gathers == 2 + layer_gathers && e4m3.all_reduces == 3;
+        }
+    check(ok, "llama2-7b, ZeRO-3, 2 to 4096 ranks, 1 to 4 micro-batches A: 34 A reduce-scatters, 2 + 32 + (2A - 1) 30 "
+              "all-gathers (64 with one micro-batch), 1 all-reduce (3 with the E4M3 gather)");
+    for (int buckets = 1; buckets <= 2; buckets++) {  // tiny's two layers: merged, or a bucket each
+        zero_plan_init(&z, &b, 4, 3, buckets == 1 ? BUCKET_MIN : 1);
+        ZeroCalls calls = zero_calls(&z, 3, 1);
+        check(z.buckets == buckets + 2 && calls.all_gathers == 2 + buckets,
+              "tiny, ZeRO-3, %d bucket(s) of layers: gathered once a step (%ld all-gathers)", buckets, calls.all_gathers);
+    }
+}
+
+// The goals of ZeRO-3 for llama2-70b in coat, micro-batch 1 x 4096: at most 130 GiB per rank on
+// 8 ranks and 70 GiB on 64, where stage 2 plans 266 and 194 GiB (every layer's E4M3 weights and
+// their transposes, 129.5 GiB on every rank, are what stage 3 shards).
+static void test_stage3_70b(void) {
+    TrainConfig c;
+    memset(&c, 0, sizeof(c));
+    c.model = shape_of(32000, 8192, 80, 64, 8, 28672);
+    c.seq_len = 4096;
+    c.precision = PRECISION_COAT;
+    c.bucket_min_elems = (int)BUCKET_MIN;
+    const struct { int ranks; double most_gib; } goals[] = {{8, 130.0}, {64, 70.0}};
+    for (size_t i = 0; i < sizeof(goals) / sizeof(goals[0]); i++) {
+        MemoryPlan two, three;
+        c.zero_stage = 2;
+        memory_plan_compute(&two, &c, goals[i].ranks, 1);
+        c.zero_stage = 3;
+        memory_plan_compute(&three, &c, goals[i].ranks, 1);
+        check(gib(three.total_bytes) <= goals[i].most_gib && gib(two.total_bytes) > goals[i].most_gib + 60.0 &&
+                  three.gather_bytes > 0 && two.working_bytes - three.working_bytes > (size_t)127 << 30,
+              "llama2-70b coat, 1 x 4096, %d ranks: ZeRO-3 plans %.3f GiB per rank (at most %.0f; stage 2 %.3f GiB), the layer "
+              "gather %.3f GiB", goals[i].ranks, gib(three.total_bytes), goals[i].most_gib, gib(two.total_bytes),
+              gib(three.gather_bytes));
+    }
+}
+
 int main(void) {
     test_tiling();
     test_linear_weight_parts();
@@ -407,5 +525,8 @@ int main(void) {
     test_traffic();
     test_memory();
     test_memory_without_bf16_block_weights();
+    test_stage3_plan();
+    test_stage3_calls();
+    test_stage3_70b();
     return check_summary("test_zero");
 }
