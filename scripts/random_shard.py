@@ -9,7 +9,7 @@ import random
 import struct
 import sys
 
-if len(sys.argv) not in (2, 3):
+if len(sys.argv) not in (2, 3) or sys.argv[1].startswith("-"):  # --help is no path to write
     sys.exit(__doc__.strip())
 path, count = sys.argv[1], int(sys.argv[2]) if len(sys.argv) == 3 else 8 << 20
 if not os.path.exists(path):
