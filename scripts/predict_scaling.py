@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Predicted tokens/s per GPU of coat training at ZeRO-1 on 8, 64 and 512 GPUs, on paper, modelling
-the collectives as train_llama issues them.
+"""Predicted tokens/s per GPU of coat training at ZeRO-1 on 8, 64 and 512 GPUs, and of llama2-70b at
+ZeRO-3 (stage3 below), on paper, modelling the collectives as train_llama issues them.
 
 Per step each rank computes one micro-batch (no gradient accumulation: the global batch grows with
 the GPUs, the regime where communication weighs most). The step starts from the one-GPU step that
@@ -269,6 +269,117 @@ def main():
           f"parameters), backward two thirds, shared among buckets by FLOPs. The optimizer counts as on one GPU: ZeRO-1 "
           f"steps 1/W of the states, a saving not credited (llama2-7b at 512 GPUs: {saving * 1e3:.0f} ms a step), so "
           f"no prediction exceeds the measured one-GPU rate.")
+
+    stage3(args, shard)
+
+
+def layer_gather_timeline(compute, gather, reduce, held, start, comm_free):
+    """One pass (forward or backward) of stage 3 over the buckets of layers as coat/zero.cuh runs it:
+    `compute[i]` the time of the i-th bucket the pass reads, `gather[i]` its all-gather (none for the
+    first `held`, which the slots still hold from the pass before), `reduce[i]` its reduce-scatter
+    (backward), issued once its compute is done. Both run one after the other on the collectives'
+    stream, free from `comm_free`. Reading bucket i gathers it unless a slot holds it and prefetches
+    i + 1 into the other slot; a gather waits for every kernel queued before (i - 1's compute, the
+    last to read that slot), and i's compute waits for its gather. The pass starts at `start`.
+    Returns (compute end, collectives' end, collective intervals, compute intervals)."""
+    n = len(compute)
+    gather_end, busy, work = [start] * n, [], []
+
+    def enqueue(duration, after):
+        nonlocal comm_free
+        begin = max(comm_free, after)
+        comm_free = begin + duration
+        busy.append((begin, comm_free))
+        return comm_free
+
+    t = start
+    for i in range(n):
+        queued = t  # every kernel queued before this read: compute up to i - 1
+        if i == 0 and held == 0:
+            gather_end[0] = enqueue(gather[0], queued)
+        if i + 1 < n and i + 1 >= held:
+            gather_end[i + 1] = enqueue(gather[i + 1], queued)
+        begin = max(t, gather_end[i])
+        t = begin + compute[i]
+        work.append((begin, t))
+        if reduce[i]:
+            enqueue(reduce[i], t)
+    return t, comm_free, busy, work
+
+
+def stage3(args, shard):
+    """llama2-70b in coat at ZeRO stage 3, micro-batch 1 x 4096, on 8, 64 and 512 GPUs."""
+    model, b, seq = "llama2-70b", 1, 4096
+    config = os.path.join(ROOT, "configs", "models", model + ".conf")
+    layout = ParamLayout(model_shape_from_config(config))
+    # No GPU holds it alone: its compute runs at llama2-7b's measured rate of model FLOPs.
+    ref = ParamLayout(model_shape_from_config(os.path.join(ROOT, "configs", "models", "llama2-7b.conf")))
+    rb, rseq, rrate = MEASURED["llama2-7b"]
+    ref_tokens = rb * rseq
+    ref_model_s = ref_tokens / rrate - ADAMW_FP8_DRE_MS_PER_BILLION * 1e-3 * ref.total_params / 1e9
+    flop_rate = 3 * sum(bucket_flops(ref, rseq)) * ref_tokens / ref_model_s
+    tokens = b * seq
+    flops = bucket_flops(layout, seq)  # backward's order: the lm_head, the layers from the last, the embedding
+    forward = [tokens * f / flop_rate for f in flops]
+    L = layout.shape.n_layers
+    one_gpu_s = 3 * sum(forward) + ADAMW_FP8_DRE_MS_PER_BILLION * 1e-3 * layout.total_params / 1e9
+    print()
+    print(f"ZeRO stage 3: {model} in coat at micro-batch {b} x {seq}, one micro-batch per GPU and step:")
+    print()
+    print("| model | GPUs | collective calls per step (reduce-scatters / all-gathers / all-reduces) | sent per GPU, GB "
+          "| communication ms | exposed ms | step ms | tokens/s per GPU | vs compute alone |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for gpus in GPU_COUNTS[1:]:
+        text = dry_run(config, shard, [f"--world_size={gpus}", "--zero_stage=3", "--precision=coat", f"--seq_len={seq}",
+                                       f"--micro_batch_size={b}", f"--total_batch_tokens={tokens * gpus}"])
+        reduces, gathers, all_reduces = (int(x) for x in parse(
+            r"^collective calls per step: (\d+) reduce-scatters .*?, (\d+) all-gathers .*?, (\d+) all-reduces", text,
+            "collective calls"))
+        plan = bucket_plan(layout, gpus, True)
+        if any(first != last for first, last, _, _ in plan[1:-1]):
+            sys.exit(f"error: {model}: a bucket holds several layers; this model takes one layer per bucket")
+        if (reduces, gathers) != (len(plan), 2 + 2 * L - 2):
+            sys.exit(f"error: {model} at {gpus} GPUs: dry_run counts {reduces} reduce-scatters and {gathers} all-gathers, "
+                     f"this script's plan {len(plan)} and {2 * L}")
+        nodes = -(-gpus // args.gpus_per_node)
+        bus = (args.nvlink_gb_s if nodes == 1 else min(args.nvlink_gb_s, args.nics_per_node * args.nic_gb_s)) * 1e9
+        call = (args.latency_us + (gpus - nodes) * args.nvlink_hop_us + (nodes - 1) * args.net_hop_us) * 1e-6
+        local = min(gpus, args.gpus_per_node)
+        all_reduce = (args.latency_us + 2 * ((local - 1) * args.nvlink_hop_us +
+                                             math.ceil(math.log2(nodes)) * args.net_hop_us)) * 1e-6
+        reduce_s = [call + r / bus for _, _, r, _ in plan]
+        gather_s = [call + g / bus for _, _, _, g in plan]
+        # After the step the embedding's and the tail's buckets are gathered first, then the forward
+        # reads the layers (layer 0 first), the classifier; backward the classifier (its reduce-scatter
+        # first), the layers from the last, and the embedding's reduce-scatter last.
+        head = gather_s[-1] + gather_s[0]
+        layers = range(1, L + 1)  # segments: the last layer first
+        t, comm, busy_f, work_f = layer_gather_timeline([forward[s] for s in reversed(layers)],
+                                                        [gather_s[s] for s in reversed(layers)], [0.0] * L, 0, gather_s[-1], head)
+        t += 3 * forward[0]  # the classifier's forward and backward
+        comm = max(comm, t) + reduce_s[0]
+        end, comm, busy_b, work_b = layer_gather_timeline([2 * forward[s] for s in layers], [gather_s[s] for s in layers],
+                                                          [reduce_s[s] for s in layers], 2, t, comm)
+        passes_s = max(end, comm + reduce_s[-1])
+        overlapped = overlap(busy_f, work_f) + overlap(busy_b, work_b)
+        optimizer_s = ADAMW_FP8_DRE_MS_PER_BILLION * 1e-3 * layout.total_params / 1e9 / gpus
+        compute_s = 3 * sum(forward) + optimizer_s
+        exposed_s = passes_s - 3 * sum(forward) + all_reduces * all_reduce + args.sm_slowdown * overlapped
+        step_s = compute_s + exposed_s
+        backward_gathers = [gather_s[s] for s in layers][2:]
+        comm_s = sum(reduce_s) + sum(gather_s) + sum(backward_gathers) + all_reduces * all_reduce
+        sent = sum(r + g for _, _, r, g in plan) + sum(g for _, _, _, g in plan[1:-1][2:])
+        print(f"| {model} | {gpus} | {reduces} / {gathers} / {all_reduces} | {sent / 1e9:.1f} | {comm_s * 1e3:,.0f} | "
+              f"{exposed_s * 1e3:,.0f} | {step_s * 1e3:,.0f} | {tokens / step_s:,.0f} | {100 * compute_s / step_s:.1f}% |")
+    print()
+    print(f"- No GPU holds {model} alone: its compute is counted at llama2-7b's measured rate of model FLOPs "
+          f"({flop_rate / 1e12:,.0f} TFLOP/s: 6 x parameters + causal attention per token, at {rb} x {rseq}), "
+          f"{one_gpu_s * 1e3:,.0f} ms a step with its optimizer on one GPU; the optimizer steps 1/W of the states.")
+    print("- Each layer's E4M3 codes are all-gathered before its forward, the next layer's beside it, and again in "
+          "reverse order before backward (the last two layers stay from the forward); backward's reduce-scatters share "
+          "the collectives' stream with those gathers; a gather into a slot waits for the compute that read the slot.")
+    print("- Links, latencies, the all-reduces and NCCL's cost to compute beside it as in the ZeRO-1 table above; "
+          "'vs compute alone' is the step without communication over the step with it.")
 
 
 if __name__ == "__main__":

@@ -725,13 +725,15 @@ fi
 # The multi-GPU prediction: a row per model and size (llama-1b, llama2-7b, llama3-8b at 1, 8, 64
 # and 512 GPUs), no efficiency above 100% (no prediction beats the measured one-GPU rate) and the
 # collective calls per step the same at every world size (one reduce-scatter and one all-gather
-# per bucket: llama2-7b's 34 buckets make 34 + 34 + 3 at 8 and at 512 GPUs).
+# per bucket: llama2-7b's 34 buckets make 34 + 34 + 3 at 8 and at 512 GPUs); then ZeRO stage 3's
+# llama2-70b at 8, 64 and 512 GPUs: every layer gathered before the forward and again before
+# backward but the two the slots keep (82 reduce-scatters, 2 + 80 + 78 all-gathers).
 if [ -x ./train_llama ]; then
     out=$("$PYTHON" scripts/predict_scaling.py 2>&1); rc=$?
     rows=$(printf '%s\n' "$out" | grep -cE '^[|] (llama-1b|llama2-7b|llama3-8b) [|] (1|8|64|512) [|]')
     check "predict_scaling.py prints 12 rows (llama-1b, llama2-7b, llama3-8b x 1, 8, 64, 512 GPUs)" \
-        "$([ $rc -eq 0 ] && [ "$rows" -eq 12 ] && [ "$(printf '%s\n' "$out" | grep -c '^| llama')" -eq 12 ]; echo $?)" "$out"
-    percents=$(printf '%s\n' "$out" | awk -F'|' '/^[|] llama/ { v = $(NF - 1); gsub(/[ %]/, "", v); print v }')
+        "$([ $rc -eq 0 ] && [ "$rows" -eq 12 ] && [ "$(printf '%s\n' "$out" | grep -c '^| llama')" -eq 15 ]; echo $?)" "$out"
+    percents=$(printf '%s\n' "$out" | awk -F'|' '/^[|] llama/ && !/^[|] llama2-70b/ { v = $(NF - 1); gsub(/[ %]/, "", v); print v }')
     over=$(printf '%s\n' "$percents" | awk '$1 !~ /^[0-9.]+$/ || $1 + 0 > 100 { bad++ } END { print bad + 0 }')
     check "predict_scaling.py: every efficiency vs one GPU is a percentage <= 100%" \
         "$([ $rc -eq 0 ] && [ "$(printf '%s\n' "$percents" | grep -c .)" -eq 12 ] && [ "$over" -eq 0 ]; echo $?)" \
@@ -742,6 +744,10 @@ if [ -x ./train_llama ]; then
     c8=$(calls llama2-7b 8); c512=$(calls llama2-7b 512); l8=$(calls llama-1b 8); l512=$(calls llama-1b 512)
     check "predict_scaling.py: calls per step the same at every world size (llama2-7b: $c8 at 8 GPUs, $c512 at 512; llama-1b: $l8, $l512)" \
         "$([ "$c8" = 71 ] && [ "$c512" = 71 ] && [ -n "$l8" ] && [ "$l512" = "$l8" ]; echo $?)" "$out"
+    stage3=$(printf '%s\n' "$out" | awk -F'|' '$2 == " llama2-70b " { v = $(NF - 1); gsub(/[ %]/, "", v); print $3 $4 v }' | tr -s ' ')
+    check "predict_scaling.py: ZeRO-3 llama2-70b at 8, 64 and 512 GPUs, 82 / 160 / 3 calls, below compute alone" \
+        "$([ "$(printf '%s\n' "$stage3" | awk '$2 == "82" && $4 == "160" && $6 == "3" && $7 + 0 > 50 && $7 + 0 < 100 { print $1 }' | tr '\n' ' ')" = "8 64 512 " ]; echo $?)" \
+        "$stage3"
 fi
 
 # ---- robustness: arguments checked first, nothing deleted before its replacement exists ----
