@@ -750,8 +750,22 @@ static void gather_chunk(void *context, const void *device, void *host, size_t b
                                t->model.grads);
 }
 
+// What a checkpoint holds of the trainer at this step (rank 0's, which the others share but for
+// their part of the data).
+static void trainer_state_at_checkpoint(Trainer *t) {
+    const TrainConfig *c = t->c;
+    t->state.train_position = dataloader_position(&t->train_loader);
+    t->state.train_position.step *= t->comm->world;
+    t->state.sample_rng_state = t->sample_rng.state;
+    t->state.data_seed = c->seed;
+    t->state.data_shuffle = training_order(c);
+    t->state.data_micro_batch_size = c->micro_batch_size;
+    t->state.data_seq_len = c->seq_len;
+}
+
 // Rank 0 writes the checkpoint; with sharded states every rank sends it its parts (streamed, a
 // chunk at a time, in the parameter order) and the file is the one a single rank would write.
+// Each section's checksum is taken as it is written.
 static void save_checkpoint(Trainer *t) {
     const TrainConfig *c = t->c;
     int rank = t->comm->rank, sharded = t->zero.plan.shards > 1;
@@ -762,8 +776,9 @@ static void save_checkpoint(Trainer *t) {
     size_t chunk = sharded && 2 * t->model.grads_elems < ADAMW_COPY_CHUNK_BYTES ? 2 * t->model.grads_elems : ADAMW_COPY_CHUNK_BYTES;
     cudaCheck(cudaStreamSynchronize(t->gpu.stream));
     CheckpointHeader h;
+    CheckpointSink file, *sink = NULL;
     char error[1024];
-    FILE *f = NULL;
+    memset(&h, 0, sizeof(h));
     h.shape = c->model;
     h.step = t->state.step;
     h.total_padded = t->model.layout.total_padded;
@@ -771,27 +786,18 @@ static void save_checkpoint(Trainer *t) {
     h.optimizer_state_bytes = adamw_checkpoint_bytes(&t->opt);
     h.trainer_state_bytes = sizeof(TrainerState);
     if (rank == 0) {
-        f = checkpoint_begin(c->out_dir, &h, error, sizeof(error));
-        if (!f) fail(error);
+        if (checkpoint_begin(c->out_dir, &h, &file, error, sizeof(error)) != 0) fail(error);
+        sink = &file;
     }
-    int failed = adamw_write_section(&t->opt, 0, f, ranks, rank, gather, context, t->host_chunk, chunk);
-    int failed_too = adamw_save(&t->opt, f, ranks, rank, gather, context, t->host_chunk, chunk);
+    adamw_write_section(&t->opt, 0, sink, 0, ranks, gather, context, t->host_chunk, chunk);
+    if (sink) h.crc[0] = checkpoint_sink_section(sink);
+    adamw_save(&t->opt, sink, 0, ranks, gather, context, t->host_chunk, chunk);
     if (rank != 0) return;
-    t->state.train_position = dataloader_position(&t->train_loader);
-    t->state.train_position.step *= t->comm->world;
-    t->state.sample_rng_state = t->sample_rng.state;
-    t->state.data_seed = c->seed;
-    t->state.data_shuffle = training_order(c);
-    t->state.data_micro_batch_size = c->micro_batch_size;
-    t->state.data_seq_len = c->seq_len;
-    if (!failed) failed = failed_too;
-    if (!failed && fwrite(&t->state, sizeof(TrainerState), 1, f) != 1) failed = errno ? errno : EIO;
-    if (failed) {
-        checkpoint_abandon(f, c->out_dir, h.step);  // a partial file would only fill the disk
-        fprintf(stderr, "error: %s/ckpt_%08lld.bin.tmp: write failed: %s (removed)\n", c->out_dir, h.step, strerror(failed));
-        exit(EXIT_FAILURE);
-    }
-    if (checkpoint_commit(f, c->out_dir, &h, error, sizeof(error)) != 0) fail(error);
+    h.crc[1] = checkpoint_sink_section(sink);
+    trainer_state_at_checkpoint(t);
+    checkpoint_sink_write(sink, &t->state, sizeof(TrainerState));
+    h.crc[2] = checkpoint_sink_section(sink);
+    if (checkpoint_commit(sink, c->out_dir, &h, error, sizeof(error)) != 0) fail(error);
     checkpoint_prune(c->out_dir, c->checkpoints_keep);
     printf("checkpoint: %s/ckpt_%08lld.bin\n", c->out_dir, h.step);
 }

@@ -2,9 +2,9 @@
 //   "LLAMACK1", int64 fields[63] (CheckpointField), then three sections: FP32 master weights
 //   [total_padded] (the layout of coat/params.h), the optimizer state and the trainer state
 //   (opaque blobs).
-// Version 2 carries a CRC-32 (zlib's) of each section and of the header itself (computed with
-// its own field zero): a flipped bit or a zero-filled stretch anywhere is refused on load, naming
-// the section. Version 1 (no checksums; what scripts/convert_hf.py wrote before version 2) is still
+// Version 2 carries a CRC-32 (zlib's) of each section, taken as the section is written (nothing
+// is read back), and of the header itself (computed with its own field zero): a flipped bit or a
+// zero-filled stretch anywhere is refused on load, naming the section. Version 1 (no checksums; what scripts/convert_hf.py wrote before version 2) is still
 // read, its weights unchecked, with a warning; it holds no trainer state this build resumes from.
 // Written atomically: DIR/ckpt_<step>.bin.tmp, fsync, rename, then DIR/ckpt_<step>.done; a
 // checkpoint without its .done marker is ignored. scripts/convert_hf.py reads both versions and
@@ -13,6 +13,7 @@
 #pragma once
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -300,6 +301,18 @@ static inline int run_dir_remove_temporaries(const char *dir, char *error, size_
     return removed;
 }
 
+// CRC-32 (zlib's) of n bytes after `crc`, whatever n (zlib takes at most 4 GiB at a time).
+static inline uLong checkpoint_crc32(uLong crc, const void *data, size_t n) {
+    const Bytef *bytes = (const Bytef *)data;
+    while (n > 0) {
+        uInt chunk = n > ((size_t)1 << 30) ? (uInt)1 << 30 : (uInt)n;
+        crc = crc32(crc, bytes, chunk);
+        bytes += chunk;
+        n -= chunk;
+    }
+    return crc;
+}
+
 // CRC-32 of each section as the file holds them (read from just after the header). Returns 0, or
 // -1 with `error` naming the file.
 static inline int checkpoint_section_crcs(FILE *f, const char *path, const CheckpointHeader *h,
@@ -323,9 +336,11 @@ static inline int checkpoint_section_crcs(FILE *f, const char *path, const Check
     free(buffer);
     return status;
 }
+
 // Checks each section against its checksum (version 2; version 1 has none). Returns 0, or -1 with
 // `error` naming the file and the first damaged section.
-static inline int checkpoint_verify(FILE *f, const char *path, const CheckpointHeader *h, char *error, size_t error_size) {
+static inline int checkpoint_verify(FILE *f, const char *path, const CheckpointHeader *h, char *error,
+                                    size_t error_size) {
     if (h->version != CHECKPOINT_VERSION) return 0;
     uint32_t crc[CHECKPOINT_SECTIONS];
     if (checkpoint_section_crcs(f, path, h, crc, error, error_size) != 0) return -1;
@@ -338,63 +353,106 @@ static inline int checkpoint_verify(FILE *f, const char *path, const CheckpointH
     return 0;
 }
 
-// Starts DIR/ckpt_<step>.bin.tmp with a placeholder header; the caller writes the sections in
-// order (master weights, optimizer state, trainer state) and then calls checkpoint_commit, or
-// checkpoint_abandon when a write failed.
-static inline FILE *checkpoint_begin(const char *dir, const CheckpointHeader *h, char *error, size_t error_size) {
+// ---- writing ----------------------------------------------------------------------------
+// Every byte of a checkpoint goes to its file through a sink, which keeps the CRC-32 of the
+// section under way: the checksums come from the bytes on their way to the disk, none is read back.
+
+typedef struct {
+    FILE *file;
+    uLong crc;                 // of the bytes written since the section began
+    unsigned long long bytes;  // written through the sink in all
+    int error;                 // errno of the first failed write; the writes after it are skipped
+} CheckpointSink;
+
+static inline void checkpoint_sink_init(CheckpointSink *sink, FILE *file) {
+    sink->file = file;
+    sink->crc = crc32(0L, Z_NULL, 0);
+    sink->bytes = 0;
+    sink->error = 0;
+}
+
+static inline void checkpoint_sink_write(CheckpointSink *sink, const void *data, size_t n) {
+    if (sink->error || n == 0) return;
+    errno = 0;
+    if (fwrite(data, 1, n, sink->file) != n) {
+        sink->error = errno ? errno : EIO;
+        return;
+    }
+    sink->crc = checkpoint_crc32(sink->crc, data, n);
+    sink->bytes += n;
+}
+
+// The CRC-32 of the section written since the last call; the next section starts.
+static inline uint32_t checkpoint_sink_section(CheckpointSink *sink) {
+    uint32_t crc = (uint32_t)sink->crc;
+    sink->crc = crc32(0L, Z_NULL, 0);
+    return crc;
+}
+
+// Flushes a folder's entries (a rename, a new file) to disk. A file system that cannot sync a
+// folder (EINVAL) keeps them as it does. Returns 0, or -1 with `error`.
+static inline int checkpoint_sync_dir(const char *dir, char *error, size_t error_size) {
+    int fd = open(dir, O_RDONLY | O_DIRECTORY);
+    if (fd < 0) {
+        snprintf(error, error_size, "%s: cannot open the folder to flush it: %s", dir, strerror(errno));
+        return -1;
+    }
+    int status = fsync(fd) == 0 || errno == EINVAL ? 0 : -1;
+    if (status != 0) snprintf(error, error_size, "%s: cannot flush the folder: %s", dir, strerror(errno));
+    close(fd);
+    return status;
+}
+
+// Starts DIR/ckpt_<step>.bin.tmp with a placeholder header and `sink` on it. The caller writes
+// the sections in order through the sink (master weights, optimizer state, trainer state), each
+// one's checksum taken with checkpoint_sink_section into h->crc, then calls checkpoint_commit,
+// which also reports a failed write. Returns 0, or -1 with `error`.
+static inline int checkpoint_begin(const char *dir, const CheckpointHeader *h, CheckpointSink *sink, char *error,
+                                   size_t error_size) {
     char tmp[4096], header[CHECKPOINT_HEADER_BYTES];
     checkpoint_path(tmp, sizeof(tmp), dir, h->step, ".bin.tmp");
-    FILE *f = fopen(tmp, "w+b");  // read back for the checksums
-    if (!f) { snprintf(error, error_size, "%s: cannot create: %s", tmp, strerror(errno)); return NULL; }
+    FILE *f = fopen(tmp, "wb");
+    if (!f) { snprintf(error, error_size, "%s: cannot create: %s", tmp, strerror(errno)); return -1; }
     checkpoint_encode_header(h, header);
     if (fwrite(header, 1, sizeof(header), f) != sizeof(header)) {
         snprintf(error, error_size, "%s: write failed: %s", tmp, strerror(errno));
         fclose(f);
         remove(tmp);
-        return NULL;
-    }
-    return f;
-}
-
-// Closes and removes the unfinished DIR/ckpt_<step>.bin.tmp, which would otherwise fill the disk.
-static inline void checkpoint_abandon(FILE *f, const char *dir, long long step) {
-    char tmp[4096];
-    checkpoint_path(tmp, sizeof(tmp), dir, step, ".bin.tmp");
-    fclose(f);
-    remove(tmp);
-}
-
-// The sections' checksums into the header at the start of the file, then everything to disk.
-// Returns 0, or the errno of the failed call.
-static inline int checkpoint_seal(FILE *f, const char *tmp, CheckpointHeader *h, char *error, size_t error_size) {
-    char header[CHECKPOINT_HEADER_BYTES];
-    if (fflush(f) != 0) return errno ? errno : EIO;
-    if ((unsigned long long)ftello(f) != checkpoint_file_bytes(h)) {
-        snprintf(error, error_size, "%s: %lld bytes written, the header announces %llu", tmp, (long long)ftello(f),
-                 checkpoint_file_bytes(h));
         return -1;
     }
-    if (checkpoint_section_crcs(f, tmp, h, h->crc, error, error_size) != 0) return -1;
+    checkpoint_sink_init(sink, f);
+    return 0;
+}
+
+// The header with the sections' checksums (h->crc) at the start of the file, then everything to
+// disk. Returns 0, the errno of the failed call, or -1 with `error`.
+static inline int checkpoint_seal(CheckpointSink *sink, const char *tmp, const CheckpointHeader *h, char *error,
+                                  size_t error_size) {
+    char header[CHECKPOINT_HEADER_BYTES];
+    unsigned long long expected = checkpoint_file_bytes(h) - CHECKPOINT_HEADER_BYTES;
+    if (sink->error) return sink->error;
+    if (sink->bytes != expected) {
+        snprintf(error, error_size, "%s: %llu bytes of sections written, the header announces %llu", tmp, sink->bytes, expected);
+        return -1;
+    }
     checkpoint_encode_header(h, header);
-    if (fseeko(f, 0, SEEK_SET) != 0 || fwrite(header, 1, sizeof(header), f) != sizeof(header) || fflush(f) != 0 ||
-        fsync(fileno(f)) != 0)
+    errno = 0;
+    if (fseeko(sink->file, 0, SEEK_SET) != 0 || fwrite(header, 1, sizeof(header), sink->file) != sizeof(header) ||
+        fflush(sink->file) != 0 || fsync(fileno(sink->file)) != 0)
         return errno ? errno : EIO;
     return 0;
 }
 
-// Checksums the sections, flushes to disk, renames into place and marks it done. On a failure
-// the temporary file is removed and `error` names it with the reason.
-static inline int checkpoint_commit(FILE *f, const char *dir, CheckpointHeader *h, char *error, size_t error_size) {
-    char tmp[4096], final_path[4096], done[4096];
-    checkpoint_path(tmp, sizeof(tmp), dir, h->step, ".bin.tmp");
-    checkpoint_path(final_path, sizeof(final_path), dir, h->step, ".bin");
-    checkpoint_path(done, sizeof(done), dir, h->step, ".done");
+// Closes the written temporary file `tmp` (status: 0, an errno, or -1 with `error` set) and
+// renames it to `final_path`. On a failure the temporary file is removed and `error` names it
+// with the reason. Returns 0 or -1.
+static inline int checkpoint_close_and_rename(FILE *f, int status, const char *tmp, const char *final_path, char *error,
+                                              size_t error_size) {
     errno = 0;
-    int failed = checkpoint_seal(f, tmp, h, error, error_size);
-    if (failed == 0 && fclose(f) != 0) failed = errno ? errno : EIO;
-    else if (failed != 0) fclose(f);
-    if (failed != 0) {
-        if (failed > 0) snprintf(error, error_size, "%s: write failed: %s", tmp, strerror(failed));
+    if (status == 0 && fclose(f) != 0) status = errno ? errno : EIO;
+    else if (status != 0) fclose(f);
+    if (status != 0) {
+        if (status > 0) snprintf(error, error_size, "%s: write failed: %s", tmp, strerror(status));
         remove(tmp);
         return -1;
     }
@@ -403,12 +461,33 @@ static inline int checkpoint_commit(FILE *f, const char *dir, CheckpointHeader *
         remove(tmp);
         return -1;
     }
+    return 0;
+}
+
+// DIR/ckpt_<step>.done, once the checkpoint's renamed files are on disk: from now on it counts.
+static inline int checkpoint_mark_done(const char *dir, long long step, char *error, size_t error_size) {
+    char done[4096];
+    checkpoint_path(done, sizeof(done), dir, step, ".done");
+    if (checkpoint_sync_dir(dir, error, error_size) != 0) return -1;
     FILE *marker = fopen(done, "w");
     if (!marker || fclose(marker) != 0) {
         snprintf(error, error_size, "%s: cannot create the marker: %s", done, strerror(errno));
         return -1;
     }
-    return 0;
+    return checkpoint_sync_dir(dir, error, error_size);
+}
+
+// Seals the file with the sections' checksums (h->crc, from the sink), flushes it to disk,
+// renames it into place and marks it done. On a failure (a write through the sink too) the
+// temporary file, which would only fill the disk, is removed and `error` names it with the reason.
+static inline int checkpoint_commit(CheckpointSink *sink, const char *dir, const CheckpointHeader *h, char *error,
+                                    size_t error_size) {
+    char tmp[4096], final_path[4096];
+    checkpoint_path(tmp, sizeof(tmp), dir, h->step, ".bin.tmp");
+    checkpoint_path(final_path, sizeof(final_path), dir, h->step, ".bin");
+    int status = checkpoint_seal(sink, tmp, h, error, error_size);
+    if (checkpoint_close_and_rename(sink->file, status, tmp, final_path, error, error_size) != 0) return -1;
+    return checkpoint_mark_done(dir, h->step, error, error_size);
 }
 
 // Opens a checkpoint and reads its header, checking that the file holds every section it

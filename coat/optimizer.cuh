@@ -46,6 +46,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "checkpoint.h"
 #include "common.cuh"
 #include "config.h"
 #include "fp8.cuh"
@@ -898,14 +899,6 @@ typedef struct {
     uint64_t magic, version, state_kind, shard_begin, shard_end, step, payload_bytes;
 } AdamWCheckpointHeader;
 
-#define ADAMW_SECTIONS 5  // master, m, v, m's group scalars, v's: the order of the state and of a checkpoint
-
-static inline size_t adamw_section_group_bytes(OptimizerStateKind kind, int section) {
-    if (section == 0) return 4 * ADAMW_GROUP;
-    if (section <= 2) return adamw_moment_elem_bytes(kind) * ADAMW_GROUP;
-    return 4 * adamw_group_scalars(kind);
-}
-
 // Section `section` of this rank's device state.
 static inline unsigned char *adamw_section(const AdamW *opt, int section) {
     size_t at = 0;
@@ -965,16 +958,16 @@ static inline int adamw_checkpoint_header_check(const AdamW *opt, const AdamWChe
 // Moves `bytes` of rank `from`'s device memory to rank 0's host memory `host` (one rank: a copy).
 typedef void (*AdamWGather)(void *context, const void *device, void *host, size_t bytes, int from);
 
-// Rank 0 writes section `section` of the parts of `ranks` ranks (this process is rank `rank`,
-// and every rank calls this in the same order), through `host`, chunk_bytes of host memory.
-// Returns 0, or on rank 0 the errno of the first failed write: the gathers go on after it, so
-// that every rank stays in step, and the caller names the file.
-static inline int adamw_write_section(const AdamW *opt, int section, FILE *file, int ranks, int rank, AdamWGather gather,
-                                      void *context, unsigned char *host, size_t chunk_bytes) {
-    int failed = 0;
+// Section `section` of the parts of ranks [first, first + count), range by range and rank by
+// rank, each fetched by `gather` through `host` (chunk_bytes of host memory) and written to `sink`
+// (NULL on a rank that sends its parts but writes none). Every rank of a gather calls this in the
+// same order; a failed write is kept in the sink and the gathers go on, so that every rank stays
+// in step.
+static inline void adamw_write_section(const AdamW *opt, int section, CheckpointSink *sink, int first, int count,
+                                       AdamWGather gather, void *context, unsigned char *host, size_t chunk_bytes) {
     size_t group_bytes = adamw_section_group_bytes(opt->kind, section);
     for (int i = 0; i < opt->range_count; i++)
-        for (int r = 0; r < ranks; r++) {
+        for (int r = first; r < first + count; r++) {
             size_t begin, end;
             adamw_part_of(opt, i, r, &begin, &end);
             size_t bytes = (end - begin) / ADAMW_GROUP * group_bytes;
@@ -983,10 +976,9 @@ static inline int adamw_write_section(const AdamW *opt, int section, FILE *file,
             for (size_t done = 0; done < bytes; done += chunk_bytes) {
                 size_t chunk = bytes - done < chunk_bytes ? bytes - done : chunk_bytes;
                 gather(context, device + done, host, chunk, r);
-                if (rank == 0 && !failed && fwrite(host, 1, chunk, file) != chunk) failed = errno ? errno : EIO;
+                if (sink) checkpoint_sink_write(sink, host, chunk);
             }
         }
-    return failed;
 }
 
 // This rank's parts of section `section`, which starts at byte `start` of the file (through
@@ -1012,19 +1004,16 @@ static inline void adamw_read_section(AdamW *opt, int section, FILE *file, long 
     }
 }
 
-// The optimizer part of a checkpoint (the weights written before it): header and sections.
-// Returns 0, or on rank 0 the errno of the first failed write (as adamw_write_section).
-static inline int adamw_save(const AdamW *opt, FILE *file, int ranks, int rank, AdamWGather gather, void *context,
-                             unsigned char *host, size_t chunk_bytes) {
+// The optimizer part of a checkpoint (the weights written before it): header and sections, of
+// the parts of ranks [first, first + count), as adamw_write_section writes them (the header by
+// a rank with a sink).
+static inline void adamw_save(const AdamW *opt, CheckpointSink *sink, int first, int count, AdamWGather gather,
+                              void *context, unsigned char *host, size_t chunk_bytes) {
     AdamWCheckpointHeader h;
     adamw_checkpoint_header(opt, &h);
-    int failed = 0;
-    if (rank == 0 && fwrite(&h, sizeof(h), 1, file) != 1) failed = errno ? errno : EIO;
-    for (int section = 1; section < ADAMW_SECTIONS; section++) {
-        int status = adamw_write_section(opt, section, file, ranks, rank, gather, context, host, chunk_bytes);
-        if (!failed) failed = status;
-    }
-    return failed;
+    if (sink) checkpoint_sink_write(sink, &h, sizeof(h));
+    for (int section = 1; section < ADAMW_SECTIONS; section++)
+        adamw_write_section(opt, section, sink, first, count, gather, context, host, chunk_bytes);
 }
 
 // Reads it back from the file's position (this shard's parts), leaving the file after it.

@@ -1,4 +1,5 @@
-// Checkpoint files and the run log on the CPU (coat/checkpoint.h, coat/log.h): every section's
+// Checkpoint files and the run log on the CPU (coat/checkpoint.h, coat/log.h): the checksums
+// taken as the sections are written are zlib's of the sections as the file holds them; every section's
 // checksum catches a flipped bit and a zero-filled stretch, naming the section; header fields
 // that an int cannot hold are refused; a write that fails (a full disk, here a file size limit)
 // removes the unfinished file and names it with the reason; stale temporaries are removed; a log
@@ -28,15 +29,29 @@ static CheckpointHeader tiny_header(long long step) {
     return h;
 }
 
-// Writes DIR/ckpt_<step>.bin through checkpoint_begin and checkpoint_commit, sections of
-// pseudo-random bytes. Returns the commit's status.
+// The byte at offset i of a test checkpoint's sections.
+static unsigned char section_byte(unsigned long long i) { return (unsigned char)(((i * 2654435761u) >> 13) & 0xFF); }
+
+// Writes DIR/ckpt_<step>.bin through checkpoint_begin, the sink and checkpoint_commit, sections of
+// pseudo-random bytes written in pieces of 1 to 700 bytes. Returns the commit's status.
 static int write_checkpoint(long long step, char *error, size_t size) {
     CheckpointHeader h = tiny_header(step);
-    FILE *f = checkpoint_begin(dir, &h, error, size);
-    if (!f) return -1;
-    unsigned long long bytes = checkpoint_file_bytes(&h) - CHECKPOINT_HEADER_BYTES;
-    for (unsigned long long i = 0; i < bytes; i++) fputc((int)((i * 2654435761u) >> 13) & 0xFF, f);
-    return checkpoint_commit(f, dir, &h, error, size);
+    CheckpointSink sink;
+    if (checkpoint_begin(dir, &h, &sink, error, size) != 0) return -1;
+    unsigned char piece[700];
+    unsigned long long at = 0;
+    for (int section = 0; section < CHECKPOINT_SECTIONS; section++) {
+        unsigned long long end = at + checkpoint_section_bytes(&h, section);
+        while (at < end) {
+            size_t n = (size_t)(at * 7 % 700) + 1;
+            if (n > end - at) n = (size_t)(end - at);
+            for (size_t i = 0; i < n; i++) piece[i] = section_byte(at + i);
+            checkpoint_sink_write(&sink, piece, n);
+            at += n;
+        }
+        h.crc[section] = checkpoint_sink_section(&sink);
+    }
+    return checkpoint_commit(&sink, dir, &h, error, size);
 }
 
 // Opens and verifies `path`: 0 when accepted, else -1 with the reason in `error`.
@@ -62,10 +77,40 @@ static void copy_with_change(const char *from, const char *to, long offset, int 
     fclose(out);
 }
 
+// The checksums a sink took of the sections written in pieces are zlib's crc32 of each whole
+// section as the file holds it, and the bytes are where the header says.
+static void test_running_checksums(void) {
+    char error[1024] = "", path[4096];
+    check(write_checkpoint(3, error, sizeof(error)) == 0, "a checkpoint is written through a sink (%s)", error);
+    checkpoint_path(path, sizeof(path), dir, 3, ".bin");
+    CheckpointHeader h;
+    FILE *f = checkpoint_open(path, &h, error, sizeof(error));
+    check(f != NULL, "it opens (%s)", error);
+    if (!f) return;
+    int equal = 0, bytes_right = 1;
+    unsigned long long at = 0;
+    fseeko(f, CHECKPOINT_HEADER_BYTES, SEEK_SET);
+    for (int section = 0; section < CHECKPOINT_SECTIONS; section++) {
+        size_t n = checkpoint_section_bytes(&h, section);
+        unsigned char *bytes = (unsigned char *)malloc(n + 1);
+        size_t got = fread(bytes, 1, n, f);
+        for (size_t i = 0; i < got; i++) bytes_right &= bytes[i] == section_byte(at + i);
+        uint32_t whole = (uint32_t)crc32(crc32(0L, Z_NULL, 0), bytes, (uInt)got);
+        equal += got == n && whole == h.crc[section];
+        printf("%s section: %zu bytes, crc32 %08x, the header says %08x\n", checkpoint_section_names[section], got,
+               (unsigned)whole, (unsigned)h.crc[section]);
+        at += n;
+        free(bytes);
+    }
+    fclose(f);
+    check(equal == CHECKPOINT_SECTIONS && bytes_right, "each section's running checksum is crc32 of the whole section (%d of %d), "
+          "its bytes as written", equal, CHECKPOINT_SECTIONS);
+}
+
 // Every section: a flipped bit at its start, middle and end, and a zero-filled stretch, are
 // refused naming it; the header's fields likewise (its own checksum).
 static void test_checksums(void) {
-    char error[1024], path[4096], bad[4200];
+    char error[1024] = "", path[4096], bad[4200];
     check(write_checkpoint(7, error, sizeof(error)) == 0, "a checkpoint is written (%s)", error);
     checkpoint_path(path, sizeof(path), dir, 7, ".bin");
     check(open_and_verify(path, error, sizeof(error)) == 0, "the written checkpoint passes its checksums (%s)", error);
@@ -205,6 +250,7 @@ static void test_temporaries(void) {
 
 int main(void) {
     if (!mkdtemp(dir)) { perror("mkdtemp"); return 1; }
+    test_running_checksums();
     test_checksums();
     test_int_fields();
     test_write_failures();

@@ -638,7 +638,10 @@ static void test_save_load(Fixture *fx, OptimizerStateKind kind) {
     FILE *file = tmpfile();
     if (!file) { fprintf(stderr, "error: tmpfile: cannot create a temporary file\n"); exit(EXIT_FAILURE); }
     unsigned char *chunk = (unsigned char *)host_alloc(ADAMW_COPY_CHUNK_BYTES);
-    check(adamw_save(&a, file, 1, 0, adamw_gather_copy, fx->stream, chunk, ADAMW_COPY_CHUNK_BYTES) == 0, "%s save: written", name);
+    CheckpointSink sink;
+    checkpoint_sink_init(&sink, file);
+    adamw_save(&a, &sink, 0, 1, adamw_gather_copy, fx->stream, chunk, ADAMW_COPY_CHUNK_BYTES);
+    check(sink.error == 0 && fflush(file) == 0, "%s save: written", name);
     float *master_at_save = host_floats(fx->total);  // a checkpoint's own section
     adamw_copy_master_to_host(&a, master_at_save, fx->stream);
     long written = ftell(file);
@@ -990,8 +993,10 @@ static void test_sharded_checkpoint(OptimizerStateKind kind) {
     gpu_run(&whole, &fx, 0, 3);
     FILE *one = tmpfile();
     if (!one) { fprintf(stderr, "error: tmpfile: cannot create a temporary file\n"); exit(EXIT_FAILURE); }
-    adamw_write_section(&whole, 0, one, 1, 0, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
-    adamw_save(&whole, one, 1, 0, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
+    CheckpointSink one_sink;
+    checkpoint_sink_init(&one_sink, one);
+    adamw_write_section(&whole, 0, &one_sink, 0, 1, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
+    adamw_save(&whole, &one_sink, 0, 1, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
     long one_size;
     unsigned char *one_bytes = read_file(one, &one_size), *whole_state = download_state(&whole);
     ZeroPlan *plan = (ZeroPlan *)host_alloc(sizeof(ZeroPlan));
@@ -1023,8 +1028,10 @@ static void test_sharded_checkpoint(OptimizerStateKind kind) {
         FILE *sharded = tmpfile();
         if (!sharded) { fprintf(stderr, "error: tmpfile: cannot create a temporary file\n"); exit(EXIT_FAILURE); }
         ShardGather gather = {shards};
-        adamw_write_section(&shards[0], 0, sharded, ranks, 0, gather_from_shards, &gather, chunk, 4096);
-        adamw_save(&shards[0], sharded, ranks, 0, gather_from_shards, &gather, chunk, 4096);
+        CheckpointSink sharded_sink;
+        checkpoint_sink_init(&sharded_sink, sharded);
+        adamw_write_section(&shards[0], 0, &sharded_sink, 0, ranks, gather_from_shards, &gather, chunk, 4096);
+        adamw_save(&shards[0], &sharded_sink, 0, ranks, gather_from_shards, &gather, chunk, 4096);
         long sharded_size;
         unsigned char *sharded_bytes = read_file(sharded, &sharded_size);
         check(bad == 0 && one_size == sharded_size && memcmp(one_bytes, sharded_bytes, (size_t)one_size) == 0 &&

@@ -445,7 +445,7 @@ else
     check "./train_llama --dry_run=1 verifies every checksum of the imported checkpoint" 1 "./train_llama is not built (make)"
 fi
 cat > "$tmp/ckpt_writer.c" <<'EOF'
-// Writes DIR/ckpt_00000000.bin through checkpoint_begin and checkpoint_commit: the weights of
+// Writes DIR/ckpt_00000000.bin through checkpoint_begin, its sink and checkpoint_commit: the weights of
 // WEIGHTS (raw float32), no optimizer or trainer state, the shape given on the command line.
 #include "checkpoint.h"
 int main(int argc, char **argv) {
@@ -463,11 +463,12 @@ int main(int argc, char **argv) {
     h.total_padded = (size_t)ftell(in) / 4;
     rewind(in);
     char error[1024];
-    FILE *f = checkpoint_begin(argv[1], &h, error, sizeof(error));
-    if (!f) { fprintf(stderr, "%s\n", error); return 1; }
-    for (int c; (c = fgetc(in)) != EOF;) fputc(c, f);
+    CheckpointSink sink;
+    if (checkpoint_begin(argv[1], &h, &sink, error, sizeof(error)) != 0) { fprintf(stderr, "%s\n", error); return 1; }
+    for (int c; (c = fgetc(in)) != EOF;) checkpoint_sink_write(&sink, &(unsigned char){(unsigned char)c}, 1);
     fclose(in);
-    if (checkpoint_commit(f, argv[1], &h, error, sizeof(error)) != 0) { fprintf(stderr, "%s\n", error); return 1; }
+    for (int section = 0; section < CHECKPOINT_SECTIONS; section++) h.crc[section] = checkpoint_sink_section(&sink);
+    if (checkpoint_commit(&sink, argv[1], &h, error, sizeof(error)) != 0) { fprintf(stderr, "%s\n", error); return 1; }
     return 0;
 }
 EOF
