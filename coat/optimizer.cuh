@@ -981,27 +981,46 @@ static inline void adamw_write_section(const AdamW *opt, int section, Checkpoint
         }
 }
 
-// This rank's parts of section `section`, which starts at byte `start` of the file (through
-// `host`, ADAMW_COPY_CHUNK_BYTES of host memory).
-static inline void adamw_read_section(AdamW *opt, int section, FILE *file, long start, const char *path,
+// Bytes [at, at + n) of the checkpoint, or an exit with its error (naming the file).
+static inline void adamw_read_or_exit(Checkpoint *ck, unsigned long long at, void *out, size_t n) {
+    char error[8192];
+    if (checkpoint_read(ck, at, out, n, error, sizeof(error)) == 0) return;
+    fprintf(stderr, "error: %s\n", error);
+    exit(EXIT_FAILURE);
+}
+
+// This rank's parts of section `section`, which starts at byte `start` of the checkpoint (the
+// single file's offsets, whichever form holds it), through `host` (ADAMW_COPY_CHUNK_BYTES of
+// host memory).
+static inline void adamw_read_section(AdamW *opt, int section, Checkpoint *ck, unsigned long long start,
                                       unsigned char *host, cudaStream_t stream) {
     size_t group_bytes = adamw_section_group_bytes(opt->kind, section);
     for (int i = 0; i < opt->range_count; i++) {
         size_t begin, end;
         adamw_part_of(opt, i, opt->rank, &begin, &end);
         size_t bytes = (end - begin) / ADAMW_GROUP * group_bytes;
-        if (bytes == 0) continue;
-        if (fseek(file, start + (long)(begin / ADAMW_GROUP * group_bytes), SEEK_SET) != 0)
-            fail_with(path, "cannot seek to this rank's optimizer state");
+        unsigned long long at = start + (unsigned long long)(begin / ADAMW_GROUP) * group_bytes;
         unsigned char *device = adamw_section(opt, section) + opt->ranges[i].state_at / ADAMW_GROUP * group_bytes;
         for (size_t done = 0; done < bytes; done += ADAMW_COPY_CHUNK_BYTES) {
             size_t chunk = bytes - done < ADAMW_COPY_CHUNK_BYTES ? bytes - done : ADAMW_COPY_CHUNK_BYTES;
-            if (fread(host, 1, chunk, file) != chunk)
-                fail_with(path, section == 0 ? "truncated weights" : "truncated optimizer state");
+            adamw_read_or_exit(ck, at + done, host, chunk);
             cudaCheck(cudaMemcpyAsync(device + done, host, chunk, cudaMemcpyHostToDevice, stream));
             cudaCheck(cudaStreamSynchronize(stream));
         }
     }
+}
+
+// Rank `rank`'s parts in the parameter order, the non-empty ones, as adamw_write_section writes
+// them for that rank alone: a part file's ranges (coat/checkpoint.h). Returns their count
+// (at most range_count).
+static inline int adamw_part_ranges(const AdamW *opt, int rank, CheckpointRange *out) {
+    int count = 0;
+    for (int i = 0; i < opt->range_count; i++) {
+        size_t begin, end;
+        adamw_part_of(opt, i, rank, &begin, &end);
+        if (end > begin) out[count].begin = begin, out[count].end = end, count++;
+    }
+    return count;
 }
 
 // The optimizer part of a checkpoint (the weights written before it): header and sections, of
@@ -1016,18 +1035,17 @@ static inline void adamw_save(const AdamW *opt, CheckpointSink *sink, int first,
         adamw_write_section(opt, section, sink, first, count, gather, context, host, chunk_bytes);
 }
 
-// Reads it back from the file's position (this shard's parts), leaving the file after it.
-static inline void adamw_load(AdamW *opt, FILE *file, const char *path, unsigned char *host, cudaStream_t stream) {
+// Reads it back from byte `start` of the checkpoint (this rank's parts).
+static inline void adamw_load(AdamW *opt, Checkpoint *ck, unsigned long long start, unsigned char *host, cudaStream_t stream) {
     AdamWCheckpointHeader h;
     char error[256];
-    if (fread(&h, sizeof(h), 1, file) != 1) fail_with(path, "truncated optimizer state (header)");
-    if (adamw_checkpoint_header_check(opt, &h, error, sizeof(error)) != 0) fail_with(path, error);
-    long start = ftell(file);
+    adamw_read_or_exit(ck, start, &h, sizeof(h));
+    if (adamw_checkpoint_header_check(opt, &h, error, sizeof(error)) != 0) fail_with(ck->path, error);
+    start += sizeof(h);
     for (int section = 1; section < ADAMW_SECTIONS; section++) {
-        adamw_read_section(opt, section, file, start, path, host, stream);
-        start += (long)(opt->total / ADAMW_GROUP * adamw_section_group_bytes(opt->kind, section));
+        adamw_read_section(opt, section, ck, start, host, stream);
+        start += (unsigned long long)(opt->total / ADAMW_GROUP) * adamw_section_group_bytes(opt->kind, section);
     }
-    if (fseek(file, start, SEEK_SET) != 0) fail_with(path, "cannot seek past the optimizer state");
     opt->step = (long long)h.step;
 }
 

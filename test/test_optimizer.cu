@@ -654,9 +654,10 @@ static void test_save_load(Fixture *fx, OptimizerStateKind kind) {
     AdamWConfig config = test_config(0);
     adamw_create(&b, kind, &config, &fx->layout, 0, fx->total, fx->stream);
     cudaCheck(cudaMemset(fx->params, 0, fx->total * sizeof(bf16)));
-    rewind(file);
-    adamw_load(&b, file, "tmpfile", chunk, fx->stream);
-    check(ftell(file) == written, "%s load: the file left after the optimizer state (at %ld of %ld)", name, ftell(file), written);
+    Checkpoint ck;
+    checkpoint_over_file(&ck, file, "tmpfile");
+    adamw_load(&b, &ck, 0, chunk, fx->stream);
+    check(ftell(file) == written, "%s load: the last read ends at the optimizer state's end (at %ld of %ld)", name, ftell(file), written);
     free(chunk);
     adamw_set_master_from_host(&b, master_at_save, fx->stream);
     free(master_at_save);
@@ -1007,9 +1008,10 @@ static void test_sharded_checkpoint(OptimizerStateKind kind) {
         for (int r = 0; r < ranks; r++) {
             AdamWConfig config = test_config(0);
             adamw_create_ranges(&shards[r], kind, &config, &layout, plan->bucket, plan->buckets, r, fx.stream);
-            adamw_read_section(&shards[r], 0, one, 0, "tmpfile", chunk, fx.stream);
-            if (fseek(one, (long)(4 * layout.total_padded), SEEK_SET) != 0) { fprintf(stderr, "error: fseek\n"); exit(EXIT_FAILURE); }
-            adamw_load(&shards[r], one, "tmpfile", chunk, fx.stream);
+            Checkpoint ck;
+            checkpoint_over_file(&ck, one, "tmpfile");
+            adamw_read_section(&shards[r], 0, &ck, 0, chunk, fx.stream);
+            adamw_load(&shards[r], &ck, 4ull * layout.total_padded, chunk, fx.stream);
             unsigned char *state = download_state(&shards[r]);
             for (int b = 0; b < plan->buckets; b++) {
                 ZeroRange part = zero_owned(plan, b, r);
