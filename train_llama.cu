@@ -650,9 +650,16 @@ static void check_logits_out(const ConfigParser *parser, const Dataloader *loade
                  stat(folder, &info) != 0 ? "does not exist" : !S_ISDIR(info.st_mode) ? "is not a folder" : "is not writable");
         fail_config(parser, "logits_out", message);
     }
-    char start[4096];
-    int resuming, reads_start = start_checkpoint(c, start, sizeof(start), &resuming) && same_file(start, c->logits_out);
+    char start[4096], part[4200];
+    int resuming, starts = start_checkpoint(c, start, sizeof(start), &resuming);
+    int reads_start = starts && same_file(start, c->logits_out);
     if (reads_start) snprintf(which, sizeof(which), "the checkpoint %s", start);
+    for (int p = 0; starts && !reads_start; p++) {  // a per-rank checkpoint's part files, .rank0.bin onwards
+        checkpoint_part_path(part, sizeof(part), start, p);
+        if (access(part, F_OK) != 0) break;
+        reads_start = same_file(part, c->logits_out);
+        if (reads_start) snprintf(which, sizeof(which), "a part file of the checkpoint %s", start);
+    }
     if (reads_start || names_an_input(c, loaders, c->logits_out, which, sizeof(which))) {
         snprintf(message, sizeof(message), "'%s' is %s, which this run reads", c->logits_out, which);
         fail_config(parser, "logits_out", message);

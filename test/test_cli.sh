@@ -561,6 +561,10 @@ expect_stderr "logits_out in a missing folder" "logits_out '$tmp/missing/logits.
 expect_stderr "logits_out onto the checkpoint it reads" "logits_out '$tmp/gen.bin' is the checkpoint $tmp/gen.bin, which this run reads" \
     "${gen[@]}" --logits_out="$tmp/gen.bin"
 expect_stderr "logits_out without generate" "logits_out is written by generate = 1 only" "${data[@]}" --logits_out="$tmp/logits.bin"
+[ -e "$tmp/parts_run/ckpt_00000010.rank2.bin" ] &&
+    expect_stderr "logits_out onto a part file of the per-rank checkpoint it reads" \
+        "logits_out '$tmp/parts_run/ckpt_00000010.rank2.bin' is a part file of the checkpoint $tmp/parts_run/ckpt_00000010.bin, which this run reads" \
+        "${gen[@]}" --init_from="$tmp/parts_run/ckpt_00000010.bin" --logits_out="$tmp/parts_run/ckpt_00000010.rank2.bin"
 
 # Settings that would remove the run's own inputs; inputs compared as files, not path strings.
 mkdir -p "$tmp/self"; cp "$tmp/same.bin" "$tmp/self/ckpt_00000003.bin"; touch "$tmp/self/ckpt_00000003.done"
