@@ -4,11 +4,15 @@
 //   (opaque blobs).
 // Version 2 carries a CRC-32 (zlib's) of each section, taken as the section is written (nothing
 // is read back), and of the header itself (computed with its own field zero): a flipped bit or a
-// zero-filled stretch anywhere is refused on load, naming the section. Version 1 (no checksums; what scripts/convert_hf.py wrote before version 2) is still
-// read, its weights unchecked, with a warning; it holds no trainer state this build resumes from.
-// Written atomically: DIR/ckpt_<step>.bin.tmp, fsync, rename, then DIR/ckpt_<step>.done; a
-// checkpoint without its .done marker is ignored. scripts/convert_hf.py reads both versions and
-// writes version 2 (scripts/llama_layout.py: the same bytes as a weights-only checkpoint here).
+// zero-filled stretch anywhere is refused on load, naming the section. Version 1 (no checksums;
+// what scripts/convert_hf.py wrote before version 2) is still read, its weights unchecked, with a
+// warning; it holds no trainer state this build resumes from.
+// A checkpoint is one such file (checkpoint_writes = rank0), or the same bytes in a manifest and
+// a part file per rank (per_rank, below); a Checkpoint reads either at the one file's offsets.
+// Written atomically: DIR/ckpt_<step>.bin.tmp (and each part's .tmp), fsync, rename, then
+// DIR/ckpt_<step>.done; a checkpoint without its .done marker is ignored. scripts/convert_hf.py
+// reads both versions and both forms, writes version 2 (scripts/llama_layout.py: the same bytes
+// as a weights-only checkpoint here), and merges a per-rank checkpoint into the one file.
 // The trainer's plumbing (its file format), not model code: it stores coat/params.h's layout.
 #pragma once
 #include <dirent.h>

@@ -891,13 +891,16 @@ static inline void adamw_step_fp32_grads(AdamW *opt, bf16 *params, const float *
 // v's. Each section is an array over the 128-groups of the parameter order, so the ranks' parts
 // map into it section by section: a part's groups sit at (its first element / 128) x (bytes per
 // group). Rank 0 writes every part in the parameter order (range by range, rank by rank), each
-// fetched by the caller's `gather` a chunk at a time; every rank reads its own parts back, so a
-// checkpoint resumes on any world size and any bucketing. The header is 7
-// little-endian uint64; the decay table is rebuilt from the config.
+// fetched by the caller's `gather` a chunk at a time; or each rank writes its own parts to its
+// part file (coat/checkpoint.h's per-rank checkpoints, the arrays CHECKPOINT_ARRAYS). Every rank
+// reads its own parts back through a Checkpoint, from either form, so a checkpoint resumes on any
+// world size and any bucketing. The header is 7 little-endian uint64; the decay table is rebuilt
+// from the config.
 
 typedef struct {
     uint64_t magic, version, state_kind, shard_begin, shard_end, step, payload_bytes;
 } AdamWCheckpointHeader;
+static_assert(ADAMW_SECTIONS == CHECKPOINT_ARRAYS, "a per-rank checkpoint's arrays are the state's sections");
 
 // Section `section` of this rank's device state.
 static inline unsigned char *adamw_section(const AdamW *opt, int section) {
