@@ -534,6 +534,9 @@ def read_manifest(path: str) -> Manifest:
         raise FormatError(f"{path}: the manifest fails its checksum (crc32 {zlib.crc32(data[:-8]):08x}, it says "
                           f"{stored:08x}): the file is damaged")
     header = unpack_checkpoint_header(data[16:16 + CHECKPOINT_HEADER_BYTES], path)
+    if header.total_padded != ParamLayout(header.shape).total_padded:
+        raise FormatError(f"{path}: total_padded {header.total_padded}, the layout of its shape needs "
+                          f"{ParamLayout(header.shape).total_padded}")
     at = 16 + CHECKPOINT_HEADER_BYTES
     try:
         (parts,) = struct.unpack_from("<Q", data, at)

@@ -166,8 +166,8 @@ resume_on layers_e4m3 2 "$tmp/layers_e4m3-merged" "${stage1[@]}" --precision=coa
 # bit; merged (convert_hf.py merge) each checkpoint is the rank0 run's file byte for byte; resumed
 # on 1, 2 and 4 ranks at other stages, each gives the losses of the rank0 file's resume bit for
 # bit, and its step-20 checkpoint, written per rank again (1 part on one rank or at stage 0, else
-# one per rank), merges to that resume's file. A damaged or missing part file is refused by name
-# before any step.
+# one per rank), merges to that resume's file. A damaged checkpoint file, or a damaged or missing
+# part file, is refused by name before any step, once for both ranks, and both exit non-zero.
 # The per-rank step-10 checkpoint of run FROM resumed in DIR on RANKS ranks with the arguments that follow.
 resume_parts_on() {
     local from=$1 ranks=$2 dir=$3
@@ -213,13 +213,23 @@ for triple in "s1_2 1 1 bf16" "s1_2 2 0 bf16" "s1_2 4 2 bf16" "coat_s2 1 1 coat"
     check "$precision, resumed on $ranks rank(s) at stage $stage: its step-20 checkpoint in $parts part file(s) merges to the one file's resume's, byte for byte" \
         "$([ "$(ls "$dir"/ckpt_00000020.rank*.bin | wc -l)" = "$parts" ] && cmp -s "$dir-20.merged" "$one/ckpt_00000020.bin"; echo $?)" "$out"
 done
+mkdir -p "$tmp/one_damaged"
+cp "$tmp/s1_2"/ckpt_00000010.bin "$tmp/s1_2"/ckpt_00000010.done "$tmp/s1_2/log.jsonl" "$tmp/one_damaged/"
+size=$(stat -c %s "$tmp/one_damaged/ckpt_00000010.bin")
+printf '\x01' | dd of="$tmp/one_damaged/ckpt_00000010.bin" bs=1 seek=$((size - 100)) conv=notrunc status=none
+"${mpi[@]}" 2 ./train_llama "${stage1[@]}" --comm_backend=mpi --out_dir="$tmp/one_damaged" --resume=1 > "$tmp/one_damaged.log" 2>&1
+rc=$?
+check "a damaged checkpoint file (its optimizer state, checked by rank 0 alone) is refused on 2 ranks, once, before any step" \
+    "$([ $rc -ne 0 ] && [ $rc -ne 124 ] && [ "$(grep -c '^error' "$tmp/one_damaged.log")" = 1 ] &&
+       grep -q "^error: $tmp/one_damaged/ckpt_00000010.bin: the optimizer state section fails its checksum" "$tmp/one_damaged.log" &&
+       ! grep -q '^step ' "$tmp/one_damaged.log"; echo $?)" "$(grep -v '^ *$' "$tmp/one_damaged.log" | head -3)"
 mkdir -p "$tmp/parts_damaged"
 cp "$tmp/parts_s1_2"/ckpt_00000010.* "$tmp/parts_s1_2/log.jsonl" "$tmp/parts_damaged/"
 printf '\x01' | dd of="$tmp/parts_damaged/ckpt_00000010.rank1.bin" bs=1 seek=100000 conv=notrunc status=none
 "${mpi[@]}" 2 ./train_llama "${stage1[@]}" --comm_backend=mpi --out_dir="$tmp/parts_damaged" --resume=1 > "$tmp/parts_damaged.log" 2>&1
 rc=$?
 check "a damaged part file is refused on 2 ranks, once, naming it, before any step" \
-    "$([ $rc -ne 0 ] && [ "$(grep -c '^error' "$tmp/parts_damaged.log")" = 1 ] &&
+    "$([ $rc -ne 0 ] && [ $rc -ne 124 ] && [ "$(grep -c '^error' "$tmp/parts_damaged.log")" = 1 ] &&
        grep -q "^error: rank 1: $tmp/parts_damaged/ckpt_00000010.rank1.bin: fails its checksum" "$tmp/parts_damaged.log" &&
        ! grep -q '^step ' "$tmp/parts_damaged.log"; echo $?)" "$(grep -v '^ *$' "$tmp/parts_damaged.log" | head -3)"
 rm "$tmp/parts_damaged/ckpt_00000010.rank1.bin"

@@ -488,8 +488,8 @@ check "import writes byte for byte what coat/checkpoint.h writes for the same we
 # ranks with a bucket per layer and as 2 with merged buckets write it (build/checkpoint_split:
 # coat/checkpoint.h's part and manifest writers): convert_hf.py merge gives back the one file byte
 # for byte, and export reads the manifest as the one file. The tools that read one file only
-# refuse a manifest naming the merge; merge refuses a one file, and a missing or damaged part
-# naming it, leaving no file behind.
+# refuse a manifest naming the merge; merge refuses a one file, a damaged manifest, and a missing
+# or damaged part naming it, leaving no file behind.
 parts=$tmp/parts
 mkdir -p "$parts/one"
 "$PYTHON" - "$parts/one/ckpt_00000010.bin" <<'PY'
@@ -541,6 +541,9 @@ except L.FormatError as e:
     rm "$parts/bad/ckpt_00000010.rank2.bin"
     merge_refusal "a missing part file" \
         "$parts/bad/ckpt_00000010.rank2.bin: missing (part 2 of 3 of $parts/bad/ckpt_00000010.bin)" "$parts/bad/ckpt_00000010.bin"
+    cp "$parts/split3/ckpt_00000010.bin" "$parts/bad/damaged.bin"
+    printf '\x01' | dd of="$parts/bad/damaged.bin" bs=1 seek=700 conv=notrunc status=none
+    merge_refusal "a damaged manifest" "$parts/bad/damaged.bin: the manifest fails its checksum" "$parts/bad/damaged.bin"
 else
     check "the per-rank checkpoint checks need build/checkpoint_split (make build/checkpoint_split)" 1
 fi
