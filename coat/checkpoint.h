@@ -283,8 +283,9 @@ static inline uint32_t checkpoint_sink_section(CheckpointSink *sink) {
     return crc;
 }
 
-// Flushes a folder's entries (a rename, a new file) to disk. A file system that cannot sync a
-// folder (EINVAL) keeps them as it does. Returns 0, or -1 with `error`.
+// Flushes a folder's entries (a rename, a new file) to disk, so that a marker never reaches the
+// disk before the files it vouches for; EINVAL (a file system that cannot sync a folder) counts
+// as done. Returns 0, or -1 with `error`.
 static inline int checkpoint_sync_dir(const char *dir, char *error, size_t error_size) {
     int fd = open(dir, O_RDONLY | O_DIRECTORY);
     if (fd < 0) {
