@@ -146,6 +146,12 @@ $(BUILD)/zero_ranks: test/zero_ranks.cu $(COAT_HEADERS)
 	@mkdir -p $(BUILD)
 	$(NVCC) $(NVCCFLAGS) $< -o $@ $(NVCC_LIBS)
 
+# The per-rank checkpoints test/test_scripts.sh and test/test_cli.sh make from one file.
+$(BUILD)/checkpoint_split: test/checkpoint_split.c $(COAT_HEADERS)
+	@mkdir -p $(BUILD)
+	$(CC) $(CFLAGS) $< -o $@ -lz
+TEST_PROGRAMS := $(COMM_PROGRAMS) $(BUILD)/checkpoint_split
+
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 CPU_SCRIPT_TESTS := test/test_cli.sh test/test_shards.sh test/test_scripts.sh test/test_corpus.sh test/test_comm.sh
 GPU_SCRIPT_TESTS := test/test_train.sh test/test_crash.sh test/test_zero_gpu.sh test/test_distributed.sh test/test_hf.sh \
@@ -166,7 +172,7 @@ TOKENIZERS := data/tokenizers/llama3/tokenizer.json data/tokenizers/llama2/token
 $(TOKENIZERS):
 	scripts/fetch_tokenizers.sh
 
-test: all $(CPU_TESTS) $(GPU_TESTS) $(COMM_PROGRAMS) $(TOKENIZERS)
+test: all $(CPU_TESTS) $(GPU_TESTS) $(TEST_PROGRAMS) $(TOKENIZERS)
 ifeq ($(HAVE_GPU),0)
 	@echo "no GPU found (nvidia-smi -L): running the CPU tests only"
 	@test/run_tests.sh $(CPU_TESTS) $(CPU_SCRIPT_TESTS)
@@ -175,7 +181,7 @@ else
 	@test/run_tests.sh $(CPU_TESTS) $(CPU_SCRIPT_TESTS) $(GPU_TESTS) $(GPU_SCRIPT_TESTS)
 endif
 
-test-cpu: all $(CPU_TESTS) $(COMM_PROGRAMS) $(TOKENIZERS)
+test-cpu: all $(CPU_TESTS) $(TEST_PROGRAMS) $(TOKENIZERS)
 	@test/run_tests.sh $(CPU_TESTS) $(CPU_SCRIPT_TESTS)
 
 test-gpu: all $(GPU_TESTS)

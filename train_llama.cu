@@ -361,14 +361,14 @@ static Tokenizer *load_tokenizer_or_exit(const ConfigParser *parser) {
     return tok;
 }
 
-// Opens a checkpoint whose model shape is the config's; positioned after the header.
+// Opens a checkpoint (one file, or a manifest with its parts) whose model shape is the config's.
 // `key` is the config key that led to the file: init_from, or out_dir for its newest checkpoint.
-static FILE *open_checkpoint_or_exit(const ConfigParser *parser, const char *key, const char *path, CheckpointHeader *h,
-                                     int resuming) {
+static void open_checkpoint_or_exit(const ConfigParser *parser, const char *key, const char *path, Checkpoint *ck,
+                                    int resuming) {
     const TrainConfig *c = &parser->values;
-    char error[1024];
-    FILE *f = checkpoint_open(path, h, error, sizeof(error));
-    if (!f) fail_input(parser, key, error);
+    const CheckpointHeader *h = &ck->header;
+    char error[8192];
+    if (checkpoint_open(ck, path, error, sizeof(error)) != 0) fail_input(parser, key, error);
     const char *mismatch = checkpoint_shape_mismatch(&h->shape, &c->model);
     if (mismatch) {
         fprintf(stderr, "error: %s: %s differs between the checkpoint and the config\n", path, mismatch);
@@ -390,7 +390,6 @@ static FILE *open_checkpoint_or_exit(const ConfigParser *parser, const char *key
                 path, h->trainer_state_bytes, sizeof(TrainerState));
         exit(EXIT_FAILURE);
     }
-    return f;
 }
 
 // Two paths name the same file (a link or another spelling of it): compared as files, not strings.
@@ -506,36 +505,53 @@ static void check_trainer_state(const ConfigParser *parser, const char *path, co
     exit(EXIT_FAILURE);
 }
 
-// Reads the optimizer state's header and the trainer state of an open checkpoint (its
-// checksums verified) and checks them against this run: the refusals load_checkpoint would make
-// on the GPU.
-static void check_resume_state(const ConfigParser *parser, FILE *f, const char *path, const CheckpointHeader *h,
-                               const Dataloader *train, int ranks) {
+// Where the single file holds the optimizer state and the trainer state (either form reads so).
+static unsigned long long checkpoint_optimizer_at(const CheckpointHeader *h) {
+    return CHECKPOINT_HEADER_BYTES + 4ull * h->total_padded;
+}
+static unsigned long long checkpoint_trainer_at(const CheckpointHeader *h) {
+    return checkpoint_optimizer_at(h) + h->optimizer_state_bytes;
+}
+
+// Reads the optimizer state's header and the trainer state of an open checkpoint and checks
+// them against this run: the refusals load_checkpoint would make on the GPU. A manifest's
+// arrays must have the optimizer's bytes per group.
+static void check_resume_state(const ConfigParser *parser, Checkpoint *ck, const Dataloader *train, int ranks) {
     const TrainConfig *c = &parser->values;
+    const CheckpointHeader *h = &ck->header;
     AdamW expected;  // the fields the header check reads: the kind and the extent
     memset(&expected, 0, sizeof(expected));
     expected.kind = adamw_kind_from_config(config_optimizer_states(c));
     expected.total = h->total_padded;
     AdamWCheckpointHeader saved;
     TrainerState state;
-    char error[512];
-    if (fseeko(f, CHECKPOINT_HEADER_BYTES + 4 * (off_t)h->total_padded, SEEK_SET) != 0 || fread(&saved, sizeof(saved), 1, f) != 1 ||
-        fseeko(f, -(off_t)sizeof(TrainerState), SEEK_END) != 0 || fread(&state, sizeof(state), 1, f) != 1) {
-        fprintf(stderr, "error: %s: cannot read the optimizer and trainer state\n", path);
+    char error[8192];
+    if (checkpoint_read(ck, checkpoint_optimizer_at(h), &saved, sizeof(saved), error, sizeof(error)) != 0 ||
+        checkpoint_read(ck, checkpoint_trainer_at(h), &state, sizeof(state), error, sizeof(error)) != 0) {
+        fprintf(stderr, "error: %s (the optimizer and trainer state)\n", error);
         exit(EXIT_FAILURE);
     }
     if (adamw_checkpoint_header_check(&expected, &saved, error, sizeof(error)) != 0) {
-        fprintf(stderr, "error: %s: %s (%s)\n", path, error, config_source(parser, c->optimizer_states != STATES_AUTO ? "optimizer_states" : "precision"));
+        fprintf(stderr, "error: %s: %s (%s)\n", ck->path, error, config_source(parser, c->optimizer_states != STATES_AUTO ? "optimizer_states" : "precision"));
         exit(EXIT_CONFIG_ERROR);
     }
-    check_trainer_state(parser, path, h, &state, train, ranks);
+    for (int a = 0; !ck->file && a < CHECKPOINT_ARRAYS; a++)
+        if (ck->manifest.group_bytes[a] != adamw_section_group_bytes(expected.kind, a)) {
+            fprintf(stderr, "error: %s: array %d holds %zu bytes per group, %s states %zu: the manifest is damaged\n", ck->path, a,
+                    ck->manifest.group_bytes[a], optimizer_state_kind_name(expected.kind), adamw_section_group_bytes(expected.kind, a));
+            exit(EXIT_FAILURE);
+        }
+    check_trainer_state(parser, ck->path, h, &state, train, ranks);
 }
 
 // The checkpoint the run starts from, if any: its header, its shape, its checksums and, when
-// resuming, its optimizer and trainer state against this run on `ranks` ranks.
+// resuming, its optimizer and trainer state against this run on `ranks` ranks. Of ranks that
+// check together the checksums are read once: a single file's by rank 0, a manifest's part files
+// a share by each rank. A refusal reaches every rank through the start-up check that follows
+// (coat/agree.h), so that all exit and none waits.
 static void validate_start_checkpoint(const ConfigParser *parser, const Dataloader *train, int ranks) {
     const TrainConfig *c = &parser->values;
-    char path[4096], error[1024];
+    char path[4096], error[8192];
     int resuming;
     if (!start_checkpoint(c, path, sizeof(path), &resuming)) {
         if (c->generate) fail_no_checkpoint_to_generate(c);
@@ -545,19 +561,26 @@ static void validate_start_checkpoint(const ConfigParser *parser, const Dataload
         return;
     }
     const char *key = start_checkpoint_key(c, path);
-    CheckpointHeader h;
-    FILE *f = open_checkpoint_or_exit(parser, key, path, &h, resuming);
-    if (checkpoint_verify(f, path, &h, error, sizeof(error)) != 0) fail_input(parser, key, error);
-    if (h.version != CHECKPOINT_VERSION && comm_env_rank() == 0)
-        fprintf(stderr, "warning: %s: checkpoint version %d carries no checksums: its weights are read unchecked\n", path, h.version);
+    Checkpoint ck;
+    open_checkpoint_or_exit(parser, key, path, &ck, resuming);
+    const CheckpointHeader *h = &ck.header;
+    int sharing_rank, sharing_world;
+    agree_sharing(&sharing_rank, &sharing_world);
+    if (checkpoint_verify(&ck, sharing_rank, sharing_world, error, sizeof(error)) != 0) fail_input(parser, key, error);
+    if (h->version != CHECKPOINT_VERSION && comm_env_rank() == 0)
+        fprintf(stderr, "warning: %s: checkpoint version %d carries no checksums: its weights are read unchecked\n", path, h->version);
     long long named = -1;
-    if (strcmp(key, "out_dir") == 0 && sscanf(strrchr(path, '/') + 1, "ckpt_%lld.bin", &named) == 1 && named != h.step) {
-        fprintf(stderr, "error: %s: the header says step %lld: the file is damaged or renamed\n", path, h.step);
+    if (strcmp(key, "out_dir") == 0 && sscanf(strrchr(path, '/') + 1, "ckpt_%lld.bin", &named) == 1 && named != h->step) {
+        fprintf(stderr, "error: %s: the header says step %lld: the file is damaged or renamed\n", path, h->step);
         exit(EXIT_FAILURE);
     }
-    if (resuming && train) check_resume_state(parser, f, path, &h, train, ranks);
-    fclose(f);
-    printf("%s: checkpoint of step %lld%s\n", path, h.step, h.version == CHECKPOINT_VERSION ? ", every section's checksum right" : "");
+    if (resuming && train) check_resume_state(parser, &ck, train, ranks);
+    if (!ck.file)
+        printf("%s: checkpoint of step %lld in %d part file(s), %s\n", path, h->step, ck.manifest.parts,
+               sharing_world > 1 ? "each rank checks its share of their checksums" : "every part's checksum right");
+    else
+        printf("%s: checkpoint of step %lld%s\n", path, h->step, h->version == CHECKPOINT_VERSION ? ", every section's checksum right" : "");
+    checkpoint_close(&ck);
 }
 
 // The ranks' launch against comm_backend: what zero_attach refuses once the GPU is allocated.
@@ -630,9 +653,16 @@ static void check_logits_out(const ConfigParser *parser, const Dataloader *loade
                  stat(folder, &info) != 0 ? "does not exist" : !S_ISDIR(info.st_mode) ? "is not a folder" : "is not writable");
         fail_config(parser, "logits_out", message);
     }
-    char start[4096];
-    int resuming, reads_start = start_checkpoint(c, start, sizeof(start), &resuming) && same_file(start, c->logits_out);
+    char start[4096], part[4200];
+    int resuming, starts = start_checkpoint(c, start, sizeof(start), &resuming);
+    int reads_start = starts && same_file(start, c->logits_out);
     if (reads_start) snprintf(which, sizeof(which), "the checkpoint %s", start);
+    for (int p = 0; starts && !reads_start; p++) {  // a per-rank checkpoint's part files, .rank0.bin onwards
+        checkpoint_part_path(part, sizeof(part), start, p);
+        if (access(part, F_OK) != 0) break;
+        reads_start = same_file(part, c->logits_out);
+        if (reads_start) snprintf(which, sizeof(which), "a part file of the checkpoint %s", start);
+    }
     if (reads_start || names_an_input(c, loaders, c->logits_out, which, sizeof(which))) {
         snprintf(message, sizeof(message), "'%s' is %s, which this run reads", c->logits_out, which);
         fail_config(parser, "logits_out", message);
@@ -643,7 +673,8 @@ static void check_logits_out(const ConfigParser *parser, const Dataloader *loade
 // what training would: the config, the launch, every input (shards, tokenizer, the start
 // checkpoint with its checksums and, resuming, its optimizer and trainer state on `ranks` ranks)
 // and the outputs. dry_run also reads every token (scan_tokens, a full read of the data);
-// training checks each batch as it reads it. Every rank of a run checks what it will read itself.
+// training checks each batch as it reads it. Every rank of a run checks what it will read itself,
+// but for the start checkpoint's checksums, which one pass over the file settles for all.
 static void validate_run(const ConfigParser *parser, int ranks, LaunchKind launch, int scan_tokens) {
     const TrainConfig *c = &parser->values;
     char error[1024];
@@ -716,22 +747,17 @@ static int dry_run(const ConfigParser *parser, int ranks, LaunchKind launch) {
 
 // Reads a checkpoint's weights (this rank's parts of them) into the optimizer's master copy and
 // the BF16 parameters; with `resume`, also the optimizer and trainer state. Every rank reads its
-// own parts of the file.
+// own parts, from the one file or from the part files that hold them.
 static void load_checkpoint(Trainer *t, const char *path, int resume) {
-    CheckpointHeader h;
-    char error[1024];
-    FILE *f = open_checkpoint_or_exit(t->parser, start_checkpoint_key(t->c, path), path, &h, resume);
-    long weights = ftell(f);
-    adamw_read_section(&t->opt, 0, f, weights, path, t->host_chunk, t->gpu.stream);
+    Checkpoint ck;
+    char error[8192];
+    open_checkpoint_or_exit(t->parser, start_checkpoint_key(t->c, path), path, &ck, resume);
+    adamw_read_section(&t->opt, 0, &ck, CHECKPOINT_HEADER_BYTES, t->host_chunk, t->gpu.stream);
     adamw_write_params(&t->opt, t->model.params, t->gpu.stream);
     zero_gather_params(&t->zero, t->opt.master);
     if (resume) {
-        if (fseek(f, weights + (long)(4 * h.total_padded), SEEK_SET) != 0) fail("cannot seek past the checkpoint's weights");
-        adamw_load(&t->opt, f, path, t->host_chunk, t->gpu.stream);
-        if (fread(&t->state, sizeof(TrainerState), 1, f) != 1) {
-            fprintf(stderr, "error: %s: truncated trainer state\n", path);
-            exit(EXIT_FAILURE);
-        }
+        adamw_load(&t->opt, &ck, checkpoint_optimizer_at(&ck.header), t->host_chunk, t->gpu.stream);
+        adamw_read_or_exit(&ck, checkpoint_trainer_at(&ck.header), &t->state, sizeof(TrainerState));
         // validate_run has checked the position against this run (check_trainer_state).
         DataloaderPosition position;
         int64_t epoch_steps;
@@ -742,7 +768,7 @@ static void load_checkpoint(Trainer *t, const char *path, int resume) {
             fail_input(t->parser, "out_dir", error);
         t->sample_rng.state = t->state.sample_rng_state;
     }
-    fclose(f);
+    checkpoint_close(&ck);
     cudaCheck(cudaStreamSynchronize(t->gpu.stream));
 }
 
@@ -754,9 +780,36 @@ static void gather_chunk(void *context, const void *device, void *host, size_t b
                                t->model.grads);
 }
 
-// Rank 0 writes the checkpoint; with sharded states every rank sends it its parts (streamed, a
-// chunk at a time, in the parameter order) and the file is the one a single rank would write.
-static void save_checkpoint(Trainer *t) {
+// What a checkpoint holds of the trainer at this step (rank 0's, which the others share but for
+// their part of the data).
+static void trainer_state_at_checkpoint(Trainer *t) {
+    const TrainConfig *c = t->c;
+    t->state.train_position = dataloader_position(&t->train_loader);
+    t->state.train_position.step *= t->comm->world;
+    t->state.sample_rng_state = t->sample_rng.state;
+    t->state.data_seed = c->seed;
+    t->state.data_shuffle = training_order(c);
+    t->state.data_micro_batch_size = c->micro_batch_size;
+    t->state.data_seq_len = c->seq_len;
+}
+
+// The header of this step's checkpoint (its checksums are taken as the sections are written).
+static CheckpointHeader checkpoint_header_now(const Trainer *t) {
+    CheckpointHeader h;
+    memset(&h, 0, sizeof(h));
+    h.shape = t->c->model;
+    h.step = t->state.step;
+    h.total_padded = t->model.layout.total_padded;
+    h.has_optimizer_state = 1;
+    h.optimizer_state_bytes = adamw_checkpoint_bytes(&t->opt);
+    h.trainer_state_bytes = sizeof(TrainerState);
+    return h;
+}
+
+// checkpoint_writes = rank0: rank 0 writes the checkpoint; with sharded states every rank sends
+// it its parts (streamed, a chunk at a time, in the parameter order) and the file is the one a
+// single rank would write. Each section's checksum is taken as it is written.
+static void save_checkpoint_file(Trainer *t) {
     const TrainConfig *c = t->c;
     int rank = t->comm->rank, sharded = t->zero.plan.shards > 1;
     if (!sharded && rank != 0) return;
@@ -765,39 +818,133 @@ static void save_checkpoint(Trainer *t) {
     void *context = sharded ? (void *)t : (void *)t->gpu.stream;
     size_t chunk = sharded && 2 * t->model.grads_elems < ADAMW_COPY_CHUNK_BYTES ? 2 * t->model.grads_elems : ADAMW_COPY_CHUNK_BYTES;
     cudaCheck(cudaStreamSynchronize(t->gpu.stream));
-    CheckpointHeader h;
-    char error[1024];
-    FILE *f = NULL;
-    h.shape = c->model;
-    h.step = t->state.step;
-    h.total_padded = t->model.layout.total_padded;
-    h.has_optimizer_state = 1;
-    h.optimizer_state_bytes = adamw_checkpoint_bytes(&t->opt);
-    h.trainer_state_bytes = sizeof(TrainerState);
+    CheckpointHeader h = checkpoint_header_now(t);
+    CheckpointSink file, *sink = NULL;
+    char error[8192];
     if (rank == 0) {
-        f = checkpoint_begin(c->out_dir, &h, error, sizeof(error));
-        if (!f) fail(error);
+        if (checkpoint_begin(c->out_dir, &h, &file, error, sizeof(error)) != 0) fail(error);
+        sink = &file;
     }
-    int failed = adamw_write_section(&t->opt, 0, f, ranks, rank, gather, context, t->host_chunk, chunk);
-    int failed_too = adamw_save(&t->opt, f, ranks, rank, gather, context, t->host_chunk, chunk);
+    adamw_write_section(&t->opt, 0, sink, 0, ranks, gather, context, t->host_chunk, chunk);
+    if (sink) h.crc[0] = checkpoint_sink_section(sink);
+    adamw_save(&t->opt, sink, 0, ranks, gather, context, t->host_chunk, chunk);
     if (rank != 0) return;
-    t->state.train_position = dataloader_position(&t->train_loader);
-    t->state.train_position.step *= t->comm->world;
-    t->state.sample_rng_state = t->sample_rng.state;
-    t->state.data_seed = c->seed;
-    t->state.data_shuffle = training_order(c);
-    t->state.data_micro_batch_size = c->micro_batch_size;
-    t->state.data_seq_len = c->seq_len;
-    if (!failed) failed = failed_too;
-    if (!failed && fwrite(&t->state, sizeof(TrainerState), 1, f) != 1) failed = errno ? errno : EIO;
-    if (failed) {
-        checkpoint_abandon(f, c->out_dir, h.step);  // a partial file would only fill the disk
-        fprintf(stderr, "error: %s/ckpt_%08lld.bin.tmp: write failed: %s (removed)\n", c->out_dir, h.step, strerror(failed));
-        exit(EXIT_FAILURE);
-    }
-    if (checkpoint_commit(f, c->out_dir, &h, error, sizeof(error)) != 0) fail(error);
+    h.crc[1] = checkpoint_sink_section(sink);
+    trainer_state_at_checkpoint(t);
+    checkpoint_sink_write(sink, &t->state, sizeof(TrainerState));
+    h.crc[2] = checkpoint_sink_section(sink);
+    if (checkpoint_commit(sink, c->out_dir, &h, error, sizeof(error)) != 0) fail(error);
     checkpoint_prune(c->out_dir, c->checkpoints_keep);
     printf("checkpoint: %s/ckpt_%08lld.bin\n", c->out_dir, h.step);
+}
+
+// The ranks' reports on their part files: each puts the CRC-32 of its part (-1: not written) in
+// its own slot, which the others leave 0, so that one sum gives every rank every report (exact:
+// whole numbers below 2^33). Fills crcs[parts]; returns the first rank whose part failed, or -1.
+static int gather_part_reports(Trainer *t, int parts, int written, uint32_t crc, uint32_t *crcs) {
+    double values[ZERO_SCALARS];
+    char what[96];
+    int failed = -1;
+    snprintf(what, sizeof(what), "the part files' reports of the step-%lld checkpoint", t->state.step);
+    for (int first = 0; first < parts; first += ZERO_SCALARS) {
+        int n = parts - first < ZERO_SCALARS ? parts - first : ZERO_SCALARS, mine = t->comm->rank - first;
+        for (int i = 0; i < n; i++) values[i] = i == mine ? (written ? (double)crc : -1.0) : 0.0;
+        collectives_all_reduce_sum_f64(&t->zero.collectives, values, n, t->gpu.stream, what);
+        for (int i = 0; i < n; i++) {
+            if (values[i] < 0 && failed < 0) failed = first + i;
+            crcs[first + i] = values[i] < 0 ? 0 : (uint32_t)values[i];
+        }
+    }
+    return failed;
+}
+
+// This rank's part file of the step's checkpoint: its parts of the weights and of every
+// optimizer array, on disk and renamed into place. Returns 1 with *crc, or 0 having printed why not.
+static int write_part_file(Trainer *t, int parts, uint32_t *crc) {
+    const AdamW *opt = &t->opt;
+    const char *dir = t->c->out_dir;
+    size_t group_bytes[CHECKPOINT_ARRAYS];
+    for (int a = 0; a < CHECKPOINT_ARRAYS; a++) group_bytes[a] = adamw_section_group_bytes(opt->kind, a);
+    CheckpointRange *ranges = (CheckpointRange *)malloc(opt->range_count * sizeof(CheckpointRange));
+    if (!ranges) fail("out of host memory for the checkpoint's ranges");
+    unsigned long long bytes = checkpoint_part_file_bytes(ranges, adamw_part_ranges(opt, opt->rank, ranges), group_bytes);
+    free(ranges);
+    CheckpointSink sink;
+    char error[8192];
+    int written = checkpoint_part_begin(dir, t->state.step, opt->rank, parts, &sink, error, sizeof(error)) == 0;
+    if (written) {
+        for (int a = 0; a < CHECKPOINT_ARRAYS; a++)
+            adamw_write_section(opt, a, &sink, opt->rank, 1, adamw_gather_copy, t->gpu.stream, t->host_chunk, ADAMW_COPY_CHUNK_BYTES);
+        written = checkpoint_part_commit(&sink, dir, t->state.step, opt->rank, bytes, crc, error, sizeof(error)) == 0;
+    }
+    if (!written) fprintf(stderr, "error: %s\n", error);
+    return written;
+}
+
+// Rank 0's manifest of the parts (crcs[parts] their files' CRC-32) and the .done marker.
+static void write_manifest(Trainer *t, int parts, const uint32_t *crcs) {
+    const AdamW *opt = &t->opt;
+    CheckpointManifest m;
+    AdamWCheckpointHeader optimizer_header;
+    char error[8192];
+    memset(&m, 0, sizeof(m));
+    m.header = checkpoint_header_now(t);
+    for (int a = 0; a < CHECKPOINT_ARRAYS; a++) m.group_bytes[a] = adamw_section_group_bytes(opt->kind, a);
+    adamw_checkpoint_header(opt, &optimizer_header);
+    trainer_state_at_checkpoint(t);
+    m.optimizer_header_bytes = sizeof(optimizer_header);
+    m.optimizer_header = (unsigned char *)malloc(sizeof(optimizer_header));
+    m.trainer_state = (unsigned char *)malloc(sizeof(TrainerState));
+    m.parts = parts;
+    m.part = (CheckpointPart *)calloc((size_t)parts, sizeof(CheckpointPart));
+    if (!m.optimizer_header || !m.trainer_state || !m.part) fail("out of host memory for the checkpoint's manifest");
+    memcpy(m.optimizer_header, &optimizer_header, sizeof(optimizer_header));
+    memcpy(m.trainer_state, &t->state, sizeof(TrainerState));
+    for (int p = 0; p < parts; p++) {
+        CheckpointPart *part = &m.part[p];
+        part->ranges = (CheckpointRange *)malloc(opt->range_count * sizeof(CheckpointRange));
+        if (!part->ranges) fail("out of host memory for the checkpoint's manifest");
+        part->range_count = adamw_part_ranges(opt, p, part->ranges);
+        part->file_bytes = checkpoint_part_file_bytes(part->ranges, part->range_count, m.group_bytes);
+        part->crc = crcs[p];
+    }
+    if (checkpoint_manifest_commit(t->c->out_dir, &m, error, sizeof(error)) != 0) fail(error);
+    checkpoint_manifest_free(&m);
+}
+
+// checkpoint_writes = per_rank: every rank that holds a part of the states (all of them when
+// sharded, else rank 0) writes it to its own file, in parallel, no byte passing through another
+// rank; once all have reported their files on disk, rank 0 writes the manifest and the marker.
+// A rank whose part failed ends every rank, none marked done (the parts written are removed).
+static void save_checkpoint_parts(Trainer *t) {
+    const TrainConfig *c = t->c;
+    int rank = t->comm->rank, parts = t->zero.plan.shards > 1 ? t->comm->world : 1;
+    long long step = t->state.step;
+    cudaCheck(cudaStreamSynchronize(t->gpu.stream));
+    uint32_t crc = 0, *crcs = (uint32_t *)malloc((size_t)parts * sizeof(uint32_t));
+    if (!crcs) fail("out of host memory for the part files' reports");
+    int written = rank < parts && write_part_file(t, parts, &crc);
+    int failed = gather_part_reports(t, parts, written, crc, crcs);
+    if (failed >= 0) {
+        char manifest[4096], part[4200];
+        checkpoint_path(manifest, sizeof(manifest), c->out_dir, step, ".bin");
+        checkpoint_part_path(part, sizeof(part), manifest, rank);
+        if (written) remove(part);  // no checkpoint will list it
+        if (rank == 0)
+            fprintf(stderr, "error: %s: not written: rank %d could not write its part file (its error above)\n", manifest, failed);
+        exit(EXIT_FAILURE);
+    }
+    if (rank == 0) {
+        write_manifest(t, parts, crcs);
+        checkpoint_prune(c->out_dir, c->checkpoints_keep);
+        printf("checkpoint: %s/ckpt_%08lld.bin (a manifest of %d part file(s))\n", c->out_dir, step, parts);
+    }
+    free(crcs);
+}
+
+static void save_checkpoint(Trainer *t) {
+    if (t->c->checkpoint_writes == CHECKPOINT_WRITES_PER_RANK) save_checkpoint_parts(t);
+    else save_checkpoint_file(t);
 }
 
 // Copies the next batch of `loader` to the GPU.

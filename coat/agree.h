@@ -204,6 +204,14 @@ static inline void agree_out_dir(const char *out_dir) {
     if (c->rank == 0) unlink(path);
 }
 
+// The ranks that share the start-up checks now: this rank and the world size of the joined
+// ranks, whose errors reach every rank through rank 0, or 0 of 1 for a process that checks alone.
+// A check of a file every rank reads (a checkpoint's checksums) may be split among them.
+static inline void agree_sharing(int *rank, int *world) {
+    *rank = agree_state.armed ? agree_state.comm->rank : 0;
+    *world = agree_state.armed ? agree_state.comm->world : 1;
+}
+
 // The checks are over: errors print where they happen again.
 static inline void agree_end(void) {
     agree_state.armed = 0;

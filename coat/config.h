@@ -25,6 +25,7 @@
 typedef enum { SCHEDULE_COSINE, SCHEDULE_LINEAR, SCHEDULE_WSD, SCHEDULE_CONSTANT } Schedule;
 typedef enum { COMM_NCCL, COMM_MPI } CommBackendChoice;
 typedef enum { SHUFFLE_BATCHES, SHUFFLE_ROWS } ShuffleChoice;
+typedef enum { CHECKPOINT_WRITES_RANK0, CHECKPOINT_WRITES_PER_RANK } CheckpointWrites;
 
 typedef struct {
     ModelShape model;
@@ -48,6 +49,7 @@ typedef struct {
     int checkpoint_every;
     int checkpoint_final;
     int checkpoints_keep;
+    int checkpoint_writes;  // CheckpointWrites
     // batch and schedule
     int micro_batch_size;
     int seq_len;
@@ -136,6 +138,10 @@ static const ConfigKey config_keys[] = {
     {"checkpoint_final", KEY_INT, CFG(checkpoint_final), "1", 0, 1, NULL,
      "write a checkpoint after the last step (0: none, for benchmarks: a 7B model's is 42-81 GB)"},
     {"checkpoints_keep", KEY_INT, CFG(checkpoints_keep), "2", 1, 1000, NULL, "newest checkpoints kept"},
+    {"checkpoint_writes", KEY_CHOICE, CFG(checkpoint_writes), "rank0", 0, 0, "rank0|per_rank",
+     "rank0: one file, ckpt_<step>.bin, written by rank 0 (sharded states pass through it); per_rank, for large "
+     "states: every rank writes its parts to ckpt_<step>.rank<r>.bin in parallel and rank 0 a manifest, "
+     "ckpt_<step>.bin. Either resumes on any world size and stage; scripts/convert_hf.py merge makes one file"},
     // batch and schedule
     {"micro_batch_size", KEY_INT, CFG(micro_batch_size), "16", 1, 1 << 20, NULL, "sequences per GPU per forward"},
     {"seq_len", KEY_INT, CFG(seq_len), "0", 0, 1 << 20, NULL, "tokens per sequence (0: max_seq_len)"},

@@ -46,6 +46,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "checkpoint.h"
 #include "common.cuh"
 #include "config.h"
 #include "fp8.cuh"
@@ -890,21 +891,16 @@ static inline void adamw_step_fp32_grads(AdamW *opt, bf16 *params, const float *
 // v's. Each section is an array over the 128-groups of the parameter order, so the ranks' parts
 // map into it section by section: a part's groups sit at (its first element / 128) x (bytes per
 // group). Rank 0 writes every part in the parameter order (range by range, rank by rank), each
-// fetched by the caller's `gather` a chunk at a time; every rank reads its own parts back, so a
-// checkpoint resumes on any world size and any bucketing. The header is 7
-// little-endian uint64; the decay table is rebuilt from the config.
+// fetched by the caller's `gather` a chunk at a time; or each rank writes its own parts to its
+// part file (coat/checkpoint.h's per-rank checkpoints, the arrays CHECKPOINT_ARRAYS). Every rank
+// reads its own parts back through a Checkpoint, from either form, so a checkpoint resumes on any
+// world size and any bucketing. The header is 7 little-endian uint64; the decay table is rebuilt
+// from the config.
 
 typedef struct {
     uint64_t magic, version, state_kind, shard_begin, shard_end, step, payload_bytes;
 } AdamWCheckpointHeader;
-
-#define ADAMW_SECTIONS 5  // master, m, v, m's group scalars, v's: the order of the state and of a checkpoint
-
-static inline size_t adamw_section_group_bytes(OptimizerStateKind kind, int section) {
-    if (section == 0) return 4 * ADAMW_GROUP;
-    if (section <= 2) return adamw_moment_elem_bytes(kind) * ADAMW_GROUP;
-    return 4 * adamw_group_scalars(kind);
-}
+static_assert(ADAMW_SECTIONS == CHECKPOINT_ARRAYS, "a per-rank checkpoint's arrays are the state's sections");
 
 // Section `section` of this rank's device state.
 static inline unsigned char *adamw_section(const AdamW *opt, int section) {
@@ -965,16 +961,16 @@ static inline int adamw_checkpoint_header_check(const AdamW *opt, const AdamWChe
 // Moves `bytes` of rank `from`'s device memory to rank 0's host memory `host` (one rank: a copy).
 typedef void (*AdamWGather)(void *context, const void *device, void *host, size_t bytes, int from);
 
-// Rank 0 writes section `section` of the parts of `ranks` ranks (this process is rank `rank`,
-// and every rank calls this in the same order), through `host`, chunk_bytes of host memory.
-// Returns 0, or on rank 0 the errno of the first failed write: the gathers go on after it, so
-// that every rank stays in step, and the caller names the file.
-static inline int adamw_write_section(const AdamW *opt, int section, FILE *file, int ranks, int rank, AdamWGather gather,
-                                      void *context, unsigned char *host, size_t chunk_bytes) {
-    int failed = 0;
+// Section `section` of the parts of ranks [first, first + count), range by range and rank by
+// rank, each fetched by `gather` through `host` (chunk_bytes of host memory) and written to `sink`
+// (NULL on a rank that sends its parts but writes none). Every rank of a gather calls this in the
+// same order; a failed write is kept in the sink and the gathers go on, so that every rank stays
+// in step.
+static inline void adamw_write_section(const AdamW *opt, int section, CheckpointSink *sink, int first, int count,
+                                       AdamWGather gather, void *context, unsigned char *host, size_t chunk_bytes) {
     size_t group_bytes = adamw_section_group_bytes(opt->kind, section);
     for (int i = 0; i < opt->range_count; i++)
-        for (int r = 0; r < ranks; r++) {
+        for (int r = first; r < first + count; r++) {
             size_t begin, end;
             adamw_part_of(opt, i, r, &begin, &end);
             size_t bytes = (end - begin) / ADAMW_GROUP * group_bytes;
@@ -983,62 +979,76 @@ static inline int adamw_write_section(const AdamW *opt, int section, FILE *file,
             for (size_t done = 0; done < bytes; done += chunk_bytes) {
                 size_t chunk = bytes - done < chunk_bytes ? bytes - done : chunk_bytes;
                 gather(context, device + done, host, chunk, r);
-                if (rank == 0 && !failed && fwrite(host, 1, chunk, file) != chunk) failed = errno ? errno : EIO;
+                if (sink) checkpoint_sink_write(sink, host, chunk);
             }
         }
-    return failed;
 }
 
-// This rank's parts of section `section`, which starts at byte `start` of the file (through
-// `host`, ADAMW_COPY_CHUNK_BYTES of host memory).
-static inline void adamw_read_section(AdamW *opt, int section, FILE *file, long start, const char *path,
+// Bytes [at, at + n) of the checkpoint, or an exit with its error (naming the file).
+static inline void adamw_read_or_exit(Checkpoint *ck, unsigned long long at, void *out, size_t n) {
+    char error[8192];
+    if (checkpoint_read(ck, at, out, n, error, sizeof(error)) == 0) return;
+    fprintf(stderr, "error: %s\n", error);
+    exit(EXIT_FAILURE);
+}
+
+// This rank's parts of section `section`, which starts at byte `start` of the checkpoint (the
+// single file's offsets, whichever form holds it), through `host` (ADAMW_COPY_CHUNK_BYTES of
+// host memory).
+static inline void adamw_read_section(AdamW *opt, int section, Checkpoint *ck, unsigned long long start,
                                       unsigned char *host, cudaStream_t stream) {
     size_t group_bytes = adamw_section_group_bytes(opt->kind, section);
     for (int i = 0; i < opt->range_count; i++) {
         size_t begin, end;
         adamw_part_of(opt, i, opt->rank, &begin, &end);
         size_t bytes = (end - begin) / ADAMW_GROUP * group_bytes;
-        if (bytes == 0) continue;
-        if (fseek(file, start + (long)(begin / ADAMW_GROUP * group_bytes), SEEK_SET) != 0)
-            fail_with(path, "cannot seek to this rank's optimizer state");
+        unsigned long long at = start + (unsigned long long)(begin / ADAMW_GROUP) * group_bytes;
         unsigned char *device = adamw_section(opt, section) + opt->ranges[i].state_at / ADAMW_GROUP * group_bytes;
         for (size_t done = 0; done < bytes; done += ADAMW_COPY_CHUNK_BYTES) {
             size_t chunk = bytes - done < ADAMW_COPY_CHUNK_BYTES ? bytes - done : ADAMW_COPY_CHUNK_BYTES;
-            if (fread(host, 1, chunk, file) != chunk)
-                fail_with(path, section == 0 ? "truncated weights" : "truncated optimizer state");
+            adamw_read_or_exit(ck, at + done, host, chunk);
             cudaCheck(cudaMemcpyAsync(device + done, host, chunk, cudaMemcpyHostToDevice, stream));
             cudaCheck(cudaStreamSynchronize(stream));
         }
     }
 }
 
-// The optimizer part of a checkpoint (the weights written before it): header and sections.
-// Returns 0, or on rank 0 the errno of the first failed write (as adamw_write_section).
-static inline int adamw_save(const AdamW *opt, FILE *file, int ranks, int rank, AdamWGather gather, void *context,
-                             unsigned char *host, size_t chunk_bytes) {
-    AdamWCheckpointHeader h;
-    adamw_checkpoint_header(opt, &h);
-    int failed = 0;
-    if (rank == 0 && fwrite(&h, sizeof(h), 1, file) != 1) failed = errno ? errno : EIO;
-    for (int section = 1; section < ADAMW_SECTIONS; section++) {
-        int status = adamw_write_section(opt, section, file, ranks, rank, gather, context, host, chunk_bytes);
-        if (!failed) failed = status;
+// Rank `rank`'s parts in the parameter order, the non-empty ones, as adamw_write_section writes
+// them for that rank alone: a part file's ranges (coat/checkpoint.h). Returns their count
+// (at most range_count).
+static inline int adamw_part_ranges(const AdamW *opt, int rank, CheckpointRange *out) {
+    int count = 0;
+    for (int i = 0; i < opt->range_count; i++) {
+        size_t begin, end;
+        adamw_part_of(opt, i, rank, &begin, &end);
+        if (end > begin) out[count].begin = begin, out[count].end = end, count++;
     }
-    return failed;
+    return count;
 }
 
-// Reads it back from the file's position (this shard's parts), leaving the file after it.
-static inline void adamw_load(AdamW *opt, FILE *file, const char *path, unsigned char *host, cudaStream_t stream) {
+// The optimizer part of a checkpoint (the weights written before it): header and sections, of
+// the parts of ranks [first, first + count), as adamw_write_section writes them (the header by
+// a rank with a sink).
+static inline void adamw_save(const AdamW *opt, CheckpointSink *sink, int first, int count, AdamWGather gather,
+                              void *context, unsigned char *host, size_t chunk_bytes) {
+    AdamWCheckpointHeader h;
+    adamw_checkpoint_header(opt, &h);
+    if (sink) checkpoint_sink_write(sink, &h, sizeof(h));
+    for (int section = 1; section < ADAMW_SECTIONS; section++)
+        adamw_write_section(opt, section, sink, first, count, gather, context, host, chunk_bytes);
+}
+
+// Reads it back from byte `start` of the checkpoint (this rank's parts).
+static inline void adamw_load(AdamW *opt, Checkpoint *ck, unsigned long long start, unsigned char *host, cudaStream_t stream) {
     AdamWCheckpointHeader h;
     char error[256];
-    if (fread(&h, sizeof(h), 1, file) != 1) fail_with(path, "truncated optimizer state (header)");
-    if (adamw_checkpoint_header_check(opt, &h, error, sizeof(error)) != 0) fail_with(path, error);
-    long start = ftell(file);
+    adamw_read_or_exit(ck, start, &h, sizeof(h));
+    if (adamw_checkpoint_header_check(opt, &h, error, sizeof(error)) != 0) fail_with(ck->path, error);
+    start += sizeof(h);
     for (int section = 1; section < ADAMW_SECTIONS; section++) {
-        adamw_read_section(opt, section, file, start, path, host, stream);
-        start += (long)(opt->total / ADAMW_GROUP * adamw_section_group_bytes(opt->kind, section));
+        adamw_read_section(opt, section, ck, start, host, stream);
+        start += (unsigned long long)(opt->total / ADAMW_GROUP) * adamw_section_group_bytes(opt->kind, section);
     }
-    if (fseek(file, start, SEEK_SET) != 0) fail_with(path, "cannot seek past the optimizer state");
     opt->step = (long long)h.step;
 }
 

@@ -62,6 +62,15 @@ static inline size_t adamw_payload_bytes(OptimizerStateKind kind, size_t n) {
     return 4 * n + 2 * (adamw_moment_elem_bytes(kind) * n + 4 * adamw_group_scalars(kind) * groups);
 }
 
+#define ADAMW_SECTIONS 5  // master, m, v, m's group scalars, v's: the order of the state and of a checkpoint
+
+// Bytes per 128-group of section `section` of the state.
+static inline size_t adamw_section_group_bytes(OptimizerStateKind kind, int section) {
+    if (section == 0) return 4 * ADAMW_GROUP;
+    if (section <= 2) return adamw_moment_elem_bytes(kind) * ADAMW_GROUP;
+    return 4 * adamw_group_scalars(kind);
+}
+
 // Device memory the optimizer allocates for a shard of n elements: the state and the decay table.
 static inline size_t adamw_state_bytes(OptimizerStateKind kind, size_t n) {
     return adamw_payload_bytes(kind, n) + n / ADAMW_GROUP;

@@ -1,10 +1,16 @@
 #!/usr/bin/env python3
-"""Converts between our checkpoints and Hugging Face Llama folders, with the standard library only.
+"""Converts our checkpoints to and from Hugging Face Llama folders, and a per-rank checkpoint to
+one file, with the standard library only.
 
   convert_hf.py export CKPT_FILE OUT_DIR [--dtype bfloat16|float32]
       writes OUT_DIR/model.safetensors and OUT_DIR/config.json (LlamaForCausalLM); reads
       checkpoint versions 2 (every section's CRC-32 verified first: a damaged file is refused
-      naming the section) and 1 (no checksums: read unchecked, with a warning)
+      naming the section) and 1 (no checksums: read unchecked, with a warning), one file or a
+      per-rank checkpoint's manifest (every part file's CRC-32 verified first)
+  convert_hf.py merge MANIFEST CKPT_FILE
+      writes a per-rank checkpoint (checkpoint_writes = per_rank: the manifest ckpt_<step>.bin
+      and its part files ckpt_<step>.rank<r>.bin) as one file, the bytes rank 0 writes with
+      checkpoint_writes = rank0; for the tools that read one file only
   convert_hf.py import HF_DIR CKPT_FILE
       reads HF_DIR/config.json and model.safetensors (or a sharded model.safetensors.index.json),
       F32 or BF16 tensors, and writes a version-2 checkpoint (coat/checkpoint.h: a CRC-32 per
@@ -24,9 +30,8 @@ import sys
 from functools import lru_cache
 from typing import Callable, Dict, Iterable, List, Tuple
 
-from llama_layout import (CHECKPOINT_HEADER_BYTES, CHECKPOINT_VERSION, CheckpointHeader, FormatError, ModelShape,
-                          ParamLayout, TensorSlot, float32, open_regular, read_checkpoint_header, verify_checkpoint,
-                          write_checkpoint)
+from llama_layout import (CHECKPOINT_HEADER_BYTES, CHECKPOINT_VERSION, CheckpointHeader, CheckpointReader, FormatError,
+                          ModelShape, ParamLayout, TensorSlot, float32, open_regular, write_checkpoint)
 
 CHUNK_ELEMS = 1 << 20  # converted at a time: bounds memory for multi-GB tensors
 DTYPE_BYTES = {"F32": 4, "BF16": 2}
@@ -212,9 +217,10 @@ def hf_config(shape: ModelShape, torch_dtype: str) -> dict:
 
 
 def export_checkpoint(checkpoint_path: str, out_dir: str, torch_dtype: str) -> str:
-    header = read_checkpoint_header(checkpoint_path)
+    reader = CheckpointReader(checkpoint_path)
+    header = reader.header
     if header.version == CHECKPOINT_VERSION:
-        verify_checkpoint(checkpoint_path, header)  # before anything is written
+        reader.verify()  # before anything is written
     else:
         print(f"warning: {checkpoint_path}: checkpoint version {header.version} carries no checksums: its weights are "
               "read unchecked", file=sys.stderr)
@@ -224,7 +230,7 @@ def export_checkpoint(checkpoint_path: str, out_dir: str, torch_dtype: str) -> s
     def tensor_chunks(slot: TensorSlot) -> Callable[[], Iterable[bytes]]:
         def chunks() -> Iterable[bytes]:
             start = CHECKPOINT_HEADER_BYTES + 4 * slot.offset
-            for chunk in read_chunks(checkpoint_path, start, 4 * slot.numel, 4 * CHUNK_ELEMS):
+            for chunk in reader.chunks(start, 4 * slot.numel, 4 * CHUNK_ELEMS):
                 yield chunk if dtype == "F32" else float32_to_bfloat16(chunk)
         return chunks
 
@@ -371,6 +377,27 @@ def import_hf(hf_dir: str, checkpoint_path: str) -> str:
             f"# model keys for the config:\n{keys}")
 
 
+# ---- merge ----------------------------------------------------------------------------------
+
+def merge_checkpoint(manifest_path: str, out_path: str) -> str:
+    """A per-rank checkpoint (its manifest and part files) as the one file train_llama's rank 0
+    writes, byte for byte: every part's CRC-32 is verified first, the sections' are taken anew."""
+    reader = CheckpointReader(manifest_path)
+    if reader.manifest is None:
+        raise FormatError(f"{manifest_path}: already one file, not a per-rank checkpoint's manifest")
+    reader.verify()
+    header = CheckpointHeader(reader.header.shape, reader.header.step, reader.header.total_padded,
+                              reader.header.has_optimizer_state, reader.header.optimizer_state_bytes,
+                              reader.header.trainer_state_bytes)
+    sizes = header.section_bytes
+    starts = [CHECKPOINT_HEADER_BYTES, CHECKPOINT_HEADER_BYTES + sizes[0], CHECKPOINT_HEADER_BYTES + sizes[0] + sizes[1]]
+
+    def write(f) -> None:
+        write_checkpoint(f, out_path, header, [reader.chunks(start, size) for start, size in zip(starts, sizes)])
+    write_atomically(out_path, write)
+    return (f"merged the {len(reader.manifest.parts)} part files of {manifest_path} (step {header.step}) into {out_path}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -381,10 +408,15 @@ def main() -> int:
     imports = commands.add_parser("import", help="HF Llama folder -> our checkpoint (step 0)")
     imports.add_argument("hf_dir")
     imports.add_argument("checkpoint")
+    merge = commands.add_parser("merge", help="per-rank checkpoint (manifest) -> one file")
+    merge.add_argument("manifest")
+    merge.add_argument("checkpoint")
     args = parser.parse_args()
     try:
         if args.command == "export":
             print(export_checkpoint(args.checkpoint, args.out_dir, args.dtype))
+        elif args.command == "merge":
+            print(merge_checkpoint(args.manifest, args.checkpoint))
         else:
             print(import_hf(args.hf_dir, args.checkpoint))
     except FormatError as e:

@@ -1,7 +1,7 @@
 """Shared helpers of the Python scripts, standard library only: the config reader, the model
 shape, the parameter layout of coat/params.h, the RoPE frequencies, and the binary formats the
-scripts exchange with ./train_llama (checkpoint files with their checksums, debug state header,
-logits file).
+scripts exchange with ./train_llama (checkpoint files with their checksums, one file or per-rank
+parts with a manifest; debug state header, logits file).
 
 Parameter layout (one flat float32 buffer, layer-major, as coat/params.h):
   embedding [V, H]; per layer: attn_norm [H], wq [NH*hd, H], wk [NKV*hd, H], wv [NKV*hd, H],
@@ -10,6 +10,7 @@ Parameter layout (one flat float32 buffer, layer-major, as coat/params.h):
   multiple of 128 elements. Names are the Hugging Face ones.
 All binary formats are little-endian.
 """
+import bisect
 import errno
 import io
 import math
@@ -372,10 +373,16 @@ def unpack_checkpoint_header(data: bytes, path: str) -> CheckpointHeader:
 
 def read_checkpoint_header(path: str) -> CheckpointHeader:
     """The header of a checkpoint file, checked against the file size and the layout of its shape
-    (and, version 2, against its own checksum; verify_checkpoint checks the sections')."""
+    (and, version 2, against its own checksum; verify_checkpoint checks the sections'). A
+    per-rank checkpoint's manifest is refused naming the conversion to one file (CheckpointReader
+    reads either form)."""
     try:
         with open_regular(path, "rb") as f:
-            header = unpack_checkpoint_header(f.read(CHECKPOINT_HEADER_BYTES), path)
+            data = f.read(CHECKPOINT_HEADER_BYTES)
+            if data[:8] == MANIFEST_MAGIC:
+                raise FormatError(f"{path}: a per-rank checkpoint's manifest (checkpoint_writes = per_rank), not one file: "
+                                  f"python3 scripts/convert_hf.py merge {path} ONE.bin makes it one")
+            header = unpack_checkpoint_header(data, path)
         size = os.path.getsize(path)
     except OSError as e:
         raise FormatError(f"{path}: cannot read: {e.strerror}") from None
@@ -441,6 +448,236 @@ def checkpoint_bytes(header: CheckpointHeader, weights: bytes, optimizer_state: 
     out = io.BytesIO()
     write_checkpoint(out, "<memory>", header, [[weights], [optimizer_state], [trainer_state]])
     return out.getvalue()
+
+
+# ---- per-rank checkpoints (checkpoint_writes = per_rank; coat/checkpoint.h) -----------------
+# One checkpoint in several files: DIR/ckpt_<step>.rank<p>.bin for p < P ("LLAMACKP", uint64
+# version, step, p, P, then for each of the 5 arrays, the master weights and the optimizer's m, v,
+# m's group scalars, v's, the bytes of the part's element ranges in order) and the manifest
+# DIR/ckpt_<step>.bin ("LLAMACKM", uint64 version, the header of the single file it stands for
+# with section CRCs 0, uint64 P, uint64 bytes per 128-group of each array, uint64 H and the
+# optimizer state's first H bytes, the trainer state, then per part uint64 file size, CRC-32,
+# range count n and n x (begin, end); last the CRC-32 of everything before). The parts' ranges
+# tile the parameter order; the single file's weights are array 0, its optimizer state the H
+# bytes then arrays 1 to 4.
+
+MANIFEST_MAGIC = b"LLAMACKM"
+PART_MAGIC = b"LLAMACKP"
+PARTS_VERSION = 1
+PART_HEADER_BYTES = 40
+CHECKPOINT_ARRAYS = 5
+
+
+@dataclass
+class CheckpointPart:
+    file_bytes: int
+    crc: int
+    ranges: List[Tuple[int, int]]  # elements of the parameter order, in the file's order
+
+
+@dataclass
+class Manifest:
+    header: CheckpointHeader  # of the single file it stands for
+    group_bytes: Tuple[int, ...]
+    optimizer_header: bytes
+    trainer_state: bytes
+    parts: List[CheckpointPart]
+
+
+def part_path(manifest_path: str, part: int) -> str:
+    """DIR/ckpt_<step>.rank<part>.bin of the manifest DIR/ckpt_<step>.bin."""
+    stem = manifest_path[:-4] if manifest_path.endswith(".bin") else manifest_path
+    return f"{stem}.rank{part}.bin"
+
+
+def _manifest_problem(m: Manifest) -> Optional[str]:
+    """What is wrong with a manifest's numbers (checkpoint_manifest_check), or None."""
+    total, h = m.header.total_padded, m.header
+    if not 1 <= len(m.parts) <= 65536:
+        return f"{len(m.parts)} parts, a manifest lists 1 to 65536"
+    if total % PARAM_ALIGN_ELEMS or m.group_bytes[0] != 4 * PARAM_ALIGN_ELEMS or max(m.group_bytes) > 4096:
+        return f"bytes per group {m.group_bytes}: the weights are FP32 groups of {PARAM_ALIGN_ELEMS}"
+    groups = total // PARAM_ALIGN_ELEMS
+    if len(m.optimizer_header) + sum(groups * g for g in m.group_bytes[1:]) != h.optimizer_state_bytes:
+        return f"its optimizer state does not add up to the header's {h.optimizer_state_bytes} bytes"
+    ranges = sorted(r for part in m.parts for r in part.ranges)
+    at = 0
+    for begin, end in ranges:
+        if begin != at or end <= begin or end % PARAM_ALIGN_ELEMS:
+            return f"the parts' ranges do not tile the parameter order at element {at}"
+        at = end
+    if at != total:
+        return f"the parts' ranges leave out elements [{at}, {total})"
+    for p, part in enumerate(m.parts):
+        size = PART_HEADER_BYTES + sum((e - b) // PARAM_ALIGN_ELEMS for b, e in part.ranges) * sum(m.group_bytes)
+        if part.file_bytes != size:
+            return f"part {p} is said to be {part.file_bytes} bytes, its ranges make {size}"
+    return None
+
+
+def read_manifest(path: str) -> Manifest:
+    """A per-rank checkpoint's manifest, checked against its own CRC-32 and its numbers."""
+    try:
+        with open_regular(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read: {e.strerror}") from None
+    fixed = 16 + CHECKPOINT_HEADER_BYTES + 8 + 8 * CHECKPOINT_ARRAYS + 8 + 8
+    if len(data) < fixed or data[:8] != MANIFEST_MAGIC:
+        raise FormatError(f"{path}: " + ("truncated manifest" if len(data) >= 8 and data[:8] == MANIFEST_MAGIC
+                                         else "not a per-rank checkpoint's manifest (bad magic)"))
+    (version,) = struct.unpack_from("<Q", data, 8)
+    if version != PARTS_VERSION:
+        raise FormatError(f"{path}: manifest version {version}, this script reads {PARTS_VERSION}")
+    (stored,) = struct.unpack_from("<Q", data, len(data) - 8)
+    if stored != zlib.crc32(data[:-8]):
+        raise FormatError(f"{path}: the manifest fails its checksum (crc32 {zlib.crc32(data[:-8]):08x}, it says "
+                          f"{stored:08x}): the file is damaged")
+    header = unpack_checkpoint_header(data[16:16 + CHECKPOINT_HEADER_BYTES], path)
+    if header.total_padded != ParamLayout(header.shape).total_padded:
+        raise FormatError(f"{path}: total_padded {header.total_padded}, the layout of its shape needs "
+                          f"{ParamLayout(header.shape).total_padded}")
+    at = 16 + CHECKPOINT_HEADER_BYTES
+    try:
+        (parts,) = struct.unpack_from("<Q", data, at)
+        group_bytes = struct.unpack_from(f"<{CHECKPOINT_ARRAYS}Q", data, at + 8)
+        (optimizer_header_bytes,) = struct.unpack_from("<Q", data, at + 8 + 8 * CHECKPOINT_ARRAYS)
+        at += 16 + 8 * CHECKPOINT_ARRAYS
+        optimizer_header = data[at:at + optimizer_header_bytes]
+        at += optimizer_header_bytes
+        trainer_state = data[at:at + header.trainer_state_bytes]
+        at += header.trainer_state_bytes
+        part_list = []
+        for _ in range(min(parts, 65537)):
+            file_bytes, crc, count = struct.unpack_from("<3Q", data, at)
+            if count > (len(data) - at) // 16:
+                raise struct.error("more ranges than bytes")
+            values = struct.unpack_from(f"<{2 * count}Q", data, at + 24)
+            part_list.append(CheckpointPart(file_bytes, crc, list(zip(values[0::2], values[1::2]))))
+            at += 24 + 16 * count
+    except struct.error:
+        raise FormatError(f"{path}: corrupt manifest (its sizes and counts disagree with its length)") from None
+    manifest = Manifest(header, group_bytes, optimizer_header, trainer_state, part_list)
+    problem = "its sizes and counts disagree with its length" if at != len(data) - 8 else _manifest_problem(manifest)
+    if problem:
+        raise FormatError(f"{path}: corrupt manifest: {problem}")
+    return manifest
+
+
+class CheckpointReader:
+    """A checkpoint's bytes at the single file's offsets, read from the file itself or from a
+    per-rank checkpoint's manifest and part files (every part there, of its size and header, is
+    checked on opening; verify() checks the checksums)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            with open_regular(path, "rb") as f:
+                magic = f.read(8)
+        except OSError as e:
+            raise FormatError(f"{path}: cannot read: {e.strerror}") from None
+        self.manifest = read_manifest(path) if magic == MANIFEST_MAGIC else None
+        if self.manifest is None:
+            self.header = read_checkpoint_header(path)
+            return
+        self.header = self.manifest.header
+        self.header_bytes = pack_checkpoint_header(self.header)
+        self._pieces = []  # (begin, end, part, groups of the part's ranges before it)
+        self._part_groups = []
+        for p, part in enumerate(self.manifest.parts):
+            before = 0
+            for begin, end in part.ranges:
+                self._pieces.append((begin, end, p, before))
+                before += (end - begin) // PARAM_ALIGN_ELEMS
+            self._part_groups.append(before)
+            self._check_part(p)
+        self._pieces.sort()
+
+    def _part_error(self, part: int, what: str) -> FormatError:
+        return FormatError(f"{part_path(self.path, part)}: {what} (part {part} of {len(self.manifest.parts)} of {self.path})")
+
+    def _check_part(self, part: int) -> None:
+        path, expected = part_path(self.path, part), self.manifest.parts[part].file_bytes
+        try:
+            with open_regular(path, "rb") as f:
+                head = f.read(PART_HEADER_BYTES)
+            size = os.path.getsize(path)
+        except FileNotFoundError:
+            raise self._part_error(part, "missing") from None
+        except OSError as e:
+            raise self._part_error(part, f"cannot read: {e.strerror}") from None
+        if size != expected:
+            raise self._part_error(part, f"size {size} bytes, the manifest says {expected} (truncated or damaged)")
+        version, step, index, parts = struct.unpack_from("<4Q", head, 8)
+        if head[:8] != PART_MAGIC or version != PARTS_VERSION:
+            raise self._part_error(part, "not a checkpoint part of this version (bad magic or version)")
+        if (step, index, parts) != (self.header.step, part, len(self.manifest.parts)):
+            raise self._part_error(part, f"holds part {index} of {parts} of step {step}, the manifest expects part {part} "
+                                         f"of {len(self.manifest.parts)} of step {self.header.step} here")
+
+    def verify(self) -> None:
+        """Checks a single file's sections (verify_checkpoint) or every part file against the
+        CRC-32 its manifest gives; raises FormatError naming the damaged one."""
+        if self.manifest is None:
+            verify_checkpoint(self.path, self.header)
+            return
+        for p, part in enumerate(self.manifest.parts):
+            crc = 0
+            for chunk in self._file_chunks(part_path(self.path, p), 0, part.file_bytes, _CK_CHUNK_BYTES):
+                crc = zlib.crc32(chunk, crc)
+            if crc != part.crc:
+                raise self._part_error(p, f"fails its checksum (crc32 {crc:08x}, the manifest says {part.crc:08x}): "
+                                          "the file is damaged")
+
+    @staticmethod
+    def _file_chunks(path: str, start: int, nbytes: int, chunk_bytes: int) -> Iterable[bytes]:
+        try:
+            with open_regular(path, "rb") as f:
+                f.seek(start)
+                while nbytes > 0:
+                    chunk = f.read(min(chunk_bytes, nbytes))
+                    if not chunk:
+                        raise FormatError(f"{path}: ends early")
+                    nbytes -= len(chunk)
+                    yield chunk
+        except OSError as e:
+            raise FormatError(f"{path}: cannot read: {e.strerror}") from None
+
+    def _array_chunks(self, a: int, x: int, nbytes: int, chunk_bytes: int) -> Iterable[bytes]:
+        group_bytes, m = self.manifest.group_bytes[a], self.manifest
+        starts = [piece[0] for piece in self._pieces]
+        while nbytes > 0:
+            begin, end, p, before = self._pieces[bisect.bisect_right(starts, x // group_bytes * PARAM_ALIGN_ELEMS) - 1]
+            first, last = begin // PARAM_ALIGN_ELEMS * group_bytes, end // PARAM_ALIGN_ELEMS * group_bytes
+            take = min(nbytes, last - x)
+            at = PART_HEADER_BYTES + self._part_groups[p] * sum(m.group_bytes[:a]) + before * group_bytes + (x - first)
+            yield from self._file_chunks(part_path(self.path, p), at, take, chunk_bytes)
+            x += take
+            nbytes -= take
+
+    def chunks(self, offset: int, nbytes: int, chunk_bytes: int = _CK_CHUNK_BYTES) -> Iterable[bytes]:
+        """Bytes [offset, offset + nbytes) of the single file, in chunks of at most chunk_bytes."""
+        if self.manifest is None:
+            yield from self._file_chunks(self.path, offset, nbytes, chunk_bytes)
+            return
+        m, groups = self.manifest, self.header.total_padded // PARAM_ALIGN_ELEMS
+        regions = [(self.header_bytes, None), (None, 0), (m.optimizer_header, None)] + \
+                  [(None, a) for a in range(1, CHECKPOINT_ARRAYS)] + [(m.trainer_state, None)]
+        start = 0
+        for blob, a in regions:
+            length = len(blob) if blob is not None else groups * m.group_bytes[a]
+            if nbytes > 0 and offset < start + length:
+                take = min(nbytes, start + length - offset)
+                if blob is not None:
+                    for at in range(offset - start, offset - start + take, chunk_bytes):
+                        yield blob[at:min(at + chunk_bytes, offset - start + take)]
+                else:
+                    yield from self._array_chunks(a, offset - start, take, chunk_bytes)
+                offset += take
+                nbytes -= take
+            start += length
+        if nbytes > 0:
+            raise FormatError(f"{self.path}: a read past the end of the checkpoint (at byte {offset})")
 
 
 # ---- debug state files (scripts/train_llama.py --debug-state) --------------------------------

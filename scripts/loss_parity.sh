@@ -288,7 +288,7 @@ table=$(summarize "$OUT" "${results[@]}") || table_status=$?
 echo
 echo "$table"
 
-checkpoint=$(find "$OUT/bf16" -maxdepth 1 -name 'ckpt_*.bin' 2>/dev/null | sort | tail -n 1) || checkpoint=""
+checkpoint=$(find "$OUT/bf16" -maxdepth 1 -name 'ckpt_*.bin' ! -name 'ckpt_*.rank*.bin' 2>/dev/null | sort | tail -n 1) || checkpoint=""
 if [ ! -f "$ROOT/scripts/optimizer_state_mse.py" ]; then
     echo "loss_parity: scripts/optimizer_state_mse.py not found: optimizer-state table skipped"
 elif [ -z "$checkpoint" ]; then

@@ -464,6 +464,68 @@ import sys; f = open(sys.argv[1], 'r+b'); f.seek($offset); b = f.read(1); f.seek
 done
 check "dry_run refuses every one of $flips single-bit flips in the header, weights, optimizer and trainer state" \
     "$([ "$flips_refused" -eq "$flips" ]; echo $?)" "$flips_refused of $flips refused"
+# A per-rank checkpoint (checkpoint_writes = per_rank: a manifest and a part file per rank; here
+# the resumable one above split as 3 ranks write it, build/checkpoint_split) resumes in dry_run as
+# the one file does; a missing, short or damaged part file, or a damaged manifest, is refused in
+# one line naming the file and the checkpoint it belongs to.
+if [ -x build/checkpoint_split ]; then
+    make_resumable "$tmp/coat_one" 10 position=40 kind=3
+    mkdir -p "$tmp/parts_run"
+    out=$(build/checkpoint_split "$tmp/coat_one/ckpt_00000010.bin" "$tmp/parts_run" 3 1 2>&1); rc=$?
+    check "build/checkpoint_split writes 3 part files and a manifest" \
+        "$([ $rc -eq 0 ] && [ -e "$tmp/parts_run/ckpt_00000010.rank2.bin" ] && [ -e "$tmp/parts_run/ckpt_00000010.done" ]; echo $?)" "$out"
+    out=$(./train_llama "${resume[@]}" --precision=coat --out_dir="$tmp/parts_run" 2>&1); rc=$?
+    check "dry_run resumes a per-rank checkpoint of 3 part files, every part's checksum right, at the one file's data position" \
+        "$([ $rc -eq 0 ] && printf '%s' "$out" | grep -q "ckpt_00000010.bin: checkpoint of step 10 in 3 part file(s), every part's checksum right" &&
+           printf '%s' "$out" | grep -q "data position: epoch 0, step 40 of 100 on 1 rank(s)"; echo $?)" "$out"
+    part=$tmp/parts_run/ckpt_00000010.rank1.bin
+    parts_refusal() {  # parts_refusal NAME EXPECTED-TEXT: the damaged copy in $tmp/parts_bad is refused in one line
+        err=$(./train_llama "${resume[@]}" --precision=coat --out_dir="$tmp/parts_bad" 2>&1 > /dev/null); rc=$?
+        check "dry_run refuses $1 in one line naming it" \
+            "$([ $rc -ne 0 ] && [ "$(printf '%s\n' "$err" | wc -l)" -eq 1 ] && printf '%s' "$err" | grep -qF -- "$2"; echo $?)" "$err"
+    }
+    bad_part=$tmp/parts_bad/ckpt_00000010.rank1.bin bad_context="(part 1 of 3 of $tmp/parts_bad/ckpt_00000010.bin)"
+    rm -rf "$tmp/parts_bad"; cp -r "$tmp/parts_run" "$tmp/parts_bad"; rm "$bad_part"
+    parts_refusal "a missing part file" "$bad_part: missing $bad_context"
+    rm -rf "$tmp/parts_bad"; cp -r "$tmp/parts_run" "$tmp/parts_bad"; truncate -s -1 "$bad_part"
+    parts_refusal "a part file one byte short" "$bad_part: size $(($(stat -c %s "$part") - 1)) bytes, the manifest says $(stat -c %s "$part") (truncated or damaged) $bad_context"
+    rm -rf "$tmp/parts_bad"; cp -r "$tmp/parts_run" "$tmp/parts_bad"
+    printf '\x01' | dd of="$bad_part" bs=1 seek=70000 conv=notrunc status=none
+    parts_refusal "a damaged part file" "$bad_part: fails its checksum"
+    rm -rf "$tmp/parts_bad"; cp -r "$tmp/parts_run" "$tmp/parts_bad"
+    printf '\x01' | dd of="$tmp/parts_bad/ckpt_00000010.bin" bs=1 seek=700 conv=notrunc status=none
+    parts_refusal "a damaged manifest" "$tmp/parts_bad/ckpt_00000010.bin: the manifest fails its checksum"
+    expect_stderr "an unknown checkpoint_writes" "command line: checkpoint_writes: 'all' is not one of rank0|per_rank" \
+        "${resume[@]}" --out_dir="$tmp/parts_run" --checkpoint_writes=all
+else
+    check "the per-rank checkpoint checks need build/checkpoint_split (make build/checkpoint_split)" 1
+fi
+# Launched as 2 ranks (training without a GPU goes as far as the GPU), one rank reads the one
+# file's checksums, and each rank its share of a per-rank checkpoint's part files: a damaged
+# section, or a damaged part that rank 1 checks, is refused on both ranks before the GPU, printed
+# once by rank 0, and both exit non-zero.
+if command -v mpirun > /dev/null && ! nvidia-smi -L > /dev/null 2>&1 && grep -qa MPI_Init ./train_llama && [ -x build/checkpoint_split ]; then
+    ranks2=(timeout 60 mpirun --allow-run-as-root --oversubscribe -np 2 ./train_llama "${resume[@]}" --dry_run=0 --precision=coat
+            --comm_backend=mpi)
+    rm -rf "$tmp/one_bad"; cp -r "$tmp/coat_one" "$tmp/one_bad"
+    printf '\x01' | dd of="$tmp/one_bad/ckpt_00000010.bin" bs=1 seek=$((512 + 4 * padded + 1000)) conv=notrunc status=none
+    out=$("${ranks2[@]}" --out_dir="$tmp/one_bad" 2>&1); rc=$?
+    check "2 ranks: a damaged optimizer section of the one file is refused once, both ranks exit non-zero before the GPU" \
+        "$([ $rc -ne 0 ] && [ $rc -ne 124 ] && [ "$(printf '%s\n' "$out" | grep -c '^error')" = 1 ] &&
+           printf '%s' "$out" | grep -q "^error: $tmp/one_bad/ckpt_00000010.bin: the optimizer state section fails its checksum" &&
+           ! printf '%s' "$out" | grep -q 'no CUDA GPU'; echo $?)" "$(printf '%s\n' "$out" | grep -v '^ *$' | head -4)"
+    rm -rf "$tmp/parts_bad"; cp -r "$tmp/parts_run" "$tmp/parts_bad"
+    printf '\x01' | dd of="$bad_part" bs=1 seek=70000 conv=notrunc status=none
+    out=$("${ranks2[@]}" --out_dir="$tmp/parts_bad" 2>&1); rc=$?
+    check "2 ranks: a damaged part file that rank 1 checks is refused once, naming rank 1 and the file, both exit non-zero" \
+        "$([ $rc -ne 0 ] && [ $rc -ne 124 ] && [ "$(printf '%s\n' "$out" | grep -c '^error')" = 1 ] &&
+           printf '%s' "$out" | grep -qF "error: rank 1: $bad_part: fails its checksum" &&
+           ! printf '%s' "$out" | grep -q 'no CUDA GPU'; echo $?)" "$(printf '%s\n' "$out" | grep -v '^ *$' | head -4)"
+    out=$("${ranks2[@]}" --out_dir="$tmp/parts_run" 2>&1)
+    check "2 ranks: the per-rank checkpoint passes, each rank checking its share, and both go on to the GPU" \
+        "$(printf '%s' "$out" | grep -q "in 3 part file(s), each rank checks its share of their checksums" &&
+           [ "$(printf '%s\n' "$out" | grep -c 'no CUDA GPU found')" = 2 ]; echo $?)" "$(printf '%s\n' "$out" | head -4)"
+fi
 make_resumable "$tmp/step_run" 10 stepfield=11
 err=$(./train_llama "${resume[@]}" --out_dir="$tmp/step_run" 2>&1 >/dev/null); rc=$?
 check "a trainer state at another step than the header is refused" \
@@ -524,6 +586,10 @@ expect_stderr "logits_out in a missing folder" "logits_out '$tmp/missing/logits.
 expect_stderr "logits_out onto the checkpoint it reads" "logits_out '$tmp/gen.bin' is the checkpoint $tmp/gen.bin, which this run reads" \
     "${gen[@]}" --logits_out="$tmp/gen.bin"
 expect_stderr "logits_out without generate" "logits_out is written by generate = 1 only" "${data[@]}" --logits_out="$tmp/logits.bin"
+[ -e "$tmp/parts_run/ckpt_00000010.rank2.bin" ] &&
+    expect_stderr "logits_out onto a part file of the per-rank checkpoint it reads" \
+        "logits_out '$tmp/parts_run/ckpt_00000010.rank2.bin' is a part file of the checkpoint $tmp/parts_run/ckpt_00000010.bin, which this run reads" \
+        "${gen[@]}" --init_from="$tmp/parts_run/ckpt_00000010.bin" --logits_out="$tmp/parts_run/ckpt_00000010.rank2.bin"
 
 # Settings that would remove the run's own inputs; inputs compared as files, not path strings.
 mkdir -p "$tmp/self"; cp "$tmp/same.bin" "$tmp/self/ckpt_00000003.bin"; touch "$tmp/self/ckpt_00000003.done"

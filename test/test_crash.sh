@@ -4,8 +4,9 @@
 # loss, learning rate and gradient norm) and the same final checkpoint, byte for byte, as the same
 # run left alone, and its stdout, redirected to a file, keeps the step lines printed before each
 # kill. llama-125m at 2 x 128 tokens a step: its checkpoints (about 0.8 GB) take long enough to
-# write that a kill can be aimed inside one. Then preemption: SIGTERM stops a run with a checkpoint
-# (exit 75) that resumes to the same log and final checkpoint; a second signal ends it at once.
+# write that a kill can be aimed inside one. The same with per-rank checkpoints (a part file and a
+# manifest). Then preemption: SIGTERM stops a run with a checkpoint (exit 75) that resumes to the
+# same log and final checkpoint; a second signal ends it at once.
 cd "$(dirname "$0")/.." || exit 1
 source test/check.sh
 tmp=$(mktemp -d); trap 'kill -9 $pid 2>/dev/null; rm -rf "$tmp"' EXIT
@@ -74,6 +75,60 @@ check "its final checkpoint equals the undisturbed run's, byte for byte" \
     "$(cmp -s "$tmp/alone/$final.bin" "$dir/$final.bin" && [ -e "$dir/$final.done" ]; echo $?)"
 check "no checkpoint file is left half-written" "$(! ls "$dir"/*.bin.tmp > /dev/null 2>&1; echo $?)" "$(ls "$dir")"
 
+
+# Per-rank checkpoints (checkpoint_writes = per_rank; one rank writes one part file and the
+# manifest): killed again and again, while a part file is being written and at random, a step
+# being written never gets its marker, the next start removes what the kill left, and the run
+# ends with the undisturbed log, and a final checkpoint that merges to its file byte for byte.
+dir=$tmp/parts_crashed
+mkdir -p "$dir"
+kills_in_write=0 marked_early=0 attempts=0 finished=1
+for attempt in 1 2 3 4 5 6 7 8; do
+    attempts=$attempt
+    continue=(--overwrite=1)
+    ls "$dir"/ckpt_*.done > /dev/null 2>&1 && continue=(--resume=1)
+    touch "$tmp/started"
+    ./train_llama "${common[@]}" --checkpoint_writes=per_rank --out_dir="$dir" "${continue[@]}" > "$tmp/parts$attempt.out" 2>&1 &
+    pid=$!
+    if [ "$attempt" -lt 8 ]; then
+        if [ $((attempt % 2)) -eq 1 ]; then
+            writing=""
+            while kill -0 $pid 2>/dev/null; do
+                writing=$(find "$dir" -name '*.rank0.bin.tmp' -newer "$tmp/started" 2>/dev/null | head -1)
+                [ -n "$writing" ] && break
+                sleep 0.01
+            done
+            if [ -n "$writing" ] && kill -9 $pid 2>/dev/null; then
+                kills_in_write=$((kills_in_write + 1))
+                step=$(basename "$writing" | sed 's/^ckpt_\([0-9]*\)\.rank0\.bin\.tmp$/\1/')
+                { wait $pid; } 2> /dev/null
+                [ -e "$dir/ckpt_$step.done" ] && marked_early=$((marked_early + 1))
+            fi
+        else
+            lines=$((RANDOM % 6 + 1))
+            while kill -0 $pid 2>/dev/null && [ "$(grep -c '^step ' "$tmp/parts$attempt.out")" -lt "$lines" ]; do sleep 0.01; done
+            sleep "0.0$((RANDOM % 5))"
+            kill -0 $pid 2>/dev/null && kill -9 $pid 2>/dev/null
+        fi
+    fi
+    { wait $pid; } 2> /dev/null
+    finished=$?
+    [ "$finished" -eq 0 ] && break
+done
+check "per-rank checkpoints: the killed run resumes to its end ($attempts attempts, $kills_in_write kills while a part file was written)" \
+    "$([ "$finished" -eq 0 ] && [ "$kills_in_write" -ge 2 ]; echo $?)" "$(tail -3 "$tmp/parts$attempts.out")"
+check "per-rank checkpoints: a step killed while its part file was written never has its marker ($marked_early of $kills_in_write)" \
+    "$([ "$marked_early" -eq 0 ]; echo $?)"
+check "per-rank checkpoints: the log equals the undisturbed run's" \
+    "$(diff <(numbers "$tmp/alone/log.jsonl") <(numbers "$dir/log.jsonl") > "$tmp/diff"; echo $?)" "$(head -6 "$tmp/diff")"
+out=$(python3 scripts/convert_hf.py merge "$dir/$final.bin" "$tmp/parts_final.bin" 2>&1)
+check "per-rank checkpoints: the final checkpoint merges to the undisturbed run's file, byte for byte" \
+    "$(cmp -s "$tmp/parts_final.bin" "$tmp/alone/$final.bin"; echo $?)" "$out"
+orphans=$(for part in "$dir"/ckpt_*.rank*.bin; do
+    [ -e "${part%.rank*.bin}.done" ] || echo "$part"
+done)
+check "per-rank checkpoints: no temporary or unmarked part file is left" \
+    "$([ -z "$orphans" ] && ! ls "$dir"/*.tmp > /dev/null 2>&1; echo $?)" "$orphans $(ls "$dir")"
 
 # Preemption: SIGTERM in the middle of the run stops it at the next step boundary with a
 # checkpoint of that step and exit code 75; resumed, it ends with the log and the final checkpoint

@@ -8,7 +8,8 @@
 # working weights, gathered before their forward and their backward: the same losses and norms as
 # stage 2 bit for bit, with one micro-batch a step and with several, with the two gather slots in
 # turn over 4 buckets of layers) in bf16 and coat, coat's E4M3 parameter gather against its BF16
-# one, with a bucket per layer too; validation split over the ranks (at stage 3 every rank runs as
+# one, with a bucket per layer too; per-rank checkpoints (checkpoint_writes = per_rank) against
+# rank 0's file; validation split over the ranks (at stage 3 every rank runs as
 # many forward passes); one rank under mpirun with NCCL equals the plain run bit for bit, two NCCL ranks
 # on one GPU are refused by name, and on a machine with several GPUs NCCL with one rank per GPU
 # follows one rank too, also when each rank sees only its own GPU.
@@ -204,6 +205,84 @@ resume_on coat_s1 4 "$tmp/coat_s1-on-4-stage3" "${stage1[@]}" --precision=coat -
 resume_on coat_s1 1 "$tmp/coat_s1-on-1" "${stage1[@]}" --precision=coat
 # and across bucketings: a bucket per layer's checkpoint on merged buckets
 resume_on layers_e4m3 2 "$tmp/layers_e4m3-merged" "${stage1[@]}" --precision=coat --zero_stage=1
+
+# Per-rank checkpoints (checkpoint_writes = per_rank): 2 ranks at stage 1 in bf16 and at stage 2
+# in coat write their parts in parallel and rank 0 a manifest. Training is the rank0 run's bit for
+# bit; merged (convert_hf.py merge) each checkpoint is the rank0 run's file byte for byte; resumed
+# on 1, 2 and 4 ranks at other stages, each gives the losses of the rank0 file's resume bit for
+# bit, and its step-20 checkpoint, written per rank again (1 part on one rank or at stage 0, else
+# one per rank), merges to that resume's file. A damaged checkpoint file, or a damaged or missing
+# part file, is refused by name before any step, once for both ranks, and both exit non-zero.
+# The per-rank step-10 checkpoint of run FROM resumed in DIR on RANKS ranks with the arguments that follow.
+resume_parts_on() {
+    local from=$1 ranks=$2 dir=$3
+    shift 3
+    mkdir -p "$dir"
+    cp "$tmp/$from"/ckpt_00000010.* "$tmp/$from/log.jsonl" "$dir/"
+    if [ "$ranks" = 1 ]; then
+        ./train_llama "$@" --out_dir="$dir" --resume=1 > "$dir.out" 2>&1
+    else
+        "${mpi[@]}" "$ranks" ./train_llama "$@" --comm_backend=mpi --out_dir="$dir" --resume=1 > "$dir.out" 2>&1
+    fi
+}
+for pair in "s1_2 1 bf16" "coat_s2 2 coat"; do
+    set -- $pair
+    ref=$1 stage=$2 precision=$3 run=parts_$1
+    "${mpi[@]}" 2 ./train_llama "${stage1[@]}" --precision="$precision" --zero_stage="$stage" --checkpoint_writes=per_rank \
+        --comm_backend=mpi --out_dir="$tmp/$run" > "$tmp/$run.out" 2>&1
+    check "$precision, ZeRO stage $stage on 2 ranks, checkpoint_writes = per_rank: 20 steps, each checkpoint a manifest, 2 part files and its marker" \
+        "$([ $? -eq 0 ] && [ "$(ls "$tmp/$run"/ckpt_*.done | wc -l)" = 2 ] && [ "$(ls "$tmp/$run"/ckpt_*.rank[01].bin | wc -l)" = 4 ] &&
+           ! ls "$tmp/$run"/*.tmp > /dev/null 2>&1; echo $?)" "$(tail -3 "$tmp/$run.out"; ls "$tmp/$run")"
+    check "$precision, stage $stage, per-rank checkpoints: the log is the rank0 run's bit for bit" \
+        "$([ "$(numbers "$tmp/$run/log.jsonl" | wc -l)" -ge 22 ] && cmp -s <(numbers "$tmp/$ref/log.jsonl") <(numbers "$tmp/$run/log.jsonl");
+           echo $?)" "$(diff <(numbers "$tmp/$ref/log.jsonl") <(numbers "$tmp/$run/log.jsonl") | head -4)"
+    for step in 10 20; do
+        name=$(printf 'ckpt_%08d' $step)
+        out=$(python3 scripts/convert_hf.py merge "$tmp/$run/$name.bin" "$tmp/$run-$step.merged" 2>&1)
+        check "$precision, stage $stage: the per-rank step-$step checkpoint merged is the rank0 run's file byte for byte" \
+            "$(cmp -s "$tmp/$run-$step.merged" "$tmp/$ref/$name.bin"; echo $?)" "$out $(cmp "$tmp/$run-$step.merged" "$tmp/$ref/$name.bin" 2>&1)"
+    done
+done
+for triple in "s1_2 1 1 bf16" "s1_2 2 0 bf16" "s1_2 4 2 bf16" "coat_s2 1 1 coat" "coat_s2 2 1 coat" "coat_s2 4 2 coat"; do
+    set -- $triple
+    from=$1 ranks=$2 stage=$3 precision=$4
+    args=("${stage1[@]}" --precision="$precision" --zero_stage="$stage")
+    resume_on "$from" "$ranks" "$tmp/$from-one-on-$ranks-stage$stage" "${args[@]}"
+    resume_parts_on "parts_$from" "$ranks" "$tmp/parts_$from-on-$ranks-stage$stage" "${args[@]}" --checkpoint_writes=per_rank
+    dir=$tmp/parts_$from-on-$ranks-stage$stage one=$tmp/$from-one-on-$ranks-stage$stage
+    check "the per-rank step-10 checkpoint ($precision, 2 ranks) on $ranks rank(s) at stage $stage: the losses of the one file's resume, bit for bit" \
+        "$([ "$(numbers "$dir/log.jsonl" | wc -l)" -ge 22 ] && cmp -s <(numbers "$one/log.jsonl") <(numbers "$dir/log.jsonl"); echo $?)" \
+        "$(tail -2 "$dir.out"; diff <(numbers "$one/log.jsonl") <(numbers "$dir/log.jsonl") | head -4)"
+    parts=$([ "$ranks" = 1 ] || [ "$stage" = 0 ] && echo 1 || echo "$ranks")
+    out=$(python3 scripts/convert_hf.py merge "$dir/ckpt_00000020.bin" "$dir-20.merged" 2>&1)
+    check "$precision, resumed on $ranks rank(s) at stage $stage: its step-20 checkpoint in $parts part file(s) merges to the one file's resume's, byte for byte" \
+        "$([ "$(ls "$dir"/ckpt_00000020.rank*.bin | wc -l)" = "$parts" ] && cmp -s "$dir-20.merged" "$one/ckpt_00000020.bin"; echo $?)" "$out"
+done
+mkdir -p "$tmp/one_damaged"
+cp "$tmp/s1_2"/ckpt_00000010.bin "$tmp/s1_2"/ckpt_00000010.done "$tmp/s1_2/log.jsonl" "$tmp/one_damaged/"
+size=$(stat -c %s "$tmp/one_damaged/ckpt_00000010.bin")
+printf '\x01' | dd of="$tmp/one_damaged/ckpt_00000010.bin" bs=1 seek=$((size - 100)) conv=notrunc status=none
+"${mpi[@]}" 2 ./train_llama "${stage1[@]}" --comm_backend=mpi --out_dir="$tmp/one_damaged" --resume=1 > "$tmp/one_damaged.log" 2>&1
+rc=$?
+check "a damaged checkpoint file (its optimizer state, checked by rank 0 alone) is refused on 2 ranks, once, before any step" \
+    "$([ $rc -ne 0 ] && [ $rc -ne 124 ] && [ "$(grep -c '^error' "$tmp/one_damaged.log")" = 1 ] &&
+       grep -q "^error: $tmp/one_damaged/ckpt_00000010.bin: the optimizer state section fails its checksum" "$tmp/one_damaged.log" &&
+       ! grep -q '^step ' "$tmp/one_damaged.log"; echo $?)" "$(grep -v '^ *$' "$tmp/one_damaged.log" | head -3)"
+mkdir -p "$tmp/parts_damaged"
+cp "$tmp/parts_s1_2"/ckpt_00000010.* "$tmp/parts_s1_2/log.jsonl" "$tmp/parts_damaged/"
+printf '\x01' | dd of="$tmp/parts_damaged/ckpt_00000010.rank1.bin" bs=1 seek=100000 conv=notrunc status=none
+"${mpi[@]}" 2 ./train_llama "${stage1[@]}" --comm_backend=mpi --out_dir="$tmp/parts_damaged" --resume=1 > "$tmp/parts_damaged.log" 2>&1
+rc=$?
+check "a damaged part file is refused on 2 ranks, once, naming it, before any step" \
+    "$([ $rc -ne 0 ] && [ $rc -ne 124 ] && [ "$(grep -c '^error' "$tmp/parts_damaged.log")" = 1 ] &&
+       grep -q "^error: rank 1: $tmp/parts_damaged/ckpt_00000010.rank1.bin: fails its checksum" "$tmp/parts_damaged.log" &&
+       ! grep -q '^step ' "$tmp/parts_damaged.log"; echo $?)" "$(grep -v '^ *$' "$tmp/parts_damaged.log" | head -3)"
+rm "$tmp/parts_damaged/ckpt_00000010.rank1.bin"
+./train_llama "${stage1[@]}" --out_dir="$tmp/parts_damaged" --resume=1 > "$tmp/parts_missing.log" 2>&1
+rc=$?
+check "a missing part file is refused by name before any step" \
+    "$([ $rc -ne 0 ] && grep -q "^error: $tmp/parts_damaged/ckpt_00000010.rank1.bin: missing (part 1 of 2 of $tmp/parts_damaged/ckpt_00000010.bin)" \
+       "$tmp/parts_missing.log" && ! grep -q '^step ' "$tmp/parts_missing.log"; echo $?)" "$(tail -2 "$tmp/parts_missing.log")"
 
 # NCCL refuses two ranks on one GPU, and so does the trainer before it: the ranks compare their
 # GPUs' UUIDs. (Logs of refused runs are *.log: the allocation check below reads every *.out.)

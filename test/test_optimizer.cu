@@ -638,7 +638,10 @@ static void test_save_load(Fixture *fx, OptimizerStateKind kind) {
     FILE *file = tmpfile();
     if (!file) { fprintf(stderr, "error: tmpfile: cannot create a temporary file\n"); exit(EXIT_FAILURE); }
     unsigned char *chunk = (unsigned char *)host_alloc(ADAMW_COPY_CHUNK_BYTES);
-    check(adamw_save(&a, file, 1, 0, adamw_gather_copy, fx->stream, chunk, ADAMW_COPY_CHUNK_BYTES) == 0, "%s save: written", name);
+    CheckpointSink sink;
+    checkpoint_sink_init(&sink, file);
+    adamw_save(&a, &sink, 0, 1, adamw_gather_copy, fx->stream, chunk, ADAMW_COPY_CHUNK_BYTES);
+    check(sink.error == 0 && fflush(file) == 0, "%s save: written", name);
     float *master_at_save = host_floats(fx->total);  // a checkpoint's own section
     adamw_copy_master_to_host(&a, master_at_save, fx->stream);
     long written = ftell(file);
@@ -651,9 +654,10 @@ static void test_save_load(Fixture *fx, OptimizerStateKind kind) {
     AdamWConfig config = test_config(0);
     adamw_create(&b, kind, &config, &fx->layout, 0, fx->total, fx->stream);
     cudaCheck(cudaMemset(fx->params, 0, fx->total * sizeof(bf16)));
-    rewind(file);
-    adamw_load(&b, file, "tmpfile", chunk, fx->stream);
-    check(ftell(file) == written, "%s load: the file left after the optimizer state (at %ld of %ld)", name, ftell(file), written);
+    Checkpoint ck;
+    checkpoint_over_file(&ck, file, "tmpfile");
+    adamw_load(&b, &ck, 0, chunk, fx->stream);
+    check(ftell(file) == written, "%s load: the last read ends at the optimizer state's end (at %ld of %ld)", name, ftell(file), written);
     free(chunk);
     adamw_set_master_from_host(&b, master_at_save, fx->stream);
     free(master_at_save);
@@ -876,6 +880,26 @@ static void test_fp32_grads(Fixture *fx, OptimizerStateKind kind) {
     adamw_free(&b);
 }
 
+// The parts of rank r's optimizer under `plan` that differ from the whole optimizer's slices
+// (whole_state: its state downloaded), every section's, and its step count.
+static size_t parts_differ(const AdamW *part_opt, const ZeroPlan *plan, int r, const AdamW *whole, const unsigned char *whole_state) {
+    unsigned char *state = download_state(part_opt);
+    size_t bad = part_opt->step != whole->step;
+    for (int b = 0; b < plan->buckets; b++) {
+        ZeroRange part = zero_owned(plan, b, r);
+        for (int section = 0; section < ADAMW_SECTIONS; section++) {
+            size_t group_bytes = adamw_section_group_bytes(whole->kind, section);
+            const unsigned char *mine = state + (adamw_section(part_opt, section) - (unsigned char *)part_opt->state) +
+                                        plan->bucket[b].state_at / ADAMW_GROUP * group_bytes;
+            const unsigned char *want = whole_state + (adamw_section(whole, section) - (unsigned char *)whole->state) +
+                                        part.begin / ADAMW_GROUP * group_bytes;
+            bad += memcmp(mine, want, (part.end - part.begin) / ADAMW_GROUP * group_bytes) != 0;
+        }
+    }
+    free(state);
+    return bad;
+}
+
 // ZeRO checkpoints on one GPU: 3 shards (the last ending in padding) step like the whole-buffer
 // optimizer, rank 0's write of all three (their sections gathered in small chunks) is the whole
 // one's file byte for byte, and 2 shards read that file back as the whole state's slices.
@@ -990,8 +1014,10 @@ static void test_sharded_checkpoint(OptimizerStateKind kind) {
     gpu_run(&whole, &fx, 0, 3);
     FILE *one = tmpfile();
     if (!one) { fprintf(stderr, "error: tmpfile: cannot create a temporary file\n"); exit(EXIT_FAILURE); }
-    adamw_write_section(&whole, 0, one, 1, 0, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
-    adamw_save(&whole, one, 1, 0, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
+    CheckpointSink one_sink;
+    checkpoint_sink_init(&one_sink, one);
+    adamw_write_section(&whole, 0, &one_sink, 0, 1, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
+    adamw_save(&whole, &one_sink, 0, 1, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
     long one_size;
     unsigned char *one_bytes = read_file(one, &one_size), *whole_state = download_state(&whole);
     ZeroPlan *plan = (ZeroPlan *)host_alloc(sizeof(ZeroPlan));
@@ -1002,29 +1028,19 @@ static void test_sharded_checkpoint(OptimizerStateKind kind) {
         for (int r = 0; r < ranks; r++) {
             AdamWConfig config = test_config(0);
             adamw_create_ranges(&shards[r], kind, &config, &layout, plan->bucket, plan->buckets, r, fx.stream);
-            adamw_read_section(&shards[r], 0, one, 0, "tmpfile", chunk, fx.stream);
-            if (fseek(one, (long)(4 * layout.total_padded), SEEK_SET) != 0) { fprintf(stderr, "error: fseek\n"); exit(EXIT_FAILURE); }
-            adamw_load(&shards[r], one, "tmpfile", chunk, fx.stream);
-            unsigned char *state = download_state(&shards[r]);
-            for (int b = 0; b < plan->buckets; b++) {
-                ZeroRange part = zero_owned(plan, b, r);
-                for (int section = 0; section < ADAMW_SECTIONS; section++) {
-                    size_t group_bytes = adamw_section_group_bytes(kind, section);
-                    const unsigned char *mine = state + (adamw_section(&shards[r], section) - (unsigned char *)shards[r].state) +
-                                                plan->bucket[b].state_at / ADAMW_GROUP * group_bytes;
-                    const unsigned char *want = whole_state + (adamw_section(&whole, section) - (unsigned char *)whole.state) +
-                                                part.begin / ADAMW_GROUP * group_bytes;
-                    bad += memcmp(mine, want, (part.end - part.begin) / ADAMW_GROUP * group_bytes) != 0;
-                }
-            }
-            bad += shards[r].step != whole.step;
-            free(state);
+            Checkpoint ck;
+            checkpoint_over_file(&ck, one, "tmpfile");
+            adamw_read_section(&shards[r], 0, &ck, 0, chunk, fx.stream);
+            adamw_load(&shards[r], &ck, 4ull * layout.total_padded, chunk, fx.stream);
+            bad += parts_differ(&shards[r], plan, r, &whole, whole_state);
         }
         FILE *sharded = tmpfile();
         if (!sharded) { fprintf(stderr, "error: tmpfile: cannot create a temporary file\n"); exit(EXIT_FAILURE); }
         ShardGather gather = {shards};
-        adamw_write_section(&shards[0], 0, sharded, ranks, 0, gather_from_shards, &gather, chunk, 4096);
-        adamw_save(&shards[0], sharded, ranks, 0, gather_from_shards, &gather, chunk, 4096);
+        CheckpointSink sharded_sink;
+        checkpoint_sink_init(&sharded_sink, sharded);
+        adamw_write_section(&shards[0], 0, &sharded_sink, 0, ranks, gather_from_shards, &gather, chunk, 4096);
+        adamw_save(&shards[0], &sharded_sink, 0, ranks, gather_from_shards, &gather, chunk, 4096);
         long sharded_size;
         unsigned char *sharded_bytes = read_file(sharded, &sharded_size);
         check(bad == 0 && one_size == sharded_size && memcmp(one_bytes, sharded_bytes, (size_t)one_size) == 0 &&
@@ -1036,6 +1052,125 @@ static void test_sharded_checkpoint(OptimizerStateKind kind) {
         for (int r = 0; r < ranks; r++) adamw_free(&shards[r]);
     }
     free(plan); free(whole_state); free(one_bytes); free(chunk);
+    fclose(one);
+    adamw_free(&whole);
+    fixture_free(&fx);
+}
+
+// The manifest of `ranks` shards' part files (their CRC-32 in crcs), as the trainer writes it:
+// the header of the single file, the optimizer's arrays and header, no trainer state.
+static void shards_manifest(const AdamW *shards, int ranks, const ParamLayout *layout, const uint32_t *crcs, CheckpointManifest *m) {
+    memset(m, 0, sizeof(*m));
+    m->header.shape = layout->shape;
+    m->header.step = shards[0].step;
+    m->header.total_padded = layout->total_padded;
+    m->header.has_optimizer_state = 1;
+    m->header.optimizer_state_bytes = adamw_checkpoint_bytes(&shards[0]);
+    for (int a = 0; a < CHECKPOINT_ARRAYS; a++) m->group_bytes[a] = adamw_section_group_bytes(shards[0].kind, a);
+    AdamWCheckpointHeader h;
+    adamw_checkpoint_header(&shards[0], &h);
+    m->optimizer_header_bytes = sizeof(h);
+    m->optimizer_header = (unsigned char *)host_alloc(sizeof(h));
+    memcpy(m->optimizer_header, &h, sizeof(h));
+    m->trainer_state = (unsigned char *)host_alloc(1);
+    m->parts = ranks;
+    m->part = (CheckpointPart *)calloc((size_t)ranks, sizeof(CheckpointPart));
+    for (int r = 0; r < ranks; r++) {
+        CheckpointPart *part = &m->part[r];
+        part->ranges = (CheckpointRange *)host_alloc((size_t)shards[r].range_count * sizeof(CheckpointRange));
+        part->range_count = adamw_part_ranges(&shards[r], r, part->ranges);
+        part->file_bytes = checkpoint_part_file_bytes(part->ranges, part->range_count, m->group_bytes);
+        part->crc = crcs[r];
+    }
+}
+
+// Per-rank checkpoints on one GPU: 3 shards (a bucket per layer, the last part ending in padding)
+// each write their parts to their own file as the trainer does (checkpoint_writes = per_rank, 4
+// KiB chunks) and rank 0 the manifest; read through the manifest the checkpoint is the whole
+// optimizer's file byte for byte, and 1, 2 and 4 shards of either bucketing read their parts
+// back as the whole state's slices.
+static void test_per_rank_checkpoint(OptimizerStateKind kind) {
+    const char *name = optimizer_state_kind_name(kind);
+    ModelShape shape = test_shape();
+    ParamLayout layout;
+    param_layout_init(&layout, &shape);
+    Fixture fx;
+    fixture_create(&fx, 0);
+    unsigned char *chunk = (unsigned char *)host_alloc(ADAMW_COPY_CHUNK_BYTES);
+    AdamW whole;
+    gpu_create(&whole, &fx, kind, 0, layout.total_padded);
+    gpu_run(&whole, &fx, 0, 3);
+    FILE *one = tmpfile();
+    if (!one) { fprintf(stderr, "error: tmpfile: cannot create a temporary file\n"); exit(EXIT_FAILURE); }
+    CheckpointSink one_sink;
+    checkpoint_sink_init(&one_sink, one);
+    adamw_write_section(&whole, 0, &one_sink, 0, 1, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
+    adamw_save(&whole, &one_sink, 0, 1, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
+    long one_size;
+    unsigned char *one_bytes = read_file(one, &one_size), *whole_state = download_state(&whole);
+    char folder[] = "/tmp/test_optimizer_parts_XXXXXX", error[8192] = "", manifest[4200];
+    if (!mkdtemp(folder)) { perror("mkdtemp"); exit(EXIT_FAILURE); }
+
+    ZeroPlan *plan = (ZeroPlan *)host_alloc(sizeof(ZeroPlan));
+    zero_plan_init(plan, &layout, 3, 1, 1);
+    AdamW shards[4];
+    uint32_t crcs[3] = {0, 0, 0};
+    int written = 1;
+    for (int r = 0; r < 3; r++) {
+        AdamWConfig config = test_config(0);
+        adamw_create_ranges(&shards[r], kind, &config, &layout, plan->bucket, plan->buckets, r, fx.stream);
+        Checkpoint ck;
+        checkpoint_over_file(&ck, one, "tmpfile");
+        adamw_read_section(&shards[r], 0, &ck, 0, chunk, fx.stream);
+        adamw_load(&shards[r], &ck, 4ull * layout.total_padded, chunk, fx.stream);
+        CheckpointRange ranges[PARAM_SEGMENTS_MAX];
+        size_t group_bytes[CHECKPOINT_ARRAYS];
+        for (int a = 0; a < CHECKPOINT_ARRAYS; a++) group_bytes[a] = adamw_section_group_bytes(kind, a);
+        unsigned long long bytes = checkpoint_part_file_bytes(ranges, adamw_part_ranges(&shards[r], r, ranges), group_bytes);
+        CheckpointSink sink;
+        if (!written || checkpoint_part_begin(folder, whole.step, r, 3, &sink, error, sizeof(error)) != 0) {
+            written = 0;
+            continue;
+        }
+        for (int a = 0; a < CHECKPOINT_ARRAYS; a++)
+            adamw_write_section(&shards[r], a, &sink, r, 1, adamw_gather_copy, fx.stream, chunk, 4096);
+        written = checkpoint_part_commit(&sink, folder, whole.step, r, bytes, &crcs[r], error, sizeof(error)) == 0;
+    }
+    CheckpointManifest m;
+    shards_manifest(shards, 3, &layout, crcs, &m);
+    if (written) written = checkpoint_manifest_commit(folder, &m, error, sizeof(error)) == 0;
+    checkpoint_manifest_free(&m);
+    for (int r = 0; r < 3; r++) adamw_free(&shards[r]);
+    checkpoint_path(manifest, sizeof(manifest), folder, whole.step, ".bin");
+    Checkpoint ck;
+    int opened = written && checkpoint_open(&ck, manifest, error, sizeof(error)) == 0;
+    unsigned char *through = (unsigned char *)host_alloc((size_t)one_size);
+    int same = opened && checkpoint_verify(&ck, 0, 1, error, sizeof(error)) == 0 &&
+               checkpoint_file_bytes(&ck.header) == CHECKPOINT_HEADER_BYTES + (unsigned long long)one_size &&
+               checkpoint_read(&ck, CHECKPOINT_HEADER_BYTES, through, (size_t)one_size, error, sizeof(error)) == 0 &&
+               memcmp(through, one_bytes, (size_t)one_size) == 0;
+    check(same, "%s: 3 ranks' part files and the manifest read as the whole optimizer's file byte for byte (%ld bytes; %s)", name,
+          one_size, error);
+    size_t bad = 0;
+    for (int ranks = 1; opened && ranks <= 4; ranks *= 2)
+        for (int merged = 0; merged < 2; merged++) {
+            zero_plan_init(plan, &layout, ranks, 1, merged ? 33554432 : 1);
+            for (int r = 0; r < ranks; r++) {
+                AdamWConfig config = test_config(0);
+                adamw_create_ranges(&shards[r], kind, &config, &layout, plan->bucket, plan->buckets, r, fx.stream);
+                adamw_read_section(&shards[r], 0, &ck, CHECKPOINT_HEADER_BYTES, chunk, fx.stream);
+                adamw_load(&shards[r], &ck, CHECKPOINT_HEADER_BYTES + 4ull * layout.total_padded, chunk, fx.stream);
+                bad += parts_differ(&shards[r], plan, r, &whole, whole_state);
+                adamw_free(&shards[r]);
+            }
+        }
+    check(opened && bad == 0, "%s: 1, 2 and 4 ranks, a bucket per layer or merged, read their parts from the per-rank "
+          "checkpoint as the whole state's slices (%zu differ)", name, bad);
+    if (opened) checkpoint_close(&ck);
+    char command[4300];
+    snprintf(command, sizeof(command), "rm -rf '%s'", folder);
+    if (system(command) != 0) fprintf(stderr, "warning: %s: not removed\n", folder);
+    free(through); free(plan); free(whole_state); free(one_bytes); free(chunk);
     fclose(one);
     adamw_free(&whole);
     fixture_free(&fx);
@@ -1436,6 +1571,8 @@ int main(void) {
     test_fp32_grads(&fx, OPT_STATES_FP8_DRE);
     test_sharded_checkpoint(OPT_STATES_FP32);
     test_sharded_checkpoint(OPT_STATES_FP8_DRE);
+    test_per_rank_checkpoint(OPT_STATES_FP32);
+    test_per_rank_checkpoint(OPT_STATES_FP8_DRE);
     for (int k = 0; k < 4; k++)
         for (int without = 0; without < 2; without++) test_bucket_parts(&fx, (OptimizerStateKind)k, without);
     test_crafted_groups(&fx);

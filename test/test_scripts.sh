@@ -5,7 +5,8 @@
 # trips (F32 exact, BF16 rounded, tied and sharded HF folders), the version-2 checkpoints import
 # writes (their CRC-32s verified by ./train_llama --dry_run=1, the bytes of coat/checkpoint.h's
 # writer), export of versions 1 and 2 (a damaged section refused, named) and its other refusals,
-# and plot_curves.py (SKIP without matplotlib). Needs no GPU.
+# per-rank checkpoints (merge to one file, export, refusals), and plot_curves.py (SKIP without
+# matplotlib). Needs no GPU.
 cd "$(dirname "$0")/.." || exit 1
 PYTHON=${PYTHON:-python3}
 export PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" PYTHONDONTWRITEBYTECODE=1
@@ -445,7 +446,7 @@ else
     check "./train_llama --dry_run=1 verifies every checksum of the imported checkpoint" 1 "./train_llama is not built (make)"
 fi
 cat > "$tmp/ckpt_writer.c" <<'EOF'
-// Writes DIR/ckpt_00000000.bin through checkpoint_begin and checkpoint_commit: the weights of
+// Writes DIR/ckpt_00000000.bin through checkpoint_begin, its sink and checkpoint_commit: the weights of
 // WEIGHTS (raw float32), no optimizer or trainer state, the shape given on the command line.
 #include "checkpoint.h"
 int main(int argc, char **argv) {
@@ -463,11 +464,12 @@ int main(int argc, char **argv) {
     h.total_padded = (size_t)ftell(in) / 4;
     rewind(in);
     char error[1024];
-    FILE *f = checkpoint_begin(argv[1], &h, error, sizeof(error));
-    if (!f) { fprintf(stderr, "%s\n", error); return 1; }
-    for (int c; (c = fgetc(in)) != EOF;) fputc(c, f);
+    CheckpointSink sink;
+    if (checkpoint_begin(argv[1], &h, &sink, error, sizeof(error)) != 0) { fprintf(stderr, "%s\n", error); return 1; }
+    for (int c; (c = fgetc(in)) != EOF;) checkpoint_sink_write(&sink, &(unsigned char){(unsigned char)c}, 1);
     fclose(in);
-    if (checkpoint_commit(f, argv[1], &h, error, sizeof(error)) != 0) { fprintf(stderr, "%s\n", error); return 1; }
+    for (int section = 0; section < CHECKPOINT_SECTIONS; section++) h.crc[section] = checkpoint_sink_section(&sink);
+    if (checkpoint_commit(&sink, argv[1], &h, error, sizeof(error)) != 0) { fprintf(stderr, "%s\n", error); return 1; }
     return 0;
 }
 EOF
@@ -480,6 +482,71 @@ out=$("$tmp/ckpt_writer" "$hf/c_written" "$hf/weights.raw" 103 48 2 4 2 80 64 50
 check "import writes byte for byte what coat/checkpoint.h writes for the same weights and shape (weights only, step 0)" \
     "$([ $rc -eq 0 ] && cmp "$hf/c_written/ckpt_00000000.bin" "$hf/f32.bin" >/dev/null; echo $?)" \
     "$out$(cmp "$hf/c_written/ckpt_00000000.bin" "$hf/f32.bin" 2>&1)"
+
+# ---- per-rank checkpoints ----------------------------------------------------------------
+# A resumable one-file checkpoint of tiny.conf's model (FP8+DRE states, made-up bytes) split as 3
+# ranks with a bucket per layer and as 2 with merged buckets write it (build/checkpoint_split:
+# coat/checkpoint.h's part and manifest writers): convert_hf.py merge gives back the one file byte
+# for byte, and export reads the manifest as the one file. The tools that read one file only
+# refuse a manifest naming the merge; merge refuses a one file, a damaged manifest, and a missing
+# or damaged part naming it, leaving no file behind.
+parts=$tmp/parts
+mkdir -p "$parts/one"
+"$PYTHON" - "$parts/one/ckpt_00000010.bin" <<'PY'
+import random, struct, sys
+import llama_layout as L
+shape = L.model_shape_from_config("configs/models/tiny.conf")
+total = L.ParamLayout(shape).total_padded
+rng = random.Random(5)
+payload = 2 * (total + 12 * (total // 128))  # m and v E4M3, 3 FP32 scalars per group each
+optimizer = struct.pack("<7Q", 0x4d41444154414f43, 2, 3, 0, total, 10, payload) + rng.randbytes(payload)
+trainer = rng.randbytes(72)
+header = L.CheckpointHeader(shape, step=10, total_padded=total, has_optimizer_state=1, optimizer_state_bytes=len(optimizer),
+                            trainer_state_bytes=len(trainer))
+with open(sys.argv[1], "wb") as f:
+    f.write(L.checkpoint_bytes(header, rng.randbytes(4 * total), optimizer, trainer))
+PY
+if [ -x build/checkpoint_split ]; then
+    for split in "3 1" "2 33554432"; do
+        set -- $split
+        rm -rf "$parts/split$1"; mkdir -p "$parts/split$1"
+        out=$(build/checkpoint_split "$parts/one/ckpt_00000010.bin" "$parts/split$1" "$1" "$2" 2>&1 &&
+              "$PYTHON" scripts/convert_hf.py merge "$parts/split$1/ckpt_00000010.bin" "$parts/merged$1.bin" 2>&1); rc=$?
+        check "$1 ranks' part files and manifest (coat/checkpoint.h) merged by convert_hf.py are the one file, byte for byte" \
+            "$([ $rc -eq 0 ] && [ "$(ls "$parts/split$1"/ckpt_00000010.rank*.bin | wc -l)" = "$1" ] &&
+               cmp -s "$parts/merged$1.bin" "$parts/one/ckpt_00000010.bin"; echo $?)" "$out"
+    done
+    out=$("$PYTHON" scripts/convert_hf.py export "$parts/split3/ckpt_00000010.bin" "$parts/hf_parts" --dtype float32 2>&1 &&
+          "$PYTHON" scripts/convert_hf.py export "$parts/one/ckpt_00000010.bin" "$parts/hf_one" --dtype float32 2>&1); rc=$?
+    check "export of the per-rank checkpoint writes the one file's model.safetensors, byte for byte" \
+        "$([ $rc -eq 0 ] && cmp -s "$parts/hf_parts/model.safetensors" "$parts/hf_one/model.safetensors"; echo $?)" "$out"
+    out=$("$PYTHON" -c 'import sys, llama_layout as L
+try:
+    L.read_checkpoint_header(sys.argv[1])
+except L.FormatError as e:
+    print(e)' "$parts/split3/ckpt_00000010.bin" 2>&1)
+    check "the readers of one file (optimizer_state_mse.py, train_llama.py) refuse a manifest naming the merge" \
+        "$(printf '%s' "$out" | grep -qF "ckpt_00000010.bin: a per-rank checkpoint's manifest (checkpoint_writes = per_rank), not one file: python3 scripts/convert_hf.py merge"; echo $?)" "$out"
+    merge_refusal() {  # merge_refusal NAME EXPECTED-TEXT MANIFEST
+        out=$("$PYTHON" scripts/convert_hf.py merge "$3" "$parts/refused.bin" 2>&1); rc=$?
+        check "merge refuses $1 in one line naming it, writing nothing" \
+            "$([ $rc -eq 1 ] && [ "$(printf '%s\n' "$out" | wc -l)" = 1 ] && printf '%s' "$out" | grep -qF -- "$2" &&
+               [ ! -e "$parts/refused.bin" ] && [ ! -e "$parts/refused.bin.tmp" ]; echo $?)" "$out"
+    }
+    merge_refusal "a one file" "ckpt_00000010.bin: already one file" "$parts/one/ckpt_00000010.bin"
+    cp -r "$parts/split3" "$parts/bad"
+    printf '\x01' | dd of="$parts/bad/ckpt_00000010.rank1.bin" bs=1 seek=300000 conv=notrunc status=none
+    merge_refusal "a damaged part file" \
+        "$parts/bad/ckpt_00000010.rank1.bin: fails its checksum" "$parts/bad/ckpt_00000010.bin"
+    rm "$parts/bad/ckpt_00000010.rank2.bin"
+    merge_refusal "a missing part file" \
+        "$parts/bad/ckpt_00000010.rank2.bin: missing (part 2 of 3 of $parts/bad/ckpt_00000010.bin)" "$parts/bad/ckpt_00000010.bin"
+    cp "$parts/split3/ckpt_00000010.bin" "$parts/bad/damaged.bin"
+    printf '\x01' | dd of="$parts/bad/damaged.bin" bs=1 seek=700 conv=notrunc status=none
+    merge_refusal "a damaged manifest" "$parts/bad/damaged.bin: the manifest fails its checksum" "$parts/bad/damaged.bin"
+else
+    check "the per-rank checkpoint checks need build/checkpoint_split (make build/checkpoint_split)" 1
+fi
 
 # ---- plot_curves.py ----------------------------------------------------------------------
 if "$PYTHON" -c 'import matplotlib' 2>/dev/null; then
