@@ -8,7 +8,9 @@
 #include <string.h>
 #include "coat/comm.h"
 #include "coat/agree.h"
-#include "coat/checkpoint.h"
+#include "coat/checkpoint_file.h"
+#include "coat/checkpoint_parts.h"
+#include "coat/checkpoint_reader.h"
 #include "coat/clock.h"
 #include "coat/config.h"
 #include "coat/log.h"
@@ -17,6 +19,7 @@
 #include "coat/optimizer.cuh"
 #include "coat/params.h"
 #include "coat/random.h"
+#include "coat/run_dir.h"
 #include "coat/schedule.h"
 #include "coat/speed_of_light.h"
 #include "coat/zero.cuh"

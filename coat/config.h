@@ -102,7 +102,7 @@ typedef struct {
 #define CFG_MODEL(field) (offsetof(TrainConfig, model) + offsetof(ModelShape, field))
 #define CONFIG_KEY_TYPE_int KEY_INT
 #define CONFIG_KEY_TYPE_float KEY_FLOAT
-#define CONFIG_MODEL_KEY(name, type, default_value, min, max, help) \
+#define CONFIG_MODEL_KEY(name, type, load, default_value, min, max, help) \
     {#name, CONFIG_KEY_TYPE_##type, CFG_MODEL(name), default_value, min, max, NULL, help},
 static const ConfigKey config_keys[] = {
     // model shape (coat/model_shape.h)

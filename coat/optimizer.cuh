@@ -46,7 +46,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#include "checkpoint.h"
+#include "checkpoint_parts.h"
+#include "checkpoint_reader.h"
 #include "common.cuh"
 #include "config.h"
 #include "fp8.cuh"
@@ -892,7 +893,7 @@ static inline void adamw_step_fp32_grads(AdamW *opt, bf16 *params, const float *
 // map into it section by section: a part's groups sit at (its first element / 128) x (bytes per
 // group). Rank 0 writes every part in the parameter order (range by range, rank by rank), each
 // fetched by the caller's `gather` a chunk at a time; or each rank writes its own parts to its
-// part file (coat/checkpoint.h's per-rank checkpoints, the arrays CHECKPOINT_ARRAYS). Every rank
+// part file (coat/checkpoint_parts.h, the arrays CHECKPOINT_ARRAYS). Every rank
 // reads its own parts back through a Checkpoint, from either form, so a checkpoint resumes on any
 // world size and any bucketing. The header is 7 little-endian uint64; the decay table is rebuilt
 // from the config.
@@ -1014,7 +1015,7 @@ static inline void adamw_read_section(AdamW *opt, int section, Checkpoint *ck, u
 }
 
 // Rank `rank`'s parts in the parameter order, the non-empty ones, as adamw_write_section writes
-// them for that rank alone: a part file's ranges (coat/checkpoint.h). Returns their count
+// them for that rank alone: a part file's ranges (coat/checkpoint_parts.h). Returns their count
 // (at most range_count).
 static inline int adamw_part_ranges(const AdamW *opt, int rank, CheckpointRange *out) {
     int count = 0;

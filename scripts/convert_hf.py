@@ -13,7 +13,7 @@ one file, with the standard library only.
       checkpoint_writes = rank0; for the tools that read one file only
   convert_hf.py import HF_DIR CKPT_FILE
       reads HF_DIR/config.json and model.safetensors (or a sharded model.safetensors.index.json),
-      F32 or BF16 tensors, and writes a version-2 checkpoint (coat/checkpoint.h: a CRC-32 per
+      F32 or BF16 tensors, and writes a version-2 checkpoint (coat/checkpoint_file.h: a CRC-32 per
       section and of the header, the bytes train_llama would write) at step 0 with the weights
       only: no optimizer or trainer state
 

@@ -268,7 +268,7 @@ class ParamLayout:
         return self.total_params - self.rows[0] * self.cols[0]
 
 
-# ---- checkpoint files (coat/checkpoint.h) ----------------------------------------------------
+# ---- checkpoint files (coat/checkpoint_file.h) -----------------------------------------------
 # "LLAMACK1", int64 fields[63], then three sections: float32 master weights [total_padded], the
 # optimizer state and the trainer state (opaque here). Version 2, written here as by train_llama,
 # holds the zlib CRC-32 of each section in fields 19-21 and that of the header itself (the magic
@@ -450,7 +450,7 @@ def checkpoint_bytes(header: CheckpointHeader, weights: bytes, optimizer_state: 
     return out.getvalue()
 
 
-# ---- per-rank checkpoints (checkpoint_writes = per_rank; coat/checkpoint.h) -----------------
+# ---- per-rank checkpoints (checkpoint_writes = per_rank; coat/checkpoint_parts.h) -----------
 # One checkpoint in several files: DIR/ckpt_<step>.rank<p>.bin for p < P ("LLAMACKP", uint64
 # version, step, p, P, then for each of the 5 arrays, the master weights and the optimizer's m, v,
 # m's group scalars, v's, the bytes of the part's element ranges in order) and the manifest

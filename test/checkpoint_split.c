@@ -1,5 +1,5 @@
 // The program test/test_scripts.sh and test/test_cli.sh use to make per-rank checkpoints on the
-// CPU: the one file IN (coat/checkpoint.h) written again as the ranks of a ZeRO plan write it with
+// CPU: the one file IN (coat/checkpoint_file.h) written again as the ranks of a ZeRO plan write it with
 // checkpoint_writes = per_rank, through the same calls:
 //   checkpoint_split IN DIR RANKS BUCKET_MIN_ELEMS
 // writes DIR/ckpt_<step>.rank<r>.bin for every rank r that owns a part of the buckets (stage 1
@@ -10,7 +10,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include "../coat/checkpoint.h"
+#include "../coat/checkpoint_parts.h"
+#include "../coat/checkpoint_reader.h"
 #include "../coat/optimizer_states.h"
 #include "../coat/zero.h"
 

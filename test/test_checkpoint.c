@@ -1,4 +1,5 @@
-// Checkpoint files and the run log on the CPU (coat/checkpoint.h, coat/log.h): the checksums
+// Checkpoint files, the run's folder and the run log on the CPU (coat/checkpoint_file.h,
+// coat/checkpoint_parts.h, coat/checkpoint_reader.h, coat/run_dir.h, coat/log.h): the checksums
 // taken as the sections are written are zlib's of the sections as the file holds them; every section's
 // checksum catches a flipped bit and a zero-filled stretch, naming the section; header fields
 // that an int cannot hold are refused; a write that fails (a full disk, here a file size limit)
@@ -12,9 +13,12 @@
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
-#include "../coat/checkpoint.h"
+#include "../coat/checkpoint_file.h"
+#include "../coat/checkpoint_parts.h"
+#include "../coat/checkpoint_reader.h"
 #include "../coat/log.h"
 #include "../coat/optimizer_states.h"
+#include "../coat/run_dir.h"
 #include "../coat/zero.h"
 #include "check.h"
 

@@ -3,7 +3,7 @@
 # llama_layout.py against coat/params.h (compiled here) and ./train_llama --dry_run=1, the config
 # reader, the RoPE frequencies, float32 -> bfloat16 rounding, convert_hf.py export -> import round
 # trips (F32 exact, BF16 rounded, tied and sharded HF folders), the version-2 checkpoints import
-# writes (their CRC-32s verified by ./train_llama --dry_run=1, the bytes of coat/checkpoint.h's
+# writes (their CRC-32s verified by ./train_llama --dry_run=1, the bytes of coat/checkpoint_file.h's
 # writer), export of versions 1 and 2 (a damaged section refused, named) and its other refusals,
 # per-rank checkpoints (merge to one file, export, refusals), and plot_curves.py (SKIP without
 # matplotlib). Needs no GPU.
@@ -212,7 +212,7 @@ def read_weights(path):
     header = L.unpack_checkpoint_header(data, path)
     return header, data[L.CHECKPOINT_HEADER_BYTES:L.CHECKPOINT_HEADER_BYTES + 4 * header.total_padded]
 
-# Checkpoint files made here field by field (coat/checkpoint.h), not with llama_layout's packer:
+# Checkpoint files made here field by field (coat/checkpoint_file.h), not with llama_layout's packer:
 # "LLAMACK1", int64 fields[63]; version 2 adds the zlib CRC-32 of the weights, the optimizer state
 # and the trainer state in fields 19-21 and of the header itself (field 22 zero) in field 22.
 def double_bits(x):
@@ -424,7 +424,7 @@ expect_refusal("export refuses a truncated checkpoint", ["export", truncated, os
 EOF
 # The imported checkpoint as ./train_llama reads it: dry_run verifies every checksum (on the CPU)
 # with the model keys import prints as the config, and no "unchecked" warning; and it is byte for
-# byte the file coat/checkpoint.h's writer makes of the same weights (weights only, step 0).
+# byte the file coat/checkpoint_file.h's writer makes of the same weights (weights only, step 0).
 hf=$tmp/hf
 out=$("$PYTHON" scripts/convert_hf.py import "$hf/tiny_hf" "$hf/tiny.bin" 2>&1); rc=$?
 printf '%s\n' "$out" | sed -n '/^# model keys for the config:$/,$p' > "$hf/model.conf"
@@ -448,7 +448,7 @@ fi
 cat > "$tmp/ckpt_writer.c" <<'EOF'
 // Writes DIR/ckpt_00000000.bin through checkpoint_begin, its sink and checkpoint_commit: the weights of
 // WEIGHTS (raw float32), no optimizer or trainer state, the shape given on the command line.
-#include "checkpoint.h"
+#include "checkpoint_file.h"
 int main(int argc, char **argv) {
     if (argc != 16) return 2;
     CheckpointHeader h;
@@ -475,18 +475,18 @@ int main(int argc, char **argv) {
 EOF
 out=$(${CC:-cc} -std=c11 -Wall -Wextra -Werror -D_DEFAULT_SOURCE -D_FILE_OFFSET_BITS=64 -I coat "$tmp/ckpt_writer.c" \
     -o "$tmp/ckpt_writer" -lz 2>&1); rc=$?
-check "the C checkpoint writer builds against coat/checkpoint.h" $rc "$out"
+check "the C checkpoint writer builds against coat/checkpoint_file.h" $rc "$out"
 mkdir -p "$hf/c_written"
 tail -c +$((512 + 1)) "$hf/f32.bin" > "$hf/weights.raw"
 out=$("$tmp/ckpt_writer" "$hf/c_written" "$hf/weights.raw" 103 48 2 4 2 80 64 500000 1e-5 8 1 4 32 2>&1); rc=$?
-check "import writes byte for byte what coat/checkpoint.h writes for the same weights and shape (weights only, step 0)" \
+check "import writes byte for byte what coat/checkpoint_file.h writes for the same weights and shape (weights only, step 0)" \
     "$([ $rc -eq 0 ] && cmp "$hf/c_written/ckpt_00000000.bin" "$hf/f32.bin" >/dev/null; echo $?)" \
     "$out$(cmp "$hf/c_written/ckpt_00000000.bin" "$hf/f32.bin" 2>&1)"
 
 # ---- per-rank checkpoints ----------------------------------------------------------------
 # A resumable one-file checkpoint of tiny.conf's model (FP8+DRE states, made-up bytes) split as 3
 # ranks with a bucket per layer and as 2 with merged buckets write it (build/checkpoint_split:
-# coat/checkpoint.h's part and manifest writers): convert_hf.py merge gives back the one file byte
+# coat/checkpoint_parts.h's part and manifest writers): convert_hf.py merge gives back the one file byte
 # for byte, and export reads the manifest as the one file. The tools that read one file only
 # refuse a manifest naming the merge; merge refuses a one file, a damaged manifest, and a missing
 # or damaged part naming it, leaving no file behind.
@@ -512,7 +512,7 @@ if [ -x build/checkpoint_split ]; then
         rm -rf "$parts/split$1"; mkdir -p "$parts/split$1"
         out=$(build/checkpoint_split "$parts/one/ckpt_00000010.bin" "$parts/split$1" "$1" "$2" 2>&1 &&
               "$PYTHON" scripts/convert_hf.py merge "$parts/split$1/ckpt_00000010.bin" "$parts/merged$1.bin" 2>&1); rc=$?
-        check "$1 ranks' part files and manifest (coat/checkpoint.h) merged by convert_hf.py are the one file, byte for byte" \
+        check "$1 ranks' part files and manifest (coat/checkpoint_parts.h) merged by convert_hf.py are the one file, byte for byte" \
             "$([ $rc -eq 0 ] && [ "$(ls "$parts/split$1"/ckpt_00000010.rank*.bin | wc -l)" = "$1" ] &&
                cmp -s "$parts/merged$1.bin" "$parts/one/ckpt_00000010.bin"; echo $?)" "$out"
     done
