@@ -40,6 +40,11 @@
 // read its bucket are done; the compute stream waits for a slot's gather before it reads it. The
 // slots keep what they hold until the step changes the weights: the buckets the forward ends with
 // are backward's first, and those backward ends with the next micro-batch's first.
+// Hybrid sharding (coat/zero.h, shard_group): all of the above runs on the group's collectives
+// (a split of every rank's, numbered by shard index, on the same stream), and each reduce-scatter
+// of a gradient bucket is followed on that stream by the all-reduce of this rank's part across the
+// groups (the replicas' split), before anything reads or reuses the part; the loss, the norm and
+// the checkpoints' transfers stay on every rank's collectives.
 #pragma once
 #include "collectives_mpi.cuh"
 #include "collectives_nccl.cuh"
