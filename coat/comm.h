@@ -256,10 +256,11 @@ static inline int comm_bcast0(const Comm *c, void *bytes, size_t n, char *error,
     return -1;
 }
 
-// The ranks of `world` (every rank calls this, in the same order) that pass the same `color`,
-// numbered by `key` (ties: by world rank), as `part`: its rank and world count within them and,
-// under an MPI launch, an MPI communicator of them that the collectives below then run on.
-// The gather and broadcast above stay the world's. Returns 0, or -1 with a message.
+// The ranks of `world` (every rank's Comm, not a split; every rank calls this, in the same order)
+// that pass the same `color`, numbered by `key` (ties: by world rank), as `part`: its rank and
+// world count within them and, under an MPI launch, an MPI communicator of them that the
+// collectives below then run on. The gather and broadcast above stay the world's. Returns 0, or
+// -1 with a message.
 static inline int comm_split(const Comm *world, int color, int key, Comm *part, char *error, size_t error_size) {
     *part = *world;
     part->mpi_started = 0;
@@ -283,7 +284,7 @@ static inline int comm_split(const Comm *world, int color, int key, Comm *part, 
     if (failed) return -1;
 #ifdef USE_MPI
     if (world->launch == LAUNCH_MPI &&
-        MPI_Comm_split(world->split ? world->split_mpi : MPI_COMM_WORLD, color, key, &part->split_mpi) != MPI_SUCCESS) {
+        MPI_Comm_split(MPI_COMM_WORLD, color, key, &part->split_mpi) != MPI_SUCCESS) {
         snprintf(error, error_size, "rank %d: MPI_Comm_split failed", world->rank);
         return -1;
     }
