@@ -589,6 +589,9 @@ static void validate_start_checkpoint(const ConfigParser *parser, const Dataload
 // The ranks' launch against comm_backend: what zero_attach refuses once the GPU is allocated.
 static void check_launch(const ConfigParser *parser, int ranks, LaunchKind launch) {
     const TrainConfig *c = &parser->values;
+    char error[256];
+    if (zero_shard_group_check(ranks, c->shard_group, c->zero_stage, error, sizeof(error)) != 0)
+        fail_config(parser, "shard_group", error);
     if (ranks <= 1) return;
 #ifndef USE_MPI
     if (c->comm_backend == COMM_MPI) fail_config(parser, "comm_backend", "= mpi needs a build with MPI (libopenmpi-dev)");
@@ -730,7 +733,7 @@ static int dry_run(const ConfigParser *parser, int ranks, LaunchKind launch) {
     ParamLayout layout;
     param_layout_init(&layout, &c->model);
     ZeroPlan zero;
-    zero_plan_init(&zero, &layout, ranks, c->zero_stage, (size_t)c->bucket_min_elems);
+    zero_plan_init_groups(&zero, &layout, ranks, c->shard_group, c->zero_stage, (size_t)c->bucket_min_elems);
     zero_plan_micro_batches(&zero, grad_accum);
     zero_print(stdout, &zero, &layout, grad_accum, config_fp8_gemms(c), config_param_gather(c) == GATHER_E4M3);
     print_activation_table(c);
@@ -809,14 +812,17 @@ static CheckpointHeader checkpoint_header_now(const Trainer *t) {
     return h;
 }
 
-// checkpoint_writes = rank0: rank 0 writes the checkpoint; with sharded states every rank sends
-// it its parts (streamed, a chunk at a time, in the parameter order) and the file is the one a
-// single rank would write. Each section's checksum is taken as it is written.
+// The ranks whose states a checkpoint holds: with sharded states the first group's (ranks 0 to
+// shards - 1, shard index = rank; every group holds the same states), else rank 0's.
+static int checkpoint_parts(const Trainer *t) { return t->zero.plan.shards > 1 ? t->zero.plan.shards : 1; }
+
+// checkpoint_writes = rank0: rank 0 writes the checkpoint; with sharded states every rank of the
+// first group sends it its parts (streamed, a chunk at a time, in the parameter order) and the
+// file is the one a single rank would write. Each section's checksum is taken as it is written.
 static void save_checkpoint_file(Trainer *t) {
     const TrainConfig *c = t->c;
-    int rank = t->comm->rank, sharded = t->zero.plan.shards > 1;
-    if (!sharded && rank != 0) return;
-    int ranks = sharded ? t->comm->world : 1;
+    int rank = t->comm->rank, sharded = t->zero.plan.shards > 1, ranks = checkpoint_parts(t);
+    if (rank >= ranks) return;
     AdamWGather gather = sharded ? gather_chunk : adamw_gather_copy;
     void *context = sharded ? (void *)t : (void *)t->gpu.stream;
     size_t chunk = sharded && 2 * t->model.grads_elems < ADAMW_COPY_CHUNK_BYTES ? 2 * t->model.grads_elems : ADAMW_COPY_CHUNK_BYTES;
@@ -915,13 +921,13 @@ static void write_manifest(Trainer *t, int parts, const uint32_t *crcs) {
     checkpoint_manifest_free(&m);
 }
 
-// checkpoint_writes = per_rank: every rank that holds a part of the states (all of them when
-// sharded, else rank 0) writes it to its own file, in parallel, no byte passing through another
+// checkpoint_writes = per_rank: every rank whose part of the states the checkpoint holds (the
+// first group's when sharded, else rank 0) writes it to its own file, in parallel, no byte passing through another
 // rank; once all have reported their files on disk, rank 0 writes the manifest and the marker.
 // A rank whose part failed ends every rank, none marked done (the parts written are removed).
 static void save_checkpoint_parts(Trainer *t) {
     const TrainConfig *c = t->c;
-    int rank = t->comm->rank, parts = t->zero.plan.shards > 1 ? t->comm->world : 1;
+    int rank = t->comm->rank, parts = checkpoint_parts(t);
     long long step = t->state.step;
     cudaCheck(cudaStreamSynchronize(t->gpu.stream));
     uint32_t crc = 0, *crcs = (uint32_t *)malloc((size_t)parts * sizeof(uint32_t));
@@ -1161,7 +1167,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     param_layout_init(&layout, &c->model);
     ZeroPlan *plan = (ZeroPlan *)malloc(sizeof(ZeroPlan));
     if (!plan) fail("out of host memory for the ZeRO plan");
-    zero_plan_init(plan, &layout, ranks, ranks > 1 ? c->zero_stage : 0, (size_t)c->bucket_min_elems);
+    zero_plan_init_groups(plan, &layout, ranks, c->shard_group, ranks > 1 ? c->zero_stage : 0, (size_t)c->bucket_min_elems);
     zero_plan_micro_batches(plan, t->grad_accum);
     ParamLayout buffers;
     zero_model_layout(plan, &c->model, &buffers);
@@ -1280,9 +1286,9 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
     cudaCheck(cudaMemcpyAsync(t->host_scalar, m->grad_norm_squared, sizeof(float), cudaMemcpyDeviceToHost, s));
     snprintf(what, sizeof(what), "the gradient reduces of step %lld", step);
     collectives_wait_stream(&t->zero.collectives, s, what);
-    // The norm: of the shards' sums of squares. The stop votes ride along: every rank ends the
+    // The norm: of the shards' sums of squares (hybrid: one group's, each shard once). The stop votes ride along: every rank ends the
     // step with the same answer, so all stop at one step boundary or none does.
-    double sums[3] = {loss_sum, stop_signal != 0 ? 1.0 : 0.0, *t->host_scalar};
+    double sums[3] = {loss_sum, stop_signal != 0 ? 1.0 : 0.0, zero_counts_in_norm(z) ? *t->host_scalar : 0.0};
     if (ranks > 1) {
         snprintf(what, sizeof(what), "the loss and norm all-reduce of step %lld", step);
         collectives_all_reduce_sum_f64(&t->zero.collectives, sums, sharded ? 3 : 2, s, what);
@@ -1475,10 +1481,13 @@ static int train(ConfigParser *parser, const Comm *comm) {
     }
     agree_out_dir(c->out_dir);
     agree_end();
+    char groups[96] = "";
+    if (c->shard_group > 0 && c->shard_group < ranks)
+        snprintf(groups, sizeof(groups), ", sharded within %d groups of %d ranks", ranks / c->shard_group, c->shard_group);
     if (ranks > 1)
-        printf("ranks: %d (comm_backend %s, ZeRO stage %d%s)\n", ranks, c->comm_backend == COMM_MPI ? "mpi" : "nccl",
-               c->zero_stage, c->zero_stage == 0 ? "" : config_param_gather(c) == GATHER_E4M3 ? ", parameters gathered in e4m3"
-                                                                                         : ", parameters gathered in bf16");
+        printf("ranks: %d (comm_backend %s, ZeRO stage %d%s%s)\n", ranks, c->comm_backend == COMM_MPI ? "mpi" : "nccl",
+               c->zero_stage, groups, c->zero_stage == 0 ? "" : config_param_gather(c) == GATHER_E4M3 ? ", parameters gathered in e4m3"
+                                                                                                 : ", parameters gathered in bf16");
     print_model_summary(c);
     MemoryPlan plan;
     memory_plan_compute(&plan, c, ranks, c->micro_batch_size);

@@ -10,6 +10,10 @@
 // sums (stage 0), a reduce-scatter of BF16 sums (stages 1 and 2: rank r receives the sum of
 // part r), an in-place all-gather of bytes (rank r's part at r x part_bytes), a max of FP32
 // maxima; and host-side: a sum of a few FP64 values, and a checkpoint chunk to rank 0.
+// A split (collectives_split: ncclCommSplit, MPI_Comm_split) gives a part of the ranks their own
+// collectives, queued on the same stream with the same events as the whole's, so that the
+// whole's joins and waits (and its watchdog's timeout) cover them: ZeRO's hybrid sharding runs
+// the buckets within groups of ranks and sums their gradient parts across the groups.
 // BF16 sums round after each addition, in an order the library picks. Every rank calls every
 // collective in the same order with the same sizes.
 // With NCCL and several ranks a watchdog thread (coat/watchdog.h) ends a rank whose collectives
@@ -39,6 +43,8 @@ typedef struct {
     // rank `from`'s device bytes into rank 0's host memory (only those two ranks call it)
     void (*send_to_root)(Collectives *c, const void *device, void *host, size_t bytes, int from, void *staging,
                          void *device_staging);
+    // sub's backend for the ranks of c that pass the same color (sub->comm their split, made already)
+    int (*split)(Collectives *c, Collectives *sub, int color, int key, char *error, size_t error_size);
     void (*close)(Collectives *c);
 } CollectiveOps;
 
@@ -51,6 +57,7 @@ struct Collectives {
     int scalar_count;
     Watchdog *watchdog;              // NCCL with world > 1, else NULL
     void *backend;                   // the backend's own state
+    Collectives *whole;              // a split's: the collectives it shares its stream, events and scalars with
 };
 
 // The host waits for `stream` (or `event`), whose work includes collectives, named by `what`
@@ -96,6 +103,31 @@ static inline void collectives_close(Collectives *c) {
     cudaCheck(cudaEventDestroy(c->finished));
     cudaCheck(cudaStreamDestroy(c->stream));
     memset(c, 0, sizeof(*c));
+}
+
+// The ranks of c (every one calls this, in the same order) that pass the same `color`, numbered
+// by `key`, as collectives of their own: `sub`, its ranks described in `sub_comm` (the caller's,
+// kept while sub is open). It shares c's stream, events and scalars. Returns 0, or -1 with a
+// message.
+static inline int collectives_split(Collectives *c, int color, int key, Comm *sub_comm, Collectives *sub, char *error,
+                                    size_t error_size) {
+    if (comm_split(c->comm, color, key, sub_comm, error, error_size) != 0) return -1;
+    *sub = *c;
+    sub->comm = sub_comm;
+    sub->watchdog = NULL;
+    sub->backend = NULL;
+    sub->whole = c;
+    if (c->ops->split(c, sub, color, key, error, error_size) == 0) return 0;
+    comm_split_free(sub_comm);
+    return -1;
+}
+
+// A split closed (before its whole), once its last collectives are done.
+static inline void collectives_close_split(Collectives *sub, Comm *sub_comm) {
+    collectives_wait_stream(sub->whole, sub->stream, "the last collectives");
+    sub->ops->close(sub);
+    comm_split_free(sub_comm);
+    memset(sub, 0, sizeof(*sub));
 }
 
 // The collectives' stream waits for what `producer` had queued.

@@ -8,6 +8,7 @@
 typedef struct {
     uint16_t *host;  // pinned staging: a whole bucket, then room for one rank's part of it
     size_t host_elems;
+    size_t max_elems;  // the largest bucket
 } MpiCollectives;
 
 #ifdef USE_MPI
@@ -75,6 +76,28 @@ static inline void mpi_send_to_root(Collectives *c, const void *device, void *ho
     collectives_send_to_root_over_mpi(c, device, host, bytes, from, staging);
 }
 
+// Staging for buckets of at most max_elems BF16 elements and one part of them over c's ranks.
+static inline int mpi_collectives_staging(Collectives *c, size_t max_elems, char *error, size_t error_size) {
+    MpiCollectives *m = (MpiCollectives *)calloc(1, sizeof(MpiCollectives));
+    if (!m) {
+        snprintf(error, error_size, "out of host memory for the MPI backend");
+        return -1;
+    }
+    m->max_elems = max_elems;
+    m->host_elems = max_elems + (max_elems + c->comm->world - 1) / c->comm->world;
+    cudaCheck(cudaMallocHost((void **)&m->host, 2 * m->host_elems));
+    c->backend = m;
+    return 0;
+}
+
+// sub->comm's MPI communicator is MPI_Comm_split's (comm_split); its own staging, a part being
+// larger among fewer ranks.
+static inline int mpi_split(Collectives *c, Collectives *sub, int color, int key, char *error, size_t error_size) {
+    (void)color;
+    (void)key;
+    return mpi_collectives_staging(sub, mpi_collectives(c)->max_elems, error, error_size);
+}
+
 static inline void mpi_collectives_close(Collectives *c) {
     cudaCheck(cudaFreeHost(mpi_collectives(c)->host));
     free(c->backend);
@@ -82,7 +105,7 @@ static inline void mpi_collectives_close(Collectives *c) {
 
 static const CollectiveOps mpi_collective_ops = {
     mpi_all_reduce_sum_bf16, mpi_reduce_scatter_sum_bf16, mpi_all_gather, mpi_all_reduce_max_f32,
-    mpi_all_reduce_sum_f64,  mpi_send_to_root,            mpi_collectives_close,
+    mpi_all_reduce_sum_f64,  mpi_send_to_root,            mpi_split,      mpi_collectives_close,
 };
 #endif
 
@@ -94,14 +117,7 @@ static inline int collectives_open_mpi(Collectives *c, size_t max_elems, char *e
         snprintf(error, error_size, "comm_backend = mpi needs the ranks launched by mpirun");
         return -1;
     }
-    MpiCollectives *m = (MpiCollectives *)calloc(1, sizeof(MpiCollectives));
-    if (!m) {
-        snprintf(error, error_size, "out of host memory for the MPI backend");
-        return -1;
-    }
-    m->host_elems = max_elems + (max_elems + c->comm->world - 1) / c->comm->world;
-    cudaCheck(cudaMallocHost((void **)&m->host, 2 * m->host_elems));
-    c->backend = m;
+    if (mpi_collectives_staging(c, max_elems, error, error_size) != 0) return -1;
     c->ops = &mpi_collective_ops;
     return 0;
 #else

@@ -87,11 +87,25 @@ static inline void nccl_send_to_root(Collectives *c, const void *device, void *h
     collectives_wait_stream(c, c->stream, what);
 }
 
+// ncclCommSplit: blocking, every rank of c calls it. The split's asynchronous errors reach no
+// watchdog of their own; a hang in it still ends in the whole's timeout.
+static inline int nccl_split(Collectives *c, Collectives *sub, int color, int key, char *error, size_t error_size) {
+    ncclComm_t nccl;
+    ncclResult_t split = ncclCommSplit(nccl_of(c), color, key, &nccl, NULL);
+    if (split != ncclSuccess) {
+        snprintf(error, error_size, "ncclCommSplit on rank %d of %d (color %d): %s", c->comm->rank, c->comm->world, color,
+                 ncclGetErrorString(split));
+        return -1;
+    }
+    sub->backend = nccl;
+    return 0;
+}
+
 static inline void nccl_collectives_close(Collectives *c) { ncclCheck(ncclCommDestroy(nccl_of(c))); }
 
 static const CollectiveOps nccl_collective_ops = {
-    nccl_all_reduce_sum_bf16, nccl_reduce_scatter_sum_bf16, nccl_all_gather,       nccl_all_reduce_max_f32,
-    nccl_all_reduce_sum_f64,  nccl_send_to_root,            nccl_collectives_close,
+    nccl_all_reduce_sum_bf16, nccl_reduce_scatter_sum_bf16, nccl_all_gather, nccl_all_reduce_max_f32,
+    nccl_all_reduce_sum_f64,  nccl_send_to_root,            nccl_split,      nccl_collectives_close,
 };
 #endif
 

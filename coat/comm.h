@@ -53,6 +53,10 @@ typedef struct {
     const char *size_var;     // the variable the world size came from ("" for one process)
     const char *rank_var;
     Rendezvous *meet;         // LAUNCH_ENV after comm_meet: the channel to the other ranks
+    int split;                // a part of the world's ranks (comm_split): rank and world count within it
+#ifdef USE_MPI
+    MPI_Comm split_mpi;       // its MPI communicator, under an MPI launch
+#endif
 } Comm;
 
 // One launcher's variables, in the order of precedence.
@@ -252,6 +256,49 @@ static inline int comm_bcast0(const Comm *c, void *bytes, size_t n, char *error,
     return -1;
 }
 
+// The ranks of `world` (every rank's Comm, not a split; every rank calls this, in the same order)
+// that pass the same `color`, numbered by `key` (ties: by world rank), as `part`: its rank and
+// world count within them and, under an MPI launch, an MPI communicator of them that the
+// collectives below then run on. The gather and broadcast above stay the world's. Returns 0, or
+// -1 with a message.
+static inline int comm_split(const Comm *world, int color, int key, Comm *part, char *error, size_t error_size) {
+    *part = *world;
+    part->mpi_started = 0;
+    part->meet = NULL;
+    part->split = 1;
+    int mine[3] = {color, key, world->rank}, *all = (int *)malloc((size_t)world->world * sizeof(mine));
+    if (!all) {
+        snprintf(error, error_size, "out of host memory for a split of the ranks");
+        return -1;
+    }
+    int failed = comm_gather0(world, mine, all, sizeof(mine), error, error_size) != 0 ||
+                 comm_bcast0(world, all, (size_t)world->world * sizeof(mine), error, error_size) != 0;
+    part->rank = part->world = 0;
+    for (int r = 0; !failed && r < world->world; r++) {
+        const int *other = all + 3 * r;
+        if (other[0] != color) continue;
+        part->world++;
+        if (other[1] < key || (other[1] == key && r < world->rank)) part->rank++;
+    }
+    free(all);
+    if (failed) return -1;
+#ifdef USE_MPI
+    if (world->launch == LAUNCH_MPI &&
+        MPI_Comm_split(MPI_COMM_WORLD, color, key, &part->split_mpi) != MPI_SUCCESS) {
+        snprintf(error, error_size, "rank %d: MPI_Comm_split failed", world->rank);
+        return -1;
+    }
+#endif
+    return 0;
+}
+
+static inline void comm_split_free(Comm *part) {
+#ifdef USE_MPI
+    if (part->split && part->launch == LAUNCH_MPI) MPI_Comm_free(&part->split_mpi);
+#endif
+    part->split = 0;
+}
+
 // The pair of ranks a < b with equal ids and the lowest b (its a is then the only one), the ids
 // id_bytes each in rank order in ids[world * id_bytes]: two ranks on one GPU when the ids are GPU
 // UUIDs. Returns 0, or -1 (a = b = -1) when every id differs.
@@ -276,6 +323,9 @@ static inline void mpiCheck(int status, const char *call, const char *file, int 
     MPI_Abort(MPI_COMM_WORLD, 1);
 }
 #define MPI_CHECK(call) mpiCheck((call), #call, __FILE__, __LINE__)
+
+// The MPI communicator of c's ranks: the world's, or a split's (comm_split).
+static inline MPI_Comm comm_mpi(const Comm *c) { return c->split ? c->split_mpi : MPI_COMM_WORLD; }
 
 static inline float comm_bf16_to_float(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
@@ -309,17 +359,17 @@ static inline MPI_Op comm_bf16_sum_op(void) {
 #define COMM_PIECE ((size_t)1 << 30)
 
 static inline void comm_all_reduce_sum_f64(const Comm *c, double *values, int n) {
-    if (c->world > 1) MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values, n, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+    if (c->world > 1) MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values, n, MPI_DOUBLE, MPI_SUM, comm_mpi(c)));
 }
 
 static inline void comm_all_reduce_max_int(const Comm *c, int *values, int n) {
-    if (c->world > 1) MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values, n, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
+    if (c->world > 1) MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values, n, MPI_INT, MPI_MAX, comm_mpi(c)));
 }
 
 static inline void comm_broadcast(const Comm *c, void *bytes, size_t n, int root) {
     for (size_t done = 0; c->world > 1 && done < n; done += COMM_PIECE) {
         size_t piece = n - done < COMM_PIECE ? n - done : COMM_PIECE;
-        MPI_CHECK(MPI_Bcast((char *)bytes + done, (int)piece, MPI_BYTE, root, MPI_COMM_WORLD));
+        MPI_CHECK(MPI_Bcast((char *)bytes + done, (int)piece, MPI_BYTE, root, comm_mpi(c)));
     }
 }
 
@@ -335,7 +385,7 @@ static inline int comm_int_count(size_t n, const char *what) {
 static inline void comm_all_reduce_sum_bf16(const Comm *c, uint16_t *data, size_t n) {
     for (size_t done = 0; c->world > 1 && done < n; done += COMM_PIECE) {
         size_t piece = n - done < COMM_PIECE ? n - done : COMM_PIECE;
-        MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data + done, (int)piece, MPI_UINT16_T, comm_bf16_sum_op(), MPI_COMM_WORLD));
+        MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data + done, (int)piece, MPI_UINT16_T, comm_bf16_sum_op(), comm_mpi(c)));
     }
 }
 
@@ -347,23 +397,21 @@ static inline void comm_reduce_scatter_sum_bf16(const Comm *c, const uint16_t *d
         return;
     }
     int count = comm_int_count(part_n, "comm_reduce_scatter_sum_bf16");
-    MPI_CHECK(MPI_Reduce_scatter_block(data, part, count, MPI_UINT16_T, comm_bf16_sum_op(), MPI_COMM_WORLD));
+    MPI_CHECK(MPI_Reduce_scatter_block(data, part, count, MPI_UINT16_T, comm_bf16_sum_op(), comm_mpi(c)));
 }
 
 // n bytes from this rank to rank `to`, and their receipt on `to` (checkpoints: rank 0 gathers
 // the shards).
 static inline void comm_send(const Comm *c, const void *bytes, size_t n, int to) {
-    (void)c;
     for (size_t done = 0; done < n; done += COMM_PIECE) {
         size_t piece = n - done < COMM_PIECE ? n - done : COMM_PIECE;
-        MPI_CHECK(MPI_Send((const char *)bytes + done, (int)piece, MPI_BYTE, to, 0, MPI_COMM_WORLD));
+        MPI_CHECK(MPI_Send((const char *)bytes + done, (int)piece, MPI_BYTE, to, 0, comm_mpi(c)));
     }
 }
 static inline void comm_recv(const Comm *c, void *bytes, size_t n, int from) {
-    (void)c;
     for (size_t done = 0; done < n; done += COMM_PIECE) {
         size_t piece = n - done < COMM_PIECE ? n - done : COMM_PIECE;
-        MPI_CHECK(MPI_Recv((char *)bytes + done, (int)piece, MPI_BYTE, from, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE));
+        MPI_CHECK(MPI_Recv((char *)bytes + done, (int)piece, MPI_BYTE, from, 0, comm_mpi(c), MPI_STATUS_IGNORE));
     }
 }
 
@@ -376,11 +424,11 @@ static inline void comm_all_gather(const Comm *c, const void *mine, void *all, s
         return;
     }
     int count = comm_int_count(n, "comm_all_gather");
-    MPI_CHECK(MPI_Allgather(in_place ? MPI_IN_PLACE : mine, count, MPI_BYTE, all, count, MPI_BYTE, MPI_COMM_WORLD));
+    MPI_CHECK(MPI_Allgather(in_place ? MPI_IN_PLACE : mine, count, MPI_BYTE, all, count, MPI_BYTE, comm_mpi(c)));
 }
 
 static inline void comm_barrier(const Comm *c) {
-    if (c->world > 1) MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
+    if (c->world > 1) MPI_CHECK(MPI_Barrier(comm_mpi(c)));
 }
 
 #endif  // USE_MPI

@@ -75,6 +75,7 @@ typedef struct {
     char sample_prompt[CONFIG_STRING_MAX];
     // distribution and planning
     int zero_stage;
+    int shard_group;
     int bucket_min_elems;
     int world_size;
     int comm_backend;  // CommBackendChoice
@@ -172,6 +173,10 @@ static const ConfigKey config_keys[] = {
     // distribution and planning
     {"zero_stage", KEY_INT, CFG(zero_stage), "1", 0, 3, NULL,
      "ZeRO: 0 replicate, 1 shard optimizer states, 2 also gradients, 3 also the layers' working weights"},
+    {"shard_group", KEY_INT, CFG(shard_group), "0", 0, 1 << 20, NULL,
+     "hybrid sharding at ZeRO stages 1 to 3: the ranks form groups of this many consecutive ranks (a node), each "
+     "sharding the states as ZeRO over all ranks would, the groups replicas of each other whose gradients are summed "
+     "across them (0 or the world size: one group of every rank; it must divide the world size, and 1 is zero_stage = 0)"},
     {"bucket_min_elems", KEY_INT, CFG(bucket_min_elems), "33554432", 1, INT_MAX, NULL,
      "data parallelism merges neighbouring layers into one gradient bucket (one reduce-scatter and one all-gather a "
      "step) until it holds this many parameters; the tail and the embedding stand alone"},
@@ -514,6 +519,16 @@ static inline int config_validate(ConfigParser *parser, char *error, size_t erro
     if (((long long)m->dim * m->dim) % 128 != 0 || ((long long)m->n_kv_heads * model_head_dim(m) * m->dim) % 128 != 0 ||
         ((long long)m->ffn_dim * m->dim) % 128 != 0) {
         snprintf(error, error_size, "%s: weight matrices must hold a multiple of 128 elements", config_source(parser, "dim"));
+        return -1;
+    }
+    if (c->shard_group == 1) {
+        snprintf(error, error_size, "%s: shard_group = 1 would replicate every state on every rank: that is zero_stage = 0",
+                 config_source(parser, "shard_group"));
+        return -1;
+    }
+    if (c->shard_group > 0 && c->zero_stage == 0) {
+        snprintf(error, error_size, "%s: shard_group = %d groups the ranks that shard the states, but zero_stage = 0 shards "
+                 "nothing", config_source_of_pair(parser, "zero_stage", "shard_group"), c->shard_group);
         return -1;
     }
     if (c->seq_len > m->max_seq_len) {

@@ -94,6 +94,7 @@ static inline void working_layout_init(WorkingLayout *w, const ModelShape *m, in
 
 typedef struct {
     int ranks;
+    int shard_group;           // hybrid sharding's group of ranks (coat/zero.h), 0: flat
     int micro_batch_size;
     size_t params_padded;      // elements of the parameter order
     size_t shard_elems;        // elements this rank's optimizer owns: its parts of the buckets
@@ -129,11 +130,12 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
     size_t tokens = (size_t)micro_batch_size * (size_t)c->seq_len;
     ActivationsChoice acts = config_activations(c);
     ZeroPlan zero;
-    zero_plan_init(&zero, &layout, ranks, ranks > 1 ? c->zero_stage : 0, (size_t)c->bucket_min_elems);
+    zero_plan_init_groups(&zero, &layout, ranks, c->shard_group, ranks > 1 ? c->zero_stage : 0, (size_t)c->bucket_min_elems);
     zero_plan_micro_batches(&zero, memory_plan_micro_batches(c, ranks, micro_batch_size));
     int layers_gathered = zero_layers_gathered(&zero);
 
     plan->ranks = ranks;
+    plan->shard_group = zero_hybrid(&zero) ? zero.shards : 0;
     plan->micro_batch_size = micro_batch_size;
     plan->params_padded = layout.total_padded;
     plan->shard_elems = zero.shard_elems;
@@ -180,19 +182,23 @@ static inline int memory_plan_largest_micro_batch(const TrainConfig *c, int rank
 // Smallest number of ranks whose per-rank plan at micro_batch_size fits in `budget_bytes`, at the
 // config's ZeRO stage (1 rank: none), scanning 1 to MEMORY_PLAN_MAX_RANKS (padding makes the plan
 // not quite monotone in the ranks); 0 if none does. *bytes: that plan's total, or the total at
-// MEMORY_PLAN_MAX_RANKS (what every rank holds whatever their number) when none fits.
+// MEMORY_PLAN_MAX_RANKS (what every rank holds whatever their number) when none fits. With
+// shard_group N > 1 only multiples of N can run, and each rank holds what a flat run on N ranks
+// holds: N ranks or none.
 #define MEMORY_PLAN_MAX_RANKS 65536
 static inline int memory_plan_smallest_ranks(const TrainConfig *c, int micro_batch_size, size_t budget_bytes, size_t *bytes) {
     MemoryPlan plan;
-    for (int ranks = 1; ranks <= MEMORY_PLAN_MAX_RANKS; ranks++) {
+    int grouped = c->zero_stage != 0 && c->shard_group > 1, first = grouped ? c->shard_group : 1;
+    for (int ranks = first; ranks <= MEMORY_PLAN_MAX_RANKS; ranks++) {
         memory_plan_compute(&plan, c, ranks, micro_batch_size);
         if (plan.total_bytes <= budget_bytes) {
             *bytes = plan.total_bytes;
             return ranks;
         }
         if (c->zero_stage == 0 && ranks > 1) break;  // nothing is sharded: more ranks never fit
+        if (grouped) break;                          // more groups shard no further
     }
-    if (c->zero_stage != 0) memory_plan_compute(&plan, c, MEMORY_PLAN_MAX_RANKS, micro_batch_size);
+    if (c->zero_stage != 0 && !grouped) memory_plan_compute(&plan, c, MEMORY_PLAN_MAX_RANKS, micro_batch_size);
     *bytes = plan.total_bytes;
     return 0;
 }
@@ -207,9 +213,12 @@ static inline void memory_plan_print(FILE *out, const MemoryPlan *plan, const Tr
     config_choice_name(ks->choices, config_optimizer_states(c), states, sizeof(states));
     config_choice_name(ka->choices, config_activations(c), acts, sizeof(acts));
     double p = (double)plan->params_padded;
+    char group[64] = "";
+    if (plan->shard_group > 1)
+        snprintf(group, sizeof(group), ", sharded within groups of %d (shard_group)", plan->shard_group);
     fprintf(out, "memory plan per rank: precision %s, optimizer states %s, activations %s, "
-                 "micro-batch %d x %d tokens, %d rank(s), ZeRO stage %d\n",
-            precision, states, acts, plan->micro_batch_size, c->seq_len, plan->ranks, c->zero_stage);
+                 "micro-batch %d x %d tokens, %d rank(s), ZeRO stage %d%s\n",
+            precision, states, acts, plan->micro_batch_size, c->seq_len, plan->ranks, c->zero_stage, group);
     const char *where = config_weights_from_master(c) ? plan->gather_bytes ? "; the block's linear weights in E4M3 only, in the layer gather"
                                                                            : "; the block's linear weights in E4M3 only, among the working buffers"
                       : plan->gather_bytes ? "; the layers in the layer gather only" : "";

@@ -40,6 +40,11 @@
 // read its bucket are done; the compute stream waits for a slot's gather before it reads it. The
 // slots keep what they hold until the step changes the weights: the buckets the forward ends with
 // are backward's first, and those backward ends with the next micro-batch's first.
+// Hybrid sharding (coat/zero.h, shard_group): all of the above runs on the group's collectives
+// (a split of every rank's, numbered by shard index, on the same stream), and each reduce-scatter
+// of a gradient bucket is followed on that stream by the all-reduce of this rank's part across the
+// groups (the replicas' split), before anything reads or reuses the part; the loss, the norm and
+// the checkpoints' transfers stay on every rank's collectives.
 #pragma once
 #include "collectives_mpi.cuh"
 #include "collectives_nccl.cuh"
@@ -49,7 +54,10 @@
 typedef struct {
     ZeroPlan plan;
     const Comm *comm;
-    Collectives collectives;        // world > 1
+    Collectives collectives;        // world > 1: every rank's (the loss, norm and checkpoints; flat: the buckets too)
+    Comm group_comm, replica_comm;  // hybrid: this rank's group, the ranks of its shard index
+    Collectives group, replicas;    // hybrid: the buckets' collectives, the gradient parts' sums across the groups
+    Collectives *buckets;           // where the buckets travel: the group's (hybrid), else every rank's
     LlamaModel *model;
     cudaStream_t compute;           // the model's stream
     BucketHooks hooks;
@@ -82,9 +90,30 @@ static inline int zero_open_collectives(Collectives *c, const Comm *comm, Collec
     return -1;
 }
 
-// The rank whose part of each bucket this rank's optimizer steps: its own when sharded, else
-// part 0 of 1, the whole bucket.
-static inline int zero_optimizer_rank(const Zero *z) { return z->plan.shards > 1 ? z->comm->rank : 0; }
+// Hybrid: the group's collectives (its ranks numbered by their shard index) and the replicas'
+// (the ranks of this shard index, one per group), split from every rank's. Returns 0, or -1.
+static inline int zero_split_collectives(Zero *z, char *error, size_t error_size) {
+    if (!zero_hybrid(&z->plan)) return 0;
+    int rank = z->comm->rank, group = zero_group_of(&z->plan, rank), shard = zero_shard_index(&z->plan, rank);
+    if (collectives_split(&z->collectives, group, shard, &z->group_comm, &z->group, error, error_size) != 0) return -1;
+    if (collectives_split(&z->collectives, shard, group, &z->replica_comm, &z->replicas, error, error_size) != 0) return -1;
+    z->buckets = &z->group;
+    return 0;
+}
+
+// The rank whose part of each bucket this rank's optimizer steps: its shard index when sharded,
+// else part 0 of 1, the whole bucket.
+static inline int zero_optimizer_rank(const Zero *z) { return zero_shard_index(&z->plan, z->comm->rank); }
+
+// Whether this rank's sum of squares enters the gradient norm: the shards of one group, each
+// counted once (flat: every rank's).
+static inline int zero_counts_in_norm(const Zero *z) { return zero_group_of(&z->plan, z->comm->rank) == 0; }
+
+// Hybrid: this rank's part of a bucket's gradient (the group's sum) summed across the groups, on
+// the collectives' stream after the reduce-scatter that wrote it.
+static inline void zero_sum_across_groups(Zero *z, bf16 *part, size_t n) {
+    if (zero_hybrid(&z->plan)) collectives_all_reduce_sum_bf16(&z->replicas, part, n, z->buckets->stream);
+}
 
 static inline bf16 *zero_bucket_buffer(Zero *z, int b) {
     return z->model->grads + (size_t)(b % 2) * z->plan.largest_bucket_elems;
@@ -99,17 +128,20 @@ __global__ void zero_accumulate_kernel(float *sum, const bf16 *part, size_t n) {
 // micro-batch per step straight into its BF16 shard: the same sum, without the FP32 zeros).
 static inline void zero_reduce_bucket(Zero *z, int b) {
     const ParamShardRange *r = &z->plan.bucket[b];
-    Collectives *c = &z->collectives;
+    Collectives *c = z->buckets;
     if (z->plan.stage == 0) {
         collectives_all_reduce_sum_bf16(c, z->model->grads + r->at, r->part, z->compute);
     } else if (z->plan.stage == 1) {
         collectives_reduce_scatter_sum_bf16(c, z->model->grads + r->at, z->grad_shard + r->state_at, r->part, z->compute);
+        zero_sum_across_groups(z, z->grad_shard + r->state_at, r->part);
     } else if (z->grad_shard) {
         collectives_reduce_scatter_sum_bf16(c, zero_bucket_buffer(z, b), z->grad_shard + r->state_at, r->part, z->compute);
+        zero_sum_across_groups(z, z->grad_shard + r->state_at, r->part);
         cudaCheck(cudaEventRecord(z->bucket_free[b % 2], c->stream));
     } else {
-        bf16 *data = zero_bucket_buffer(z, b), *mine = data + (size_t)z->comm->rank * r->part;
+        bf16 *data = zero_bucket_buffer(z, b), *mine = data + (size_t)zero_optimizer_rank(z) * r->part;
         collectives_reduce_scatter_sum_bf16(c, data, mine, r->part, z->compute);
+        zero_sum_across_groups(z, mine, r->part);
         zero_accumulate_kernel<<<(unsigned)ceil_div_size(r->part, 256), 256, 0, c->stream>>>(z->grad_sum + r->state_at, mine,
                                                                                               r->part);
         cudaCheckLaunch();
@@ -199,7 +231,7 @@ static inline void zero_cast_weights_from_master(Zero *z, const float *master) {
 static inline void zero_cast_and_gather_e4m3(Zero *z, int b, const float *master, uint8_t *codes) {
     LlamaModel *m = z->model;
     const ParamShardRange *r = &z->plan.bucket[b];
-    Collectives *c = &z->collectives;
+    Collectives *c = z->buckets;
     int L = m->shape.n_layers;
     for (int s = z->plan.first_segment[b]; s <= z->plan.last_segment[b]; s++)
         for (int i = 0; i < LINEARS; i++) {
@@ -217,7 +249,7 @@ static inline void zero_cast_and_gather_e4m3(Zero *z, int b, const float *master
 static inline void zero_gather_layers_e4m3(Zero *z, int b, const float *master) {
     LlamaModel *m = z->model;
     const ParamShardRange *r = &z->plan.bucket[b];
-    Collectives *c = &z->collectives;
+    Collectives *c = z->buckets;
     int L = m->shape.n_layers;
     zero_cast_and_gather_e4m3(z, b, master, z->e4m3_staging);
     for (int s = z->plan.first_segment[b]; s <= z->plan.last_segment[b]; s++)
@@ -243,7 +275,7 @@ static inline char *zero_slot(const Zero *z, int k) { return z->layer_slots + (s
 // weights): this rank's part cast from its master weights (E4M3, or BF16 rounded to nearest even
 // as a step writes the parameters), then one all-gather.
 static inline void zero_gather_layers_into(Zero *z, int b, int k) {
-    Collectives *c = &z->collectives;
+    Collectives *c = z->buckets;
     const ParamShardRange *r = &z->plan.bucket[b];
     collectives_after(c, z->compute);
     if (z->e4m3_gather) {
@@ -251,7 +283,7 @@ static inline void zero_gather_layers_into(Zero *z, int b, int k) {
     } else {
         bf16 *slot = (bf16 *)zero_slot(z, k);
         zero_master_to_bf16_kernel<<<(unsigned)ceil_div_size(r->part, 256), 256, 0, c->stream>>>(
-            slot + (size_t)z->comm->rank * r->part, z->master + r->state_at, r->part);
+            slot + (size_t)zero_optimizer_rank(z) * r->part, z->master + r->state_at, r->part);
         cudaCheckLaunch();
         collectives_all_gather(c, slot, 2 * r->part, c->stream);
     }
@@ -401,6 +433,7 @@ static inline int zero_attach(Zero *z, const ZeroPlan *plan, const Comm *comm, L
     z->model = model;
     z->compute = compute;
     z->collectives.comm = comm;  // one rank: the waits and the one-rank shortcuts only
+    z->buckets = &z->collectives;
     if (comm->world <= 1) return 0;
     z->e4m3_gather = model->precision.weights_from_master && plan->shards > 1;
     int layers_gathered = zero_layers_gathered(plan);
@@ -408,7 +441,8 @@ static inline int zero_attach(Zero *z, const ZeroPlan *plan, const Comm *comm, L
         snprintf(error, error_size, "ZeRO stage 3 with FP8 GEMMs gathers the layers' E4M3 codes: param_gather = e4m3 (auto)");
         return -1;
     }
-    if (zero_open_collectives(&z->collectives, comm, backend, plan->largest_bucket_elems, timeout_s, error, error_size) != 0)
+    if (zero_open_collectives(&z->collectives, comm, backend, plan->largest_bucket_elems, timeout_s, error, error_size) != 0 ||
+        zero_split_collectives(z, error, error_size) != 0)
         return -1;
     z->allocated_bytes = ZERO_SCALAR_BYTES;  // the collectives' scalars
     z->hooks.begin = zero_segment_begin;
@@ -448,6 +482,10 @@ static inline int zero_attach(Zero *z, const ZeroPlan *plan, const Comm *comm, L
 
 static inline void zero_free(Zero *z) {
     if (z->comm->world <= 1) return;
+    if (zero_hybrid(&z->plan)) {
+        collectives_close_split(&z->replicas, &z->replica_comm);
+        collectives_close_split(&z->group, &z->group_comm);
+    }
     collectives_close(&z->collectives);
     if (z->grad_shard) cudaCheck(cudaFree(z->grad_shard));
     if (z->grad_sum) cudaCheck(cudaFree(z->grad_sum));
@@ -522,7 +560,7 @@ __global__ void zero_weight_scales_kernel(Fp8Scale *table, int layers) {
 // the others in BF16.
 static inline void zero_gather_from_master(Zero *z, const float *master) {
     LlamaModel *m = z->model;
-    Collectives *c = &z->collectives;
+    Collectives *c = z->buckets;
     // The whole scale table: the activations' and gradients' entries, reset by every forward, ride along.
     collectives_all_reduce_max_f32(c, (float *)m->fp8_scales, m->working_layout.fp8_scales_bytes / sizeof(float), z->compute);
     collectives_join(c, z->compute);  // the next forward resets the activations' entries after it
@@ -567,7 +605,7 @@ static inline void zero_gather_params(Zero *z, const float *master) {
     }
     model_weights_changed(m);
     if (z->plan.stage == 0 || z->comm->world == 1) return;
-    Collectives *c = &z->collectives;
+    Collectives *c = z->buckets;
     for (int b = 0; b < z->plan.buckets; b++) {
         if (zero_params_at(z, b) == PARAM_NOT_IN_BUFFER) continue;  // stage 3's layers
         collectives_all_gather(c, m->params + zero_params_at(z, b), 2 * z->plan.bucket[b].part, z->compute);

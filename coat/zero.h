@@ -37,8 +37,18 @@
 //            gradient shard is BF16, the reduce-scatter's sum, which is what stage 2 adds to its
 //            FP32 zeros; with several it is stage 2's FP32 sum.
 // With one rank, or at stage 0, parts are whole buckets and the buffers are the parameter order.
+// Hybrid sharding (shard_group = N, a divisor of W between 2 and W - 1; 0 or W: all W ranks
+// shard as above): the ranks form W / N groups of N consecutive ranks (a node, when ranks are
+// numbered node by node), each sharding every bucket over its N ranks exactly as above with N in
+// place of W, the groups replicas of each other. Rank r holds shard r % N ("its shard index")
+// in group r / N. A bucket's gradient is reduce-scattered within the group, then its part
+// all-reduced across the W / N ranks that hold the same shard index (the replicas), so that every
+// replica holds the sum over all W ranks; parameters are gathered within the group. Per-rank
+// memory is that of a flat run on N ranks; the loss and gradient norm are summed over all W
+// (the norm over one group's shards, each counted once).
 // Bytes sent per rank follow the ring algorithms (NCCL's for large messages): all-reduce of n
-// bytes 2 (W - 1) / W n, reduce-scatter and all-gather (W - 1) / W n.
+// bytes 2 (W - 1) / W n, reduce-scatter and all-gather (W - 1) / W n; within a group N in
+// place of W, across the groups W / N.
 #pragma once
 #include <stddef.h>
 #include <stdio.h>
@@ -56,7 +66,8 @@ typedef struct {
 
 typedef struct {
     int ranks, stage;
-    int shards;                            // ranks that share each bucket: ranks at stages 1 to 3, else 1
+    int shards;                            // ranks that share each bucket (a group): N at stages 1 to 3, else 1
+    int groups;                            // the replicas: W / N at stages 1 to 3, else 1
     int bf16_grad_shard;                   // stage 3 with one micro-batch per step (zero_plan_micro_batches)
     int segments, buckets;
     ParamShardRange bucket[PARAM_SEGMENTS_MAX];  // in the parameter order
@@ -106,10 +117,38 @@ static inline void zero_plan_buckets(ZeroPlan *z, const ParamLayout *layout, siz
     }
 }
 
-static inline void zero_plan_init(ZeroPlan *z, const ParamLayout *layout, int ranks, int stage, size_t min_bucket_elems) {
+// Why shard_group (0: every rank, flat) cannot group `ranks` at ZeRO stage `stage`: 0, or -1
+// with a message that follows the key's name ("= 3 does not divide the 4 ranks").
+static inline int zero_shard_group_check(int ranks, int shard_group, int stage, char *error, size_t error_size) {
+    if (shard_group == 0 || shard_group == ranks) return 0;
+    if (stage == 0)
+        snprintf(error, error_size, "= %d groups the ranks that shard the states, but zero_stage = 0 shards nothing", shard_group);
+    else if (shard_group > ranks)
+        snprintf(error, error_size, "= %d exceeds the %d rank(s): a group is at most every rank", shard_group, ranks);
+    else if (ranks % shard_group != 0)
+        snprintf(error, error_size, "= %d does not divide the %d ranks into groups of equal size", shard_group, ranks);
+    else if (shard_group == 1)
+        snprintf(error, error_size, "= 1 would replicate every state on every rank: that is zero_stage = 0");
+    else
+        return 0;
+    return -1;
+}
+
+// The plan over `ranks` at `stage`, sharded within groups of shard_group consecutive ranks (0 or
+// ranks: one group of every rank, flat); config validation refuses a grouping that
+// zero_shard_group_check refuses first.
+static inline void zero_plan_init_groups(ZeroPlan *z, const ParamLayout *layout, int ranks, int shard_group, int stage,
+                                         size_t min_bucket_elems) {
+    char error[160];
+    if (ranks > 1 && zero_shard_group_check(ranks, shard_group, stage, error, sizeof(error)) != 0) {
+        fprintf(stderr, "error: zero_plan_init: shard_group %s\n", error);
+        exit(EXIT_FAILURE);
+    }
+    int group = shard_group > 0 ? shard_group : ranks;
     z->ranks = ranks;
     z->stage = stage;
-    z->shards = stage >= 1 ? ranks : 1;
+    z->shards = stage >= 1 ? group : 1;
+    z->groups = stage >= 1 ? ranks / group : 1;
     z->bf16_grad_shard = 0;
     zero_plan_buckets(z, layout, min_bucket_elems);
     size_t at = 0, state_at = 0;
@@ -134,6 +173,18 @@ static inline void zero_plan_init(ZeroPlan *z, const ParamLayout *layout, int ra
     z->buffer_elems = at;
     z->shard_elems = state_at;
 }
+
+// Flat: every rank in one group.
+static inline void zero_plan_init(ZeroPlan *z, const ParamLayout *layout, int ranks, int stage, size_t min_bucket_elems) {
+    zero_plan_init_groups(z, layout, ranks, 0, stage, min_bucket_elems);
+}
+
+// Hybrid: the groups replicate each other (more than one group of sharding ranks).
+static inline int zero_hybrid(const ZeroPlan *z) { return z->groups > 1; }
+
+// Rank `rank`'s shard index (the part of every bucket it owns) and its group.
+static inline int zero_shard_index(const ZeroPlan *z, int rank) { return z->shards > 1 ? rank % z->shards : 0; }
+static inline int zero_group_of(const ZeroPlan *z, int rank) { return z->shards > 1 ? rank / z->shards : 0; }
 
 // The layout's device buffers as the plan pads them: each segment where its bucket puts it.
 static inline void zero_place_segments(const ZeroPlan *z, ParamLayout *layout) {
@@ -244,11 +295,12 @@ static inline void zero_layer_gathers(const ZeroPlan *z, int accum_steps, long *
 // The collective calls of one step as coat/zero.cuh issues them (stages 2 and 3 reduce every
 // micro-batch).
 typedef struct {
-    long all_reduces, reduce_scatters, all_gathers;
+    long all_reduces, reduce_scatters, all_gathers;  // over all ranks (hybrid: but the loss's, within the group)
+    long replica_all_reduces;                        // hybrid: across the groups, each gradient part's sum
 } ZeroCalls;
 
 static inline ZeroCalls zero_calls(const ZeroPlan *z, int accum_steps, int e4m3_gather) {
-    ZeroCalls calls = {1, 0, 0};  // the loss and gradient norm
+    ZeroCalls calls = {1, 0, 0, 0};  // the loss and gradient norm
     if (z->ranks <= 1) {
         calls.all_reduces = 0;
         return calls;
@@ -265,6 +317,7 @@ static inline ZeroCalls zero_calls(const ZeroPlan *z, int accum_steps, int e4m3_
         calls.all_gathers += 2;  // the embedding's and the tail's after the step
     }
     if (e4m3_gather) calls.all_reduces += 2;  // the scale table's max, the norm table's sum
+    if (zero_hybrid(z)) calls.replica_all_reduces = calls.reduce_scatters;
     return calls;
 }
 
@@ -274,20 +327,24 @@ static inline ZeroCalls zero_calls(const ZeroPlan *z, int accum_steps, int e4m3_
 typedef struct {
     double gradient_bytes;   // all-reduce (stage 0), reduce-scatters once (1) or per micro-batch (2, 3)
     double parameter_bytes;  // the gather after the step (stages 1 and 2); stage 3's gathers of the layers too
+    double replica_gradient_bytes;  // hybrid, across the groups: the gradient parts' all-reduces
 } ZeroTraffic;
 
 static inline ZeroTraffic zero_traffic(const ZeroPlan *z, const ParamLayout *layout, int accum_steps, int e4m3_gather) {
-    ZeroTraffic t = {0.0, 0.0};
+    ZeroTraffic t = {0.0, 0.0, 0.0};
     if (z->ranks <= 1) return t;
     double share = (double)(z->ranks - 1) / z->ranks, gradient = 2.0 * (double)z->buffer_elems;
     if (z->stage == 0) {
         t.gradient_bytes = 2.0 * share * gradient;
         return t;
     }
-    t.gradient_bytes = share * gradient * (z->stage >= 2 ? accum_steps : 1);
+    int reduces = z->stage >= 2 ? accum_steps : 1;
+    share = (double)(z->shards - 1) / z->shards;  // within the group
+    t.gradient_bytes = share * gradient * reduces;
+    t.replica_gradient_bytes = 2.0 * (double)(z->groups - 1) / z->groups * 2.0 * (double)z->shard_elems * reduces;
     double layers = 0.0, gathered = 0.0;  // the buckets of layers' elements, and those gathered in a step
     for (int b = 0; b < z->buckets; b++)
-        if (zero_bucket_is_layers(z, b)) layers += (double)z->ranks * z->bucket[b].part;
+        if (zero_bucket_is_layers(z, b)) layers += (double)z->shards * z->bucket[b].part;
     gathered = layers;
     if (zero_layers_gathered(z)) {
         long calls;
@@ -303,10 +360,8 @@ static inline ZeroTraffic zero_traffic(const ZeroPlan *z, const ParamLayout *lay
 }
 
 // dry_run's summary of the sharding and of what each rank sends per step (GB = 1e9 bytes).
-static inline void zero_print(FILE *out, const ZeroPlan *z, const ParamLayout *layout, int accum_steps, int fp8_gemms,
-                              int e4m3_gather) {
-    if (z->ranks <= 1) return;
-    int e4m3 = z->stage >= 1 && fp8_gemms && e4m3_gather;
+static inline void zero_print_flat(FILE *out, const ZeroPlan *z, const ParamLayout *layout, int accum_steps, int fp8_gemms,
+                                   int e4m3) {
     ZeroCalls calls = zero_calls(z, accum_steps, e4m3);
     if (z->stage == 0)
         fprintf(out, "collective calls per step: 0 reduce-scatters, 0 all-gathers, %ld all-reduces (one per gradient "
@@ -329,7 +384,7 @@ static inline void zero_print(FILE *out, const ZeroPlan *z, const ParamLayout *l
     }
     fprintf(out, "ZeRO stage %d over %d ranks: %zu elements per rank's optimizer (1/%d of each of %d buckets, the "
                  "buffers padded to %zu); the largest bucket %zu elements\n",
-            z->stage, z->ranks, z->shard_elems, z->ranks, z->buckets, z->buffer_elems, z->largest_bucket_elems);
+            z->stage, z->ranks, z->shard_elems, z->shards, z->buckets, z->buffer_elems, z->largest_bucket_elems);
     if (zero_layers_gathered(z))
         fprintf(out, "ZeRO stage 3: the buckets of layers gathered into %d slots of %zu elements, the gradient shard %s\n",
                 ZERO_GATHER_SLOTS, z->largest_layer_bucket_elems,
@@ -340,4 +395,47 @@ static inline void zero_print(FILE *out, const ZeroPlan *z, const ParamLayout *l
             bf16.parameter_bytes / 1e9);
     if (fp8_gemms) fprintf(out, "; %.3f GB with the block weights gathered in e4m3", fp8.parameter_bytes / 1e9);
     fprintf(out, "; this run gathers %s\n", e4m3 ? "e4m3" : "bf16");
+}
+
+// Hybrid: the same within a group, then what crosses the groups.
+static inline void zero_print_hybrid(FILE *out, const ZeroPlan *z, const ParamLayout *layout, int accum_steps, int fp8_gemms,
+                                     int e4m3) {
+    ZeroCalls calls = zero_calls(z, accum_steps, e4m3);
+    ZeroTraffic bf16 = zero_traffic(z, layout, accum_steps, 0), fp8 = zero_traffic(z, layout, accum_steps, 1);
+    const char *per = z->stage >= 2 ? " and micro-batch" : "";
+    fprintf(out, "ZeRO stage %d over %d ranks in %d groups of %d (shard_group %d): %zu elements per rank's optimizer (1/%d "
+                 "of each of %d buckets, the buffers padded to %zu), the groups replicas; the largest bucket %zu elements\n",
+            z->stage, z->ranks, z->groups, z->shards, z->shards, z->shard_elems, z->shards, z->buckets, z->buffer_elems,
+            z->largest_bucket_elems);
+    if (zero_layers_gathered(z))
+        fprintf(out, "ZeRO stage 3: the buckets of layers gathered into %d slots of %zu elements, the gradient shard %s\n",
+                ZERO_GATHER_SLOTS, z->largest_layer_bucket_elems,
+                z->bf16_grad_shard ? "bf16 (one micro-batch per step)" : "fp32 (summed over the micro-batches)");
+    fprintf(out, "collective calls per step within a group of %d: %ld reduce-scatters (gradients: one per bucket%s), %ld "
+                 "all-gathers (parameters, %s: %s), %ld all-reduces%s\n",
+            z->shards, calls.reduce_scatters, per, calls.all_gathers, e4m3 ? "e4m3" : "bf16",
+            zero_layers_gathered(z) ? "the embedding and the tail after the step, the buckets of layers before each "
+                                      "forward and backward but those the two slots hold"
+                                    : "one per bucket",
+            calls.all_reduces - 1, e4m3 ? " (the E4M3 scale table's max, the norm table's sum)" : "");
+    fprintf(out, "collective calls per step across the %d groups: %ld all-reduces (each bucket's gradient part%s, among "
+                 "the ranks of its shard index); over all %d ranks: 1 all-reduce (the loss and gradient norm)\n",
+            z->groups, calls.replica_all_reduces, per, z->ranks);
+    fprintf(out, "sent per rank and step (%d accumulation step(s)) within the group: gradients %.3f GB (%s), parameters "
+                 "%.3f GB (all-gather, bf16)",
+            accum_steps, bf16.gradient_bytes / 1e9, z->stage == 1 ? "reduce-scatters" : "reduce-scatters, per micro-batch",
+            bf16.parameter_bytes / 1e9);
+    if (fp8_gemms) fprintf(out, "; %.3f GB with the block weights gathered in e4m3", fp8.parameter_bytes / 1e9);
+    fprintf(out, "; this run gathers %s\n", e4m3 ? "e4m3" : "bf16");
+    fprintf(out, "sent per rank and step (%d accumulation step(s)) across the groups: gradients %.3f GB (all-reduces of "
+                 "the gradient parts%s)\n",
+            accum_steps, bf16.replica_gradient_bytes / 1e9, z->stage == 1 ? "" : ", per micro-batch");
+}
+
+static inline void zero_print(FILE *out, const ZeroPlan *z, const ParamLayout *layout, int accum_steps, int fp8_gemms,
+                              int e4m3_gather) {
+    if (z->ranks <= 1) return;
+    int e4m3 = z->stage >= 1 && fp8_gemms && e4m3_gather;
+    if (zero_hybrid(z)) zero_print_hybrid(out, z, layout, accum_steps, fp8_gemms, e4m3);
+    else zero_print_flat(out, z, layout, accum_steps, fp8_gemms, e4m3);
 }

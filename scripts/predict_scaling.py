@@ -31,6 +31,10 @@ scripts/bench.sh measured on an H200 (MEASURED below) and adds what communicatio
           optimizer is counted as on one GPU (see the assumptions), so no prediction exceeds the
           measured one-GPU rate.
 
+  hybrid  With --shard-group N (shard_group = N above N GPUs) ZeRO-1 runs within groups of N GPUs and
+          each bucket's reduce-scatter is followed by the all-reduce of its part across the groups (dry_run
+          prints both levels; the script checks its bytes against them).
+
 Prints a Markdown table and its assumptions. Usage: scripts/predict_scaling.py [options]
 """
 import argparse
@@ -144,7 +148,14 @@ def main():
                     help="slowdown of compute that runs beside a collective (NCCL's kernels take SMs: 5-10%%)")
     ap.add_argument("--param-gather", choices=("auto", "bf16", "e4m3"), default="auto",
                     help="param_gather of the runs (auto: E4M3 with coat's FP8 GEMMs)")
+    ap.add_argument("--shard-group", type=int, default=0,
+                    help="shard_group of the ZeRO-1 table's runs above that many GPUs (0: ZeRO over every GPU; N: within groups of N "
+                         "GPUs, a node each at N = --gpus-per-node, each gradient part all-reduced across the groups)")
     args = ap.parse_args()
+    if args.shard_group == 1 or args.shard_group < 0 or any(
+            args.shard_group < g and g % args.shard_group for g in GPU_COUNTS if args.shard_group > 1):
+        sys.exit(f"error: --shard-group {args.shard_group}: a group of 2 or more GPUs that divides each of "
+                 f"{', '.join(map(str, GPU_COUNTS[1:]))} above it (0: none)")
 
     tmp = tempfile.mkdtemp()
     shard = os.path.join(tmp, "train_000000.bin")
@@ -172,35 +183,60 @@ def main():
             if gpus == 1:
                 print(f"| {model} | 1 | {b} x {seq} | - | - | 0 | 0 | {rate:,.0f} | 100.0% |")
                 continue
+            group = args.shard_group if 1 < args.shard_group < gpus else gpus  # the ranks that shard the states
+            groups = gpus // group
             common = [f"--world_size={gpus}", "--zero_stage=1", "--precision=coat", f"--seq_len={seq}",
                       f"--micro_batch_size={b}", f"--total_batch_tokens={tokens * gpus}", f"--param_gather={args.param_gather}"]
-            text = dry_run(config, shard, common)
-            reduces, gathers, all_reduces = (int(x) for x in parse(
-                r"^collective calls per step: (\d+) reduce-scatters .*?, (\d+) all-gathers .*?, (\d+) all-reduces", text,
-                "collective calls"))
+            text = dry_run(config, shard, common + ([f"--shard_group={group}"] if groups > 1 else []))
             e4m3 = parse(r"this run gathers (e4m3|bf16)", text, "gather precision")[0] == "e4m3"
+            across_reduces, across_gb = 0, 0.0
+            if groups > 1:  # hybrid: the calls and bytes within a group, then across the groups
+                reduces, gathers, all_reduces = (int(x) for x in parse(
+                    r"^collective calls per step within a group of \d+: (\d+) reduce-scatters .*?, (\d+) all-gathers .*?, "
+                    r"(\d+) all-reduces", text, "collective calls within a group"))
+                all_reduces += 1  # the loss and norm, over every rank
+                across_reduces = int(parse(r"^collective calls per step across the \d+ groups: (\d+) all-reduces", text,
+                                           "collective calls across the groups")[0])
+                across_gb = float(parse(r"across the groups: gradients ([0-9.]+) GB", text, "traffic across the groups")[0])
+                traffic = r"within the group: gradients ([0-9.]+) GB \(reduce-scatters\), parameters ([0-9.]+) GB \(all-gather, bf16\)"
+            else:
+                reduces, gathers, all_reduces = (int(x) for x in parse(
+                    r"^collective calls per step: (\d+) reduce-scatters .*?, (\d+) all-gathers .*?, (\d+) all-reduces", text,
+                    "collective calls"))
+                traffic = r"gradients ([0-9.]+) GB \(reduce-scatters\), parameters ([0-9.]+) GB \(all-gather, bf16\)"
             gradients, parameters, fp8_parameters = (float(x) if x else None for x in parse(
-                r"gradients ([0-9.]+) GB \(reduce-scatters\), parameters ([0-9.]+) GB \(all-gather, bf16\)"
-                r"(?:; ([0-9.]+) GB)?", text, "per-rank traffic"))
-            sent = gradients + (fp8_parameters if e4m3 else parameters)
-            plan = bucket_plan(layout, gpus, e4m3)
-            if (len(plan), len(plan)) != (reduces, gathers):
-                sys.exit(f"error: {model} at {gpus} GPUs: dry_run counts {reduces} reduce-scatters and {gathers} "
-                         f"all-gathers, this script's plan {len(plan)} buckets")
+                traffic + r"(?:; ([0-9.]+) GB)?", text, "per-rank traffic"))
+            sent = gradients + (fp8_parameters if e4m3 else parameters) + across_gb
+            plan = bucket_plan(layout, group, e4m3)
+            if (len(plan), len(plan)) != (reduces, gathers) or (groups > 1 and across_reduces != len(plan)):
+                sys.exit(f"error: {model} at {gpus} GPUs: dry_run counts {reduces} reduce-scatters, {gathers} "
+                         f"all-gathers and {across_reduces} all-reduces across groups, this script's plan {len(plan)} buckets")
 
-            nodes = -(-gpus // args.gpus_per_node)
+            nodes, world_nodes = -(-group // args.gpus_per_node), -(-gpus // args.gpus_per_node)
             bus = args.nvlink_gb_s if nodes == 1 else min(args.nvlink_gb_s, args.nics_per_node * args.nic_gb_s)
             bus *= 1e9
-            call = (args.latency_us + (gpus - nodes) * args.nvlink_hop_us + (nodes - 1) * args.net_hop_us) * 1e-6
+            call = (args.latency_us + (group - nodes) * args.nvlink_hop_us + (nodes - 1) * args.net_hop_us) * 1e-6
             local = min(gpus, args.gpus_per_node)  # a tree: up and down within the node, log2(nodes) across
             all_reduce = (args.latency_us + 2 * ((local - 1) * args.nvlink_hop_us +
-                                                 math.ceil(math.log2(nodes)) * args.net_hop_us)) * 1e-6
+                                                 math.ceil(math.log2(world_nodes)) * args.net_hop_us)) * 1e-6
+            # Across the groups (hybrid): each bucket's part all-reduced on a ring of the groups' ranks
+            # of one shard index, 2 (G - 1) steps, each a network hop when the groups span nodes; the
+            # node's GPUs run their rings at once, sharing its NICs.
+            across_hop = args.net_hop_us if world_nodes > 1 else args.nvlink_hop_us
+            across_call = (args.latency_us + 2 * (groups - 1) * across_hop) * 1e-6
+            across_bus = 1e9 * (args.nvlink_gb_s if world_nodes == 1 else
+                                min(args.nvlink_gb_s, args.nics_per_node * args.nic_gb_s / min(gpus, args.gpus_per_node)))
+            across_bytes = [2 * (groups - 1) / groups * reduce_bytes / (group - 1) for _, _, reduce_bytes, _ in plan]
+            if groups > 1 and abs(sum(across_bytes) / 1e9 - across_gb) > 0.002 * max(1.0, across_gb):
+                sys.exit(f"error: {model} at {gpus} GPUs: dry_run sends {across_gb} GB across the groups, this script's "
+                         f"plan {sum(across_bytes) / 1e9:.3f}")
             # Per segment: a bucket's calls at its last segment, where backward finishes it and the
-            # forward first reads it; its other segments wait for it there.
+            # forward first reads it; its other segments wait for it there. Across the groups the
+            # bucket's all-reduce follows its reduce-scatter on the same stream.
             L = layout.shape.n_layers
             reduce_s, gather_s, holder = [0.0] * (L + 2), [0.0] * (L + 2), list(range(L + 2))
-            for first, last, reduce_bytes, gather_bytes in plan:
-                reduce_s[last] = call + reduce_bytes / bus
+            for (first, last, reduce_bytes, gather_bytes), across in zip(plan, across_bytes):
+                reduce_s[last] = call + reduce_bytes / bus + (across_call + across / across_bus if groups > 1 else 0.0)
                 gather_s[last] = call + gather_bytes / bus
                 for s in range(first, last + 1):
                     holder[s] = last
@@ -238,9 +274,10 @@ def main():
             comm_s = sum(reduce_s) + sum(gather_s) + all_reduces * all_reduce
             exposed_s = forward_stall + reduce_tail + all_reduces * all_reduce + args.sm_slowdown * overlapped
             per_gpu = tokens / (step_s + exposed_s)
-            print(f"| {model} | {gpus} | {b} x {seq} | {reduces} / {gathers} / {all_reduces} | {sent:.2f} | "
+            across_text = f" + {across_reduces} across {groups} groups" if groups > 1 else ""
+            print(f"| {model} | {gpus} | {b} x {seq} | {reduces} / {gathers} / {all_reduces}{across_text} | {sent:.2f} | "
                   f"{comm_s * 1e3:,.0f} | {exposed_s * 1e3:,.0f} | {per_gpu:,.0f} | {100 * per_gpu / rate:.1f}% |")
-            notes[(model, gpus)] = (call, bus, adamw_s * (1 - 1 / gpus))
+            notes[(model, gpus)] = (call, bus, adamw_s * (1 - 1 / group))
     call512, bus512, saving = notes[("llama2-7b", 512)]
     print()
     print("Assumptions:")
@@ -263,6 +300,13 @@ def main():
     print("- Overlap as built: each bucket's reduce beside the rest of backward (the embedding's after it), the "
           "parameter gather beside the next forward, which waits for each bucket before reading it; the all-reduces and "
           "the optimizer overlap nothing.")
+    if args.shard_group > 1:
+        print(f"- shard_group {args.shard_group} above {args.shard_group} GPUs: ZeRO-1 within each group of "
+              f"{args.shard_group} (its rings' hops and bandwidth as above for {args.shard_group} GPUs), then each "
+              f"bucket's part all-reduced across the groups right after its reduce-scatter: a ring of the groups, "
+              f"2 (G - 1) hops, a network hop each when they span nodes, the node's GPUs sharing its NICs "
+              f"({args.nics_per_node} x {args.nic_gb_s:g} / {args.gpus_per_node} GB/s each); the ring bytes per rank as "
+              f"dry_run prints them.")
     print(f"- Compute beside a collective runs {100 * args.sm_slowdown:g}% slower (NCCL's kernels take SMs); that cost "
           f"counts as exposed.")
     print(f"- Forward a third of the one-GPU step less its optimizer ({ADAMW_FP8_DRE_MS_PER_BILLION:g} ms per billion "

@@ -1,7 +1,8 @@
 // The program test/test_comm.sh launches as several ranks to test coat/comm.h:
 //   comm_ranks init         prints "rank R of W, local L" (or the error, exit 2)
 //   comm_ranks collectives  (MPI) every collective on inputs each rank can compute for all the
-//                           others, checked exactly: sums of multiples of 1/8 below 32 are exact in BF16
+//                           others, checked exactly: sums of multiples of 1/8 below 32 are exact in BF16;
+//                           the splits into groups of 2 and across them
 //   comm_ranks ids          comm_first_equal_ids on crafted ids (no MPI needed)
 //   comm_ranks meet DIR TIMEOUT_S [STALL_S]   ranks launched without MPI meet (coat/rendezvous.h:
 //                           tcp with MASTER_ADDR / MASTER_PORT, else files in DIR), rank 0 sends 64
@@ -20,6 +21,50 @@ static float input_value(int rank, size_t i) { return (float)((rank * 5 + (int)(
 // Byte i of rank r's 16-byte id: r's own, except that the last rank repeats the one before it.
 static unsigned char id_byte(const Comm *c, int r, int i) {
     return (unsigned char)((r == c->world - 1 && r > 0 ? r - 1 : r) * 16 + i);
+}
+
+// comm_split: groups of 2 consecutive ranks (numbered by a reversed key: the last first) and the
+// ranks of one index across them, numbered as MPI numbers them; with an even world a bucket of 2
+// parts reduce-scattered within the group and the part summed across holds every rank's sum.
+// (Several ranks: one runs without MPI.)
+static int splits(const Comm *c, size_t shard) {
+    if (c->launch != LAUNCH_MPI) return 0;  // one process: no MPI to split
+    char error[256];
+    int failures = 0, group = c->rank / 2, index = c->rank % 2, members = 2 * group + 1 < c->world ? 2 : 1;
+    Comm in_group, across;
+    if (comm_split(c, group, -c->rank, &in_group, error, sizeof(error)) != 0 ||
+        comm_split(c, index, group, &across, error, sizeof(error)) != 0) {
+        fprintf(stderr, "error: %s\n", error);
+        return 1;
+    }
+    int mpi_rank[2], mpi_world[2];
+    MPI_Comm_rank(in_group.split_mpi, &mpi_rank[0]);
+    MPI_Comm_size(in_group.split_mpi, &mpi_world[0]);
+    MPI_Comm_rank(across.split_mpi, &mpi_rank[1]);
+    MPI_Comm_size(across.split_mpi, &mpi_world[1]);
+    failures += in_group.rank != mpi_rank[0] || in_group.world != mpi_world[0] || in_group.world != members ||
+                in_group.rank != members - 1 - index;
+    failures += across.rank != mpi_rank[1] || across.world != mpi_world[1] || across.rank != group ||
+                across.world != (c->world - index + 1) / 2;
+    if (c->world % 2 == 0) {
+        size_t n = 2 * shard;
+        uint16_t *data = calloc(n, 2), *part = calloc(shard, 2);
+        if (!data || !part) exit(2);
+        for (size_t i = 0; i < n; i++) data[i] = comm_float_to_bf16(input_value(c->rank, i));
+        comm_reduce_scatter_sum_bf16(&in_group, data, part, shard);
+        comm_all_reduce_sum_bf16(&across, part, shard);
+        for (size_t i = 0; i < shard; i++) {
+            float sum = 0.0f;
+            for (int r = 0; r < c->world; r++) sum += input_value(r, (size_t)in_group.rank * shard + i);
+            failures += part[i] != comm_float_to_bf16(sum);
+        }
+        free(data);
+        free(part);
+    }
+    comm_split_free(&in_group);
+    comm_split_free(&across);
+    if (failures) printf("rank %d of %d: the splits wrong\n", c->rank, c->world);
+    return failures;
 }
 
 static int collectives(const Comm *c) {
@@ -64,6 +109,7 @@ static int collectives(const Comm *c) {
     int a, b, found = comm_first_equal_ids(all, 16, c->world, &a, &b) == 0;
     failures += c->world == 1 ? found : !found || a != c->world - 2 || b != c->world - 1;
     free(all);
+    failures += splits(c, shard);
     comm_barrier(c);
     free(data);
     free(expected);

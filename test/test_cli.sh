@@ -352,6 +352,33 @@ err=$(./train_llama "${seventy[@]}" --world_size=8 --zero_stage=3 --param_gather
 check "ZeRO stage 3 with FP8 GEMMs and param_gather = bf16 is refused, naming the key" \
     "$([ $rc -eq 2 ] && printf '%s' "$err" | grep -q '^error: command line: param_gather = bf16 .*ZeRO stage 3'; echo $?)" "$err"
 
+# Hybrid sharding: 16 ranks in groups of 8 (shard_group = 8) plan per rank what 8 flat ranks
+# plan, print the calls and bytes within a group and across the groups; a grouping that does not
+# divide the ranks, exceeds them, is 1 or comes with zero_stage = 0 is refused naming the key.
+seven=(configs/models/llama2-7b.conf --dry_run=1 "$plan_data" --precision=coat --micro_batch_size=1 --seq_len=4096)
+for stage in 1 2 3; do
+    hybrid=$(./train_llama "${seven[@]}" --zero_stage=$stage --world_size=16 --shard_group=8 2>&1); rc=$?
+    flat=$(./train_llama "${seven[@]}" --zero_stage=$stage --world_size=8 2>&1); rc2=$?
+    check "llama2-7b coat, ZeRO stage $stage, 16 ranks in groups of 8: $(total_gib "$hybrid") GiB per rank, 8 flat ranks' $(total_gib "$flat"), calls and bytes within the group and across the groups" \
+        "$([ $rc -eq 0 ] && [ $rc2 -eq 0 ] && [ -n "$(total_gib "$hybrid")" ] && [ "$(total_gib "$hybrid")" = "$(total_gib "$flat")" ] &&
+           printf '%s\n' "$hybrid" | grep -q "ZeRO stage $stage over 16 ranks in 2 groups of 8 (shard_group 8): .* (1/8 of each of" &&
+           printf '%s\n' "$hybrid" | grep -q '^collective calls per step within a group of 8: [0-9]* reduce-scatters' &&
+           printf '%s\n' "$hybrid" | grep -q '^collective calls per step across the 2 groups: [0-9]* all-reduces .*over all 16 ranks: 1 all-reduce' &&
+           printf '%s\n' "$hybrid" | grep -q '^sent per rank and step (1 accumulation step(s)) within the group: gradients [0-9.]* GB' &&
+           printf '%s\n' "$hybrid" | grep -q '^sent per rank and step (1 accumulation step(s)) across the groups: gradients [0-9.]* GB' &&
+           [ "$(printf '%s\n' "$hybrid" | sed -n 's/^collective calls per step within a group of 8: \([0-9]*\) reduce-scatters.*/\1/p')" = \
+             "$(printf '%s\n' "$flat" | sed -n 's/^collective calls per step: \([0-9]*\) reduce-scatters.*/\1/p')" ]; echo $?)" \
+        "$(printf '%s\n' "$hybrid" | grep -E '^(ZeRO|collective|sent|  total)')"
+done
+expect_error "shard_group not dividing the ranks" "command line: shard_group = 3 does not divide the 16 ranks" "${seven[@]}" --world_size=16 --shard_group=3
+expect_error "shard_group above the ranks" "command line: shard_group = 32 exceeds the 16 rank(s)" "${seven[@]}" --world_size=16 --shard_group=32
+expect_error "shard_group = 1" "command line: shard_group = 1 would replicate every state" "${seven[@]}" --world_size=16 --shard_group=1
+expect_error "shard_group at ZeRO stage 0" "command line: shard_group = 8 groups the ranks that shard the states, but zero_stage = 0" \
+    "${seven[@]}" --world_size=16 --shard_group=8 --zero_stage=0
+out=$(./train_llama "${seven[@]}" --world_size=16 --shard_group=16 2>&1); rc=$?
+check "shard_group = the world size plans flat sharding" \
+    "$([ $rc -eq 0 ] && printf '%s\n' "$out" | grep -q '^ZeRO stage 1 over 16 ranks: ' && ! printf '%s\n' "$out" | grep -q 'across the'; echo $?)" "$out"
+
 # Bad inputs that dry_run opens: checkpoints, shards and tokenizers, each named in one line.
 python3 - "$tmp" <<'PY'
 import struct, sys

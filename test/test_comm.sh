@@ -15,7 +15,7 @@ if command -v mpirun > /dev/null && grep -qa MPI_Init build/comm_ranks; then
     [ "$(id -u)" -eq 0 ] && mpi=(timeout 60 mpirun --allow-run-as-root --oversubscribe -np)
     for ranks in 1 2 3 4; do
         out=$("${mpi[@]}" $ranks build/comm_ranks collectives 2>&1); rc=$?
-        check "mpirun -np $ranks: every rank's all-reduce, reduce-scatter, all-gather in place, sums, max, broadcast and all-gather are exact" \
+        check "mpirun -np $ranks: every rank's all-reduce, reduce-scatter, all-gather in place, sums, max, broadcast and all-gather are exact$([ $ranks -gt 1 ] && echo "; split into groups of 2 and across them, each numbered as MPI numbers it")$([ $((ranks % 2)) = 0 ] && echo ", a reduce-scatter within and a sum across exact")" \
             "$([ $rc -eq 0 ] && [ "$(printf '%s\n' "$out" | grep -c "of $ranks: collectives ok")" -eq $ranks ]; echo $?)" "$out"
     done
     out=$("${mpi[@]}" 3 build/comm_ranks init 2>&1 | sort); rc=$?

@@ -9,8 +9,9 @@
 # stage 2 bit for bit, with one micro-batch a step and with several, with the two gather slots in
 # turn over 4 buckets of layers) in bf16 and coat, coat's E4M3 parameter gather against its BF16
 # one, with a bucket per layer too; per-rank checkpoints (checkpoint_writes = per_rank) against
-# rank 0's file; validation split over the ranks (at stage 3 every rank runs as
-# many forward passes); one rank under mpirun with NCCL equals the plain run bit for bit, two NCCL ranks
+# rank 0's file; hybrid sharding (shard_group = 2: 2 groups of 2 ranks) against flat ranks and
+# one rank, its checkpoints across world sizes and groupings; validation split over the ranks (at
+# stage 3 every rank runs as many forward passes); one rank under mpirun with NCCL equals the plain run bit for bit, two NCCL ranks
 # on one GPU are refused by name, and on a machine with several GPUs NCCL with one rank per GPU
 # follows one rank too, also when each rank sees only its own GPU.
 cd "$(dirname "$0")/.." || exit 1
@@ -283,6 +284,58 @@ rc=$?
 check "a missing part file is refused by name before any step" \
     "$([ $rc -ne 0 ] && grep -q "^error: $tmp/parts_damaged/ckpt_00000010.rank1.bin: missing (part 1 of 2 of $tmp/parts_damaged/ckpt_00000010.bin)" \
        "$tmp/parts_missing.log" && ! grep -q '^step ' "$tmp/parts_missing.log"; echo $?)" "$(tail -2 "$tmp/parts_missing.log")"
+
+# Hybrid sharding (shard_group = 2): 4 ranks in 2 groups of 2, each group sharding as 2 flat ranks
+# would and summing each gradient part across the groups, against 4 flat ranks and 1 rank at the
+# same global batch, in bf16 and coat at stages 1 to 3: losses within the BF16 reduction-order
+# noise (the groups' sums are added in another order), gradient norms within 1% of the flat run's
+# (each shard counted once, not once per group); stage 3 equals stage 2 bit for bit as on flat
+# ranks. Only the first group writes checkpoints (rank 0 the file, or ranks 0 and 1 their part
+# files: the rank0 run's log bit for bit, merged its file byte for byte); a 2 x 2 checkpoint
+# resumes on 1 and 4 flat ranks, a flat one on 2 x 2, each following the run it came from.
+norms() { grep -o '"step": [0-9]*, "train_loss": [0-9.e+-]*, "lr": [0-9.e+-]*, "grad_norm": [0-9.e+-]*' "$1" | sed 's/.*"grad_norm": //'; }
+close_norms() {  # NAME RUN REFERENCE: every step's gradient norm within 1%
+    local worst
+    worst=$(paste <(norms "$tmp/$2/log.jsonl") <(norms "$tmp/$3/log.jsonl") |
+            awk 'NF == 2 { d = ($1 - $2) / $2; if (d < 0) d = -d; if (d > w) w = d; n++ } END { printf "%.2e %d", w, n }')
+    echo "$1: largest relative gradient norm difference ${worst% *} over ${worst#* } steps"
+    check "$1: the gradient norms of 20 steps within 1% (largest ${worst% *})" \
+        "$([ "${worst#* }" = 20 ] && awk -v w="${worst% *}" 'BEGIN { exit !(w < 0.01) }'; echo $?)" "$worst"
+}
+for precision in bf16 coat; do
+    one=$([ $precision = bf16 ] && echo s1_one || echo coat_one)
+    for stage in 1 2 3; do
+        run=hybrid_${precision}_s$stage flat=$([ $precision = bf16 ] && echo "s${stage}_4" || echo "coat_s${stage}_4")
+        "${mpi[@]}" 4 ./train_llama "${stage1[@]}" --precision=$precision --zero_stage=$stage --shard_group=2 --comm_backend=mpi \
+            --out_dir="$tmp/$run" > "$tmp/$run.out" 2>&1
+        check "$precision, ZeRO stage $stage, 4 ranks in 2 groups of 2: 20 steps, checkpoints written by rank 0" \
+            "$([ $? -eq 0 ] && grep -q "^ranks: 4 (comm_backend mpi, ZeRO stage $stage, sharded within 2 groups of 2 ranks" "$tmp/$run.out" &&
+               [ "$(ls "$tmp/$run"/ckpt_*.done | wc -l)" = 2 ]; echo $?)" "$(tail -5 "$tmp/$run.out")"
+        check_close "$precision, ZeRO stage $stage, 2 x 2 ranks against 1" "$tmp/$one/log.jsonl" "$tmp/$run/log.jsonl"
+        check_close "$precision, ZeRO stage $stage, 2 x 2 ranks against 4 flat" "$tmp/$flat/log.jsonl" "$tmp/$run/log.jsonl"
+        close_norms "$precision, ZeRO stage $stage, 2 x 2 ranks against 4 flat" "$run" "$flat"
+    done
+    same_numbers "$precision, 2 x 2 ranks, ZeRO stage 3 against stage 2" "hybrid_${precision}_s3" "hybrid_${precision}_s2"
+done
+"${mpi[@]}" 4 ./train_llama "${stage1[@]}" --shard_group=2 --checkpoint_writes=per_rank --comm_backend=mpi \
+    --out_dir="$tmp/hybrid_parts" > "$tmp/hybrid_parts.out" 2>&1
+check "bf16, ZeRO stage 1, 2 x 2 ranks, checkpoint_writes = per_rank: 20 steps, each checkpoint a manifest and the first group's 2 part files" \
+    "$([ $? -eq 0 ] && [ "$(ls "$tmp/hybrid_parts"/ckpt_*.done | wc -l)" = 2 ] && [ "$(ls "$tmp/hybrid_parts"/ckpt_*.rank*.bin | wc -l)" = 4 ] &&
+       [ "$(ls "$tmp/hybrid_parts"/ckpt_*.rank[01].bin | wc -l)" = 4 ]; echo $?)" "$(tail -3 "$tmp/hybrid_parts.out"; ls "$tmp/hybrid_parts")"
+same_numbers "bf16, 2 x 2 ranks, per-rank checkpoints against rank 0's file" hybrid_parts hybrid_bf16_s1
+out=$(python3 scripts/convert_hf.py merge "$tmp/hybrid_parts/ckpt_00000020.bin" "$tmp/hybrid_parts-20.merged" 2>&1)
+check "bf16, 2 x 2 ranks: the per-rank step-20 checkpoint merged is rank 0's file byte for byte" \
+    "$(cmp -s "$tmp/hybrid_parts-20.merged" "$tmp/hybrid_bf16_s1/ckpt_00000020.bin"; echo $?)" "$out"
+resume_on hybrid_bf16_s1 1 "$tmp/hybrid_bf16_s1-on-1" "${stage1[@]}"
+resume_on hybrid_bf16_s2 4 "$tmp/hybrid_bf16_s2-on-4-flat" "${stage1[@]}" --zero_stage=2
+resume_on s1_4 4 "$tmp/s1_4-on-2x2" "${stage1[@]}" --zero_stage=1 --shard_group=2
+resume_on hybrid_coat_s3 1 "$tmp/hybrid_coat_s3-on-1" "${stage1[@]}" --precision=coat
+resume_on hybrid_coat_s1 4 "$tmp/hybrid_coat_s1-on-4-flat" "${stage1[@]}" --precision=coat --zero_stage=3
+resume_on coat_s2_4 4 "$tmp/coat_s2_4-on-2x2" "${stage1[@]}" --precision=coat --zero_stage=2 --shard_group=2
+resume_on hybrid_bf16_s2 4 "$tmp/hybrid_bf16_s2-on-2x2" "${stage1[@]}" --zero_stage=2 --shard_group=2
+same_numbers "bf16, ZeRO stage 2, a 2 x 2 checkpoint resumed on 2 x 2" hybrid_bf16_s2-on-2x2 hybrid_bf16_s2
+resume_on hybrid_coat_s3 4 "$tmp/hybrid_coat_s3-on-2x2" "${stage1[@]}" --precision=coat --zero_stage=3 --shard_group=2
+same_numbers "coat, ZeRO stage 3, a 2 x 2 checkpoint resumed on 2 x 2" hybrid_coat_s3-on-2x2 hybrid_coat_s3
 
 # NCCL refuses two ranks on one GPU, and so does the trainer before it: the ranks compare their
 # GPUs' UUIDs. (Logs of refused runs are *.log: the allocation check below reads every *.out.)

@@ -517,6 +517,129 @@ static void test_stage3_70b(void) {
     }
 }
 
+// Hybrid sharding (shard_group = N of W ranks): each group plans what a flat run on N ranks plans
+// (the same buckets, parts and places; shard index r % N, group r / N), the groups replicas.
+static void test_hybrid_plan(void) {
+    ModelShape seven = shape_of(32000, 4096, 32, 32, 32, 11008);
+    ParamLayout layout;
+    param_layout_init(&layout, &seven);
+    static ZeroPlan hybrid, flat;
+    for (int stage = 1; stage <= 3; stage++) {
+        zero_plan_init_groups(&hybrid, &layout, 16, 8, stage, BUCKET_MIN);
+        zero_plan_init(&flat, &layout, 8, stage, BUCKET_MIN);
+        int same = hybrid.buckets == flat.buckets && hybrid.buffer_elems == flat.buffer_elems &&
+                   hybrid.shard_elems == flat.shard_elems && hybrid.largest_bucket_elems == flat.largest_bucket_elems &&
+                   hybrid.largest_layer_bucket_elems == flat.largest_layer_bucket_elems;
+        for (int b = 0; same && b < flat.buckets; b++)
+            same = memcmp(&hybrid.bucket[b], &flat.bucket[b], sizeof(flat.bucket[b])) == 0;
+        check(same && hybrid.ranks == 16 && hybrid.shards == 8 && hybrid.groups == 2 && zero_hybrid(&hybrid) &&
+                  !zero_hybrid(&flat) && flat.groups == 1 && zero_layers_gathered(&hybrid) == (stage == 3),
+              "llama2-7b, ZeRO stage %d, 16 ranks in groups of 8: the buckets, parts and places of a flat plan on 8 ranks "
+              "(shards %d, groups %d)", stage, hybrid.shards, hybrid.groups);
+    }
+    zero_plan_init_groups(&hybrid, &layout, 16, 4, 2, BUCKET_MIN);
+    check(zero_shard_index(&hybrid, 11) == 3 && zero_group_of(&hybrid, 11) == 2 && zero_shard_index(&hybrid, 4) == 0 &&
+              zero_group_of(&hybrid, 3) == 0,
+          "16 ranks in groups of 4: rank 11 holds shard 3 in group 2, rank 4 shard 0, rank 3 is in group 0");
+    zero_plan_init_groups(&hybrid, &layout, 16, 16, 1, BUCKET_MIN);
+    zero_plan_init(&flat, &layout, 16, 1, BUCKET_MIN);
+    check(hybrid.groups == 1 && hybrid.shards == 16 && hybrid.shard_elems == flat.shard_elems,
+          "shard_group = the world size is the flat plan");
+    zero_plan_init_groups(&hybrid, &layout, 1, 0, 0, BUCKET_MIN);
+    check(hybrid.groups == 1 && hybrid.shards == 1 && zero_shard_index(&hybrid, 0) == 0, "one rank: one group of one");
+}
+
+// The groupings refused, each with its reason; those that plan.
+static void test_hybrid_refusals(void) {
+    struct { int ranks, group, stage; const char *reason; } cases[] = {
+        {16, 3, 1, "does not divide the 16 ranks"}, {16, 32, 2, "exceeds the 16 rank(s)"}, {4, 8, 3, "exceeds the 4 rank(s)"},
+        {16, 1, 1, "= 1 would replicate"},          {16, 8, 0, "zero_stage = 0 shards nothing"},
+        {16, 0, 1, NULL}, {16, 16, 1, NULL}, {16, 8, 2, NULL}, {16, 2, 3, NULL}, {16, 16, 0, NULL}, {6, 3, 1, NULL},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        char error[160] = "";
+        int rc = zero_shard_group_check(cases[i].ranks, cases[i].group, cases[i].stage, error, sizeof(error));
+        if (cases[i].reason)
+            check(rc == -1 && strstr(error, cases[i].reason) != NULL, "shard_group %d of %d ranks at stage %d refused: "
+                  "expected \"%s\", got \"%s\"", cases[i].group, cases[i].ranks, cases[i].stage, cases[i].reason, error);
+        else
+            check(rc == 0, "shard_group %d of %d ranks at stage %d plans (got: %s)", cases[i].group, cases[i].ranks,
+                  cases[i].stage, error);
+    }
+}
+
+// Hybrid calls and bytes: within the group those of a flat run on N ranks; across the W / N groups
+// one all-reduce of each reduce-scatter's part, bytes per a ring simulation over W / N ranks.
+static void test_hybrid_calls_and_traffic(void) {
+    ModelShape seven = shape_of(32000, 4096, 32, 32, 32, 11008), small = shape_of(1001, 192, 3, 3, 1, 208);
+    ParamLayout layout, small_layout;
+    param_layout_init(&layout, &seven);
+    param_layout_init(&small_layout, &small);
+    static ZeroPlan hybrid, flat;
+    for (int stage = 1; stage <= 3; stage++)
+        for (int e4m3 = 0; e4m3 <= 1; e4m3++) {
+            zero_plan_init_groups(&hybrid, &layout, 32, 8, stage, BUCKET_MIN);
+            zero_plan_init(&flat, &layout, 8, stage, BUCKET_MIN);
+            ZeroCalls h = zero_calls(&hybrid, 4, e4m3), f = zero_calls(&flat, 4, e4m3);
+            check(h.reduce_scatters == f.reduce_scatters && h.all_gathers == f.all_gathers && h.all_reduces == f.all_reduces &&
+                      h.replica_all_reduces == f.reduce_scatters && f.replica_all_reduces == 0,
+                  "llama2-7b, stage %d%s, 32 ranks in groups of 8: %ld reduce-scatters, %ld all-gathers, %ld all-reduces "
+                  "within the group (a flat run on 8: %ld, %ld, %ld), %ld all-reduces across the groups",
+                  stage, e4m3 ? " e4m3" : "", h.reduce_scatters, h.all_gathers, h.all_reduces, f.reduce_scatters,
+                  f.all_gathers, f.all_reduces, h.replica_all_reduces);
+        }
+    int groupings[][2] = {{4, 2}, {8, 2}, {8, 4}, {12, 3}, {12, 4}};
+    for (size_t i = 0; i < sizeof(groupings) / sizeof(groupings[0]); i++) {
+        int W = groupings[i][0], N = groupings[i][1], G = W / N;
+        size_t k = 3, all_reduce = ring_all_reduce(G, k, 0, 0);
+        double per_element = (double)all_reduce / (G * k);
+        int ok = all_reduce != (size_t)-1;
+        for (int stage = 1; stage <= 3; stage++) {
+            zero_plan_init_groups(&hybrid, &small_layout, W, N, stage, 1);
+            zero_plan_init(&flat, &small_layout, N, stage, 1);
+            ZeroTraffic h = zero_traffic(&hybrid, &small_layout, 4, 1), f = zero_traffic(&flat, &small_layout, 4, 1),
+                        none = zero_traffic(&flat, &small_layout, 4, 0);
+            double reduces = stage == 1 ? 1.0 : 4.0;
+            ok &= h.gradient_bytes == f.gradient_bytes && h.parameter_bytes == f.parameter_bytes &&
+                  fabs(h.replica_gradient_bytes - reduces * per_element * 2.0 * hybrid.shard_elems) < 1e-6 &&
+                  none.replica_gradient_bytes == 0.0;
+        }
+        check(ok, "%d ranks in %d groups of %d, stages 1 to 3: within the group the bytes of a flat run on %d; across the "
+                  "groups each rank's gradient shard all-reduced (%.3f values sent per element, a ring of %d), per "
+                  "micro-batch at stages 2 and 3", W, G, N, N, per_element, G);
+    }
+}
+
+// Per-rank memory in groups of N is a flat run's on N ranks; the smallest world that fits is N.
+static void test_hybrid_memory(void) {
+    TrainConfig c;
+    memset(&c, 0, sizeof(c));
+    c.model = shape_of(32000, 4096, 32, 32, 32, 11008);
+    c.seq_len = 2048;
+    c.precision = PRECISION_COAT;
+    c.bucket_min_elems = (int)BUCKET_MIN;
+    for (int stage = 1; stage <= 3; stage++) {
+        MemoryPlan hybrid, flat, wide;
+        c.zero_stage = stage;
+        c.shard_group = 8;
+        memory_plan_compute(&hybrid, &c, 16, 4);
+        c.shard_group = 0;
+        memory_plan_compute(&flat, &c, 8, 4);
+        memory_plan_compute(&wide, &c, 16, 4);
+        check(hybrid.total_bytes == flat.total_bytes && hybrid.shard_elems == flat.shard_elems && hybrid.shard_group == 8 &&
+                  flat.shard_group == 0 && wide.total_bytes < hybrid.total_bytes,
+              "llama2-7b coat, stage %d, 16 ranks in groups of 8: %.3f GiB per rank, a flat run's on 8 (%.3f GiB; flat on 16: "
+              "%.3f GiB)", stage, gib(hybrid.total_bytes), gib(flat.total_bytes), gib(wide.total_bytes));
+        size_t bytes = 0;
+        c.shard_group = 8;
+        int fits_hybrid = memory_plan_smallest_ranks(&c, 4, hybrid.total_bytes, &bytes);
+        int fits_none = memory_plan_smallest_ranks(&c, 4, hybrid.total_bytes - 1, &bytes);
+        check(fits_hybrid == 8 && fits_none == 0, "stage %d, shard_group 8: the fewest ranks that fit are 8 (got %d), none "
+              "below the group's plan (got %d)", stage, fits_hybrid, fits_none);
+        c.shard_group = 0;
+    }
+}
+
 int main(void) {
     test_tiling();
     test_linear_weight_parts();
@@ -528,5 +651,9 @@ int main(void) {
     test_stage3_plan();
     test_stage3_calls();
     test_stage3_70b();
+    test_hybrid_plan();
+    test_hybrid_refusals();
+    test_hybrid_calls_and_traffic();
+    test_hybrid_memory();
     return check_summary("test_zero");
 }

@@ -11,12 +11,12 @@ gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 if command -v mpirun > /dev/null && grep -qa MPI_Init build/zero_ranks; then
     for ranks in 1 2 3 4; do
         out=$("${mpi[@]}" $ranks build/zero_ranks mpi 2>&1); rc=$?
-        check "comm_backend mpi, $ranks rank(s) on $gpus GPU(s): all-reduce in place, reduce-scatter out of place and in place (with the FP32 accumulation of the part), all-gather in place of BF16 and of bytes, the max of FP32 maxima, FP64 sums exact" \
+        check "comm_backend mpi, $ranks rank(s) on $gpus GPU(s): all-reduce in place, reduce-scatter out of place and in place (with the FP32 accumulation of the part), all-gather in place of BF16 and of bytes, the max of FP32 maxima, FP64 sums$([ $((ranks % 2)) = 0 ] && echo ", split into groups of 2 and across them (a reduce-scatter within, an all-reduce across)") exact" \
             "$([ $rc -eq 0 ] && [ "$(printf '%s\n' "$out" | grep -c "of $ranks: mpi collectives ok")" -eq $ranks ]; echo $?)" "$out"
     done
     for ranks in $(seq 2 "$gpus"); do
         out=$("${mpi[@]}" $ranks build/zero_ranks nccl 2>&1); rc=$?
-        check "comm_backend nccl, $ranks ranks on $ranks GPUs: every collective exact" \
+        check "comm_backend nccl, $ranks ranks on $ranks GPUs: every collective$([ $((ranks % 2)) = 0 ] && echo ", the splits too") exact" \
             "$([ $rc -eq 0 ] && [ "$(printf '%s\n' "$out" | grep -c "of $ranks: nccl collectives ok")" -eq $ranks ]; echo $?)" "$out"
     done
 else

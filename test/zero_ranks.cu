@@ -2,7 +2,8 @@
 // backends on GPU buffers: zero_ranks BACKEND (nccl or mpi). Each rank drives GPU local_rank % GPUs
 // (the MPI backend lets several ranks share one); every collective data parallelism runs (the
 // all-reduce, the reduce-scatter out of place and in place, stage 2's FP32 accumulation of the
-// part, the all-gather in place of BF16 elements and of bytes, the max) on inputs each rank can
+// part, the all-gather in place of BF16 elements and of bytes, the max; with an even world, the
+// splits of hybrid sharding) on inputs each rank can
 // compute for all the others, checked exactly (sums of multiples of 1/8 below 32 are exact in
 // BF16, and in FP32, whatever order the library adds them in: the per-owner reduces of earlier
 // versions gave these same bits). zero_ranks nccl hang: the last rank skips an all-reduce and
@@ -48,6 +49,52 @@ static void download(Collectives *c, void *host, const void *data, size_t bytes,
     collectives_join(c, compute);
     cudaCheck(cudaMemcpyAsync(host, data, bytes, cudaMemcpyDeviceToHost, compute));
     cudaCheck(cudaStreamSynchronize(compute));
+}
+
+// Hybrid sharding's splits (an even world): groups of 2 consecutive ranks, and the ranks of one
+// index within them across the groups. A bucket of 2 parts reduce-scattered within the group, the
+// part then summed across the groups, holds the sum over every rank of that part; a sum within the
+// group alone holds the group's. Returns the failures.
+static int test_splits(Collectives *c, const uint16_t *mine, size_t shard, cudaStream_t compute) {
+    char error[512];
+    int rank = c->comm->rank, world = c->comm->world, group = rank / 2, index = rank % 2;
+    Comm group_comm, across_comm;
+    Collectives in_group, across;
+    if (collectives_split(c, group, index, &group_comm, &in_group, error, sizeof(error)) != 0 ||
+        collectives_split(c, index, group, &across_comm, &across, error, sizeof(error)) != 0) {
+        printf("rank %d: split failed: %s\n", rank, error);
+        return 1;
+    }
+    int failures = 0;
+    if (group_comm.rank != index || group_comm.world != 2 || across_comm.rank != group || across_comm.world != world / 2) {
+        failures++;
+        printf("rank %d: the splits number it %d of %d and %d of %d\n", rank, group_comm.rank, group_comm.world,
+               across_comm.rank, across_comm.world);
+    }
+    size_t n = 2 * shard;
+    uint16_t *got = (uint16_t *)malloc(2 * n);
+    bf16 *data;
+    cudaCheck(cudaMalloc(&data, 2 * n));
+    cudaCheck(cudaMemcpyAsync(data, mine, 2 * n, cudaMemcpyHostToDevice, compute));
+    collectives_reduce_scatter_sum_bf16(&in_group, data, data + (size_t)index * shard, shard, compute);
+    collectives_all_reduce_sum_bf16(&across, data + (size_t)index * shard, shard, in_group.stream);
+    download(c, got, data + (size_t)index * shard, 2 * shard, compute);
+    int wrong = 0;
+    for (size_t i = 0; i < shard; i++) {
+        float sum = 0.0f;
+        for (int r = 0; r < world; r++) sum += input_value(r, (size_t)index * shard + i);
+        wrong |= got[i] != bf16_bits(sum);
+    }
+    cudaCheck(cudaMemcpyAsync(data, mine, 2 * n, cudaMemcpyHostToDevice, compute));
+    collectives_all_reduce_sum_bf16(&in_group, data, n, compute);
+    download(c, got, data, 2 * n, compute);
+    for (size_t i = 0; i < n; i++) wrong |= got[i] != bf16_bits(input_value(2 * group, i) + input_value(2 * group + 1, i));
+    if (wrong) { failures++; printf("rank %d: a sum within the group or across the groups wrong\n", rank); }
+    collectives_close_split(&across, &across_comm);
+    collectives_close_split(&in_group, &group_comm);
+    cudaCheck(cudaFree(data));
+    free(got);
+    return failures;
 }
 
 int main(int argc, char **argv) {
@@ -160,6 +207,8 @@ int main(int argc, char **argv) {
         failures++;
         printf("rank %d: FP64 sums wrong\n", comm.rank);
     }
+
+    if (comm.world % 2 == 0) failures += test_splits(&c, mine, shard, compute);
 
     printf("rank %d of %d: %s collectives %s\n", comm.rank, comm.world, argv[1], failures ? "WRONG" : "ok");
     collectives_close(&c);
