@@ -12,8 +12,8 @@
 // maxima; and host-side: a sum of a few FP64 values, and a checkpoint chunk to rank 0.
 // A split (collectives_split: ncclCommSplit, MPI_Comm_split) gives a part of the ranks their own
 // collectives, queued on the same stream with the same events as the whole's, so that the
-// whole's joins and waits (and its watchdog's timeout) cover them: ZeRO's hybrid sharding runs
-// the buckets within groups of ranks and sums their gradient parts across the groups.
+// whole's joins and waits and its watchdog (timeouts and NCCL errors) cover them: ZeRO's hybrid
+// sharding runs the buckets within groups of ranks and sums their gradient parts across the groups.
 // BF16 sums round after each addition, in an order the library picks. Every rank calls every
 // collective in the same order with the same sizes.
 // With NCCL and several ranks a watchdog thread (coat/watchdog.h) ends a rank whose collectives
@@ -48,6 +48,8 @@ typedef struct {
     void (*close)(Collectives *c);
 } CollectiveOps;
 
+#define COLLECTIVES_MAX_SPLITS 2  // ZeRO's hybrid sharding: the group's and the replicas'
+
 struct Collectives {
     const CollectiveOps *ops;
     const Comm *comm;
@@ -58,6 +60,8 @@ struct Collectives {
     Watchdog *watchdog;              // NCCL with world > 1, else NULL
     void *backend;                   // the backend's own state
     Collectives *whole;              // a split's: the collectives it shares its stream, events and scalars with
+    Collectives *splits[COLLECTIVES_MAX_SPLITS];  // the whole's open splits, whose errors its watchdog also polls
+    int split_count;                 // published after splits[] (the watchdog thread reads both)
 };
 
 // The host waits for `stream` (or `event`), whose work includes collectives, named by `what`
@@ -91,12 +95,17 @@ static inline void collectives_common_init(Collectives *c, const Comm *comm, int
     c->scalars = (double *)gpu_alloc(scalar_count * sizeof(double), "the collectives' scalars");
 }
 
+// Ends the watchdog thread, if any (the waits that follow go unwatched).
+static inline void collectives_stop_watchdog(Collectives *c) {
+    if (!c->watchdog) return;
+    watchdog_stop(c->watchdog);
+    free(c->watchdog);
+    c->watchdog = NULL;
+}
+
 static inline void collectives_close(Collectives *c) {
     collectives_wait_stream(c, c->stream, "the last collectives");
-    if (c->watchdog) {
-        watchdog_stop(c->watchdog);
-        free(c->watchdog);
-    }
+    collectives_stop_watchdog(c);
     if (c->ops) c->ops->close(c);
     cudaCheck(cudaFree(c->scalars));
     cudaCheck(cudaEventDestroy(c->produced));
@@ -107,24 +116,35 @@ static inline void collectives_close(Collectives *c) {
 
 // The ranks of c (every one calls this, in the same order) that pass the same `color`, numbered
 // by `key`, as collectives of their own: `sub`, its ranks described in `sub_comm` (the caller's,
-// kept while sub is open). It shares c's stream, events and scalars. Returns 0, or -1 with a
-// message.
+// kept while sub is open). It shares c's stream, events and scalars, and c's watchdog polls its
+// asynchronous errors too. Returns 0, or -1 with a message.
 static inline int collectives_split(Collectives *c, int color, int key, Comm *sub_comm, Collectives *sub, char *error,
                                     size_t error_size) {
+    if (c->split_count == COLLECTIVES_MAX_SPLITS) {
+        snprintf(error, error_size, "more than %d splits of one set of collectives", COLLECTIVES_MAX_SPLITS);
+        return -1;
+    }
     if (comm_split(c->comm, color, key, sub_comm, error, error_size) != 0) return -1;
     *sub = *c;
     sub->comm = sub_comm;
     sub->watchdog = NULL;
     sub->backend = NULL;
     sub->whole = c;
-    if (c->ops->split(c, sub, color, key, error, error_size) == 0) return 0;
-    comm_split_free(sub_comm);
-    return -1;
+    sub->split_count = 0;
+    if (c->ops->split(c, sub, color, key, error, error_size) != 0) {
+        comm_split_free(sub_comm);
+        return -1;
+    }
+    c->splits[c->split_count] = sub;
+    __atomic_store_n(&c->split_count, c->split_count + 1, __ATOMIC_RELEASE);
+    return 0;
 }
 
-// A split closed (before its whole), once its last collectives are done.
+// A split closed (before its whole), once its last collectives are done. The whole's watchdog
+// ends first: it polls every split, and no split may go while it does.
 static inline void collectives_close_split(Collectives *sub, Comm *sub_comm) {
     collectives_wait_stream(sub->whole, sub->stream, "the last collectives");
+    collectives_stop_watchdog(sub->whole);
     sub->ops->close(sub);
     comm_split_free(sub_comm);
     memset(sub, 0, sizeof(*sub));

@@ -18,9 +18,9 @@ static inline void nccl_check(ncclResult_t result, const char *call, const char 
 
 static inline ncclComm_t nccl_of(Collectives *c) { return (ncclComm_t)c->backend; }
 
-// The watchdog's backend: the communicator's asynchronous error, and the abort.
-static inline const char *nccl_async_error(void *backend, char *text, size_t size) {
-    ncclComm_t nccl = nccl_of((Collectives *)backend);
+// The watchdog's backend: the asynchronous error of the communicator or of one of its splits,
+// and the abort of them all.
+static inline const char *nccl_async_error_of(ncclComm_t nccl, char *text, size_t size) {
     ncclResult_t state = ncclSuccess, asked = ncclCommGetAsyncError(nccl, &state);
     if (asked != ncclSuccess) state = asked;
     if (state == ncclSuccess || state == ncclInProgress) return NULL;
@@ -28,10 +28,20 @@ static inline const char *nccl_async_error(void *backend, char *text, size_t siz
     return text;
 }
 
+static inline const char *nccl_async_error(void *backend, char *text, size_t size) {
+    Collectives *c = (Collectives *)backend;
+    const char *error = nccl_async_error_of(nccl_of(c), text, size);
+    for (int i = 0, n = __atomic_load_n(&c->split_count, __ATOMIC_ACQUIRE); !error && i < n; i++)
+        error = nccl_async_error_of(nccl_of(c->splits[i]), text, size);
+    return error;
+}
+
 static inline void nccl_abort(void *backend, const char *message) {
+    Collectives *c = (Collectives *)backend;
     fprintf(stderr, "%s\n", message);
     alarm(60);  // should the abort itself hang, SIGALRM ends the process
-    ncclCommAbort(nccl_of((Collectives *)backend));
+    for (int i = __atomic_load_n(&c->split_count, __ATOMIC_ACQUIRE) - 1; i >= 0; i--) ncclCommAbort(nccl_of(c->splits[i]));
+    ncclCommAbort(nccl_of(c));
     _exit(EXIT_COLLECTIVE_FAILED);
 }
 
@@ -87,8 +97,8 @@ static inline void nccl_send_to_root(Collectives *c, const void *device, void *h
     collectives_wait_stream(c, c->stream, what);
 }
 
-// ncclCommSplit: blocking, every rank of c calls it. The split's asynchronous errors reach no
-// watchdog of their own; a hang in it still ends in the whole's timeout.
+// ncclCommSplit: blocking, every rank of c calls it. The whole's watchdog polls the split's
+// asynchronous errors and aborts it with the whole.
 static inline int nccl_split(Collectives *c, Collectives *sub, int color, int key, char *error, size_t error_size) {
     ncclComm_t nccl;
     ncclResult_t split = ncclCommSplit(nccl_of(c), color, key, &nccl, NULL);
