@@ -359,6 +359,27 @@ static inline ZeroTraffic zero_traffic(const ZeroPlan *z, const ParamLayout *lay
     return t;
 }
 
+// Stage 3's gather slots and gradient shard, a line of dry_run's plan.
+static inline void zero_print_layer_slots(FILE *out, const ZeroPlan *z) {
+    if (!zero_layers_gathered(z)) return;
+    fprintf(out, "ZeRO stage 3: the buckets of layers gathered into %d slots of %zu elements, the gradient shard %s\n",
+            ZERO_GATHER_SLOTS, z->largest_layer_bucket_elems,
+            z->bf16_grad_shard ? "bf16 (one micro-batch per step)" : "fp32 (summed over the micro-batches)");
+}
+
+// dry_run's line of the bytes one rank sends per step through the buckets' reduce-scatters and
+// all-gathers (`scope`: "" flat, " within the group" hybrid); fp8: the traffic with the block
+// weights gathered in E4M3 (NULL without FP8 GEMMs).
+static inline void zero_print_sent(FILE *out, const ZeroPlan *z, int accum_steps, const char *scope, const ZeroTraffic *bf16,
+                                   const ZeroTraffic *fp8, int e4m3) {
+    fprintf(out, "sent per rank and step (%d accumulation step(s))%s: gradients %.3f GB (%s), parameters %.3f GB "
+                 "(all-gather, bf16)",
+            accum_steps, scope, bf16->gradient_bytes / 1e9, z->stage == 1 ? "reduce-scatters" : "reduce-scatters, per micro-batch",
+            bf16->parameter_bytes / 1e9);
+    if (fp8) fprintf(out, "; %.3f GB with the block weights gathered in e4m3", fp8->parameter_bytes / 1e9);
+    fprintf(out, "; this run gathers %s\n", e4m3 ? "e4m3" : "bf16");
+}
+
 // dry_run's summary of the sharding and of what each rank sends per step (GB = 1e9 bytes).
 static inline void zero_print_flat(FILE *out, const ZeroPlan *z, const ParamLayout *layout, int accum_steps, int fp8_gemms,
                                    int e4m3) {
@@ -385,16 +406,8 @@ static inline void zero_print_flat(FILE *out, const ZeroPlan *z, const ParamLayo
     fprintf(out, "ZeRO stage %d over %d ranks: %zu elements per rank's optimizer (1/%d of each of %d buckets, the "
                  "buffers padded to %zu); the largest bucket %zu elements\n",
             z->stage, z->ranks, z->shard_elems, z->shards, z->buckets, z->buffer_elems, z->largest_bucket_elems);
-    if (zero_layers_gathered(z))
-        fprintf(out, "ZeRO stage 3: the buckets of layers gathered into %d slots of %zu elements, the gradient shard %s\n",
-                ZERO_GATHER_SLOTS, z->largest_layer_bucket_elems,
-                z->bf16_grad_shard ? "bf16 (one micro-batch per step)" : "fp32 (summed over the micro-batches)");
-    fprintf(out, "sent per rank and step (%d accumulation step(s)): gradients %.3f GB (%s), parameters %.3f GB "
-                 "(all-gather, bf16)",
-            accum_steps, bf16.gradient_bytes / 1e9, z->stage == 1 ? "reduce-scatters" : "reduce-scatters, per micro-batch",
-            bf16.parameter_bytes / 1e9);
-    if (fp8_gemms) fprintf(out, "; %.3f GB with the block weights gathered in e4m3", fp8.parameter_bytes / 1e9);
-    fprintf(out, "; this run gathers %s\n", e4m3 ? "e4m3" : "bf16");
+    zero_print_layer_slots(out, z);
+    zero_print_sent(out, z, accum_steps, "", &bf16, fp8_gemms ? &fp8 : NULL, e4m3);
 }
 
 // Hybrid: the same within a group, then what crosses the groups.
@@ -407,10 +420,7 @@ static inline void zero_print_hybrid(FILE *out, const ZeroPlan *z, const ParamLa
                  "of each of %d buckets, the buffers padded to %zu), the groups replicas; the largest bucket %zu elements\n",
             z->stage, z->ranks, z->groups, z->shards, z->shards, z->shard_elems, z->shards, z->buckets, z->buffer_elems,
             z->largest_bucket_elems);
-    if (zero_layers_gathered(z))
-        fprintf(out, "ZeRO stage 3: the buckets of layers gathered into %d slots of %zu elements, the gradient shard %s\n",
-                ZERO_GATHER_SLOTS, z->largest_layer_bucket_elems,
-                z->bf16_grad_shard ? "bf16 (one micro-batch per step)" : "fp32 (summed over the micro-batches)");
+    zero_print_layer_slots(out, z);
     fprintf(out, "collective calls per step within a group of %d: %ld reduce-scatters (gradients: one per bucket%s), %ld "
                  "all-gathers (parameters, %s: %s), %ld all-reduces%s\n",
             z->shards, calls.reduce_scatters, per, calls.all_gathers, e4m3 ? "e4m3" : "bf16",
@@ -421,12 +431,7 @@ static inline void zero_print_hybrid(FILE *out, const ZeroPlan *z, const ParamLa
     fprintf(out, "collective calls per step across the %d groups: %ld all-reduces (each bucket's gradient part%s, among "
                  "the ranks of its shard index); over all %d ranks: 1 all-reduce (the loss and gradient norm)\n",
             z->groups, calls.replica_all_reduces, per, z->ranks);
-    fprintf(out, "sent per rank and step (%d accumulation step(s)) within the group: gradients %.3f GB (%s), parameters "
-                 "%.3f GB (all-gather, bf16)",
-            accum_steps, bf16.gradient_bytes / 1e9, z->stage == 1 ? "reduce-scatters" : "reduce-scatters, per micro-batch",
-            bf16.parameter_bytes / 1e9);
-    if (fp8_gemms) fprintf(out, "; %.3f GB with the block weights gathered in e4m3", fp8.parameter_bytes / 1e9);
-    fprintf(out, "; this run gathers %s\n", e4m3 ? "e4m3" : "bf16");
+    zero_print_sent(out, z, accum_steps, " within the group", &bf16, fp8_gemms ? &fp8 : NULL, e4m3);
     fprintf(out, "sent per rank and step (%d accumulation step(s)) across the groups: gradients %.3f GB (all-reduces of "
                  "the gradient parts%s)\n",
             accum_steps, bf16.replica_gradient_bytes / 1e9, z->stage == 1 ? "" : ", per micro-batch");

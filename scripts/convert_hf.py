@@ -31,7 +31,7 @@ from functools import lru_cache
 from typing import Callable, Dict, Iterable, List, Tuple
 
 from llama_layout import (CHECKPOINT_HEADER_BYTES, CHECKPOINT_VERSION, CheckpointHeader, CheckpointReader, FormatError,
-                          ModelShape, ParamLayout, TensorSlot, float32, open_regular, write_checkpoint)
+                          ModelShape, ParamLayout, TensorSlot, file_chunks, float32, open_regular, write_checkpoint)
 
 CHUNK_ELEMS = 1 << 20  # converted at a time: bounds memory for multi-GB tensors
 DTYPE_BYTES = {"F32": 4, "BF16": 2}
@@ -167,18 +167,6 @@ def read_safetensors_header(path: str) -> Tuple[int, Dict[str, dict]]:
         if not 0 <= begin <= end <= size - data_start:
             raise FormatError(f"{path}: {name}: data_offsets [{begin}, {end}] outside the file")
     return data_start, header
-
-
-def read_chunks(path: str, start: int, nbytes: int, chunk_bytes: int) -> Iterable[bytes]:
-    with open(path, "rb") as f:
-        f.seek(start)
-        remaining = nbytes
-        while remaining > 0:
-            chunk = f.read(min(chunk_bytes, remaining))
-            if not chunk:
-                raise FormatError(f"{path}: ends early")
-            remaining -= len(chunk)
-            yield chunk
 
 
 # ---- export ---------------------------------------------------------------------------------
@@ -362,7 +350,7 @@ def import_hf(hf_dir: str, checkpoint_path: str) -> str:
     def weight_chunks() -> Iterable[bytes]:
         for slot, path, start, dtype in sources:
             nbytes = slot.numel * DTYPE_BYTES[dtype]
-            for chunk in read_chunks(path, start, nbytes, DTYPE_BYTES[dtype] * CHUNK_ELEMS):
+            for chunk in file_chunks(path, start, nbytes, DTYPE_BYTES[dtype] * CHUNK_ELEMS):
                 yield chunk if dtype == "F32" else bfloat16_to_float32(chunk)
             yield bytes(4 * (slot.padded - slot.numel))
 

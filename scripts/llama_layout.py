@@ -564,6 +564,21 @@ def read_manifest(path: str) -> Manifest:
     return manifest
 
 
+def file_chunks(path: str, start: int, nbytes: int, chunk_bytes: int) -> Iterable[bytes]:
+    """nbytes of the regular file `path` from byte `start`, chunk_bytes at a time (FormatError when it ends early)."""
+    try:
+        with open_regular(path, "rb") as f:
+            f.seek(start)
+            while nbytes > 0:
+                chunk = f.read(min(chunk_bytes, nbytes))
+                if not chunk:
+                    raise FormatError(f"{path}: ends early")
+                nbytes -= len(chunk)
+                yield chunk
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read: {e.strerror}") from None
+
+
 class CheckpointReader:
     """A checkpoint's bytes at the single file's offsets, read from the file itself or from a
     per-rank checkpoint's manifest and part files (every part there, of its size and header, is
@@ -623,25 +638,11 @@ class CheckpointReader:
             return
         for p, part in enumerate(self.manifest.parts):
             crc = 0
-            for chunk in self._file_chunks(part_path(self.path, p), 0, part.file_bytes, _CK_CHUNK_BYTES):
+            for chunk in file_chunks(part_path(self.path, p), 0, part.file_bytes, _CK_CHUNK_BYTES):
                 crc = zlib.crc32(chunk, crc)
             if crc != part.crc:
                 raise self._part_error(p, f"fails its checksum (crc32 {crc:08x}, the manifest says {part.crc:08x}): "
                                           "the file is damaged")
-
-    @staticmethod
-    def _file_chunks(path: str, start: int, nbytes: int, chunk_bytes: int) -> Iterable[bytes]:
-        try:
-            with open_regular(path, "rb") as f:
-                f.seek(start)
-                while nbytes > 0:
-                    chunk = f.read(min(chunk_bytes, nbytes))
-                    if not chunk:
-                        raise FormatError(f"{path}: ends early")
-                    nbytes -= len(chunk)
-                    yield chunk
-        except OSError as e:
-            raise FormatError(f"{path}: cannot read: {e.strerror}") from None
 
     def _array_chunks(self, a: int, x: int, nbytes: int, chunk_bytes: int) -> Iterable[bytes]:
         group_bytes, m = self.manifest.group_bytes[a], self.manifest
@@ -651,14 +652,14 @@ class CheckpointReader:
             first, last = begin // PARAM_ALIGN_ELEMS * group_bytes, end // PARAM_ALIGN_ELEMS * group_bytes
             take = min(nbytes, last - x)
             at = PART_HEADER_BYTES + self._part_groups[p] * sum(m.group_bytes[:a]) + before * group_bytes + (x - first)
-            yield from self._file_chunks(part_path(self.path, p), at, take, chunk_bytes)
+            yield from file_chunks(part_path(self.path, p), at, take, chunk_bytes)
             x += take
             nbytes -= take
 
     def chunks(self, offset: int, nbytes: int, chunk_bytes: int = _CK_CHUNK_BYTES) -> Iterable[bytes]:
         """Bytes [offset, offset + nbytes) of the single file, in chunks of at most chunk_bytes."""
         if self.manifest is None:
-            yield from self._file_chunks(self.path, offset, nbytes, chunk_bytes)
+            yield from file_chunks(self.path, offset, nbytes, chunk_bytes)
             return
         m, groups = self.manifest, self.header.total_padded // PARAM_ALIGN_ELEMS
         regions = [(self.header_bytes, None), (None, 0), (m.optimizer_header, None)] + \

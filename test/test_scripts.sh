@@ -351,7 +351,7 @@ data_start = 8 + header_length
 def entry(name):
     begin, end = tensors[name]["data_offsets"]
     return convert_hf.SafetensorsEntry(name, "F32", tuple(tensors[name]["shape"]),
-                                       lambda: convert_hf.read_chunks(st_path, data_start + begin, end - begin, 1 << 16))
+                                       lambda: L.file_chunks(st_path, data_start + begin, end - begin, 1 << 16))
 names = [slot.name for slot in layout.tensors() if slot.name != "lm_head.weight"]
 tied = os.path.join(work, "tied")
 os.makedirs(tied)
