@@ -921,6 +921,20 @@ static unsigned char *read_file(FILE *file, long *size) {
     return bytes;
 }
 
+// The whole optimizer's checkpoint sections as one rank writes them (weights, then the optimizer
+// part), into a temporary file left open for reading: its bytes and size too.
+static FILE *write_one_rank_checkpoint(const AdamW *whole, Fixture *fx, unsigned char *chunk, unsigned char **bytes,
+                                       long *size) {
+    FILE *one = tmpfile();
+    if (!one) { fprintf(stderr, "error: tmpfile: cannot create a temporary file\n"); exit(EXIT_FAILURE); }
+    CheckpointSink sink;
+    checkpoint_sink_init(&sink, one);
+    adamw_write_section(whole, 0, &sink, 0, 1, adamw_gather_copy, fx->stream, chunk, ADAMW_COPY_CHUNK_BYTES);
+    adamw_save(whole, &sink, 0, 1, adamw_gather_copy, fx->stream, chunk, ADAMW_COPY_CHUNK_BYTES);
+    *bytes = read_file(one, size);
+    return one;
+}
+
 // Data parallelism's parts (coat/zero.h: 3 ranks, a bucket per layer, the last parts ending in
 // padding): each rank's optimizer, its parameters at the parts' places in a padded buffer and its
 // gradients back to back, steps exactly as the whole optimizer does on those elements: master,
@@ -1012,14 +1026,10 @@ static void test_sharded_checkpoint(OptimizerStateKind kind) {
     AdamW whole;
     gpu_create(&whole, &fx, kind, 0, layout.total_padded);
     gpu_run(&whole, &fx, 0, 3);
-    FILE *one = tmpfile();
-    if (!one) { fprintf(stderr, "error: tmpfile: cannot create a temporary file\n"); exit(EXIT_FAILURE); }
-    CheckpointSink one_sink;
-    checkpoint_sink_init(&one_sink, one);
-    adamw_write_section(&whole, 0, &one_sink, 0, 1, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
-    adamw_save(&whole, &one_sink, 0, 1, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
     long one_size;
-    unsigned char *one_bytes = read_file(one, &one_size), *whole_state = download_state(&whole);
+    unsigned char *one_bytes;
+    FILE *one = write_one_rank_checkpoint(&whole, &fx, chunk, &one_bytes, &one_size);
+    unsigned char *whole_state = download_state(&whole);
     ZeroPlan *plan = (ZeroPlan *)host_alloc(sizeof(ZeroPlan));
     for (int ranks = 2; ranks <= 3; ranks++) {
         zero_plan_init(plan, &layout, ranks, 1, 1);  // a bucket per layer
@@ -1100,14 +1110,10 @@ static void test_per_rank_checkpoint(OptimizerStateKind kind) {
     AdamW whole;
     gpu_create(&whole, &fx, kind, 0, layout.total_padded);
     gpu_run(&whole, &fx, 0, 3);
-    FILE *one = tmpfile();
-    if (!one) { fprintf(stderr, "error: tmpfile: cannot create a temporary file\n"); exit(EXIT_FAILURE); }
-    CheckpointSink one_sink;
-    checkpoint_sink_init(&one_sink, one);
-    adamw_write_section(&whole, 0, &one_sink, 0, 1, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
-    adamw_save(&whole, &one_sink, 0, 1, adamw_gather_copy, fx.stream, chunk, ADAMW_COPY_CHUNK_BYTES);
     long one_size;
-    unsigned char *one_bytes = read_file(one, &one_size), *whole_state = download_state(&whole);
+    unsigned char *one_bytes;
+    FILE *one = write_one_rank_checkpoint(&whole, &fx, chunk, &one_bytes, &one_size);
+    unsigned char *whole_state = download_state(&whole);
     char folder[] = "/tmp/test_optimizer_parts_XXXXXX", error[8192] = "", manifest[4200];
     if (!mkdtemp(folder)) { perror("mkdtemp"); exit(EXIT_FAILURE); }
 
