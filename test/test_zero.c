@@ -21,6 +21,17 @@ static ModelShape shape_of(int vocab, int dim, int layers, int heads, int kv_hea
     return s;
 }
 
+// A coat run's memory-plan keys (the rest zero) for `shape` at seq_len, with the default buckets.
+static TrainConfig coat_plan_config(ModelShape shape, int seq_len) {
+    TrainConfig c;
+    memset(&c, 0, sizeof(c));
+    c.model = shape;
+    c.seq_len = seq_len;
+    c.precision = PRECISION_COAT;
+    c.bucket_min_elems = (int)BUCKET_MIN;
+    return c;
+}
+
 // Buckets are runs of segments that tile the parameter order at tensor boundaries, merged only
 // while smaller than `min` elements; each is padded to `shards` equal parts of a multiple of
 // 128, placed back to back in the device buffers and in each rank's state; the ranks' parts of a
@@ -392,12 +403,7 @@ static void test_memory(void) {
 // llama2-7b in coat at ZeRO-1 on 8 ranks (micro-batch 8 x 2048) plans at least 12 GiB less BF16
 // parameters per rank than with the BF16 copy.
 static void test_memory_without_bf16_block_weights(void) {
-    TrainConfig c;
-    memset(&c, 0, sizeof(c));
-    c.model = shape_of(32000, 4096, 32, 32, 32, 11008);
-    c.seq_len = 2048;
-    c.precision = PRECISION_COAT;
-    c.bucket_min_elems = (int)BUCKET_MIN;
+    TrainConfig c = coat_plan_config(shape_of(32000, 4096, 32, 32, 32, 11008), 2048);
     ParamLayout layout;
     param_layout_init(&layout, &c.model);
     static ZeroPlan z;
@@ -496,12 +502,7 @@ static void test_stage3_calls(void) {
 // 8 ranks and 70 GiB on 64, where stage 2 plans 266 and 194 GiB (every layer's E4M3 weights and
 // their transposes, 129.5 GiB on every rank, are what stage 3 shards).
 static void test_stage3_70b(void) {
-    TrainConfig c;
-    memset(&c, 0, sizeof(c));
-    c.model = shape_of(32000, 8192, 80, 64, 8, 28672);
-    c.seq_len = 4096;
-    c.precision = PRECISION_COAT;
-    c.bucket_min_elems = (int)BUCKET_MIN;
+    TrainConfig c = coat_plan_config(shape_of(32000, 8192, 80, 64, 8, 28672), 4096);
     const struct { int ranks; double most_gib; } goals[] = {{8, 130.0}, {64, 70.0}};
     for (size_t i = 0; i < sizeof(goals) / sizeof(goals[0]); i++) {
         MemoryPlan two, three;
@@ -612,12 +613,7 @@ static void test_hybrid_calls_and_traffic(void) {
 
 // Per-rank memory in groups of N is a flat run's on N ranks; the smallest world that fits is N.
 static void test_hybrid_memory(void) {
-    TrainConfig c;
-    memset(&c, 0, sizeof(c));
-    c.model = shape_of(32000, 4096, 32, 32, 32, 11008);
-    c.seq_len = 2048;
-    c.precision = PRECISION_COAT;
-    c.bucket_min_elems = (int)BUCKET_MIN;
+    TrainConfig c = coat_plan_config(shape_of(32000, 4096, 32, 32, 32, 11008), 2048);
     for (int stage = 1; stage <= 3; stage++) {
         MemoryPlan hybrid, flat, wide;
         c.zero_stage = stage;
