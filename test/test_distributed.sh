@@ -259,6 +259,11 @@ for triple in "s1_2 1 1 bf16" "s1_2 2 0 bf16" "s1_2 4 2 bf16" "coat_s2 1 1 coat"
     check "$precision, resumed on $ranks rank(s) at stage $stage: its step-20 checkpoint in $parts part file(s) merges to the one file's resume's, byte for byte" \
         "$([ "$(ls "$dir"/ckpt_00000020.rank*.bin | wc -l)" = "$parts" ] && cmp -s "$dir-20.merged" "$one/ckpt_00000020.bin"; echo $?)" "$out"
 done
+# refused_once RC LOG PATTERN: a multi-rank start that failed (not by the timeout) with one error
+# line, matching PATTERN, and no step.
+refused_once() {
+    [ "$1" -ne 0 ] && [ "$1" -ne 124 ] && [ "$(grep -c '^error' "$2")" = 1 ] && grep -q "$3" "$2" && ! grep -q '^step ' "$2"
+}
 mkdir -p "$tmp/one_damaged"
 cp "$tmp/s1_2"/ckpt_00000010.bin "$tmp/s1_2"/ckpt_00000010.done "$tmp/s1_2/log.jsonl" "$tmp/one_damaged/"
 size=$(stat -c %s "$tmp/one_damaged/ckpt_00000010.bin")
@@ -266,18 +271,16 @@ printf '\x01' | dd of="$tmp/one_damaged/ckpt_00000010.bin" bs=1 seek=$((size - 1
 "${mpi[@]}" 2 ./train_llama "${stage1[@]}" --comm_backend=mpi --out_dir="$tmp/one_damaged" --resume=1 > "$tmp/one_damaged.log" 2>&1
 rc=$?
 check "a damaged checkpoint file (its optimizer state, checked by rank 0 alone) is refused on 2 ranks, once, before any step" \
-    "$([ $rc -ne 0 ] && [ $rc -ne 124 ] && [ "$(grep -c '^error' "$tmp/one_damaged.log")" = 1 ] &&
-       grep -q "^error: $tmp/one_damaged/ckpt_00000010.bin: the optimizer state section fails its checksum" "$tmp/one_damaged.log" &&
-       ! grep -q '^step ' "$tmp/one_damaged.log"; echo $?)" "$(grep -v '^ *$' "$tmp/one_damaged.log" | head -3)"
+    "$(refused_once $rc "$tmp/one_damaged.log" "^error: $tmp/one_damaged/ckpt_00000010.bin: the optimizer state section fails its checksum"; echo $?)" \
+    "$(grep -v '^ *$' "$tmp/one_damaged.log" | head -3)"
 mkdir -p "$tmp/parts_damaged"
 cp "$tmp/parts_s1_2"/ckpt_00000010.* "$tmp/parts_s1_2/log.jsonl" "$tmp/parts_damaged/"
 printf '\x01' | dd of="$tmp/parts_damaged/ckpt_00000010.rank1.bin" bs=1 seek=100000 conv=notrunc status=none
 "${mpi[@]}" 2 ./train_llama "${stage1[@]}" --comm_backend=mpi --out_dir="$tmp/parts_damaged" --resume=1 > "$tmp/parts_damaged.log" 2>&1
 rc=$?
 check "a damaged part file is refused on 2 ranks, once, naming it, before any step" \
-    "$([ $rc -ne 0 ] && [ $rc -ne 124 ] && [ "$(grep -c '^error' "$tmp/parts_damaged.log")" = 1 ] &&
-       grep -q "^error: rank 1: $tmp/parts_damaged/ckpt_00000010.rank1.bin: fails its checksum" "$tmp/parts_damaged.log" &&
-       ! grep -q '^step ' "$tmp/parts_damaged.log"; echo $?)" "$(grep -v '^ *$' "$tmp/parts_damaged.log" | head -3)"
+    "$(refused_once $rc "$tmp/parts_damaged.log" "^error: rank 1: $tmp/parts_damaged/ckpt_00000010.rank1.bin: fails its checksum"; echo $?)" \
+    "$(grep -v '^ *$' "$tmp/parts_damaged.log" | head -3)"
 rm "$tmp/parts_damaged/ckpt_00000010.rank1.bin"
 ./train_llama "${stage1[@]}" --out_dir="$tmp/parts_damaged" --resume=1 > "$tmp/parts_missing.log" 2>&1
 rc=$?
