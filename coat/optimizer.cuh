@@ -17,11 +17,12 @@
 //            c = sqrt(Mx) sqrt(Mn),  s = (Mx / c)^k / 448,  q = e4m3(sign(x) (|x| / c)^k / s);
 //            back: x = sign(q s) |q s|^(1/k) c.   An all-zero group stores q = 0, s = k = c = 1.
 //   The powers are taken in the log domain, one exp2 per value and direction:
-//            q = e4m3(sign(x) 448 2^(k (log2(|x| / c) - log2(Mx / c)))),  x = 0 stays 0;
-//            back: x = sign(q) c 2^((log2|q| + log2 s) / k),  log2|q| from a table of the 126 codes.
-//   |x| / c keeps the log's absolute error near 1e-7 for any group, which is all the round trip
-//   needs: an error d in that log moves the stored value by 2^d, whatever k is. So the values'
-//   logs come from a short table-driven log2 (dre_log2_fast), each |x| / c from 1 / c.
+//            q = e4m3(sign(x) 2^(k (log2|x| - log2 Mx) + log2 448)),  x = 0 stays 0;
+//            back: x = sign(q) c 2^(log2|q| / k + log2 s / k),  log2|q| from a table of the 126 codes.
+//   An error d in log2|x| - log2 Mx moves the stored value by 2^(k d) and the value it decodes to
+//   by 2^d, whatever k is: the round trip needs that difference to an absolute 1e-7 or so, for any
+//   group. Each log comes from a short table-driven log2 as an integer exponent and a fraction
+//   below 0.6 (dre_log2_split), so that the difference keeps that accuracy at any magnitude.
 // e4m3 rounds to nearest even and saturates to +-448. The powers use log2 and exp2 written below
 // from correctly rounded operations only, and every product that feeds a sum is rounded on its own
 // (no FMA contraction), so a plain C program reproduces the FP8 states bit for bit.
@@ -84,6 +85,7 @@ typedef struct {
 #define ADAMW_THREADS 256
 #define DRE_E4M3_MAX 448.0f
 #define DRE_K_NUMERATOR 265.83535750584331f         // 16 * log2(448 * 448 / 2)
+#define DRE_LOG2_E4M3_MAX 8.80735492205760410f      // log2(448)
 #define DRE_EQUAL_RATIO (1.0f + 1e-6f)              // R up to this: all magnitudes equal, k = 1
 #define ADAMW_CHECKPOINT_MAGIC 0x4d41444154414f43ull  // "COATADAM" in a little-endian uint64
 #define ADAMW_CHECKPOINT_VERSION 2
@@ -134,31 +136,36 @@ static __host__ __device__ inline float dre_log2(float x) {
     return x <= 3.40282347e38f ? result : x;                 // infinity and NaN pass through
 }
 
-// 2^t within a few ulp: t = n + r with n = rint(t), |r| <= 1/2 (exact), 2^r = e^(r ln 2) by its
-// Taylor series to degree 7, then times 2^n: one exact product when 2^n and the result are normal
-// (|t| <= 125, every call of the step kernel's loops), else in two exact-or-once-rounded steps
-// (subnormal results) with a select per special case.
-static __host__ __device__ __forceinline__ float dre_exp2_series(float r) {
-    float u = mul_unfused(r, 0.693147182f);  // ln 2
-    float p = fmaf(u, 1.98412701e-4f, 1.38888892e-3f);  // 1/5040, 1/720
-    p = fmaf(u, p, 8.33333377e-3f);                       // 1/120
-    p = fmaf(u, p, 4.16666679e-2f);                       // 1/24
-    p = fmaf(u, p, 0.166666672f);                         // 1/6
-    p = fmaf(u, p, 0.5f);
-    p = fmaf(u, p, 1.0f);
-    return fmaf(u, p, 1.0f);  // in [0.70, 1.42]
+// 2^r for |r| <= 1/2 within 2e-7 (relative): a degree-5 polynomial fitted to it, 1 at r = 0.
+static __host__ __device__ __forceinline__ float dre_exp2_fraction(float r) {
+    float p = fmaf(r, 1.326472266e-3f, 9.671512991e-3f);
+    p = fmaf(r, p, 5.550733581e-2f);
+    p = fmaf(r, p, 2.402224243e-1f);
+    p = fmaf(r, p, 6.931470037e-1f);
+    return fmaf(r, p, 1.0f);  // in [0.70, 1.42]
 }
 
+// 2^t for |t| <= 125: t = n + r with n = rint(t) (t + 1.5 2^23 rounds t to an integer in the low
+// bits of its mantissa, with no conversion instruction) and |r| <= 1/2 exact, 2^r by the polynomial,
+// then n added to its exponent (the product by 2^n, exact: the result is normal).
+#define DRE_ROUNDING_SHIFTER 12582912.0f  // 1.5 2^23
+static __host__ __device__ __forceinline__ float dre_exp2_near(float t) {
+    float shifted = t + DRE_ROUNDING_SHIFTER;
+    float r = t - (shifted - DRE_ROUNDING_SHIFTER);
+    // shifted's bits end in n; shifted 23 places, the bits above them drop out.
+    return dre_bits_float(dre_float_bits(dre_exp2_fraction(r)) + (dre_float_bits(shifted) << 23));
+}
+
+// 2^t within a few ulp, for any t: dre_exp2_near in the normal range (every call of the step
+// kernel's loops but for extreme groups), else in two exact-or-once-rounded steps (subnormal
+// results) with a select per special case.
 static __host__ __device__ inline float dre_exp2(float t) {
-    if (fabsf(t) <= 125.0f) {
-        float n = rintf(t);
-        return mul_unfused(dre_exp2_series(t - n), dre_bits_float((uint32_t)((int)n + 127) << 23));
-    }
+    if (fabsf(t) <= 125.0f) return dre_exp2_near(t);
     bool special = !(t >= -151.0f && t < 128.0f);  // NaN, +infinity, 0
     float special_value = t != t ? t : t >= 128.0f ? dre_bits_float(0x7f800000u) : 0.0f;
     t = special ? 0.0f : t;
     float n = rintf(t);
-    float p = dre_exp2_series(t - n);
+    float p = dre_exp2_fraction(t - n);
     int e = (int)n;
     // 2^e as two factors, each a power of two: (2^127, 2) above the normal range, (2^(e+64), 2^-64)
     // below it; a factor of 1 changes nothing.
@@ -174,30 +181,12 @@ static __host__ __device__ inline float dre_pow(float y, float p) {
     return dre_exp2(mul_unfused(p, dre_log2(y)));
 }
 
-// |x| / c as (|x| s) / (c s), s = 2^64 for a subnormal c (else 1; both products exact), from the
-// reciprocal of c s by fp8_divide: exact like the division, without one per value.
-typedef struct {
-    float scale, c, inverse;
-} DreCenter;
-
-static __host__ __device__ inline DreCenter dre_center(float c) {
-    DreCenter center;
-    center.scale = c < 1.17549435e-38f ? 18446744073709551616.0f : 1.0f;
-    center.c = mul_unfused(c, center.scale);
-    center.inverse = 1.0f / center.c;
-    return center;
-}
-
-static __host__ __device__ inline float dre_centered(float a, DreCenter center) {
-    return fp8_divide(mul_unfused(a, center.scale), center.c, center.inverse);
-}
-
-// log2 of a group's values relative to its center, |x| / c, where the absolute error is what
-// matters (about 1e-7; see the header) and a division is too slow: x = 2^e f, the top 6 mantissa
-// bits pick a point F of [0.75, 1.5) (F = 1 for the two intervals beside 1, so that log2 stays
-// accurate there relative to itself), r = f / F - 1 (|r| < 1/64) from the tabulated 1 / F by one
-// FMA, and log2(1 + r) by its series to r^5 (truncated at 4e-12). NaN stays NaN, infinity is
-// never passed. The table: 1 / F[j] at j, log2 F[j] at 64 + j, j = 0..63.
+// log2 x of a positive x as an integer exponent and a fraction in [-0.42, 0.59] (their sum), the
+// fraction within about 1e-7 absolute: x = 2^e f, the top 6 mantissa bits pick a point F of
+// [0.75, 1.5) (F = 1 for the two intervals beside 1, so that the fraction stays accurate there
+// relative to itself), r = f / F - 1 (|r| < 1/64) from the tabulated 1 / F by one FMA, and
+// log2(1 + r) by its series to r^3 (truncated at 2e-8). The table: 1 / F[j] at j, log2 F[j] at
+// 64 + j, j = 0..63. 0 gives 2^-151 (the caller selects), infinity and NaN garbage (never passed).
 #define DRE_LOG2_TABLE 128
 static __host__ __device__ inline float dre_log2_table_entry(int i) {
     int j = i % 64;
@@ -205,19 +194,28 @@ static __host__ __device__ inline float dre_log2_table_entry(int i) {
     return i < 64 ? 1.0f / f : dre_log2(f);
 }
 
-static __host__ __device__ inline float dre_log2_fast(float x, const float *table) {
+typedef struct {
+    int exponent;
+    float fraction;
+} DreLog2;
+
+static __host__ __device__ inline DreLog2 dre_log2_split(float x, const float *table) {
     bool subnormal = x < 1.17549435e-38f;  // scaled by 2^24 (exact)
     uint32_t bits = dre_float_bits(subnormal ? mul_unfused(x, 16777216.0f) : x);
     int j = (int)((bits >> 17) & 63u), upper = j >= 32;  // upper: f in [1.5, 2) is taken as 2 (f / 2)
-    int exponent = (int)(bits >> 23) - 127 - (subnormal ? 24 : 0) + upper;
     float f = dre_bits_float((bits & 0x007fffffu) | (upper ? 0x3f000000u : 0x3f800000u));
     float r = fmaf(f, table[j], -1.0f);
-    float series = fmaf(r, 0.288539007f, -0.360673760f);  // log2(e) / 5, -log2(e) / 4
-    series = fmaf(r, series, 0.480898347f);               // log2(e) / 3
-    series = fmaf(r, series, -0.721347511f);              // -log2(e) / 2
+    float series = fmaf(r, 0.480898347f, -0.721347511f);  // log2(e) / 3, -log2(e) / 2
     series = fmaf(r, series, 1.44269502f);                // log2(e)
-    float result = fmaf(r, series, table[64 + j]) + (float)exponent;
-    return x != x ? x : result;
+    DreLog2 log2 = {(int)(bits >> 23) - 127 - (subnormal ? 24 : 0) + upper, fmaf(r, series, table[64 + j])};
+    return log2;
+}
+
+// log2 a - log2 b from their splits: the exponents' difference exact (|difference| < 2^22, through
+// the mantissa of 1.5 2^23 rather than a conversion instruction), the fractions' nearly so.
+static __host__ __device__ __forceinline__ float dre_log2_difference(DreLog2 a, DreLog2 b) {
+    float exponents = dre_bits_float(dre_float_bits(DRE_ROUNDING_SHIFTER) + (uint32_t)(a.exponent - b.exponent)) - DRE_ROUNDING_SHIFTER;
+    return exponents + (a.fraction - b.fraction);
 }
 
 // ---- the step kernel ----------------------------------------------------------------------
@@ -303,15 +301,15 @@ __device__ __forceinline__ float adamw_group_min(float x) {
 
 
 // The tables of DRE, in shared memory, filled by the block's first threads before a barrier:
-// log2 |decode(code)| of the 128 E4M3 magnitudes (0 and the NaN code included, never read as
-// such), then dre_log2_fast's.
+// log2 |decode(code)| of the 128 E4M3 magnitudes (0 for the zero code, which decodes to 0 by a
+// select: 0 keeps it on the fast path; NaN for the NaN code), then dre_log2_split's.
 typedef struct {
     float code_log2[128];
     float log2[DRE_LOG2_TABLE];
 } DreTables;
 
 __device__ __forceinline__ void dre_fill_tables(DreTables *t) {
-    if (threadIdx.x < 128) t->code_log2[threadIdx.x] = dre_log2(fp8_decode((uint8_t)threadIdx.x, FP8_E4M3));
+    if (threadIdx.x < 128) t->code_log2[threadIdx.x] = threadIdx.x ? dre_log2(fp8_decode((uint8_t)threadIdx.x, FP8_E4M3)) : 0.0f;
     if (threadIdx.x < DRE_LOG2_TABLE) t->log2[threadIdx.x] = dre_log2_table_entry(threadIdx.x);
     __syncthreads();
 }
@@ -327,19 +325,25 @@ __device__ __forceinline__ float adamw_from_moment_lane(float x, int moment) {
     return __shfl_sync(0xffffffffu, x, moment * (ADAMW_THREADS_PER_GROUP / 2), ADAMW_THREADS_PER_GROUP);
 }
 
-// What dequantizing a group of one moment needs: its scale s, and with DRE log2 s, 1 / k and c.
+// What dequantizing a group of one moment needs: its scale s, and with DRE 1 / k, log2 s / k and c.
 typedef struct {
-    float scale, log2_scale, inverse_k, c;
+    float scale, inverse_k, log2_scale_over_k, c;
 } DreDecode;
 
-__device__ __forceinline__ DreDecode dre_decode_constants(float scale, float k, float c) {
-    DreDecode d = {scale, dre_log2(scale), 1.0f / k, c};
+static __host__ __device__ inline DreDecode dre_decode_constants(float scale, float k, float c) {
+    float inverse_k = 1.0f / k;
+    DreDecode d = {scale, inverse_k, mul_unfused(dre_log2(scale), inverse_k), c};
     return d;
 }
 
+// |x| of a nonzero DRE code whose |value| has log2 code_log2: c 2^(code_log2 / k + log2 s / k).
+static __host__ __device__ __forceinline__ float dre_decode_magnitude(float code_log2, DreDecode d) {
+    return mul_unfused(dre_exp2(fmaf(code_log2, d.inverse_k, d.log2_scale_over_k)), d.c);
+}
+
 __device__ __forceinline__ DreDecode dre_decode_of_moment(DreDecode mine, int moment) {
-    DreDecode d = {adamw_from_moment_lane(mine.scale, moment), adamw_from_moment_lane(mine.log2_scale, moment),
-                   adamw_from_moment_lane(mine.inverse_k, moment), adamw_from_moment_lane(mine.c, moment)};
+    DreDecode d = {adamw_from_moment_lane(mine.scale, moment), adamw_from_moment_lane(mine.inverse_k, moment),
+                   adamw_from_moment_lane(mine.log2_scale_over_k, moment), adamw_from_moment_lane(mine.c, moment)};
     return d;
 }
 
@@ -350,7 +354,7 @@ __device__ __forceinline__ void dequantize8_e4m3(float out[ADAMW_VEC], uint2 cod
         uint32_t code = ((j < 4 ? codes.x : codes.y) >> (8 * (j % 4))) & 0xffu;
         float y;
         if (DRE) {
-            float magnitude = mul_unfused(dre_exp2(mul_unfused(tables->code_log2[code & 0x7fu] + d.log2_scale, d.inverse_k)), d.c);
+            float magnitude = dre_decode_magnitude(tables->code_log2[code & 0x7fu], d);
             magnitude = (code & 0x7fu) == 0 ? 0.0f : magnitude;
             y = code & 0x80u ? -magnitude : magnitude;
         } else {
@@ -362,13 +366,13 @@ __device__ __forceinline__ void dequantize8_e4m3(float out[ADAMW_VEC], uint2 cod
 
 // What quantizing a group of one moment needs, from its largest and smallest nonzero magnitude.
 typedef struct {
-    float scale, k, c, log2_max;
-    DreCenter center;
+    float scale, k, c;
+    DreLog2 log2_max;
 } DreEncode;
 
 template <bool DRE>
-__device__ __forceinline__ DreEncode dre_encode_constants(float max_abs, float min_abs, const DreTables *tables) {
-    DreEncode e = {1.0f, 1.0f, 1.0f, 0.0f, dre_center(1.0f)};
+static __host__ __device__ inline DreEncode dre_encode_constants(float max_abs, float min_abs, const float *log2_table) {
+    DreEncode e = {1.0f, 1.0f, 1.0f, {0, 0.0f}};
     if (max_abs > 0.0f) {
         if (DRE) {
             float ratio = max_abs / min_abs;
@@ -378,8 +382,7 @@ __device__ __forceinline__ DreEncode dre_encode_constants(float max_abs, float m
                 e.k = fmaxf(floorf(DRE_K_NUMERATOR / log2_ratio), 1.0f) * 0.0625f;
             }
             e.c = mul_unfused(sqrtf(max_abs), sqrtf(min_abs));
-            e.center = dre_center(e.c);
-            e.log2_max = dre_log2_fast(dre_centered(max_abs, e.center), tables->log2);
+            e.log2_max = dre_log2_split(max_abs, log2_table);
             e.scale = dre_pow(max_abs / e.c, e.k) / DRE_E4M3_MAX;
         } else {
             e.scale = max_abs / DRE_E4M3_MAX;
@@ -393,20 +396,16 @@ __device__ __forceinline__ DreEncode dre_encode_of_moment(DreEncode mine, int mo
     e.scale = adamw_from_moment_lane(mine.scale, moment);
     e.k = adamw_from_moment_lane(mine.k, moment);
     e.c = adamw_from_moment_lane(mine.c, moment);
-    e.log2_max = adamw_from_moment_lane(mine.log2_max, moment);
-    e.center.scale = adamw_from_moment_lane(mine.center.scale, moment);
-    e.center.c = adamw_from_moment_lane(mine.center.c, moment);
-    e.center.inverse = adamw_from_moment_lane(mine.center.inverse, moment);
+    e.log2_max.exponent = __shfl_sync(0xffffffffu, mine.log2_max.exponent, moment * (ADAMW_THREADS_PER_GROUP / 2),
+                                      ADAMW_THREADS_PER_GROUP);
+    e.log2_max.fraction = adamw_from_moment_lane(mine.log2_max.fraction, moment);
     return e;
 }
 
-// An infinite moment (v overflows past FLT_MAX when |g| > 1.8e19 without clipping) is stored
-// as +-FLT_MAX: an infinity in a group would make c infinite and every scale of the group NaN.
-__device__ __forceinline__ void adamw_clamp_infinities(float x[ADAMW_VEC]) {
-    for (int j = 0; j < ADAMW_VEC; j++) x[j] = isinf(x[j]) ? copysignf(3.40282347e38f, x[j]) : x[j];
-}
-
-// This thread's largest magnitude and smallest nonzero one (infinity when all are zero).
+// This thread's largest magnitude and smallest nonzero one (FLT_MAX when all are zero). An
+// infinite moment (v overflows past FLT_MAX when |g| > 1.8e19 without clipping) counts as
+// +-FLT_MAX, here and when it is quantized: an infinity in a group would make c infinite and every
+// scale of the group NaN.
 __device__ __forceinline__ void adamw_local_range(const float x[ADAMW_VEC], float *max_abs, float *min_abs) {
     *max_abs = 0.0f;
     *min_abs = dre_bits_float(0x7f800000u);
@@ -415,6 +414,18 @@ __device__ __forceinline__ void adamw_local_range(const float x[ADAMW_VEC], floa
         *max_abs = fmaxf(*max_abs, a);
         if (a > 0.0f) *min_abs = fminf(*min_abs, a);
     }
+    *max_abs = fminf(*max_abs, 3.40282347e38f);
+    *min_abs = fminf(*min_abs, 3.40282347e38f);
+}
+
+// 448 (|x| / Mx)^k for a = |x| <= Mx, the magnitude that DRE stores in E4M3: 0 stays 0, NaN stays
+// NaN, an infinity counts as FLT_MAX (as in the group's range), and below 2^-64 (which rounds to 0)
+// the exponent is clamped, keeping dre_exp2_near in its range.
+static __host__ __device__ __forceinline__ float dre_expanded(float a, DreEncode e, const float *log2_table) {
+    DreLog2 log2 = dre_log2_split(fminf(a, 3.40282347e38f), log2_table);
+    float t = fmaf(e.k, dre_log2_difference(log2, e.log2_max), DRE_LOG2_E4M3_MAX);
+    float expanded = dre_exp2_near(fmaxf(t, -64.0f));
+    return a > 0.0f ? expanded : a;
 }
 
 // The codes of this thread's 8 values of a group quantized with e. STOCHASTIC rounds with the
@@ -426,10 +437,7 @@ __device__ __forceinline__ uint2 quantize8_e4m3(const float x[ADAMW_VEC], DreEnc
     for (int j = 0; j < ADAMW_VEC; j++) {
         if (DRE) {
             float a = fabsf(x[j]);
-            float expanded = mul_unfused(
-                dre_exp2(mul_unfused(e.k, dre_log2_fast(dre_centered(a, e.center), tables->log2) - e.log2_max)), DRE_E4M3_MAX);
-            expanded = a == 0.0f ? 0.0f : expanded;
-            y[j] = copysignf(expanded, x[j]);
+            y[j] = copysignf(dre_expanded(a, e, tables->log2), x[j]);
         } else {
             y[j] = x[j] / e.scale;
         }
@@ -516,8 +524,6 @@ __global__ void __launch_bounds__(ADAMW_THREADS) adamw_step_kernel(AdamWShard sh
         }
     }
     if constexpr (FP8) {  // every lane takes part in the group reductions (inactive ones with zeros)
-        adamw_clamp_infinities(m);
-        adamw_clamp_infinities(v);
         float m_max, m_min, v_max, v_min;
         adamw_local_range(m, &m_max, &m_min);
         adamw_local_range(v, &v_max, &v_min);
@@ -528,12 +534,12 @@ __global__ void __launch_bounds__(ADAMW_THREADS) adamw_step_kernel(AdamWShard sh
         DreEncode m_encode, v_encode;
         if constexpr (DRE) {
             bool for_v = adamw_lane_works_for_v();
-            DreEncode mine = dre_encode_constants<true>(for_v ? v_max : m_max, for_v ? v_min : m_min, &tables);
+            DreEncode mine = dre_encode_constants<true>(for_v ? v_max : m_max, for_v ? v_min : m_min, tables.log2);
             m_encode = dre_encode_of_moment(mine, 0);
             v_encode = dre_encode_of_moment(mine, 1);
         } else {
-            m_encode = dre_encode_constants<false>(m_max, m_min, &tables);
-            v_encode = dre_encode_constants<false>(v_max, v_min, &tables);
+            m_encode = dre_encode_constants<false>(m_max, m_min, tables.log2);
+            v_encode = dre_encode_constants<false>(v_max, v_min, tables.log2);
         }
         uint64_t index = sc.first_index + i;
         uint2 m_codes = quantize8_e4m3<DRE, STOCHASTIC>(m, m_encode, &tables, sc.rounding_key[0], index);
