@@ -31,9 +31,10 @@ scripts/bench.sh measured on an H200 (MEASURED below) and adds what communicatio
           optimizer is counted as on one GPU (see the assumptions), so no prediction exceeds the
           measured one-GPU rate.
 
-  hybrid  With --shard-group N (shard_group = N above N GPUs) ZeRO-1 runs within groups of N GPUs and
-          each bucket's reduce-scatter is followed by the all-reduce of its part across the groups (dry_run
-          prints both levels; the script checks its bytes against them).
+  hybrid  With --shard-group N (shard_group = N above N GPUs) ZeRO-1, and llama2-70b's stage 3, run
+          within groups of N GPUs and each bucket's reduce-scatter is followed by the all-reduce of its
+          part across the groups on the same stream (dry_run prints both levels; the script checks its
+          bytes against them).
 
 Prints a Markdown table and its assumptions. Usage: scripts/predict_scaling.py [options]
 """
@@ -50,13 +51,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from llama_layout import PARAM_ALIGN_ELEMS, ParamLayout, model_shape_from_config, round_up  # noqa: E402
 
-# One-GPU coat measurements on an H200 (scripts/bench.sh; llama-1b and llama2-7b are in
-# configs/results/performance.md, llama3-8b ran 17.0k tokens/s at 8 x 2048):
-# model -> (micro-batch, seq, tokens/s).
-MEASURED = {"llama-1b": (16, 2048, 130763.0), "llama2-7b": (10, 2048, 20108.0), "llama3-8b": (8, 2048, 17000.0)}
+# One-GPU coat measurements on an H200 (configs/results/performance.md: llama-1b beside PyTorch,
+# llama2-7b and llama3-8b at the largest micro-batch that fits): model -> (micro-batch, seq, tokens/s).
+MEASURED = {"llama-1b": (16, 2048, 133848.0), "llama2-7b": (13, 2048, 21586.0), "llama3-8b": (10, 2048, 18289.0)}
 MODELS = ("llama-1b", "llama2-7b", "llama3-8b")
 GPU_COUNTS = (1, 8, 64, 512)
-ADAMW_FP8_DRE_MS_PER_BILLION = 13.6  # test_optimizer's timing of the FP8+DRE step on an H200
+ADAMW_FP8_DRE_MS_PER_BILLION = 8.7  # test_optimizer's timing of the FP8+DRE step on an H200
 
 # coat/params.h's kinds, by index (scripts/llama_layout.py's PARAM_KINDS)
 EMBEDDING, ATTN_NORM, WQ, WK, WV, WO, MLP_NORM, W_GATE, W_UP, W_DOWN, FINAL_NORM, LM_HEAD = range(12)
@@ -191,13 +191,7 @@ def main():
             e4m3 = parse(r"this run gathers (e4m3|bf16)", text, "gather precision")[0] == "e4m3"
             across_reduces, across_gb = 0, 0.0
             if groups > 1:  # hybrid: the calls and bytes within a group, then across the groups
-                reduces, gathers, all_reduces = (int(x) for x in parse(
-                    r"^collective calls per step within a group of \d+: (\d+) reduce-scatters .*?, (\d+) all-gathers .*?, "
-                    r"(\d+) all-reduces", text, "collective calls within a group"))
-                all_reduces += 1  # the loss and norm, over every rank
-                across_reduces = int(parse(r"^collective calls per step across the \d+ groups: (\d+) all-reduces", text,
-                                           "collective calls across the groups")[0])
-                across_gb = float(parse(r"across the groups: gradients ([0-9.]+) GB", text, "traffic across the groups")[0])
+                reduces, gathers, all_reduces, across_reduces, across_gb = hybrid_calls(text, f"{model} at {gpus} GPUs")
                 traffic = r"within the group: gradients ([0-9.]+) GB \(reduce-scatters\), parameters ([0-9.]+) GB \(all-gather, bf16\)"
             else:
                 reduces, gathers, all_reduces = (int(x) for x in parse(
@@ -212,24 +206,8 @@ def main():
                 sys.exit(f"error: {model} at {gpus} GPUs: dry_run counts {reduces} reduce-scatters, {gathers} "
                          f"all-gathers and {across_reduces} all-reduces across groups, this script's plan {len(plan)} buckets")
 
-            nodes, world_nodes = -(-group // args.gpus_per_node), -(-gpus // args.gpus_per_node)
-            bus = args.nvlink_gb_s if nodes == 1 else min(args.nvlink_gb_s, args.nics_per_node * args.nic_gb_s)
-            bus *= 1e9
-            call = (args.latency_us + (group - nodes) * args.nvlink_hop_us + (nodes - 1) * args.net_hop_us) * 1e-6
-            local = min(gpus, args.gpus_per_node)  # a tree: up and down within the node, log2(nodes) across
-            all_reduce = (args.latency_us + 2 * ((local - 1) * args.nvlink_hop_us +
-                                                 math.ceil(math.log2(world_nodes)) * args.net_hop_us)) * 1e-6
-            # Across the groups (hybrid): each bucket's part all-reduced on a ring of the groups' ranks
-            # of one shard index, 2 (G - 1) steps, each a network hop when the groups span nodes; the
-            # node's GPUs run their rings at once, sharing its NICs.
-            across_hop = args.net_hop_us if world_nodes > 1 else args.nvlink_hop_us
-            across_call = (args.latency_us + 2 * (groups - 1) * across_hop) * 1e-6
-            across_bus = 1e9 * (args.nvlink_gb_s if world_nodes == 1 else
-                                min(args.nvlink_gb_s, args.nics_per_node * args.nic_gb_s / min(gpus, args.gpus_per_node)))
-            across_bytes = [2 * (groups - 1) / groups * reduce_bytes / (group - 1) for _, _, reduce_bytes, _ in plan]
-            if groups > 1 and abs(sum(across_bytes) / 1e9 - across_gb) > 0.002 * max(1.0, across_gb):
-                sys.exit(f"error: {model} at {gpus} GPUs: dry_run sends {across_gb} GB across the groups, this script's "
-                         f"plan {sum(across_bytes) / 1e9:.3f}")
+            call, bus, all_reduce, across_call, across_bus = links(args, gpus, group)
+            across_bytes = across_bytes_of(plan, group, groups, across_gb, f"{model} at {gpus} GPUs")
             # Per segment: a bucket's calls at its last segment, where backward finishes it and the
             # forward first reads it; its other segments wait for it there. Across the groups the
             # bucket's all-reduce follows its reduce-scatter on the same stream.
@@ -317,6 +295,49 @@ def main():
     stage3(args, shard)
 
 
+def links(args, gpus, group):
+    """What the collectives of `gpus` GPUs sharding within groups of `group` cost: a reduce-scatter's
+    or all-gather's fixed time on the group's ring and its bus bandwidth (bytes/s), a small
+    all-reduce over every GPU, and across the groups (hybrid) an all-reduce's fixed time and bus
+    bandwidth."""
+    nodes, world_nodes = -(-group // args.gpus_per_node), -(-gpus // args.gpus_per_node)
+    bus = 1e9 * (args.nvlink_gb_s if nodes == 1 else min(args.nvlink_gb_s, args.nics_per_node * args.nic_gb_s))
+    call = (args.latency_us + (group - nodes) * args.nvlink_hop_us + (nodes - 1) * args.net_hop_us) * 1e-6
+    local = min(gpus, args.gpus_per_node)  # a tree: up and down within the node, log2(nodes) across
+    all_reduce = (args.latency_us + 2 * ((local - 1) * args.nvlink_hop_us +
+                                         math.ceil(math.log2(world_nodes)) * args.net_hop_us)) * 1e-6
+    # Across the groups: each bucket's part all-reduced on a ring of the groups' ranks of one shard
+    # index, 2 (G - 1) steps, each a network hop when the groups span nodes; the node's GPUs run
+    # their rings at once, sharing its NICs.
+    groups = gpus // group
+    across_hop = args.net_hop_us if world_nodes > 1 else args.nvlink_hop_us
+    across_call = (args.latency_us + 2 * (groups - 1) * across_hop) * 1e-6
+    across_bus = 1e9 * (args.nvlink_gb_s if world_nodes == 1 else
+                        min(args.nvlink_gb_s, args.nics_per_node * args.nic_gb_s / min(gpus, args.gpus_per_node)))
+    return call, bus, all_reduce, across_call, across_bus
+
+
+def hybrid_calls(text, what):
+    """dry_run's collective calls within a group (plus the loss-and-norm all-reduce over every rank)
+    and across the groups, and the gradient GB sent across them."""
+    reduces, gathers, all_reduces = (int(x) for x in parse(
+        r"^collective calls per step within a group of \d+: (\d+) reduce-scatters .*?, (\d+) all-gathers .*?, "
+        r"(\d+) all-reduces", text, f"{what}: collective calls within a group"))
+    across_reduces = int(parse(r"^collective calls per step across the \d+ groups: (\d+) all-reduces", text,
+                               f"{what}: collective calls across the groups")[0])
+    across_gb = float(parse(r"across the groups: gradients ([0-9.]+) GB", text, f"{what}: traffic across the groups")[0])
+    return reduces, gathers, all_reduces + 1, across_reduces, across_gb
+
+
+def across_bytes_of(plan, group, groups, across_gb, what):
+    """Each bucket's bytes sent across the groups: its part (the reduce-scatter's bytes over group - 1)
+    on a ring of G, 2 (G - 1) / G of it; checked against dry_run's total."""
+    across = [2 * (groups - 1) / groups * reduce_bytes / (group - 1) for _, _, reduce_bytes, _ in plan]
+    if groups > 1 and abs(sum(across) / 1e9 - across_gb) > 0.002 * max(1.0, across_gb):
+        sys.exit(f"error: {what}: dry_run sends {across_gb} GB across the groups, this script's plan {sum(across) / 1e9:.3f}")
+    return across
+
+
 def layer_gather_timeline(compute, gather, reduce, held, start, comm_free):
     """One pass (forward or backward) of stage 3 over the buckets of layers as coat/zero.cuh runs it:
     `compute[i]` the time of the i-th bucket the pass reads, `gather[i]` its all-gather (none for the
@@ -374,24 +395,29 @@ def stage3(args, shard):
           "| communication ms | exposed ms | step ms | tokens/s per GPU | vs compute alone |")
     print("|---|---|---|---|---|---|---|---|---|")
     for gpus in GPU_COUNTS[1:]:
+        group = args.shard_group if 1 < args.shard_group < gpus else gpus  # the ranks that shard the model
+        groups = gpus // group
         text = dry_run(config, shard, [f"--world_size={gpus}", "--zero_stage=3", "--precision=coat", f"--seq_len={seq}",
-                                       f"--micro_batch_size={b}", f"--total_batch_tokens={tokens * gpus}"])
-        reduces, gathers, all_reduces = (int(x) for x in parse(
-            r"^collective calls per step: (\d+) reduce-scatters .*?, (\d+) all-gathers .*?, (\d+) all-reduces", text,
-            "collective calls"))
-        plan = bucket_plan(layout, gpus, True)
+                                       f"--micro_batch_size={b}", f"--total_batch_tokens={tokens * gpus}"] +
+                       ([f"--shard_group={group}"] if groups > 1 else []))
+        across_reduces, across_gb = 0, 0.0
+        if groups > 1:
+            reduces, gathers, all_reduces, across_reduces, across_gb = hybrid_calls(text, f"{model} at {gpus} GPUs")
+        else:
+            reduces, gathers, all_reduces = (int(x) for x in parse(
+                r"^collective calls per step: (\d+) reduce-scatters .*?, (\d+) all-gathers .*?, (\d+) all-reduces", text,
+                "collective calls"))
+        plan = bucket_plan(layout, group, True)
         if any(first != last for first, last, _, _ in plan[1:-1]):
             sys.exit(f"error: {model}: a bucket holds several layers; this model takes one layer per bucket")
-        if (reduces, gathers) != (len(plan), 2 + 2 * L - 2):
-            sys.exit(f"error: {model} at {gpus} GPUs: dry_run counts {reduces} reduce-scatters and {gathers} all-gathers, "
-                     f"this script's plan {len(plan)} and {2 * L}")
-        nodes = -(-gpus // args.gpus_per_node)
-        bus = (args.nvlink_gb_s if nodes == 1 else min(args.nvlink_gb_s, args.nics_per_node * args.nic_gb_s)) * 1e9
-        call = (args.latency_us + (gpus - nodes) * args.nvlink_hop_us + (nodes - 1) * args.net_hop_us) * 1e-6
-        local = min(gpus, args.gpus_per_node)
-        all_reduce = (args.latency_us + 2 * ((local - 1) * args.nvlink_hop_us +
-                                             math.ceil(math.log2(nodes)) * args.net_hop_us)) * 1e-6
-        reduce_s = [call + r / bus for _, _, r, _ in plan]
+        if (reduces, gathers) != (len(plan), 2 + 2 * L - 2) or (groups > 1 and across_reduces != len(plan)):
+            sys.exit(f"error: {model} at {gpus} GPUs: dry_run counts {reduces} reduce-scatters, {gathers} all-gathers and "
+                     f"{across_reduces} all-reduces across groups, this script's plan {len(plan)} and {2 * L}")
+        call, bus, all_reduce, across_call, across_bus = links(args, gpus, group)
+        across_bytes = across_bytes_of(plan, group, groups, across_gb, f"{model} at {gpus} GPUs")
+        # a bucket's all-reduce across the groups follows its reduce-scatter on the same stream
+        reduce_s = [call + r / bus + (across_call + a / across_bus if groups > 1 else 0.0)
+                    for (_, _, r, _), a in zip(plan, across_bytes)]
         gather_s = [call + g / bus for _, _, _, g in plan]
         # After the step the embedding's and the tail's buckets are gathered first, then the forward
         # reads the layers (layer 0 first), the classifier; backward the classifier (its reduce-scatter
@@ -412,8 +438,10 @@ def stage3(args, shard):
         step_s = compute_s + exposed_s
         backward_gathers = [gather_s[s] for s in layers][2:]
         comm_s = sum(reduce_s) + sum(gather_s) + sum(backward_gathers) + all_reduces * all_reduce
-        sent = sum(r + g for _, _, r, g in plan) + sum(g for _, _, _, g in plan[1:-1][2:])
-        print(f"| {model} | {gpus} | {reduces} / {gathers} / {all_reduces} | {sent / 1e9:.1f} | {comm_s * 1e3:,.0f} | "
+        comm_s += (sum(across_bytes) / across_bus + len(plan) * across_call) if groups > 1 else 0.0
+        sent = sum(r + g for _, _, r, g in plan) + sum(g for _, _, _, g in plan[1:-1][2:]) + sum(across_bytes)
+        across_text = f" + {across_reduces} across {groups} groups" if groups > 1 else ""
+        print(f"| {model} | {gpus} | {reduces} / {gathers} / {all_reduces}{across_text} | {sent / 1e9:.1f} | {comm_s * 1e3:,.0f} | "
               f"{exposed_s * 1e3:,.0f} | {step_s * 1e3:,.0f} | {tokens / step_s:,.0f} | {100 * compute_s / step_s:.1f}% |")
     print()
     print(f"- No GPU holds {model} alone: its compute is counted at llama2-7b's measured rate of model FLOPs "

@@ -811,15 +811,17 @@ if [ -x ./train_llama ]; then
     c8=$(calls llama2-7b 8); c512=$(calls llama2-7b 512); l8=$(calls llama-1b 8); l512=$(calls llama-1b 512)
     check "predict_scaling.py: calls per step the same at every world size (llama2-7b: $c8 at 8 GPUs, $c512 at 512; llama-1b: $l8, $l512)" \
         "$([ "$c8" = 71 ] && [ "$c512" = 71 ] && [ -n "$l8" ] && [ "$l512" = "$l8" ]; echo $?)" "$out"
-    # Hybrid sharding (--shard-group 8, a node's GPUs): at 8 GPUs the flat rows; above, ZeRO-1 within
-    # groups of 8 and each bucket's part all-reduced across the groups (the calls as dry_run counts them).
+    # Hybrid sharding (--shard-group 8, a node's GPUs): at 8 GPUs the flat rows; above, ZeRO-1 (and
+    # llama2-70b's stage 3) within groups of 8 and each bucket's part all-reduced across the groups
+    # (the calls as dry_run counts them).
     hybrid=$("$PYTHON" scripts/predict_scaling.py --shard-group 8 2>&1); rc=$?
-    check "predict_scaling.py --shard-group 8: the 8-GPU rows as without it, 64 and 512 GPUs across 8 and 64 groups, llama2-7b 34 all-reduces across them, at most 100%" \
+    check "predict_scaling.py --shard-group 8: the 8-GPU rows as without it, 64 and 512 GPUs across 8 and 64 groups, llama2-7b 34 and llama2-70b 82 all-reduces across them, at most 100%" \
         "$([ $rc -eq 0 ] && [ "$(printf '%s\n' "$hybrid" | grep '^| [a-z0-9.-]* | 8 |')" = "$(printf '%s\n' "$out" | grep '^| [a-z0-9.-]* | 8 |')" ] &&
-           [ "$(printf '%s\n' "$hybrid" | grep -c '^| llama[-0-9a-z.]* | 64 | .* + [0-9]* across 8 groups |')" -eq 3 ] &&
-           [ "$(printf '%s\n' "$hybrid" | grep -c '^| llama[-0-9a-z.]* | 512 | .* + [0-9]* across 64 groups |')" -eq 3 ] &&
-           printf '%s\n' "$hybrid" | grep -q '^| llama2-7b | 512 | 10 x 2048 | 34 / 34 / 3 + 34 across 64 groups |' &&
-           printf '%s\n' "$hybrid" | awk -F'|' '/^[|] llama/ && !/^[|] llama2-70b/ { v = $(NF - 1); gsub(/[ %]/, "", v); if (v + 0 > 100 || v + 0 <= 0) bad++ } END { exit bad + 0 }'; echo $?)" \
+           [ "$(printf '%s\n' "$hybrid" | grep -c '^| llama[-0-9a-z.]* | 64 | .* + [0-9]* across 8 groups |')" -eq 4 ] &&
+           [ "$(printf '%s\n' "$hybrid" | grep -c '^| llama[-0-9a-z.]* | 512 | .* + [0-9]* across 64 groups |')" -eq 4 ] &&
+           printf '%s\n' "$hybrid" | grep -q '^| llama2-7b | 512 | [0-9]* x 2048 | 34 / 34 / 3 + 34 across 64 groups |' &&
+           printf '%s\n' "$hybrid" | grep -q '^| llama2-70b | 512 | 82 / 160 / 3 + 82 across 64 groups |' &&
+           printf '%s\n' "$hybrid" | awk -F'|' '/^[|] llama/ { v = $(NF - 1); gsub(/[ %]/, "", v); if (v + 0 > 100 || v + 0 <= 0) bad++ } END { exit bad + 0 }'; echo $?)" \
         "$hybrid"
     err=$("$PYTHON" scripts/predict_scaling.py --shard-group 3 2>&1); rc=$?
     check "predict_scaling.py refuses a --shard-group that does not divide the GPU counts, naming it" \
