@@ -132,6 +132,12 @@ $(BUILD)/bench_attention_variants: test/bench_attention_variants.cu $(TEST_HEADE
 	@mkdir -p $(BUILD)
 	$(NVCC) $(NVCCFLAGS) $< -o $@ $(NVCC_LIBS)
 
+# Not a test: times the gradient reduce-scatter and the parameter all-gather on this launch's ranks,
+# one per GPU (scripts/bench_scaling.sh; scripts/predict_scaling.py --calibrate fits them).
+$(BUILD)/bench_collectives: test/bench_collectives.cu $(COAT_HEADERS)
+	@mkdir -p $(BUILD)
+	$(NVCC) $(NVCCFLAGS) $< -o $@ $(NVCC_LIBS)
+
 # The ranks test/test_comm.sh launches: comm_ranks with MPI when this build has it, and
 # comm_ranks_single, a build without MPI (its refusal of an MPI launch, the file rendezvous)...
 COMM_PROGRAMS := $(BUILD)/comm_ranks $(BUILD)/comm_ranks_single $(BUILD)/zero_ranks
@@ -150,7 +156,7 @@ $(BUILD)/zero_ranks: test/zero_ranks.cu $(COAT_HEADERS)
 $(BUILD)/checkpoint_split: test/checkpoint_split.c $(COAT_HEADERS)
 	@mkdir -p $(BUILD)
 	$(CC) $(CFLAGS) $< -o $@ -lz
-TEST_PROGRAMS := $(COMM_PROGRAMS) $(BUILD)/checkpoint_split
+TEST_PROGRAMS := $(COMM_PROGRAMS) $(BUILD)/checkpoint_split $(BUILD)/bench_collectives
 
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 CPU_SCRIPT_TESTS := test/test_cli.sh test/test_shards.sh test/test_scripts.sh test/test_corpus.sh test/test_comm.sh

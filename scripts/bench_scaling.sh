@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Data-parallel scaling on the GPUs of one machine: MODEL (default llama-1b) in PRECISION (default
 # coat) at 16 x 2048 tokens per GPU and step, one rank per GPU over NCCL (mpirun), ZeRO stages 1
-# and 2, on 1, 2, 4, ... GPUs up to all of them: tokens/s per GPU, the efficiency against one GPU,
+# to 3, on 1, 2, 4, ... GPUs up to all of them: tokens/s per GPU, the efficiency against one GPU,
 # MFU, the memory in use on rank 0's GPU and the plan of each rank (and whether every rank
 # allocated it byte for byte). The global batch grows with the GPUs (one micro-batch per GPU and
-# step), the regime where communication weighs most; scripts/predict_scaling.py predicts the same
-# runs on paper. There is no PyTorch run beside it: scripts/train_llama.py trains on one GPU.
+# step), the regime where communication weighs most. First, on 2, 4, ... GPUs, build/bench_collectives
+# times the reduce-scatter and the all-gather from 64 KiB to 1 GiB (build/bench/collectives.jsonl),
+# and scripts/predict_scaling.py --calibrate fits its latencies and bus bandwidth to them and
+# predicts the runs on paper with that fit. There is no PyTorch run beside it:
+# scripts/train_llama.py trains on one GPU.
 # Usage: scripts/bench_scaling.sh [--model NAME] [--precision bf16|fp8|coat] [--steps N]
 #        (writes build/bench/scaling.md, and $OUT/scaling.md when OUT is set)
 set -euo pipefail
@@ -25,6 +28,7 @@ config=configs/models/$model.conf
 case $precision in bf16 | fp8 | coat) ;; *) usage ;; esac
 [[ $steps =~ ^[0-9]+$ ]] && [ "$steps" -ge 8 ] || { echo "error: --steps $steps: at least 8 (the median skips the first 5)" >&2; exit 2; }
 [ -x ./train_llama ] || { echo "error: ./train_llama is not built (make)" >&2; exit 1; }
+[ -x build/bench_collectives ] || { echo "error: build/bench_collectives is not built (make build/bench_collectives)" >&2; exit 1; }
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 [ "$gpus" -ge 1 ] || { echo "error: no GPU found (nvidia-smi -L)" >&2; exit 1; }
 mpi=(mpirun --oversubscribe --bind-to none)
@@ -54,14 +58,35 @@ PY
 }
 
 {
+    if [ "$gpus" -ge 2 ]; then
+        : > "$dir/collectives.jsonl"
+        for ((ranks = 2; ranks <= gpus; ranks *= 2)); do
+            timeout 300 "${mpi[@]}" -np "$ranks" build/bench_collectives nccl >> "$dir/collectives.jsonl" ||
+                echo "bench_collectives on $ranks GPUs failed"
+        done
+        echo "| GPUs | collective | 64 KiB bucket, ms | 1 GiB bucket, ms | bus GB/s at 1 GiB |"
+        echo "|---|---|---|---|---|"
+        python3 - "$dir/collectives.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
+for w in sorted({r["world"] for r in rows}):
+    for op in ("reduce_scatter", "all_gather"):
+        mine = sorted((r for r in rows if r["world"] == w and r["op"] == op), key=lambda r: r["bucket_bytes"])
+        if mine:
+            print(f"| {w} | {op.replace('_', '-')} | {mine[0]['ms']:.3f} | {mine[-1]['ms']:.3f} | {mine[-1]['bus_gb_s']:.0f} |")
+PY
+        echo
+        python3 scripts/predict_scaling.py --calibrate "$dir/collectives.jsonl" || echo "the calibration failed"
+        echo
+    fi
     echo "$model, $precision, 16 x 2048 tokens per GPU and step, one rank per GPU (NCCL), $gpus GPU(s) here:"
     echo
     echo "| GPUs | ZeRO stage | tokens/s per GPU | vs 1 GPU | MFU | GiB in use (rank 0's GPU) | plan per rank, GiB | every rank allocated its plan |"
     echo "|---|---|---|---|---|---|---|---|"
     one=""
     for ((ranks = 1; ranks <= gpus; ranks *= 2)); do
-        for stage in 1 2; do
-            [ "$ranks" -eq 1 ] && [ "$stage" -eq 2 ] && continue  # one rank runs unsharded either way
+        for stage in 1 2 3; do
+            [ "$ranks" -eq 1 ] && [ "$stage" -gt 1 ] && continue  # one rank runs unsharded either way
             r=$(run "$ranks" "$stage")
             [ "$ranks" -eq 1 ] && one=$r
             python3 - "$ranks" "$stage" "$r" "$one" <<'PY'

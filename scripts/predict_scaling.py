@@ -39,6 +39,7 @@ scripts/bench.sh measured on an H200 (MEASURED below) and adds what communicatio
 Prints a Markdown table and its assumptions. Usage: scripts/predict_scaling.py [options]
 """
 import argparse
+import json
 import math
 import os
 import re
@@ -148,6 +149,9 @@ def main():
                     help="slowdown of compute that runs beside a collective (NCCL's kernels take SMs: 5-10%%)")
     ap.add_argument("--param-gather", choices=("auto", "bf16", "e4m3"), default="auto",
                     help="param_gather of the runs (auto: E4M3 with coat's FP8 GEMMs)")
+    ap.add_argument("--calibrate", metavar="FILE", nargs="+",
+                    help="build/bench_collectives' JSON lines, from runs within one node (scripts/bench_scaling.sh "
+                         "writes them): fit --latency-us, --nvlink-hop-us and --nvlink-gb-s to them and use the fit")
     ap.add_argument("--shard-group", type=int, default=0,
                     help="shard_group of the ZeRO-1 table's runs above that many GPUs (0: ZeRO over every GPU; N: within groups of N "
                          "GPUs, a node each at N = --gpus-per-node, each gradient part all-reduced across the groups)")
@@ -156,6 +160,8 @@ def main():
             args.shard_group < g and g % args.shard_group for g in GPU_COUNTS if args.shard_group > 1):
         sys.exit(f"error: --shard-group {args.shard_group}: a group of 2 or more GPUs that divides each of "
                  f"{', '.join(map(str, GPU_COUNTS[1:]))} above it (0: none)")
+    if args.calibrate:
+        calibrate(args)
 
     tmp = tempfile.mkdtemp()
     shard = os.path.join(tmp, "train_000000.bin")
@@ -293,6 +299,66 @@ def main():
           f"no prediction exceeds the measured one-GPU rate.")
 
     stage3(args, shard)
+
+
+def solve(rows, values):
+    """Least squares: x minimising |rows x - values|, by the normal equations (a few unknowns)."""
+    n = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] + [sum(r[i] * v for r, v in zip(rows, values))] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda i: abs(a[i][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        if abs(a[col][col]) < 1e-300:
+            return None
+        for i in range(n):
+            if i != col:
+                f = a[i][col] / a[col][col]
+                a[i] = [x - f * y for x, y in zip(a[i], a[col])]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
+def calibrate(args):
+    """Fits a collective call's time within a node, t = latency + (W - 1) hop + sent / bus bandwidth,
+    to bench_collectives' measurements (each weighed by 1 / t, so that the small calls, which set
+    the latencies, count as much as the large ones), and puts the fit in args. With one world size
+    the hop keeps its value and the latency takes up the rest."""
+    points = []
+    for path in args.calibrate:
+        try:
+            lines = open(path).read().splitlines()
+        except OSError as e:
+            sys.exit(f"error: {path}: cannot read: {e.strerror}")
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                w, sent, ms = int(r["world"]), float(r["sent_bytes"]), float(r["ms"])
+            except (ValueError, KeyError, TypeError):
+                sys.exit(f"error: {path}:{number}: not a bench_collectives line (JSON with world, sent_bytes and ms)")
+            if w < 2 or w > args.gpus_per_node or sent <= 0 or ms <= 0:
+                sys.exit(f"error: {path}:{number}: world {w}, sent_bytes {sent:g}, ms {ms:g}: a measurement within one node "
+                         f"of {args.gpus_per_node} GPUs takes 2 to {args.gpus_per_node} ranks, bytes and a time above 0")
+            points.append((w, sent, ms * 1e-3))
+    if len(points) < 3:
+        sys.exit(f"error: {' '.join(args.calibrate)}: {len(points)} measurements, the fit needs at least 3")
+    worlds = sorted({w for w, _, _ in points})
+    hop_s = args.nvlink_hop_us * 1e-6
+    if len(worlds) > 1:
+        fit = solve([[1 / t, (w - 1) / t, s / t] for w, s, t in points], [1.0] * len(points))
+        latency_s, hop_s, inverse_bus = fit if fit else (0, 0, 0)
+    else:
+        fit = solve([[1 / t, s / t] for w, s, t in points], [1 - (w - 1) * hop_s / t for w, s, t in points])
+        latency_s, inverse_bus = fit if fit else (0, 0)
+    if not fit or latency_s <= 0 or hop_s < 0 or inverse_bus <= 0:
+        sys.exit(f"error: {' '.join(args.calibrate)}: the measurements do not fit latency + (W - 1) hop + bytes / bandwidth "
+                 f"with positive terms (at W = {', '.join(map(str, worlds))})")
+    worst = max(abs(latency_s + (w - 1) * hop_s + s * inverse_bus - t) / t for w, s, t in points)
+    args.latency_us, args.nvlink_hop_us, args.nvlink_gb_s = latency_s * 1e6, hop_s * 1e6, 1e-9 / inverse_bus
+    print(f"Calibrated from {len(points)} measured calls at W = {', '.join(map(str, worlds))} GPUs: "
+          f"{args.latency_us:.2f} us a call + {args.nvlink_hop_us:.2f} us per NVLink hop, {args.nvlink_gb_s:.1f} GB/s "
+          f"NVLink bus bandwidth (largest deviation of a call from the fit: {100 * worst:.1f}%).")
+    print()
 
 
 def links(args, gpus, group):

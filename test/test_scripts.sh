@@ -826,6 +826,34 @@ if [ -x ./train_llama ]; then
     err=$("$PYTHON" scripts/predict_scaling.py --shard-group 3 2>&1); rc=$?
     check "predict_scaling.py refuses a --shard-group that does not divide the GPU counts, naming it" \
         "$([ $rc -ne 0 ] && printf '%s' "$err" | grep -q '^error: --shard-group 3: '; echo $?)" "$err"
+    # --calibrate: bench_collectives' lines made from known latencies and bandwidth (the two
+    # collectives 1% apart, as measured ones are) give those back, and the tables use them; one
+    # world size keeps the hop's default; a line that is not one is refused by file and line.
+    "$PYTHON" - "$tmp/collectives.jsonl" <<'PY'
+import json, sys
+with open(sys.argv[1], "w") as f:
+    for w in (2, 4, 8):
+        for k in range(8):
+            bucket = 65536 * 4 ** k
+            sent = bucket * (w - 1) / w
+            t = 12e-6 + (w - 1) * 2.5e-6 + sent / 300e9
+            for op, skew in (("reduce_scatter", 0.99), ("all_gather", 1.01)):
+                f.write(json.dumps({"op": op, "world": w, "bucket_bytes": bucket, "sent_bytes": sent, "ms": 1e3 * t * skew}) + "\n")
+PY
+    calibrated=$("$PYTHON" scripts/predict_scaling.py --calibrate "$tmp/collectives.jsonl" 2>&1); rc=$?
+    check "predict_scaling.py --calibrate recovers 12 us a call, 2.5 us a hop and 300 GB/s from calls 1% off them, and uses them" \
+        "$([ $rc -eq 0 ] && printf '%s\n' "$calibrated" | grep -q '^Calibrated from 48 measured calls at W = 2, 4, 8 GPUs: 1[12]\.[0-9]* us a call + 2\.[45][0-9] us per NVLink hop, 30[01]\.[0-9] GB/s' &&
+           printf '%s\n' "$calibrated" | grep -q '^- A ReduceScatter or AllGather call runs on a ring: 1[12]\.[0-9]* us + 2\.[45][0-9]* us per NVLink hop' &&
+           [ "$(printf '%s\n' "$calibrated" | grep -c '^| llama')" -eq 15 ]; echo $?)" "$(printf '%s\n' "$calibrated" | head -3)"
+    grep '"world": 2,' "$tmp/collectives.jsonl" > "$tmp/collectives-2.jsonl"
+    calibrated=$("$PYTHON" scripts/predict_scaling.py --calibrate "$tmp/collectives-2.jsonl" 2>&1); rc=$?
+    check "predict_scaling.py --calibrate with one world size keeps the hop's 3.4 us and fits the rest" \
+        "$([ $rc -eq 0 ] && printf '%s\n' "$calibrated" | grep -q '^Calibrated from 16 measured calls at W = 2 GPUs: 11\.[0-9]* us a call + 3\.40 us per NVLink hop, 30[01]\.[0-9] GB/s'; echo $?)" \
+        "$(printf '%s\n' "$calibrated" | head -2)"
+    { head -3 "$tmp/collectives.jsonl"; echo '{"op": "all_gather", "world": 4}'; } > "$tmp/collectives-bad.jsonl"
+    calibrated=$("$PYTHON" scripts/predict_scaling.py --calibrate "$tmp/collectives-bad.jsonl" 2>&1); rc=$?
+    check "predict_scaling.py --calibrate refuses a line without its fields, naming the file and line" \
+        "$([ $rc -ne 0 ] && [ "$calibrated" = "error: $tmp/collectives-bad.jsonl:4: not a bench_collectives line (JSON with world, sent_bytes and ms)" ]; echo $?)" "$calibrated"
     stage3=$(printf '%s\n' "$out" | awk -F'|' '$2 == " llama2-70b " { v = $(NF - 1); gsub(/[ %]/, "", v); print $3 $4 v }' | tr -s ' ')
     check "predict_scaling.py: ZeRO-3 llama2-70b at 8, 64 and 512 GPUs, 82 / 160 / 3 calls, below compute alone" \
         "$([ "$(printf '%s\n' "$stage3" | awk '$2 == "82" && $4 == "160" && $6 == "3" && $7 + 0 > 50 && $7 + 0 < 100 { print $1 }' | tr '\n' ' ')" = "8 64 512 " ]; echo $?)" \
