@@ -362,8 +362,11 @@ if grep -qa ncclCommInitRank ./train_llama; then
         "$([ $rc -ne 0 ] && [ ${#uuid} -eq 40 ] && nvidia-smi -L | grep -q "(UUID: $uuid)" &&
            [ ! -e "$tmp/nccl_shared/log.jsonl" ]; echo $?)" "$(tail -3 "$tmp/nccl_shared.log")"
 fi
-# With several GPUs, one rank per GPU at stages 1 and 2, bf16 and coat, against one rank, and a
-# launch that gives each rank one GPU through CUDA_VISIBLE_DEVICES (every rank sees its GPU as 0).
+# With several GPUs, one rank per GPU over NCCL against one rank: a launch that gives each rank one
+# GPU through CUDA_VISIBLE_DEVICES (every rank sees its GPU as 0); stages 0 to 3 in bf16 and coat
+# on 2 and 4 GPUs under mpirun, stage 3 bit for bit as stage 2; 2 ranks started as torchrun starts
+# them (RANK, WORLD_SIZE, LOCAL_RANK, meeting over TCP at MASTER_ADDR:MASTER_PORT, no MPI); and on
+# 4 GPUs hybrid sharding in 2 groups of 2 against 4 flat ranks.
 if grep -qa ncclCommInitRank ./train_llama && [ "$gpus" -ge 2 ]; then
     "${mpi[@]}" 2 bash -c 'CUDA_VISIBLE_DEVICES=$OMPI_COMM_WORLD_LOCAL_RANK exec "$@"' rank ./train_llama "${stage1[@]}" \
         --comm_backend=nccl --out_dir="$tmp/nccl_visible" > "$tmp/nccl_visible.out" 2>&1
@@ -371,15 +374,44 @@ if grep -qa ncclCommInitRank ./train_llama && [ "$gpus" -ge 2 ]; then
     check_close "NCCL, 2 ranks each seeing only its own GPU, against 1" "$tmp/s1_one/log.jsonl" "$tmp/nccl_visible/log.jsonl"
     for ranks in 2 4; do
         [ "$gpus" -ge $ranks ] || continue
-        for run in "1 bf16 s1_one" "2 bf16 s1_one" "2 coat coat_one"; do
-            set -- $run
-            dir=nccl_s$1_$2_$ranks
-            "${mpi[@]}" $ranks ./train_llama "${stage1[@]}" --zero_stage="$1" --precision="$2" --comm_backend=nccl \
-                --out_dir="$tmp/$dir" > "$tmp/$dir.out" 2>&1
-            check "NCCL, ZeRO stage $1, $2, $ranks ranks on $ranks GPUs: 20 steps" $? "$(tail -5 "$tmp/$dir.out")"
-            check_close "NCCL, ZeRO stage $1, $2, $ranks ranks against 1" "$tmp/$3/log.jsonl" "$tmp/$dir/log.jsonl"
+        for precision in bf16 coat; do
+            one=$([ $precision = bf16 ] && echo s1_one || echo coat_one)
+            for stage in 0 1 2 3; do
+                dir=nccl_s${stage}_${precision}_$ranks
+                "${mpi[@]}" $ranks ./train_llama "${stage1[@]}" --zero_stage=$stage --precision=$precision --comm_backend=nccl \
+                    --out_dir="$tmp/$dir" > "$tmp/$dir.out" 2>&1
+                check "NCCL, ZeRO stage $stage, $precision, $ranks ranks on $ranks GPUs: 20 steps" $? "$(tail -5 "$tmp/$dir.out")"
+                check_close "NCCL, ZeRO stage $stage, $precision, $ranks ranks against 1" "$tmp/$one/log.jsonl" "$tmp/$dir/log.jsonl"
+            done
+            same_numbers "NCCL, $precision, $ranks ranks, ZeRO stage 3 against stage 2" "nccl_s3_${precision}_$ranks" \
+                "nccl_s2_${precision}_$ranks"
         done
     done
+    port=$((20000 + RANDOM % 20000)) pids=()
+    for rank in 1 0; do  # rank 0's output is the run's .out (the allocation check below reads it)
+        log="$tmp/nccl_torchrun.rank$rank.log"
+        [ $rank -eq 0 ] && log="$tmp/nccl_torchrun.out"
+        env -u OMPI_COMM_WORLD_SIZE -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_LOCAL_RANK MASTER_ADDR=127.0.0.1 \
+            MASTER_PORT=$port WORLD_SIZE=2 RANK=$rank LOCAL_RANK=$rank timeout 300 ./train_llama "${stage1[@]}" \
+            --comm_backend=nccl --out_dir="$tmp/nccl_torchrun" > "$log" 2>&1 &
+        pids+=($!)
+    done
+    wait "${pids[0]}"; rc1=$?
+    wait "${pids[1]}"; rc0=$?
+    check "NCCL, 2 ranks started as torchrun starts them (RANK, WORLD_SIZE, LOCAL_RANK; TCP rendezvous): 20 steps" \
+        "$([ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] && grep -q '^ranks: 2 ' "$tmp/nccl_torchrun.out"; echo $?)" \
+        "rank 0 exit $rc0, rank 1 exit $rc1: $(tail -3 "$tmp/nccl_torchrun.out")"
+    check_close "NCCL, 2 torchrun-style ranks against 1" "$tmp/s1_one/log.jsonl" "$tmp/nccl_torchrun/log.jsonl"
+    if [ "$gpus" -ge 4 ]; then
+        for stage in 1 3; do
+            dir=nccl_hybrid_s$stage
+            "${mpi[@]}" 4 ./train_llama "${stage1[@]}" --zero_stage=$stage --precision=coat --shard_group=2 --comm_backend=nccl \
+                --out_dir="$tmp/$dir" > "$tmp/$dir.out" 2>&1
+            check "NCCL, coat, ZeRO stage $stage, 4 GPUs in 2 groups of 2: 20 steps" $? "$(tail -5 "$tmp/$dir.out")"
+            check_close "NCCL, coat, ZeRO stage $stage, 2 x 2 GPUs against 4 flat" "$tmp/nccl_s${stage}_coat_4/log.jsonl" \
+                "$tmp/$dir/log.jsonl"
+        done
+    fi
 fi
 if grep -qa ncclCommInitRank ./train_llama; then
     "${mpi[@]}" 1 ./train_llama "${common[@]}" --comm_backend=nccl --out_dir="$tmp/nccl1" > "$tmp/nccl1.out" 2>&1
