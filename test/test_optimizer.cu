@@ -507,6 +507,57 @@ static void test_dre_math(void) {
           "dre_exp2: exact powers of two, smallest subnormal, underflow to 0");
 }
 
+// The DRE codes (cpu_quantize_group, the kernel's arithmetic) against the definition taken in
+// double, with the group's own k (1/16 to 10^7): each stored code must be the E4M3 rounding of a
+// value within 2e-6 + 5e-7 k (relative) of the exact 448 (|x| / Mx)^k, the error of the logs'
+// difference (2e-7) times k plus the exp2's; and its decode (cpu_dequantize_group) must equal the
+// exact c (q s)^(1/k) = c 2^t of the stored state within 3e-7 (the exp2 and the product by c) +
+// 1e-7 |t| (t rounded to float) + 4e-7 / k (the logs' error over k), or one unit of the last place
+// where that falls among the subnormals. Groups spanning 2^0.01 to 2^60,
+// with zeros, from subnormal to large magnitudes.
+static void test_dre_codes_against_exact(void) {
+    Random rng;
+    random_seed(&rng, SEED + 7);
+    long values = 0, differ = 0, outside = 0, decode_off = 0;
+    double worst_decode = 0;
+    for (int g = 0; g < 4000; g++) {
+        float x[128], scalars[3], back[128];
+        uint8_t codes[128];
+        double span = g % 10 == 0 ? 0.01 : 60.0 * random_uniform(&rng);  // log2 of the group's range
+        double base = -140.0 + 250.0 * random_uniform(&rng) - span;
+        if (base + span > 120.0) base = 120.0 - span;
+        for (int i = 0; i < 128; i++) {
+            float v = (float)exp2(base + span * random_uniform(&rng));
+            x[i] = i % 37 == 5 ? 0.0f : random_uniform(&rng) < 0.5 ? -v : v;
+        }
+        cpu_quantize_group(1, x, codes, scalars, 0, 0);
+        cpu_dequantize_group(1, codes, scalars, back);
+        double mx = 0.0, k = scalars[1];
+        for (int i = 0; i < 128; i++) mx = fmax(mx, fabs((double)x[i]));
+        for (int i = 0; i < 128; i++) {
+            if (x[i] == 0.0f) continue;
+            values++;
+            double exact = 448.0 * pow(fabs((double)x[i]) / mx, k), tolerance = 2e-6 + 5e-7 * k;
+            int got = codes[i] & 0x7f;
+            differ += got != (e4m3_from_float((float)exact) & 0x7f);
+            // the values that round to `got`: from the midpoint below it to the one above (448 saturates)
+            double q = float_from_e4m3((uint8_t)got);
+            double low = got == 0 ? 0.0 : 0.5 * (q + float_from_e4m3((uint8_t)(got - 1)));
+            double high = got == 126 ? INFINITY : 0.5 * (q + float_from_e4m3((uint8_t)(got + 1)));
+            outside += exact < low * (1 - tolerance) || exact > high * (1 + tolerance);
+            if (got == 0) continue;
+            double decoded = (double)scalars[2] * pow(q * (double)scalars[0], 1.0 / k), error = fabs(fabs((double)back[i]) - decoded);
+            double exponent = fabs(log2(decoded / scalars[2]));  // rounded to float before its exp2
+            decode_off += error > fmax(decoded * (3e-7 + 1e-7 * exponent + 4e-7 / k), 1.5e-45);
+            if (decoded >= 1.17549435e-38) worst_decode = fmax(worst_decode, error / decoded);
+        }
+    }
+    check(outside == 0, "DRE codes vs 448 (|x| / Mx)^k in double: %ld of %ld differ from its rounding, each the rounding of a "
+          "value within 2e-6 + 5e-7 k of it (%ld not)", differ, values, outside);
+    check(decode_off == 0, "DRE decode vs c (q s)^(1/k) in double: within 3e-7 + 1e-7 |t| + 4e-7 / k, or 1.5e-45 (%ld not; largest "
+          "relative error of a normal value %.2e)", decode_off, worst_decode);
+}
+
 // The C E4M3 cast used as the oracle agrees with cuda_fp8.h (host side) on every code's
 // neighbourhood: each code, the midpoints between codes, and values past 448.
 static void test_e4m3_oracle(void) {
@@ -1576,6 +1627,7 @@ int main(int argc, char **argv) {
     }
     test_state_sizes();
     test_dre_math();
+    test_dre_codes_against_exact();
     test_e4m3_oracle();
     Fixture fx;
     fixture_create(&fx, 0);
