@@ -998,6 +998,44 @@ static FILE *write_one_rank_checkpoint(const AdamW *whole, Fixture *fx, unsigned
     return one;
 }
 
+// What the checkpoint tests of ranks' parts compare against: the whole optimizer after 3 steps,
+// its state, and its one-rank checkpoint (a temporary file left open, and its bytes).
+typedef struct {
+    Fixture fx;             // its layout is the test shape's
+    unsigned char *chunk;   // ADAMW_COPY_CHUNK_BYTES of staging
+    AdamW whole;
+    unsigned char *whole_state;
+    FILE *one;
+    unsigned char *one_bytes;
+    long one_size;
+} OneRankCheckpoint;
+
+static void one_rank_checkpoint_create(OneRankCheckpoint *o, OptimizerStateKind kind) {
+    fixture_create(&o->fx, 0);
+    o->chunk = (unsigned char *)host_alloc(ADAMW_COPY_CHUNK_BYTES);
+    gpu_create(&o->whole, &o->fx, kind, 0, o->fx.layout.total_padded);
+    gpu_run(&o->whole, &o->fx, 0, 3);
+    o->one = write_one_rank_checkpoint(&o->whole, &o->fx, o->chunk, &o->one_bytes, &o->one_size);
+    o->whole_state = download_state(&o->whole);
+}
+
+static void one_rank_checkpoint_free(OneRankCheckpoint *o) {
+    free(o->whole_state); free(o->one_bytes); free(o->chunk);
+    fclose(o->one);
+    adamw_free(&o->whole);
+    fixture_free(&o->fx);
+}
+
+// Rank r's optimizer over its parts of plan's buckets, read from ck, whose single-file layout
+// starts at `at`.
+static void shard_from_checkpoint(AdamW *shard, const OneRankCheckpoint *o, const ZeroPlan *plan, int r, Checkpoint *ck,
+                                  unsigned long long at) {
+    AdamWConfig config = test_config(0);
+    adamw_create_ranges(shard, o->whole.kind, &config, &o->fx.layout, plan->bucket, plan->buckets, r, o->fx.stream);
+    adamw_read_section(shard, 0, ck, at, o->chunk, o->fx.stream);
+    adamw_load(shard, ck, at + 4ull * o->fx.layout.total_padded, o->chunk, o->fx.stream);
+}
+
 // Data parallelism's parts (coat/zero.h: 3 ranks, a bucket per layer, the last parts ending in
 // padding): each rank's optimizer, its parameters at the parts' places in a padded buffer and its
 // gradients back to back, steps exactly as the whole optimizer does on those elements: master,
@@ -1079,55 +1117,38 @@ static void test_bucket_parts(Fixture *fx, OptimizerStateKind kind, int layers_w
 // by rank 0 (in 4 KiB chunks) they are the one-rank file byte for byte.
 static void test_sharded_checkpoint(OptimizerStateKind kind) {
     const char *name = optimizer_state_kind_name(kind);
-    ModelShape shape = test_shape();
-    ParamLayout layout;
-    param_layout_init(&layout, &shape);
-    Fixture fx;
-    fixture_create(&fx, 0);
-    unsigned char *chunk = (unsigned char *)host_alloc(ADAMW_COPY_CHUNK_BYTES);
-
-    AdamW whole;
-    gpu_create(&whole, &fx, kind, 0, layout.total_padded);
-    gpu_run(&whole, &fx, 0, 3);
-    long one_size;
-    unsigned char *one_bytes;
-    FILE *one = write_one_rank_checkpoint(&whole, &fx, chunk, &one_bytes, &one_size);
-    unsigned char *whole_state = download_state(&whole);
+    OneRankCheckpoint o;
+    one_rank_checkpoint_create(&o, kind);
     ZeroPlan *plan = (ZeroPlan *)host_alloc(sizeof(ZeroPlan));
     for (int ranks = 2; ranks <= 3; ranks++) {
-        zero_plan_init(plan, &layout, ranks, 1, 1);  // a bucket per layer
+        zero_plan_init(plan, &o.fx.layout, ranks, 1, 1);  // a bucket per layer
         AdamW shards[3];
         size_t bad = 0;
         for (int r = 0; r < ranks; r++) {
-            AdamWConfig config = test_config(0);
-            adamw_create_ranges(&shards[r], kind, &config, &layout, plan->bucket, plan->buckets, r, fx.stream);
             Checkpoint ck;
-            checkpoint_over_file(&ck, one, "tmpfile");
-            adamw_read_section(&shards[r], 0, &ck, 0, chunk, fx.stream);
-            adamw_load(&shards[r], &ck, 4ull * layout.total_padded, chunk, fx.stream);
-            bad += parts_differ(&shards[r], plan, r, &whole, whole_state);
+            checkpoint_over_file(&ck, o.one, "tmpfile");
+            shard_from_checkpoint(&shards[r], &o, plan, r, &ck, 0);
+            bad += parts_differ(&shards[r], plan, r, &o.whole, o.whole_state);
         }
         FILE *sharded = tmpfile();
         if (!sharded) { fprintf(stderr, "error: tmpfile: cannot create a temporary file\n"); exit(EXIT_FAILURE); }
         ShardGather gather = {shards};
         CheckpointSink sharded_sink;
         checkpoint_sink_init(&sharded_sink, sharded);
-        adamw_write_section(&shards[0], 0, &sharded_sink, 0, ranks, gather_from_shards, &gather, chunk, 4096);
-        adamw_save(&shards[0], &sharded_sink, 0, ranks, gather_from_shards, &gather, chunk, 4096);
+        adamw_write_section(&shards[0], 0, &sharded_sink, 0, ranks, gather_from_shards, &gather, o.chunk, 4096);
+        adamw_save(&shards[0], &sharded_sink, 0, ranks, gather_from_shards, &gather, o.chunk, 4096);
         long sharded_size;
         unsigned char *sharded_bytes = read_file(sharded, &sharded_size);
-        check(bad == 0 && one_size == sharded_size && memcmp(one_bytes, sharded_bytes, (size_t)one_size) == 0 &&
-                  one_size == (long)(4 * layout.total_padded + adamw_checkpoint_bytes(&whole)),
+        check(bad == 0 && o.one_size == sharded_size && memcmp(o.one_bytes, sharded_bytes, (size_t)o.one_size) == 0 &&
+                  o.one_size == (long)(4 * o.fx.layout.total_padded + adamw_checkpoint_bytes(&o.whole)),
               "%s: %d ranks' parts of %d buckets read the one-rank file as the whole state's slices (%zu differ) and "
-              "write it back byte for byte (%ld and %ld bytes)", name, ranks, plan->buckets, bad, sharded_size, one_size);
+              "write it back byte for byte (%ld and %ld bytes)", name, ranks, plan->buckets, bad, sharded_size, o.one_size);
         free(sharded_bytes);
         fclose(sharded);
         for (int r = 0; r < ranks; r++) adamw_free(&shards[r]);
     }
-    free(plan); free(whole_state); free(one_bytes); free(chunk);
-    fclose(one);
-    adamw_free(&whole);
-    fixture_free(&fx);
+    free(plan);
+    one_rank_checkpoint_free(&o);
 }
 
 // The manifest of `ranks` shards' part files (their CRC-32 in crcs), as the trainer writes it:
@@ -1164,72 +1185,55 @@ static void shards_manifest(const AdamW *shards, int ranks, const ParamLayout *l
 // back as the whole state's slices.
 static void test_per_rank_checkpoint(OptimizerStateKind kind) {
     const char *name = optimizer_state_kind_name(kind);
-    ModelShape shape = test_shape();
-    ParamLayout layout;
-    param_layout_init(&layout, &shape);
-    Fixture fx;
-    fixture_create(&fx, 0);
-    unsigned char *chunk = (unsigned char *)host_alloc(ADAMW_COPY_CHUNK_BYTES);
-    AdamW whole;
-    gpu_create(&whole, &fx, kind, 0, layout.total_padded);
-    gpu_run(&whole, &fx, 0, 3);
-    long one_size;
-    unsigned char *one_bytes;
-    FILE *one = write_one_rank_checkpoint(&whole, &fx, chunk, &one_bytes, &one_size);
-    unsigned char *whole_state = download_state(&whole);
+    OneRankCheckpoint o;
+    one_rank_checkpoint_create(&o, kind);
     char folder[] = "/tmp/test_optimizer_parts_XXXXXX", error[8192] = "", manifest[4200];
     if (!mkdtemp(folder)) { perror("mkdtemp"); exit(EXIT_FAILURE); }
 
     ZeroPlan *plan = (ZeroPlan *)host_alloc(sizeof(ZeroPlan));
-    zero_plan_init(plan, &layout, 3, 1, 1);
+    zero_plan_init(plan, &o.fx.layout, 3, 1, 1);
     AdamW shards[4];
     uint32_t crcs[3] = {0, 0, 0};
     int written = 1;
     for (int r = 0; r < 3; r++) {
-        AdamWConfig config = test_config(0);
-        adamw_create_ranges(&shards[r], kind, &config, &layout, plan->bucket, plan->buckets, r, fx.stream);
         Checkpoint ck;
-        checkpoint_over_file(&ck, one, "tmpfile");
-        adamw_read_section(&shards[r], 0, &ck, 0, chunk, fx.stream);
-        adamw_load(&shards[r], &ck, 4ull * layout.total_padded, chunk, fx.stream);
+        checkpoint_over_file(&ck, o.one, "tmpfile");
+        shard_from_checkpoint(&shards[r], &o, plan, r, &ck, 0);
         CheckpointRange ranges[PARAM_SEGMENTS_MAX];
         size_t group_bytes[CHECKPOINT_ARRAYS];
         for (int a = 0; a < CHECKPOINT_ARRAYS; a++) group_bytes[a] = adamw_section_group_bytes(kind, a);
         unsigned long long bytes = checkpoint_part_file_bytes(ranges, adamw_part_ranges(&shards[r], r, ranges), group_bytes);
         CheckpointSink sink;
-        if (!written || checkpoint_part_begin(folder, whole.step, r, 3, &sink, error, sizeof(error)) != 0) {
+        if (!written || checkpoint_part_begin(folder, o.whole.step, r, 3, &sink, error, sizeof(error)) != 0) {
             written = 0;
             continue;
         }
         for (int a = 0; a < CHECKPOINT_ARRAYS; a++)
-            adamw_write_section(&shards[r], a, &sink, r, 1, adamw_gather_copy, fx.stream, chunk, 4096);
-        written = checkpoint_part_commit(&sink, folder, whole.step, r, bytes, &crcs[r], error, sizeof(error)) == 0;
+            adamw_write_section(&shards[r], a, &sink, r, 1, adamw_gather_copy, o.fx.stream, o.chunk, 4096);
+        written = checkpoint_part_commit(&sink, folder, o.whole.step, r, bytes, &crcs[r], error, sizeof(error)) == 0;
     }
     CheckpointManifest m;
-    shards_manifest(shards, 3, &layout, crcs, &m);
+    shards_manifest(shards, 3, &o.fx.layout, crcs, &m);
     if (written) written = checkpoint_manifest_commit(folder, &m, error, sizeof(error)) == 0;
     checkpoint_manifest_free(&m);
     for (int r = 0; r < 3; r++) adamw_free(&shards[r]);
-    checkpoint_path(manifest, sizeof(manifest), folder, whole.step, ".bin");
+    checkpoint_path(manifest, sizeof(manifest), folder, o.whole.step, ".bin");
     Checkpoint ck;
     int opened = written && checkpoint_open(&ck, manifest, error, sizeof(error)) == 0;
-    unsigned char *through = (unsigned char *)host_alloc((size_t)one_size);
+    unsigned char *through = (unsigned char *)host_alloc((size_t)o.one_size);
     int same = opened && checkpoint_verify(&ck, 0, 1, error, sizeof(error)) == 0 &&
-               checkpoint_file_bytes(&ck.header) == CHECKPOINT_HEADER_BYTES + (unsigned long long)one_size &&
-               checkpoint_read(&ck, CHECKPOINT_HEADER_BYTES, through, (size_t)one_size, error, sizeof(error)) == 0 &&
-               memcmp(through, one_bytes, (size_t)one_size) == 0;
+               checkpoint_file_bytes(&ck.header) == CHECKPOINT_HEADER_BYTES + (unsigned long long)o.one_size &&
+               checkpoint_read(&ck, CHECKPOINT_HEADER_BYTES, through, (size_t)o.one_size, error, sizeof(error)) == 0 &&
+               memcmp(through, o.one_bytes, (size_t)o.one_size) == 0;
     check(same, "%s: 3 ranks' part files and the manifest read as the whole optimizer's file byte for byte (%ld bytes; %s)", name,
-          one_size, error);
+          o.one_size, error);
     size_t bad = 0;
     for (int ranks = 1; opened && ranks <= 4; ranks *= 2)
         for (int merged = 0; merged < 2; merged++) {
-            zero_plan_init(plan, &layout, ranks, 1, merged ? 33554432 : 1);
+            zero_plan_init(plan, &o.fx.layout, ranks, 1, merged ? 33554432 : 1);
             for (int r = 0; r < ranks; r++) {
-                AdamWConfig config = test_config(0);
-                adamw_create_ranges(&shards[r], kind, &config, &layout, plan->bucket, plan->buckets, r, fx.stream);
-                adamw_read_section(&shards[r], 0, &ck, CHECKPOINT_HEADER_BYTES, chunk, fx.stream);
-                adamw_load(&shards[r], &ck, CHECKPOINT_HEADER_BYTES + 4ull * layout.total_padded, chunk, fx.stream);
-                bad += parts_differ(&shards[r], plan, r, &whole, whole_state);
+                shard_from_checkpoint(&shards[r], &o, plan, r, &ck, CHECKPOINT_HEADER_BYTES);
+                bad += parts_differ(&shards[r], plan, r, &o.whole, o.whole_state);
                 adamw_free(&shards[r]);
             }
         }
@@ -1239,10 +1243,8 @@ static void test_per_rank_checkpoint(OptimizerStateKind kind) {
     char command[4300];
     snprintf(command, sizeof(command), "rm -rf '%s'", folder);
     if (system(command) != 0) fprintf(stderr, "warning: %s: not removed\n", folder);
-    free(through); free(plan); free(whole_state); free(one_bytes); free(chunk);
-    fclose(one);
-    adamw_free(&whole);
-    fixture_free(&fx);
+    free(through); free(plan);
+    one_rank_checkpoint_free(&o);
 }
 
 // Crafted groups through one GPU step from zero state, where m = 0.1 g and v = 0.05 g^2 exactly
