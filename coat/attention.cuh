@@ -123,20 +123,21 @@ static void attention_launch_setup(Kernel kernel, size_t smem_bytes) {
 
 // The kernels the program uses: on Hopper, the TMA forward and two-pass backward of
 // attention_wgmma.cuh (producer warpgroup, mbarriers, wgmma from 128B-swizzled tiles), measured on
-// the H200 at the llama shapes against every variant of test/bench_attention_variants.cu: forward
-// 1.03-1.16x the mma.sync kernel at head_dim 64 (3 consumer warpgroups, 192 query rows per K/V tile)
-// and 1.5-1.6x at 128 (2 consumers: O takes 64 registers a thread); backward 1.36-1.45x the mma.sync
-// two passes at 64 and 1.5-1.7x the cp.async-fed wgmma two passes at 128.
+// the H200 at the llama shapes against every variant of test/bench_attention_variants.cu. Forward:
+// K/V tiles of 128 keys in 2 stages, 3 consumer warpgroups at head_dim 64 (192 query rows per K/V
+// tile) and 2 at 128 (O takes 64 registers a thread), 1.07-1.13x the same kernel on tiles of 64 keys
+// and 1.1-1.7x the mma.sync kernels. Backward: 1.36-1.45x the mma.sync two passes at 64 and 1.5-1.7x
+// the cp.async-fed wgmma two passes at 128.
 template <int HEAD_DIM>
 struct AttentionDefaults;
 template <>
 struct AttentionDefaults<64> {
-    typedef AttentionTmaForwardConfig<64, 3, 4> forward;
+    typedef AttentionTmaForwardConfig<128, 3, 2> forward;
     typedef AttentionTmaTwoPassConfig<4, 128, 3> backward;
 };
 template <>
 struct AttentionDefaults<128> {
-    typedef AttentionTmaForwardConfig<64, 2, 4> forward;
+    typedef AttentionTmaForwardConfig<128, 2, 2> forward;
     typedef AttentionTmaTwoPassConfig<3, 64, 4> backward;
 };
 

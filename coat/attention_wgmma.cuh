@@ -57,12 +57,6 @@ __device__ __forceinline__ void wgmma_pin_registers(uint32_t (&fragments)[K_STEP
         for (int i = 0; i < 4; i++) asm volatile("" : "+r"(fragments[kk][i])::"memory");
 }
 
-// Pins every accumulator and fragment array given (see wgmma_pin_registers).
-template <class... Arrays>
-__device__ __forceinline__ void wgmma_pin_in_flight(Arrays &...arrays) {
-    (wgmma_pin_registers(arrays), ...);
-}
-
 #define WGMMA_ACC8(d, i)                                                                                        \
     "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
         "+f"(d[i + 7])
@@ -144,12 +138,22 @@ __device__ __forceinline__ void wgmma_scores_to_a_operand(uint32_t (&p)[KV_TILE 
 
 // ---- one step of each pass, per warpgroup ---------------------------------------------------------
 
-// P^T of a dK/dV step in place of S^T (keys x queries): element i is key key_lo + 8 ((i / 2) % 2),
-// query q0 + 8 (i / 4) + c + i % 2; lse_log2 per query of the tile, +inf past T so that P = 0 there.
-template <int Q_TILE>
-__device__ __forceinline__ void attention_dkdv_probabilities_t(float (&pt)[Q_TILE / 2], const float *lse_log2,
-                                                               float scale_log2, int key_first, int q0, int warp,
-                                                               int lane) {
+// A warpgroup's step of the dK/dV pass: its 64 keys (the first key_first) against the Q_TILE
+// queries q0.. of the stage (operands: each issue_* one commit group of wgmma, as Sw128DkDvOperands
+// below; lse_log2 and delta per query, lse in log2 units, +inf past T so that P = 0 there). dk and dv
+// accumulate (dK unscaled).
+template <int HEAD_DIM, int Q_TILE, class Operands>
+__device__ __forceinline__ void wgmma_backward_dkdv_step(float (&dk)[HEAD_DIM / 2], float (&dv)[HEAD_DIM / 2],
+                                                         const Operands &operands, const float *lse_log2,
+                                                         const float *delta, float scale_log2, int key_first, int q0,
+                                                         int warp, int lane) {
+    float pt[Q_TILE / 2], dst[Q_TILE / 2];  // S^T then P^T; dP^T then dS^T: keys x queries
+    operands.issue_scores_t(pt);
+    operands.issue_dp_t(dst);
+    wgmma_wait_pending<1>();  // S^T complete
+    wgmma_pin_registers(pt);
+
+    // Element i: key key_lo + 8 ((i / 2) % 2), query q0 + 8 (i / 4) + c + i % 2.
     const int g = lane / 4, c = (lane % 4) * 2;
     const int key_lo = key_first + warp * 16 + g;
     const bool crosses_diagonal = key_first + WGMMA_WARPGROUP_ROWS - 1 > q0;
@@ -162,13 +166,12 @@ __device__ __forceinline__ void attention_dkdv_probabilities_t(float (&pt)[Q_TIL
             pt[4 * n8 + e] = crosses_diagonal && key_lo + (e >> 1) * 8 > q0 + 8 * n8 + c + (e & 1) ? 0.f : p;
         }
     }
-}
+    uint32_t pt_frag[Q_TILE / 16][4];
+    wgmma_scores_to_a_operand<Q_TILE>(pt_frag, pt);
+    operands.issue_dv(dv, pt_frag);
+    wgmma_wait_pending<1>();  // dP^T complete
+    wgmma_pin_registers(dst);
 
-// dS^T = P^T (dP^T - D) in place of dP^T, D per query of the tile.
-template <int Q_TILE>
-__device__ __forceinline__ void attention_dkdv_scores_gradient_t(float (&dst)[Q_TILE / 2], const float (&pt)[Q_TILE / 2],
-                                                                 const float *delta, int lane) {
-    const int c = (lane % 4) * 2;
 #pragma unroll
     for (int n8 = 0; n8 < Q_TILE / 8; n8++) {
         const float2 delta_pair = *reinterpret_cast<const float2 *>(delta + 8 * n8 + c);
@@ -176,47 +179,32 @@ __device__ __forceinline__ void attention_dkdv_scores_gradient_t(float (&dst)[Q_
         for (int e = 0; e < 4; e++)
             dst[4 * n8 + e] = pt[4 * n8 + e] * (dst[4 * n8 + e] - ((e & 1) ? delta_pair.y : delta_pair.x));
     }
-}
-
-// A warpgroup's step of the dK/dV pass: its 64 keys (the first key_first) against the Q_TILE
-// queries q0.. of the stage (operands: each issue_* one commit group of wgmma, as Sw128DkDvOperands
-// below; lse_log2 and delta per query, lse in log2 units, +inf past T so that P = 0 there). dk and dv
-// accumulate (dK unscaled); pt_frag and dst_frag hold P^T and dS^T for their products. With
-// LEAVE_IN_FLIGHT the step returns with dV and dK still running (the caller's next step or its own
-// wait completes them) and its first wait also completes the previous step's.
-template <int HEAD_DIM, int Q_TILE, bool LEAVE_IN_FLIGHT, class Operands>
-__device__ __forceinline__ void wgmma_backward_dkdv_step(float (&dk)[HEAD_DIM / 2], float (&dv)[HEAD_DIM / 2],
-                                                         uint32_t (&pt_frag)[Q_TILE / 16][4],
-                                                         uint32_t (&dst_frag)[Q_TILE / 16][4],
-                                                         const Operands &operands, const float *lse_log2,
-                                                         const float *delta, float scale_log2, int key_first, int q0,
-                                                         int warp, int lane) {
-    float pt[Q_TILE / 2], dst[Q_TILE / 2];  // S^T then P^T; dP^T then dS^T: keys x queries
-    operands.issue_scores_t(pt);
-    operands.issue_dp_t(dst);
-    wgmma_wait_pending<1>();  // S^T complete (and the previous dV and dK)
-    wgmma_pin_registers(pt);
-    if constexpr (LEAVE_IN_FLIGHT) wgmma_pin_in_flight(dk, dv, pt_frag, dst_frag);
-    attention_dkdv_probabilities_t<Q_TILE>(pt, lse_log2, scale_log2, key_first, q0, warp, lane);
-    wgmma_scores_to_a_operand<Q_TILE>(pt_frag, pt);
-    operands.issue_dv(dv, pt_frag);
-    wgmma_wait_pending<1>();  // dP^T complete
-    wgmma_pin_registers(dst);
-    attention_dkdv_scores_gradient_t<Q_TILE>(dst, pt, delta, lane);
+    uint32_t dst_frag[Q_TILE / 16][4];
     wgmma_scores_to_a_operand<Q_TILE>(dst_frag, dst);
     operands.issue_dk(dk, dst_frag);
-    if constexpr (!LEAVE_IN_FLIGHT) {
-        wgmma_wait_pending<0>();
-        wgmma_pin_in_flight(dk, dv, pt_frag, dst_frag);
-    }
+    wgmma_wait_pending<0>();
+    // The fragments are read by the wgmma until here: pinned, they keep their registers that long.
+    wgmma_pin_registers(pt_frag);
+    wgmma_pin_registers(dst_frag);
+    wgmma_pin_registers(dk);
+    wgmma_pin_registers(dv);
 }
 
-// P in place of S in a dQ step (queries x keys): element i is row row_lo + 8 ((i / 2) % 2), key
-// kv0 + 8 (i / 4) + c + i % 2; the rows' lse in log2 units, +inf past T.
-template <int KV_TILE>
-__device__ __forceinline__ void attention_dq_probabilities(float (&p)[KV_TILE / 2], const float (&row_lse_log2)[2],
-                                                           float scale_log2, int row_lo, int kv0,
-                                                           bool crosses_diagonal, int lane) {
+// A warpgroup's step of the dQ pass: its 64 query rows (this thread's rows row_lo and row_lo + 8, with
+// their lse in log2 units, +inf past T, and D) against the KV_TILE keys kv0.. of the stage (operands:
+// as Sw128DqOperands below). dq accumulates (unscaled).
+template <int HEAD_DIM, int KV_TILE, class Operands>
+__device__ __forceinline__ void wgmma_backward_dq_step(float (&dq)[HEAD_DIM / 2], const Operands &operands,
+                                                       const float (&row_lse_log2)[2], const float (&row_delta)[2],
+                                                       float scale_log2, int row_lo, int kv0, bool crosses_diagonal,
+                                                       int lane) {
+    float p[KV_TILE / 2], ds[KV_TILE / 2];  // S then P; dP then dS: queries x keys
+    operands.issue_scores(p);
+    operands.issue_dp(ds);
+    wgmma_wait_pending<1>();  // S complete
+    wgmma_pin_registers(p);
+
+    // Element i: row row_lo + 8 ((i / 2) % 2), key kv0 + 8 (i / 4) + c + i % 2.
     const int c = (lane % 4) * 2;
 #pragma unroll
     for (int i = 0; i < KV_TILE / 2; i++) {
@@ -224,41 +212,16 @@ __device__ __forceinline__ void attention_dq_probabilities(float (&p)[KV_TILE / 
         float prob = exp2_approx(fmaf(p[i], scale_log2, -row_lse_log2[r]));
         p[i] = crosses_diagonal && kv0 + 8 * (i / 4) + c + (i & 1) > row_lo + 8 * r ? 0.f : prob;
     }
-}
-
-// dS = P (dP - D) in place of dP, D per row.
-template <int KV_TILE>
-__device__ __forceinline__ void attention_dq_scores_gradient(float (&ds)[KV_TILE / 2], const float (&p)[KV_TILE / 2],
-                                                             const float (&row_delta)[2]) {
-#pragma unroll
-    for (int i = 0; i < KV_TILE / 2; i++) ds[i] = p[i] * (ds[i] - row_delta[(i >> 1) & 1]);
-}
-
-// A warpgroup's step of the dQ pass: its 64 query rows (this thread's rows row_lo and row_lo + 8, with
-// their lse in log2 units, +inf past T, and D) against the KV_TILE keys kv0.. of the stage (operands:
-// as Sw128DqOperands below). dq accumulates (unscaled); ds_frag holds dS for its product. With
-// LEAVE_IN_FLIGHT the step returns with dQ += dS K still running, as in the dK/dV step.
-template <int HEAD_DIM, int KV_TILE, bool LEAVE_IN_FLIGHT, class Operands>
-__device__ __forceinline__ void wgmma_backward_dq_step(float (&dq)[HEAD_DIM / 2], uint32_t (&ds_frag)[KV_TILE / 16][4],
-                                                       const Operands &operands, const float (&row_lse_log2)[2],
-                                                       const float (&row_delta)[2], float scale_log2, int row_lo,
-                                                       int kv0, bool crosses_diagonal, int lane) {
-    float p[KV_TILE / 2], ds[KV_TILE / 2];  // S then P; dP then dS: queries x keys
-    operands.issue_scores(p);
-    operands.issue_dp(ds);
-    wgmma_wait_pending<1>();  // S complete (and the previous dQ)
-    wgmma_pin_registers(p);
-    if constexpr (LEAVE_IN_FLIGHT) wgmma_pin_in_flight(dq, ds_frag);
-    attention_dq_probabilities<KV_TILE>(p, row_lse_log2, scale_log2, row_lo, kv0, crosses_diagonal, lane);
     wgmma_wait_pending<0>();  // dP complete
     wgmma_pin_registers(ds);
-    attention_dq_scores_gradient<KV_TILE>(ds, p, row_delta);
+#pragma unroll
+    for (int i = 0; i < KV_TILE / 2; i++) ds[i] = p[i] * (ds[i] - row_delta[(i >> 1) & 1]);
+    uint32_t ds_frag[KV_TILE / 16][4];
     wgmma_scores_to_a_operand<KV_TILE>(ds_frag, ds);
     operands.issue_dq(dq, ds_frag);
-    if constexpr (!LEAVE_IN_FLIGHT) {
-        wgmma_wait_pending<0>();
-        wgmma_pin_in_flight(dq, ds_frag);
-    }
+    wgmma_wait_pending<0>();
+    wgmma_pin_registers(ds_frag);
+    wgmma_pin_registers(dq);
 }
 
 // ---- forward on TMA loads and 128B-swizzled tiles ---------------------------------------------------
@@ -755,12 +718,10 @@ __device__ __forceinline__ void wgmma_store_rows_direct(bf16 *head, size_t row_s
 }
 
 // A backward variant on TMA: dK/dV pass with query tiles of 64 and DKDV_STAGES stages; dQ pass with
-// K/V tiles of DQ_KV keys and DQ_STAGES stages. DKDV_PIPELINED, DQ_PIPELINED: that pass's steps leave
-// their last products running into the next step (see the passes below).
-template <int DKDV_STAGES, int DQ_KV, int DQ_STAGES, bool DKDV_PIPELINED = false, bool DQ_PIPELINED = false>
+// K/V tiles of DQ_KV keys and DQ_STAGES stages.
+template <int DKDV_STAGES, int DQ_KV, int DQ_STAGES>
 struct AttentionTmaTwoPassConfig {
     static constexpr bool one_pass = false, wgmma = false, tma = true;
-    static constexpr bool dkdv_pipelined = DKDV_PIPELINED, dq_pipelined = DQ_PIPELINED;
     static constexpr int dkdv_stages = DKDV_STAGES, dq_kv_tile = DQ_KV, dq_stages = DQ_STAGES;
 };
 
@@ -782,11 +743,8 @@ struct AttentionTmaDkDvSmem {
 
 // Block: key rows kv0 = 128 blockIdx.x.. of kv head blockIdx.y of batch blockIdx.z; consumer w: keys
 // kv0 + 64 w... Steps: every query head of the group (outer) and its query tiles from the one holding
-// kv0 on (inner), each step's Q, dO, lse and D in stage step % STAGES. A consumer skips the steps whose
-// queries all come before its keys. PIPELINED: a step returns with its dV and dK still running, and the
-// next step's S^T and dP^T are issued behind them, so the tensor cores do not drain between steps
-// (the stage is released one step later).
-template <int HEAD_DIM, int STAGES, bool PIPELINED>
+// kv0 on (inner), each step's Q, dO, lse and D in stage step % STAGES.
+template <int HEAD_DIM, int STAGES>
 __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
     attention_backward_dkdv_tma_kernel(const __grid_constant__ CUtensorMap qkv_map,
                                        const __grid_constant__ CUtensorMap dout_map, bf16 *dqkv, const float *lse,
@@ -852,43 +810,18 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
     for (int i = 0; i < HEAD_DIM / 2; i++) dk_acc[i] = dv_acc[i] = 0.f;
     mbarrier_wait(kv_full, 0);
 
-    auto query_first = [&](int step) { return (first_q_tile + step % q_tiles_per_head) * Q_TILE; };
-    const bool releases = threadIdx.x % WGMMA_WARPGROUP_THREADS == 0;
-    // P^T and dS^T as A fragments, read by dV and dK until a later wait. Defined before their first
-    // pin: an undefined one makes ptxas serialize every wgmma of the kernel.
-    uint32_t pt_frag[Q_TILE / 16][4], dst_frag[Q_TILE / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < Q_TILE / 16; kk++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) pt_frag[kk][i] = dst_frag[kk][i] = 0u;
-    int in_flight_stage = -1;  // PIPELINED: the stage whose dV and dK may still run
     for (int step = 0; step < steps; step++) {
-        const int stage = step % STAGES, q0 = query_first(step);
-        mbarrier_wait(&full[stage], (step / STAGES) & 1);  // also where skipped: see the forward
-        if (key_first < T && key_first <= q0 + Q_TILE - 1) {  // warpgroup-uniform
-            wgmma_backward_dkdv_step<HEAD_DIM, Q_TILE, PIPELINED>(
-                dk_acc, dv_acc, pt_frag, dst_frag,
+        const int stage = step % STAGES;
+        mbarrier_wait(&full[stage], (step / STAGES) & 1);
+        const int q0 = (first_q_tile + step % q_tiles_per_head) * Q_TILE;
+        if (key_first < T && key_first <= q0 + Q_TILE - 1)  // warpgroup-uniform
+            wgmma_backward_dkdv_step<HEAD_DIM, Q_TILE>(
+                dk_acc, dv_acc,
                 Sw128DkDvOperands<HEAD_DIM, Q_TILE>{smem + Smem::k, smem + Smem::v, consumer * GROUP_ROWS,
                                                     smem + Smem::q + stage * Smem::q_bytes,
                                                     smem + Smem::dout + stage * Smem::q_bytes},
                 lse_tiles + stage * Q_TILE, delta_tiles + stage * Q_TILE, scale_log2, key_first, q0, warp, lane);
-            if constexpr (PIPELINED) {  // the step's first wait completed the previous one's products
-                if (in_flight_stage >= 0 && releases) mbarrier_arrive(&empty[in_flight_stage]);
-                in_flight_stage = stage;
-                continue;
-            }
-        } else if constexpr (PIPELINED) {
-            wgmma_wait_pending<0>();
-            wgmma_pin_in_flight(dk_acc, dv_acc, pt_frag, dst_frag);
-            if (in_flight_stage >= 0 && releases) mbarrier_arrive(&empty[in_flight_stage]);
-            in_flight_stage = -1;
-        }
-        if (releases) mbarrier_arrive(&empty[stage]);
-    }
-    if constexpr (PIPELINED) {
-        wgmma_wait_pending<0>();
-        wgmma_pin_in_flight(dk_acc, dv_acc, pt_frag, dst_frag);
-        if (in_flight_stage >= 0 && releases) mbarrier_arrive(&empty[in_flight_stage]);
+        if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
     }
 
     const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM;
@@ -911,8 +844,8 @@ struct AttentionTmaDqSmem {
 
 // Block: query rows q0 = 128 (last block first).. of head h of batch b; consumer w: rows q0 + 64 w..
 // It walks the K/V tiles up to the diagonal like the forward: S = Q K^T, dP = dO V^T, P, dS,
-// dQ += dS K. PIPELINED: as in the dK/dV pass, a tile returns with its dQ product still running.
-template <int HEAD_DIM, int KV, int STAGES, bool PIPELINED>
+// dQ += dS K.
+template <int HEAD_DIM, int KV, int STAGES>
 __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
     attention_backward_dq_tma_kernel(const __grid_constant__ CUtensorMap qkv_map,
                                      const __grid_constant__ CUtensorMap dout_map, bf16 *dqkv, const float *lse,
@@ -957,33 +890,19 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
     for (int i = 0; i < HEAD_DIM / 2; i++) dq_acc[i] = 0.f;
     mbarrier_wait(qd_full, 0);
 
-    const bool releases = threadIdx.x % WGMMA_WARPGROUP_THREADS == 0;
-    uint32_t ds_frag[KV / 16][4];  // dS as A fragments; defined before their first pin (see dK/dV)
-#pragma unroll
-    for (int kk = 0; kk < KV / 16; kk++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) ds_frag[kk][i] = 0u;
-    for (int j = 0; j < group_tiles; j++) {  // warpgroup-uniform
-        const int stage = j % STAGES, kv0 = j * KV;
-        mbarrier_wait(&full[stage], (j / STAGES) & 1);
-        wgmma_backward_dq_step<HEAD_DIM, KV, PIPELINED>(
-            dq_acc, ds_frag,
-            Sw128DqOperands<HEAD_DIM, KV>{smem + Smem::q, smem + Smem::dout, consumer * GROUP_ROWS,
-                                          smem + Smem::k + stage * Smem::kv_bytes,
-                                          smem + Smem::v + stage * Smem::kv_bytes},
-            row_lse_log2, row_delta, scale_log2, row_lo, kv0, kv0 + KV - 1 > group_row0, lane);
-        // PIPELINED: the tile's first wait completed the previous tile's dQ
-        const int released = PIPELINED ? j - 1 : j;
-        if (released >= 0 && releases) mbarrier_arrive(&empty[released % STAGES]);
-    }
-    if constexpr (PIPELINED) {
-        wgmma_wait_pending<0>();
-        wgmma_pin_in_flight(dq_acc, ds_frag);
-        if (group_tiles > 0 && releases) mbarrier_arrive(&empty[(group_tiles - 1) % STAGES]);
-    }
-    for (int j = group_tiles; j < num_kv_tiles; j++) {  // right of the diagonal: released once loaded
-        mbarrier_wait(&full[j % STAGES], (j / STAGES) & 1);
-        if (releases) mbarrier_arrive(&empty[j % STAGES]);
+    for (int j = 0; j < num_kv_tiles; j++) {
+        const int stage = j % STAGES;
+        mbarrier_wait(&full[stage], (j / STAGES) & 1);  // also where skipped: see the forward
+        if (j < group_tiles) {                          // warpgroup-uniform
+            const int kv0 = j * KV;
+            wgmma_backward_dq_step<HEAD_DIM, KV>(
+                dq_acc,
+                Sw128DqOperands<HEAD_DIM, KV>{smem + Smem::q, smem + Smem::dout, consumer * GROUP_ROWS,
+                                              smem + Smem::k + stage * Smem::kv_bytes,
+                                              smem + Smem::v + stage * Smem::kv_bytes},
+                row_lse_log2, row_delta, scale_log2, row_lo, kv0, kv0 + KV - 1 > group_row0, lane);
+        }
+        if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
     }
 
     const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM;
@@ -1008,14 +927,13 @@ static void attention_backward_tma_launch(bf16 *dqkv, const float *delta, const 
     const CUtensorMap dout_map = attention_dout_tensor_map(dout, B, T, NH, HEAD_DIM);
     const float scale = attention_softmax_scale(HEAD_DIM);
 
-    auto dkdv = attention_backward_dkdv_tma_kernel<HEAD_DIM, Config::dkdv_stages, Config::dkdv_pipelined>;
+    auto dkdv = attention_backward_dkdv_tma_kernel<HEAD_DIM, Config::dkdv_stages>;
     attention_launch_setup(dkdv, DkDvSmem::bytes);
     dkdv<<<dim3(ceil_div(T, WGMMA_BLOCK_ROWS), NKV, B), ATTENTION_TMA_BACKWARD_THREADS, DkDvSmem::bytes, stream>>>(
         qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale);
     cudaCheckLaunch();
 
-    auto dq = attention_backward_dq_tma_kernel<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages,
-                                                Config::dq_pipelined>;
+    auto dq = attention_backward_dq_tma_kernel<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages>;
     attention_launch_setup(dq, DqSmem::bytes);
     dq<<<dim3(ceil_div(T, WGMMA_BLOCK_ROWS), NH, B), ATTENTION_TMA_BACKWARD_THREADS, DqSmem::bytes, stream>>>(
         qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale);

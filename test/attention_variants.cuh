@@ -1267,14 +1267,12 @@ __global__ void __launch_bounds__(WGMMA_BLOCK_THREADS, MIN_BLOCKS)
                 dout_row, lse_batch + (size_t)head * T, delta_batch + (size_t)head * T, q0, T);
         }
         const int q0 = (first_q_tile + step % q_tiles_per_head) * Q_TILE;
-        if (key_first < T && key_first <= q0 + Q_TILE - 1) {
-            uint32_t pt_frag[Q_TILE / 16][4], dst_frag[Q_TILE / 16][4];  // written before their products
-            wgmma_backward_dkdv_step<HEAD_DIM, Q_TILE, false>(
-                dk_acc, dv_acc, pt_frag, dst_frag,
+        if (key_first < T && key_first <= q0 + Q_TILE - 1)
+            wgmma_backward_dkdv_step<HEAD_DIM, Q_TILE>(
+                dk_acc, dv_acc,
                 CoreMatrixDkDvOperands<HEAD_DIM, Q_TILE>{k_rows, v_rows, q_tiles + stage * Q_TILE * HEAD_DIM,
                                                          dout_tiles + stage * Q_TILE * HEAD_DIM},
                 lse_tiles + stage * Q_TILE, delta_tiles + stage * Q_TILE, scale_log2, key_first, q0, warp, lane);
-        }
         if (step + 1 < steps && (int)threadIdx.x < Q_TILE) {
             lse_tiles[next_stage * Q_TILE + threadIdx.x] = next_lse_log2;
             delta_tiles[next_stage * Q_TILE + threadIdx.x] = next_delta;
@@ -1360,9 +1358,8 @@ __global__ void __launch_bounds__(WGMMA_BLOCK_THREADS, MIN_BLOCKS)
         // Rows are multiples of 64 and tiles of KV_TILE >= 64 apart, so a tile left of row
         // group_row0 + 64 starts at or before group_row0 and shows every row at least key kv0.
         if (group_row0 >= T || kv0 >= group_row0 + GROUP_ROWS) continue;
-        uint32_t ds_frag[KV_TILE / 16][4];  // written before its product
-        wgmma_backward_dq_step<HEAD_DIM, KV_TILE, false>(
-            dq_acc, ds_frag,
+        wgmma_backward_dq_step<HEAD_DIM, KV_TILE>(
+            dq_acc,
             CoreMatrixDqOperands<HEAD_DIM, KV_TILE>{q_rows, dout_rows, k_tiles + (j & 1) * KV_TILE * HEAD_DIM,
                                                     v_tiles + (j & 1) * KV_TILE * HEAD_DIM},
             row_lse_log2, row_delta, scale_log2, row_lo, kv0, kv0 + KV_TILE - 1 > group_row0, lane);

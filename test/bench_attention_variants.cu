@@ -49,9 +49,8 @@ template <int MB, int ST = 2>
 using OnePass = AttentionOnePassConfig<MB, ST>;
 template <int KV, int CONSUMERS, int ST, bool OVERLAP = false>  // TMA forward: K/V tile, consumers, stages
 using TmaFwd = AttentionTmaForwardConfig<KV, CONSUMERS, ST, OVERLAP>;
-// TMA two passes: dK/dV stages, dQ K/V tile and stages, dK/dV and dQ pipelined
-template <int DKDV_ST, int DQ_KV, int DQ_ST, bool DKDV_PIPE = false, bool DQ_PIPE = false>
-using TmaTwoPass = AttentionTmaTwoPassConfig<DKDV_ST, DQ_KV, DQ_ST, DKDV_PIPE, DQ_PIPE>;
+template <int DKDV_ST, int DQ_KV, int DQ_ST>  // TMA two passes: dK/dV stages, dQ K/V tile and stages
+using TmaTwoPass = AttentionTmaTwoPassConfig<DKDV_ST, DQ_KV, DQ_ST>;
 template <int Q, int KV>  // wgmma two passes: dK/dV query tile, dQ K/V tile, one block per SM each
 using WgmmaTwoPass = AttentionWgmmaTwoPassConfig<AttentionWgmmaDkDvConfig<Q, 1>, AttentionWgmmaDqConfig<KV, 1>>;
 
@@ -89,8 +88,7 @@ static void describe_backward(char *text, size_t size) {
     else if constexpr (C::wgmma)
         snprintf(text, size, "bwd wgmma dkdv q%d, dq kv%d", C::dkdv::q_tile, C::dq::kv_tile);
     else if constexpr (C::tma)
-        snprintf(text, size, "bwd tma dkdv st%d%s, dq kv%d st%d%s", C::dkdv_stages,
-                 C::dkdv_pipelined ? " pipelined" : "", C::dq_kv_tile, C::dq_stages, C::dq_pipelined ? " pipelined" : "");
+        snprintf(text, size, "bwd tma dkdv st%d, dq kv%d st%d", C::dkdv_stages, C::dq_kv_tile, C::dq_stages);
     else
         snprintf(text, size, "bwd 2-pass dkdv w%d q%d mb%d%s, dq w%d kv%d mb%d%s", C::dkdv::warps, C::dkdv::q_tile,
                  C::dkdv::min_blocks, stages_suffix(C::dkdv::stages), C::dq::warps, C::dq::kv_tile,
@@ -114,19 +112,14 @@ static Variant variant(void) {
 typedef AttentionDefaults<64>::forward Fwd64;
 typedef AttentionDefaults<64>::backward Bwd64;
 static const Variant variants_hd64[] = {
-    variant<64, Fwd64, Bwd64>(),  // TMA: fwd 108 registers; dkdv and dq 232 per consumer
+    variant<64, Fwd64, Bwd64>(),  // TMA: fwd 160 registers per consumer; dkdv and dq 232
     // TMA forward and backward
     variant<64, TmaFwd<64, 2, 4>, Bwd64>(),
     variant<64, TmaFwd<64, 3, 4, true>, Bwd64>(),
-    variant<64, TmaFwd<128, 3, 2>, Bwd64>(),
+    variant<64, TmaFwd<64, 3, 4>, Bwd64>(),
     variant<64, TmaFwd<128, 3, 3>, Bwd64>(),
     variant<64, TmaFwd<128, 2, 3>, Bwd64>(),
     variant<64, Fwd64, TmaTwoPass<3, 64, 4>>(),
-    variant<64, Fwd64, TmaTwoPass<4, 128, 3, true, true>>(),
-    variant<64, Fwd64, TmaTwoPass<4, 128, 3, true, false>>(),
-    variant<64, Fwd64, TmaTwoPass<4, 128, 3, false, true>>(),
-    variant<64, Fwd64, TmaTwoPass<3, 128, 4, true, true>>(),
-    variant<64, Fwd64, TmaTwoPass<4, 64, 4, true, true>>(),
     // forward
     variant<64, Fwd<4, 2, 64, true, 2>, Bwd64>(),   // 246 [2x4]
     variant<64, Fwd<4, 2, 32, true, 2>, Bwd64>(),   // 194 [2x4]
@@ -162,14 +155,12 @@ static const Variant variants_hd64[] = {
 typedef AttentionDefaults<128>::forward Fwd128;
 typedef AttentionDefaults<128>::backward Bwd128;
 static const Variant variants_hd128[] = {
-    variant<128, Fwd128, Bwd128>(),  // TMA: fwd 147 registers; dkdv and dq 240 per consumer
+    variant<128, Fwd128, Bwd128>(),  // TMA: fwd 240 registers per consumer; dkdv and dq 240
     // TMA forward and backward
     variant<128, TmaFwd<64, 2, 3>, Bwd128>(),
     variant<128, TmaFwd<64, 2, 4, true>, Bwd128>(),
-    variant<128, TmaFwd<128, 2, 2>, Bwd128>(),
+    variant<128, TmaFwd<64, 2, 4>, Bwd128>(),
     variant<128, Fwd128, TmaTwoPass<4, 64, 3>>(),
-    variant<128, Fwd128, TmaTwoPass<3, 64, 4, false, true>>(),
-    variant<128, Fwd128, TmaTwoPass<3, 64, 3, false, true>>(),
     // forward
     variant<128, Fwd<4, 2, 32, false, 2>, Bwd128>(),   // 255 [2x4]
     variant<128, Fwd<4, 2, 16, false, 2>, Bwd128>(),   // 215 [2x4]
