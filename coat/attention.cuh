@@ -126,7 +126,7 @@ static void attention_launch_setup(Kernel kernel, size_t smem_bytes) {
 // the H200 at the llama shapes against every variant of test/bench_attention_variants.cu. Forward:
 // K/V tiles of 128 keys in 2 stages, 3 consumer warpgroups at head_dim 64 (192 query rows per K/V
 // tile) and 2 at 128 (O takes 64 registers a thread), 1.07-1.13x the same kernel on tiles of 64 keys
-// and 1.1-1.7x the mma.sync kernels. Backward: 1.36-1.45x the mma.sync two passes at 64 and 1.5-1.7x
+// and 1.09-1.68x the mma.sync kernels. Backward: 1.36-1.45x the mma.sync two passes at 64 and 1.5-1.7x
 // the cp.async-fed wgmma two passes at 128.
 template <int HEAD_DIM>
 struct AttentionDefaults;
