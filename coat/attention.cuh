@@ -133,7 +133,7 @@ struct AttentionDefaults;
 template <>
 struct AttentionDefaults<64> {
     typedef AttentionTmaForwardConfig<128, 3, 2> forward;
-    typedef AttentionTmaTwoPassConfig<4, 128, 3> backward;
+    typedef AttentionTmaTwoPassConfig<4, 64, 4, 3, 3> backward;
 };
 template <>
 struct AttentionDefaults<128> {

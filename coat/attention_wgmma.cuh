@@ -32,7 +32,7 @@
 
 #define WGMMA_WARPGROUP_THREADS 128
 #define WGMMA_WARPGROUP_ROWS 64  // the M of every wgmma
-#define WGMMA_BLOCK_ROWS (2 * WGMMA_WARPGROUP_ROWS)  // key rows of a dK/dV block, query rows of a dQ block
+#define WGMMA_BLOCK_ROWS (2 * WGMMA_WARPGROUP_ROWS)  // the rows of a block of 2 warpgroups
 
 // ---- wgmma building blocks ------------------------------------------------------------------------
 
@@ -423,10 +423,10 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
 
     tma_pipeline_init<STAGES>(q_full, CONSUMERS);
 
-    // OVERLAP and K/V tiles of 128 need more registers than the launch gives at head_dim 128 or with 3
-    // consumers (at 64 with 2, claiming them makes ptxas serialize the wgmma): 128 x 24 + 128 CONSUMERS
-    // x CONSUMER_REGISTERS.
-    constexpr bool CLAIM = (OVERLAP || KV == 128) && (HEAD_DIM == 128 || CONSUMERS > 2);
+    // OVERLAP, K/V tiles of 128 and head_dim 128 need more registers than the launch gives at head_dim
+    // 128 or with 3 consumers (at 64 with 2, claiming them makes ptxas serialize the wgmma): 128 x 24 +
+    // 128 CONSUMERS x CONSUMER_REGISTERS.
+    constexpr bool CLAIM = (OVERLAP || KV == 128 || HEAD_DIM == 128) && (HEAD_DIM == 128 || CONSUMERS > 2);
     constexpr int CONSUMER_REGISTERS = CONSUMERS == 2 ? 240 : 160;
     if (warpgroup == 0) {
         if constexpr (CLAIM) warpgroup_registers_release<24>();
@@ -665,18 +665,18 @@ static void attention_forward_tma_launch(bf16 *out, float *lse, const bf16 *qkv,
 // consumers (warpgroup_registers_*), which hold dK and dV (or dQ) beside the step's S^T and dP^T:
 // at head_dim 128 they need 240 (the producer keeps 24 and spills 8 bytes); at 64, 232 leave it 40.
 
-// The operands of the steps above in 128B-swizzled tiles: K and V tiles of 128 key rows (the
+// The operands of the steps above in 128B-swizzled tiles: K and V tiles of KV_ROWS key rows (the
 // warpgroup's from key_row0) and a stage's Q and dO tiles of Q_TILE rows.
-template <int HEAD_DIM, int Q_TILE>
+template <int HEAD_DIM, int Q_TILE, int KV_ROWS>
 struct Sw128DkDvOperands {
     const char *k_tile, *v_tile;
     int key_row0;
     const char *q_tile, *dout_tile;
     __device__ __forceinline__ void issue_scores_t(float (&st)[Q_TILE / 2]) const {  // S^T = K Q^T
-        wgmma_issue_a_bt_sw128<HEAD_DIM, Q_TILE>(st, k_tile, WGMMA_BLOCK_ROWS, key_row0, q_tile);
+        wgmma_issue_a_bt_sw128<HEAD_DIM, Q_TILE>(st, k_tile, KV_ROWS, key_row0, q_tile);
     }
     __device__ __forceinline__ void issue_dp_t(float (&dpt)[Q_TILE / 2]) const {  // dP^T = V dO^T
-        wgmma_issue_a_bt_sw128<HEAD_DIM, Q_TILE>(dpt, v_tile, WGMMA_BLOCK_ROWS, key_row0, dout_tile);
+        wgmma_issue_a_bt_sw128<HEAD_DIM, Q_TILE>(dpt, v_tile, KV_ROWS, key_row0, dout_tile);
     }
     __device__ __forceinline__ void issue_dv(float (&dv)[HEAD_DIM / 2], uint32_t (&pt)[Q_TILE / 16][4]) const {
         wgmma_issue_add_x_b_sw128<HEAD_DIM, Q_TILE>(dv, pt, dout_tile);  // dV += P^T dO
@@ -685,17 +685,17 @@ struct Sw128DkDvOperands {
         wgmma_issue_add_x_b_sw128<HEAD_DIM, Q_TILE>(dk, dst, q_tile);  // dK += dS^T Q
     }
 };
-// Q and dO tiles of 128 query rows (the warpgroup's from row0) and a stage's K and V tiles of KV rows.
-template <int HEAD_DIM, int KV>
+// Q and dO tiles of Q_ROWS query rows (the warpgroup's from row0) and a stage's K and V tiles of KV rows.
+template <int HEAD_DIM, int KV, int Q_ROWS>
 struct Sw128DqOperands {
     const char *q_tile, *dout_tile;
     int row0;
     const char *k_tile, *v_tile;
     __device__ __forceinline__ void issue_scores(float (&s)[KV / 2]) const {  // S = Q K^T
-        wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, WGMMA_BLOCK_ROWS, row0, k_tile);
+        wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, row0, k_tile);
     }
     __device__ __forceinline__ void issue_dp(float (&dp)[KV / 2]) const {  // dP = dO V^T
-        wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(dp, dout_tile, WGMMA_BLOCK_ROWS, row0, v_tile);
+        wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(dp, dout_tile, Q_ROWS, row0, v_tile);
     }
     __device__ __forceinline__ void issue_dq(float (&dq)[HEAD_DIM / 2], uint32_t (&ds)[KV / 16][4]) const {
         wgmma_issue_add_x_b_sw128<HEAD_DIM, KV>(dq, ds, k_tile);  // dQ += dS K
@@ -717,40 +717,53 @@ __device__ __forceinline__ void wgmma_store_rows_direct(bf16 *head, size_t row_s
                     __floats2bfloat162_rn(acc[4 * n8 + 2 * r] * scale, acc[4 * n8 + 2 * r + 1] * scale);
 }
 
-// A backward variant on TMA: dK/dV pass with query tiles of 64 and DKDV_STAGES stages; dQ pass with
-// K/V tiles of DQ_KV keys and DQ_STAGES stages.
-template <int DKDV_STAGES, int DQ_KV, int DQ_STAGES>
+// A backward variant on TMA: dK/dV pass with query tiles of 64, DKDV_STAGES stages and DKDV_CONSUMERS
+// consumer warpgroups; dQ pass with K/V tiles of DQ_KV keys, DQ_STAGES stages and DQ_CONSUMERS
+// consumer warpgroups (consumers: 2 or 3, each 64 key or query rows of the block).
+template <int DKDV_STAGES, int DQ_KV, int DQ_STAGES, int DKDV_CONSUMERS = 2, int DQ_CONSUMERS = 2>
 struct AttentionTmaTwoPassConfig {
     static constexpr bool one_pass = false, wgmma = false, tma = true;
     static constexpr int dkdv_stages = DKDV_STAGES, dq_kv_tile = DQ_KV, dq_stages = DQ_STAGES;
+    static constexpr int dkdv_consumers = DKDV_CONSUMERS, dq_consumers = DQ_CONSUMERS;
+};
+
+// The registers of a backward pass's block, 128 x producer + 128 CONSUMERS x consumer within the SM's
+// 64K (setmaxnreg): 2 consumers hold dK and dV (or dQ) beside the step's S^T and dP^T in 232 at
+// head_dim 64 (40 left to the producer) and 240 at 128 (the producer keeps 24 and spills 8 bytes);
+// 3 consumers have 160 each.
+template <int HEAD_DIM, int CONSUMERS>
+struct AttentionBackwardRegisters {
+    static_assert(CONSUMERS == 2 || CONSUMERS == 3, "2 or 3 consumer warpgroups");
+    static constexpr int producer = CONSUMERS == 3 || HEAD_DIM == 128 ? 24 : 40;
+    static constexpr int consumer = CONSUMERS == 3 ? 160 : HEAD_DIM == 128 ? 240 : 232;
 };
 
 #define ATTENTION_TMA_BACKWARD_Q_TILE 64
-#define ATTENTION_TMA_BACKWARD_THREADS (3 * WGMMA_WARPGROUP_THREADS)  // producer + 2 consumers
 
-// Shared memory of the TMA dK/dV pass from a 1024-byte aligned start: K and V (128 rows each), then
-// per stage Q and dO (64 rows each), then lse (log2 units) and D per stage, then the mbarriers
-// kv_full, full[STAGES], empty[STAGES].
-template <int HEAD_DIM, int STAGES>
+// Shared memory of the TMA dK/dV pass from a 1024-byte aligned start: K and V (64 CONSUMERS rows
+// each), then per stage Q and dO (64 rows each), then lse (log2 units) and D per stage, then the
+// mbarriers kv_full, full[STAGES], empty[STAGES].
+template <int HEAD_DIM, int STAGES, int CONSUMERS>
 struct AttentionTmaDkDvSmem {
-    static constexpr int Q_TILE = ATTENTION_TMA_BACKWARD_Q_TILE;
-    static constexpr size_t kv_bytes = (size_t)WGMMA_BLOCK_ROWS * HEAD_DIM * 2, q_bytes = (size_t)Q_TILE * HEAD_DIM * 2;
+    static constexpr int Q_TILE = ATTENTION_TMA_BACKWARD_Q_TILE, kv_rows = CONSUMERS * WGMMA_WARPGROUP_ROWS;
+    static constexpr size_t kv_bytes = (size_t)kv_rows * HEAD_DIM * 2, q_bytes = (size_t)Q_TILE * HEAD_DIM * 2;
     static constexpr size_t k = 0, v = kv_bytes, q = 2 * kv_bytes, dout = q + STAGES * q_bytes;
     static constexpr size_t lse = dout + STAGES * q_bytes, delta = lse + STAGES * Q_TILE * sizeof(float);
     static constexpr size_t bars = delta + STAGES * Q_TILE * sizeof(float);
     static constexpr size_t bytes = bars + (1 + 2 * STAGES) * sizeof(uint64_t) + 1024;
 };
 
-// Block: key rows kv0 = 128 blockIdx.x.. of kv head blockIdx.y of batch blockIdx.z; consumer w: keys
-// kv0 + 64 w... Steps: every query head of the group (outer) and its query tiles from the one holding
-// kv0 on (inner), each step's Q, dO, lse and D in stage step % STAGES.
-template <int HEAD_DIM, int STAGES>
-__global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
+// Block: key rows kv0 = 64 CONSUMERS blockIdx.x.. of kv head blockIdx.y of batch blockIdx.z; consumer
+// w: keys kv0 + 64 w... Steps: every query head of the group (outer) and its query tiles from the one
+// holding kv0 on (inner), each step's Q, dO, lse and D in stage step % STAGES.
+template <int HEAD_DIM, int STAGES, int CONSUMERS>
+__global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     attention_backward_dkdv_tma_kernel(const __grid_constant__ CUtensorMap qkv_map,
                                        const __grid_constant__ CUtensorMap dout_map, bf16 *dqkv, const float *lse,
                                        const float *delta, int T, int NH, int NKV, float softmax_scale) {
-    typedef AttentionTmaDkDvSmem<HEAD_DIM, STAGES> Smem;
-    constexpr int Q_TILE = Smem::Q_TILE, KV_ROWS = WGMMA_BLOCK_ROWS, GROUP_ROWS = WGMMA_WARPGROUP_ROWS;
+    typedef AttentionTmaDkDvSmem<HEAD_DIM, STAGES, CONSUMERS> Smem;
+    typedef AttentionBackwardRegisters<HEAD_DIM, CONSUMERS> Registers;
+    constexpr int Q_TILE = Smem::Q_TILE, KV_ROWS = Smem::kv_rows, GROUP_ROWS = WGMMA_WARPGROUP_ROWS;
     extern __shared__ __align__(1024) unsigned char attention_tma_smem[];
     char *smem = shared_aligned_1024(attention_tma_smem);
     float *lse_tiles = reinterpret_cast<float *>(smem + Smem::lse);  // log2 units
@@ -765,10 +778,10 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
     const int q_tiles_per_head = ceil_div(T, Q_TILE) - first_q_tile;
     const int steps = group * q_tiles_per_head;  // step i: head kv_head * group + i / q_tiles_per_head
 
-    tma_pipeline_init<STAGES>(kv_full, 2);
+    tma_pipeline_init<STAGES>(kv_full, CONSUMERS);
 
     if (warpgroup == 0) {
-        warpgroup_registers_release<HEAD_DIM == 128 ? 24 : 40>();
+        warpgroup_registers_release<Registers::producer>();
         if (threadIdx.x >= 32) return;
         const int lane = threadIdx.x;
         if (lane == 0) {
@@ -799,7 +812,7 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
         }
         return;
     }
-    warpgroup_registers_claim<HEAD_DIM == 128 ? 240 : 232>();
+    warpgroup_registers_claim<Registers::consumer>();
 
     const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
     const int key_first = kv0 + consumer * GROUP_ROWS;    // this warpgroup's first key
@@ -817,7 +830,7 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
         if (key_first < T && key_first <= q0 + Q_TILE - 1)  // warpgroup-uniform
             wgmma_backward_dkdv_step<HEAD_DIM, Q_TILE>(
                 dk_acc, dv_acc,
-                Sw128DkDvOperands<HEAD_DIM, Q_TILE>{smem + Smem::k, smem + Smem::v, consumer * GROUP_ROWS,
+                Sw128DkDvOperands<HEAD_DIM, Q_TILE, KV_ROWS>{smem + Smem::k, smem + Smem::v, consumer * GROUP_ROWS,
                                                     smem + Smem::q + stage * Smem::q_bytes,
                                                     smem + Smem::dout + stage * Smem::q_bytes},
                 lse_tiles + stage * Q_TILE, delta_tiles + stage * Q_TILE, scale_log2, key_first, q0, warp, lane);
@@ -832,26 +845,28 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
                                       1.f, lane);
 }
 
-// Shared memory of the TMA dQ pass from a 1024-byte aligned start: Q and dO (128 rows each), K and V
-// stages, then the mbarriers qd_full, full[STAGES], empty[STAGES].
-template <int HEAD_DIM, int KV, int STAGES>
+// Shared memory of the TMA dQ pass from a 1024-byte aligned start: Q and dO (64 CONSUMERS rows each), K
+// and V stages, then the mbarriers qd_full, full[STAGES], empty[STAGES].
+template <int HEAD_DIM, int KV, int STAGES, int CONSUMERS>
 struct AttentionTmaDqSmem {
-    static constexpr size_t rows_bytes = (size_t)WGMMA_BLOCK_ROWS * HEAD_DIM * 2, kv_bytes = (size_t)KV * HEAD_DIM * 2;
+    static constexpr int q_rows = CONSUMERS * WGMMA_WARPGROUP_ROWS;
+    static constexpr size_t rows_bytes = (size_t)q_rows * HEAD_DIM * 2, kv_bytes = (size_t)KV * HEAD_DIM * 2;
     static constexpr size_t q = 0, dout = rows_bytes, k = 2 * rows_bytes, v = k + STAGES * kv_bytes;
     static constexpr size_t bars = v + STAGES * kv_bytes;
     static constexpr size_t bytes = bars + (1 + 2 * STAGES) * sizeof(uint64_t) + 1024;
 };
 
-// Block: query rows q0 = 128 (last block first).. of head h of batch b; consumer w: rows q0 + 64 w..
-// It walks the K/V tiles up to the diagonal like the forward: S = Q K^T, dP = dO V^T, P, dS,
-// dQ += dS K.
-template <int HEAD_DIM, int KV, int STAGES>
-__global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
+// Block: query rows q0 = 64 CONSUMERS (last block first).. of head h of batch b; consumer w: rows
+// q0 + 64 w.. It walks the K/V tiles up to the diagonal like the forward: S = Q K^T, dP = dO V^T, P,
+// dS, dQ += dS K.
+template <int HEAD_DIM, int KV, int STAGES, int CONSUMERS>
+__global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     attention_backward_dq_tma_kernel(const __grid_constant__ CUtensorMap qkv_map,
                                      const __grid_constant__ CUtensorMap dout_map, bf16 *dqkv, const float *lse,
                                      const float *delta, int T, int NH, int NKV, float softmax_scale) {
-    typedef AttentionTmaDqSmem<HEAD_DIM, KV, STAGES> Smem;
-    constexpr int Q_ROWS = WGMMA_BLOCK_ROWS, GROUP_ROWS = WGMMA_WARPGROUP_ROWS;
+    typedef AttentionTmaDqSmem<HEAD_DIM, KV, STAGES, CONSUMERS> Smem;
+    constexpr int Q_ROWS = Smem::q_rows, GROUP_ROWS = WGMMA_WARPGROUP_ROWS;
+    typedef AttentionBackwardRegisters<HEAD_DIM, CONSUMERS> Registers;
     extern __shared__ __align__(1024) unsigned char attention_tma_smem[];
     char *smem = shared_aligned_1024(attention_tma_smem);
     uint64_t *qd_full = reinterpret_cast<uint64_t *>(smem + Smem::bars);
@@ -863,10 +878,10 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
     const int q0 = q_block * Q_ROWS;
     const int num_kv_tiles = (min(q0 + Q_ROWS, T) - 1) / KV + 1;  // up to the last valid row's diagonal
 
-    tma_pipeline_init<STAGES>(qd_full, 2);
+    tma_pipeline_init<STAGES>(qd_full, CONSUMERS);
 
     if (warpgroup == 0) {
-        warpgroup_registers_release<HEAD_DIM == 128 ? 24 : 40>();
+        warpgroup_registers_release<Registers::producer>();
         if (threadIdx.x == 0) {
             mbarrier_arrive_expect_bytes(qd_full, (uint32_t)(2 * Smem::rows_bytes));
             tma_load_tile<Q_ROWS, HEAD_DIM>(smem + Smem::q, &qkv_map, h * HEAD_DIM, q0, b, qd_full);
@@ -876,7 +891,7 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
         }
         return;
     }
-    warpgroup_registers_claim<HEAD_DIM == 128 ? 240 : 232>();
+    warpgroup_registers_claim<Registers::consumer>();
 
     const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
     const int group_row0 = q0 + consumer * GROUP_ROWS;
@@ -897,7 +912,7 @@ __global__ void __launch_bounds__(ATTENTION_TMA_BACKWARD_THREADS, 1)
             const int kv0 = j * KV;
             wgmma_backward_dq_step<HEAD_DIM, KV>(
                 dq_acc,
-                Sw128DqOperands<HEAD_DIM, KV>{smem + Smem::q, smem + Smem::dout, consumer * GROUP_ROWS,
+                Sw128DqOperands<HEAD_DIM, KV, Q_ROWS>{smem + Smem::q, smem + Smem::dout, consumer * GROUP_ROWS,
                                               smem + Smem::k + stage * Smem::kv_bytes,
                                               smem + Smem::v + stage * Smem::kv_bytes},
                 row_lse_log2, row_delta, scale_log2, row_lo, kv0, kv0 + KV - 1 > group_row0, lane);
@@ -919,23 +934,25 @@ static CUtensorMap attention_dout_tensor_map(const bf16 *dout, int B, int T, int
 template <int HEAD_DIM, class Config>
 static void attention_backward_tma_launch(bf16 *dqkv, const float *delta, const bf16 *dout, const bf16 *qkv,
                                           const float *lse, int B, int T, int NH, int NKV, cudaStream_t stream) {
-    typedef AttentionTmaDkDvSmem<HEAD_DIM, Config::dkdv_stages> DkDvSmem;
-    typedef AttentionTmaDqSmem<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages> DqSmem;
+    typedef AttentionTmaDkDvSmem<HEAD_DIM, Config::dkdv_stages, Config::dkdv_consumers> DkDvSmem;
+    typedef AttentionTmaDqSmem<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages, Config::dq_consumers> DqSmem;
     static_assert(DkDvSmem::bytes <= ATTENTION_MAX_SMEM_BYTES && DqSmem::bytes <= ATTENTION_MAX_SMEM_BYTES,
                   "TMA backward tiles exceed shared memory");
     const CUtensorMap qkv_map = attention_qkv_tensor_map(qkv, B, T, NH, NKV, HEAD_DIM);
     const CUtensorMap dout_map = attention_dout_tensor_map(dout, B, T, NH, HEAD_DIM);
     const float scale = attention_softmax_scale(HEAD_DIM);
 
-    auto dkdv = attention_backward_dkdv_tma_kernel<HEAD_DIM, Config::dkdv_stages>;
+    auto dkdv = attention_backward_dkdv_tma_kernel<HEAD_DIM, Config::dkdv_stages, Config::dkdv_consumers>;
     attention_launch_setup(dkdv, DkDvSmem::bytes);
-    dkdv<<<dim3(ceil_div(T, WGMMA_BLOCK_ROWS), NKV, B), ATTENTION_TMA_BACKWARD_THREADS, DkDvSmem::bytes, stream>>>(
+    dkdv<<<dim3(ceil_div(T, DkDvSmem::kv_rows), NKV, B), (Config::dkdv_consumers + 1) * WGMMA_WARPGROUP_THREADS,
+           DkDvSmem::bytes, stream>>>(
         qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale);
     cudaCheckLaunch();
 
-    auto dq = attention_backward_dq_tma_kernel<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages>;
+    auto dq = attention_backward_dq_tma_kernel<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages, Config::dq_consumers>;
     attention_launch_setup(dq, DqSmem::bytes);
-    dq<<<dim3(ceil_div(T, WGMMA_BLOCK_ROWS), NH, B), ATTENTION_TMA_BACKWARD_THREADS, DqSmem::bytes, stream>>>(
+    dq<<<dim3(ceil_div(T, DqSmem::q_rows), NH, B), (Config::dq_consumers + 1) * WGMMA_WARPGROUP_THREADS, DqSmem::bytes,
+         stream>>>(
         qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale);
     cudaCheckLaunch();
 }

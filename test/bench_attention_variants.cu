@@ -49,8 +49,9 @@ template <int MB, int ST = 2>
 using OnePass = AttentionOnePassConfig<MB, ST>;
 template <int KV, int CONSUMERS, int ST, bool OVERLAP = false>  // TMA forward: K/V tile, consumers, stages
 using TmaFwd = AttentionTmaForwardConfig<KV, CONSUMERS, ST, OVERLAP>;
-template <int DKDV_ST, int DQ_KV, int DQ_ST>  // TMA two passes: dK/dV stages, dQ K/V tile and stages
-using TmaTwoPass = AttentionTmaTwoPassConfig<DKDV_ST, DQ_KV, DQ_ST>;
+// TMA two passes: dK/dV stages; dQ K/V tile and stages; consumer warpgroups of dK/dV and of dQ
+template <int DKDV_ST, int DQ_KV, int DQ_ST, int DKDV_C = 2, int DQ_C = 2>
+using TmaTwoPass = AttentionTmaTwoPassConfig<DKDV_ST, DQ_KV, DQ_ST, DKDV_C, DQ_C>;
 template <int Q, int KV>  // wgmma two passes: dK/dV query tile, dQ K/V tile, one block per SM each
 using WgmmaTwoPass = AttentionWgmmaTwoPassConfig<AttentionWgmmaDkDvConfig<Q, 1>, AttentionWgmmaDqConfig<KV, 1>>;
 
@@ -88,7 +89,8 @@ static void describe_backward(char *text, size_t size) {
     else if constexpr (C::wgmma)
         snprintf(text, size, "bwd wgmma dkdv q%d, dq kv%d", C::dkdv::q_tile, C::dq::kv_tile);
     else if constexpr (C::tma)
-        snprintf(text, size, "bwd tma dkdv st%d, dq kv%d st%d", C::dkdv_stages, C::dq_kv_tile, C::dq_stages);
+        snprintf(text, size, "bwd tma dkdv c%d st%d, dq kv%d c%d st%d", C::dkdv_consumers, C::dkdv_stages,
+                 C::dq_kv_tile, C::dq_consumers, C::dq_stages);
     else
         snprintf(text, size, "bwd 2-pass dkdv w%d q%d mb%d%s, dq w%d kv%d mb%d%s", C::dkdv::warps, C::dkdv::q_tile,
                  C::dkdv::min_blocks, stages_suffix(C::dkdv::stages), C::dq::warps, C::dq::kv_tile,
@@ -120,6 +122,10 @@ static const Variant variants_hd64[] = {
     variant<64, TmaFwd<128, 3, 3>, Bwd64>(),
     variant<64, TmaFwd<128, 2, 3>, Bwd64>(),
     variant<64, Fwd64, TmaTwoPass<3, 64, 4>>(),
+    variant<64, Fwd64, TmaTwoPass<4, 128, 3>>(),
+    variant<64, Fwd64, TmaTwoPass<4, 64, 4, 2, 3>>(),
+    variant<64, Fwd64, TmaTwoPass<6, 64, 4, 3, 3>>(),
+    variant<64, Fwd64, TmaTwoPass<4, 64, 6, 3, 3>>(),
     // forward
     variant<64, Fwd<4, 2, 64, true, 2>, Bwd64>(),   // 246 [2x4]
     variant<64, Fwd<4, 2, 32, true, 2>, Bwd64>(),   // 194 [2x4]
@@ -160,7 +166,9 @@ static const Variant variants_hd128[] = {
     variant<128, TmaFwd<64, 2, 3>, Bwd128>(),
     variant<128, TmaFwd<64, 2, 4, true>, Bwd128>(),
     variant<128, TmaFwd<64, 2, 4>, Bwd128>(),
+    variant<128, TmaFwd<64, 3, 4>, Bwd128>(),
     variant<128, Fwd128, TmaTwoPass<4, 64, 3>>(),
+    variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 3>>(),
     // forward
     variant<128, Fwd<4, 2, 32, false, 2>, Bwd128>(),   // 255 [2x4]
     variant<128, Fwd<4, 2, 16, false, 2>, Bwd128>(),   // 215 [2x4]
