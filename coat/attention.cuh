@@ -126,8 +126,11 @@ static void attention_launch_setup(Kernel kernel, size_t smem_bytes) {
 // the H200 at the llama shapes against every variant of test/bench_attention_variants.cu. Forward:
 // K/V tiles of 128 keys in 2 stages, 3 consumer warpgroups at head_dim 64 (192 query rows per K/V
 // tile) and 2 at 128 (O takes 64 registers a thread), 1.07-1.13x the same kernel on tiles of 64 keys
-// and 1.09-1.68x the mma.sync kernels. Backward: 1.36-1.45x the mma.sync two passes at 64 and 1.5-1.7x
-// the cp.async-fed wgmma two passes at 128.
+// and 1.09-1.68x the mma.sync kernels. Backward: at head_dim 64, 3 consumer warpgroups of 160
+// registers in both passes (192 key rows a dK/dV block; dQ on K/V tiles of 64), 1.09-1.10x the same
+// passes with 2 consumers of 232 (whose tensor cores sat idle 60% of the time: each consumer runs its
+// products and its exponentials one after the other); at 128, 2 consumers (dK and dV take 128
+// registers a thread), 1.5-1.7x the cp.async-fed wgmma two passes.
 template <int HEAD_DIM>
 struct AttentionDefaults;
 template <>

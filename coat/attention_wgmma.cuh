@@ -8,8 +8,8 @@
 //   dS = P (dP - D), dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO;   scale = 1 / sqrt(head_dim)
 //
 // Forward: CONSUMERS warpgroups of 64 query rows share each K/V tile; online softmax in base 2.
-// Backward: two passes after D, each block 2 consumer warpgroups, warpgroup wg owning 64 rows:
-//   dK/dV: a block owns 128 key rows of one kv head (K and V resident) and walks the 64-row query
+// Backward: two passes after D, each block 2 or 3 consumer warpgroups, warpgroup wg owning 64 rows:
+//   dK/dV: a block owns 128 or 192 key rows of one kv head (K and V resident) and walks the 64-row query
 //     tiles of every query head of its group from the diagonal on. Per step a warpgroup computes,
 //     transposed so that key rows stay in the accumulator rows:
 //       S^T  = K Q^T      A = K, B = Q, both K-major            (m64 n64)
@@ -19,7 +19,7 @@
 //       dS^T = P^T (dP^T - D)
 //       dK  += dS^T Q     A = dS^T from registers, B = Q MN-major
 //     dK and dV (64 x head_dim each per warpgroup) stay in registers to the end.
-//   dQ: a block owns 128 query rows of one query head (Q and dO resident) and walks the K/V tiles up
+//   dQ: a block owns 128 or 192 query rows of one query head (Q and dO resident) and walks the K/V tiles up
 //     to the diagonal: S = Q K^T and dP = dO V^T (issued together), P, dS, dQ += dS K.
 // dQ has its own pass (7 products per query-key tile instead of 5): a share per dK/dV step would need
 // a fixed-order sum between blocks to stay deterministic, and its accumulators do not fit beside dK

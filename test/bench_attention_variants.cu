@@ -114,7 +114,7 @@ static Variant variant(void) {
 typedef AttentionDefaults<64>::forward Fwd64;
 typedef AttentionDefaults<64>::backward Bwd64;
 static const Variant variants_hd64[] = {
-    variant<64, Fwd64, Bwd64>(),  // TMA: fwd 160 registers per consumer; dkdv and dq 232
+    variant<64, Fwd64, Bwd64>(),  // TMA: 160 registers per consumer in fwd, dkdv and dq
     // TMA forward and backward
     variant<64, TmaFwd<64, 2, 4>, Bwd64>(),
     variant<64, TmaFwd<64, 3, 4, true>, Bwd64>(),
