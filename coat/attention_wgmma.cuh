@@ -423,9 +423,10 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
 
     tma_pipeline_init<STAGES>(q_full, CONSUMERS);
 
-    // OVERLAP, K/V tiles of 128 and head_dim 128 need more registers than the launch gives at head_dim
-    // 128 or with 3 consumers (at 64 with 2, claiming them makes ptxas serialize the wgmma): 128 x 24 +
-    // 128 CONSUMERS x CONSUMER_REGISTERS.
+    // The consumers take registers from the producer (128 x 24 + 128 CONSUMERS x CONSUMER_REGISTERS)
+    // where the launch's even split is too few: at head_dim 128 (O takes 64 a thread), and with 3
+    // consumers for OVERLAP or K/V tiles of 128 (S takes 64). At 64 with 2 consumers, claiming makes
+    // ptxas serialize the wgmma.
     constexpr bool CLAIM = (OVERLAP || KV == 128 || HEAD_DIM == 128) && (HEAD_DIM == 128 || CONSUMERS > 2);
     constexpr int CONSUMER_REGISTERS = CONSUMERS == 2 ? 240 : 160;
     if (warpgroup == 0) {
@@ -661,9 +662,8 @@ static void attention_forward_tma_launch(bf16 *out, float *lse, const bf16 *qkv,
 //
 // The two passes of the header's backward with the forward's loading scheme: a producer warpgroup (one
 // thread issues TMA; its first warp also stages lse and D) fills STAGES stages guarded by mbarriers,
-// and 2 consumer warpgroups compute from the swizzled tiles. The producer hands its registers to the
-// consumers (warpgroup_registers_*), which hold dK and dV (or dQ) beside the step's S^T and dP^T:
-// at head_dim 128 they need 240 (the producer keeps 24 and spills 8 bytes); at 64, 232 leave it 40.
+// and 2 or 3 consumer warpgroups compute from the swizzled tiles. The producer hands its registers to
+// the consumers (warpgroup_registers_*, AttentionBackwardRegisters below).
 
 // The operands of the steps above in 128B-swizzled tiles: K and V tiles of KV_ROWS key rows (the
 // warpgroup's from key_row0) and a stage's Q and dO tiles of Q_TILE rows.
@@ -831,8 +831,8 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
             wgmma_backward_dkdv_step<HEAD_DIM, Q_TILE>(
                 dk_acc, dv_acc,
                 Sw128DkDvOperands<HEAD_DIM, Q_TILE, KV_ROWS>{smem + Smem::k, smem + Smem::v, consumer * GROUP_ROWS,
-                                                    smem + Smem::q + stage * Smem::q_bytes,
-                                                    smem + Smem::dout + stage * Smem::q_bytes},
+                                                             smem + Smem::q + stage * Smem::q_bytes,
+                                                             smem + Smem::dout + stage * Smem::q_bytes},
                 lse_tiles + stage * Q_TILE, delta_tiles + stage * Q_TILE, scale_log2, key_first, q0, warp, lane);
         if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
     }
@@ -913,8 +913,8 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
             wgmma_backward_dq_step<HEAD_DIM, KV>(
                 dq_acc,
                 Sw128DqOperands<HEAD_DIM, KV, Q_ROWS>{smem + Smem::q, smem + Smem::dout, consumer * GROUP_ROWS,
-                                              smem + Smem::k + stage * Smem::kv_bytes,
-                                              smem + Smem::v + stage * Smem::kv_bytes},
+                                                      smem + Smem::k + stage * Smem::kv_bytes,
+                                                      smem + Smem::v + stage * Smem::kv_bytes},
                 row_lse_log2, row_delta, scale_log2, row_lo, kv0, kv0 + KV - 1 > group_row0, lane);
         }
         if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
@@ -945,14 +945,12 @@ static void attention_backward_tma_launch(bf16 *dqkv, const float *delta, const 
     auto dkdv = attention_backward_dkdv_tma_kernel<HEAD_DIM, Config::dkdv_stages, Config::dkdv_consumers>;
     attention_launch_setup(dkdv, DkDvSmem::bytes);
     dkdv<<<dim3(ceil_div(T, DkDvSmem::kv_rows), NKV, B), (Config::dkdv_consumers + 1) * WGMMA_WARPGROUP_THREADS,
-           DkDvSmem::bytes, stream>>>(
-        qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale);
+           DkDvSmem::bytes, stream>>>(qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale);
     cudaCheckLaunch();
 
     auto dq = attention_backward_dq_tma_kernel<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages, Config::dq_consumers>;
     attention_launch_setup(dq, DqSmem::bytes);
     dq<<<dim3(ceil_div(T, DqSmem::q_rows), NH, B), (Config::dq_consumers + 1) * WGMMA_WARPGROUP_THREADS, DqSmem::bytes,
-         stream>>>(
-        qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale);
+         stream>>>(qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale);
     cudaCheckLaunch();
 }
