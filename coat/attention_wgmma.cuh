@@ -374,7 +374,7 @@ __device__ __forceinline__ void warpgroup_registers_claim() {
 }
 
 // A forward variant: K/V tiles of KV keys, CONSUMERS warpgroups of 64 query rows, STAGES K/V stages;
-// with OVERLAP a consumer adds the previous tile's P V while it computes the softmax of the current one.
+// with OVERLAP a consumer issues S for its next tile before the softmax of the current one.
 template <int KV, int CONSUMERS, int STAGES, bool OVERLAP = false>
 struct AttentionTmaForwardConfig {
     static constexpr bool tma = true, overlap = OVERLAP;
@@ -398,10 +398,10 @@ struct AttentionTmaForwardSmem {
 // (its thread 0 issues every load); warpgroup 1 + w is consumer w: rows q0 + 64 w.., warp i of it
 // rows + 16 i, thread rows g and g + 8. A consumer walks every K/V tile of the block, computing on
 // those left of its diagonal, and releases each stage once its products from it completed. Online
-// softmax in base 2, as attention_forward_kernel. With OVERLAP, per tile j > 0 of a consumer:
-//   rescale O for tile j - 1 | issue S_j and O += P_{j-1} V_{j-1} | wait for S_j | softmax of S_j
-//   (while the tensor cores add P_{j-1} V_{j-1}) | wait for both, release tile j - 1 | P_j to BF16;
-// nothing stays in flight from one tile to the next, and only one tile's S is held in FP32.
+// softmax in base 2, as attention_forward_kernel. With OVERLAP, per tile j of a consumer:
+//   issue S_{j+1} (its tile loaded) | softmax of S_j | wait for S_{j+1} and O += P_{j-1} V_{j-1} |
+//   rescale O | issue O += P_j V_j, which runs into tile j + 1 (stage j is released there);
+// where needed the producer gives its registers to the consumers, who hold S_j and S_{j+1} beside O.
 template <int HEAD_DIM, int KV, int CONSUMERS, int STAGES, bool OVERLAP>
 __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     attention_forward_tma_kernel(const __grid_constant__ CUtensorMap qkv_map, bf16 *out, float *lse, int T, int NH,
@@ -461,23 +461,40 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     for (int kk = 0; kk < KV / 16; kk++)
 #pragma unroll
         for (int i = 0; i < 4; i++) p_frag[kk][i] = 0u;
-    float s[S_REGS];      // S_j, then P_j in FP32
-    float correction[2];  // what O shrinks by before P_j V_j is added (rows row_lo, row_lo + 8)
+    float s[S_REGS];  // S_j (with OVERLAP issued one tile ahead)
     mbarrier_wait(q_full, 0);
+    if (OVERLAP && group_tiles > 0) {
+        mbarrier_wait(&full[0], 0);
+        wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, q_row0, smem + Smem::k);
+        wgmma_wait_pending<0>();
+        wgmma_pin_registers(s);
+    }
 
-    auto issue_scores = [&](int j) {  // S_j = Q K_j^T, its tile loaded
+    // Tile j of this warpgroup; has_next: tile j + 1 is one of its tiles too. Warpgroup-uniform
+    // branches with one issue/wait pattern each, so that ptxas keeps the wgmma asynchronous.
+    auto compute_tile = [&](int j, auto has_next_tag) {
+        constexpr bool HAS_NEXT = decltype(has_next_tag)::value && OVERLAP;
         const int stage = j % STAGES;
-        mbarrier_wait(&full[stage], (j / STAGES) & 1);
-        wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, q_row0, smem + Smem::k + stage * Smem::kv_bytes);
-    };
-    // S_j -> P_j in place: keys past the rows masked, the running max and sum updated, correction set.
-    auto softmax = [&](int j) {
+        float s_next[S_REGS];
+        if constexpr (HAS_NEXT) {
+            const int next = (j + 1) % STAGES;
+            mbarrier_wait(&full[next], ((j + 1) / STAGES) & 1);
+            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s_next, q_tile, Q_ROWS, q_row0,
+                                                 smem + Smem::k + next * Smem::kv_bytes);
+        }
+        if constexpr (!OVERLAP) {
+            mbarrier_wait(&full[stage], (j / STAGES) & 1);
+            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, q_row0, smem + Smem::k + stage * Smem::kv_bytes);
+            wgmma_wait_pending<0>();
+            wgmma_pin_registers(s);
+        }
         const int kv0 = j * KV;
         if (kv0 + KV - 1 > group_row0) {  // the tile crosses this warpgroup's diagonal
 #pragma unroll
             for (int i = 0; i < S_REGS; i++)
                 if (kv0 + (i / 4) * 8 + c + (i & 1) > row_lo + ((i >> 1) & 1) * 8) s[i] = -INFINITY;
         }
+        float correction[2];
 #pragma unroll
         for (int r = 0; r < 2; r++) {  // r = 0: row row_lo, r = 1: row row_lo + 8
             float tile_max = -INFINITY;
@@ -499,8 +516,12 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
                     row_sum[r] += p;
                 }
         }
-    };
-    auto rescale_o = [&]() {
+        // The previous O += P V (and S_{j+1}) complete: O may be rescaled and P rewritten. (Waiting
+        // for O += P V alone, wait_group 1, makes ptxas serialize every wgmma.)
+        wgmma_wait_pending<0>();
+        wgmma_pin_registers(o_acc);
+        wgmma_pin_registers(p_frag);
+        if constexpr (HAS_NEXT) wgmma_pin_registers(s_next);
 #pragma unroll
         for (int n8 = 0; n8 < HEAD_DIM / 8; n8++) {
             o_acc[4 * n8] *= correction[0];
@@ -508,59 +529,49 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
             o_acc[4 * n8 + 2] *= correction[1];
             o_acc[4 * n8 + 3] *= correction[1];
         }
-    };
-    auto issue_pv = [&](int j) {  // O += P_j V_j from p_frag
-        wgmma_issue_add_x_b_sw128<HEAD_DIM, KV>(o_acc, p_frag, smem + Smem::v + (j % STAGES) * Smem::kv_bytes);
-    };
-    auto complete_all = [&]() {
-        wgmma_wait_pending<0>();
-        wgmma_pin_registers(o_acc);
-        wgmma_pin_registers(p_frag);
-    };
-    auto release = [&](int j) {
-        if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[j % STAGES]);
+        wgmma_scores_to_a_operand<KV>(p_frag, s);
+        wgmma_issue_add_x_b_sw128<HEAD_DIM, KV>(o_acc, p_frag, smem + Smem::v + stage * Smem::kv_bytes);
+        if constexpr (HAS_NEXT) {
+#pragma unroll
+            for (int i = 0; i < S_REGS; i++) s[i] = s_next[i];
+        }
+        if constexpr (!OVERLAP) {  // the product completes here, and the stage is released at once
+            wgmma_wait_pending<0>();
+            wgmma_pin_registers(o_acc);
+            wgmma_pin_registers(p_frag);
+        }
     };
 
-    if constexpr (!OVERLAP) {
-        for (int j = 0; j < group_tiles; j++) {
-            issue_scores(j);
+    for (int j = 0; j < num_kv_tiles; j++) {
+        const int stage = j % STAGES;
+        if (j + 1 < group_tiles) {
+            compute_tile(j, std::true_type());
+        } else if (j < group_tiles) {
+            compute_tile(j, std::false_type());
+        } else {
+            // A tile right of this warpgroup's diagonal: nothing to compute, but the release must not
+            // run ahead of the tile's load (an early arrival would count towards the stage's
+            // previous phase).
+            mbarrier_wait(&full[stage], (j / STAGES) & 1);
             wgmma_wait_pending<0>();
-            wgmma_pin_registers(s);
-            softmax(j);
-            rescale_o();
-            wgmma_scores_to_a_operand<KV>(p_frag, s);
-            issue_pv(j);
-            complete_all();
-            release(j);
+            wgmma_pin_registers(o_acc);
+            wgmma_pin_registers(p_frag);
         }
-    } else if (group_tiles > 0) {  // warpgroup-uniform
-        issue_scores(0);
-        wgmma_wait_pending<0>();
-        wgmma_pin_registers(s);
-        softmax(0);
-        wgmma_scores_to_a_operand<KV>(p_frag, s);
-        for (int j = 1; j < group_tiles; j++) {
-            rescale_o();  // for tile j - 1, whose correction softmax(j - 1) set
-            issue_scores(j);
-            issue_pv(j - 1);
-            wgmma_wait_pending<1>();  // S_j complete
-            wgmma_pin_registers(s);
-            softmax(j);
-            complete_all();
-            release(j - 1);
-            wgmma_scores_to_a_operand<KV>(p_frag, s);
+        // Release: without OVERLAP this tile's stage; with it the previous tile's (its O += P V
+        // completed in this tile), and the last one's after the loop.
+        if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) {
+            if constexpr (OVERLAP) {
+                if (j > 0) mbarrier_arrive(&empty[(j - 1) % STAGES]);
+            } else {
+                mbarrier_arrive(&empty[stage]);
+            }
         }
-        rescale_o();
-        issue_pv(group_tiles - 1);
-        complete_all();
-        release(group_tiles - 1);
     }
-    // Tiles right of this warpgroup's diagonal: nothing to compute, but a release must not run ahead
-    // of the tile's load (an early arrival would count towards the stage's previous phase).
-    for (int j = group_tiles; j < num_kv_tiles; j++) {
-        mbarrier_wait(&full[j % STAGES], (j / STAGES) & 1);
-        release(j);
-    }
+    wgmma_wait_pending<0>();
+    wgmma_pin_registers(o_acc);
+    wgmma_pin_registers(p_frag);
+    if constexpr (OVERLAP)
+        if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[(num_kv_tiles - 1) % STAGES]);
 
     float inv_sum[2];
 #pragma unroll

@@ -118,8 +118,6 @@ static const Variant variants_hd64[] = {
     // TMA forward and backward
     variant<64, TmaFwd<64, 2, 4>, Bwd64>(),
     variant<64, TmaFwd<64, 3, 4, true>, Bwd64>(),
-    variant<64, TmaFwd<128, 3, 2, true>, Bwd64>(),
-    variant<64, TmaFwd<128, 3, 3, true>, Bwd64>(),
     variant<64, TmaFwd<64, 3, 4>, Bwd64>(),
     variant<64, TmaFwd<128, 3, 3>, Bwd64>(),
     variant<64, TmaFwd<128, 2, 3>, Bwd64>(),
@@ -167,8 +165,6 @@ static const Variant variants_hd128[] = {
     // TMA forward and backward
     variant<128, TmaFwd<64, 2, 3>, Bwd128>(),
     variant<128, TmaFwd<64, 2, 4, true>, Bwd128>(),
-    variant<128, TmaFwd<128, 2, 2, true>, Bwd128>(),
-    variant<128, TmaFwd<128, 2, 3, true>, Bwd128>(),
     variant<128, TmaFwd<64, 2, 4>, Bwd128>(),
     variant<128, TmaFwd<64, 3, 4>, Bwd128>(),
     variant<128, Fwd128, TmaTwoPass<4, 64, 3>>(),
