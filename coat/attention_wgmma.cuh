@@ -429,6 +429,8 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     // ptxas serialize the wgmma.
     constexpr bool CLAIM = (OVERLAP || KV == 128 || HEAD_DIM == 128) && (HEAD_DIM == 128 || CONSUMERS > 2);
     constexpr int CONSUMER_REGISTERS = CONSUMERS == 2 ? 240 : 160;
+    static_assert(!CLAIM || WGMMA_WARPGROUP_THREADS * (24 + CONSUMERS * CONSUMER_REGISTERS) <= 65536,
+                  "the SM's 64K registers");
     if (warpgroup == 0) {
         if constexpr (CLAIM) warpgroup_registers_release<24>();
         if (threadIdx.x == 0) {
@@ -736,6 +738,7 @@ struct AttentionBackwardRegisters {
     static_assert(CONSUMERS == 2 || CONSUMERS == 3, "2 or 3 consumer warpgroups");
     static constexpr int producer = CONSUMERS == 3 || HEAD_DIM == 128 ? 24 : 40;
     static constexpr int consumer = CONSUMERS == 3 ? 160 : HEAD_DIM == 128 ? 240 : 232;
+    static_assert(WGMMA_WARPGROUP_THREADS * (producer + CONSUMERS * consumer) <= 65536, "the SM's 64K registers");
 };
 
 #define ATTENTION_TMA_BACKWARD_Q_TILE 64
