@@ -19,6 +19,18 @@ common=(configs/models/llama-125m.conf --precision=coat --train_data="$tmp/train
 # What a run computes; timings and memory differ between runs.
 numbers() { sed 's/, "ms": [^,]*, "tokens": [^,]*, "tokens_per_s": [^,]*, "mfu": [^,]*, "gpu_mem_gib": [^}]*//' "$1"; }
 
+# While the run $pid lives, waits for a file of $dir named like $1 and newer than $tmp/started (a
+# checkpoint write this attempt began); leaves its path in $writing, empty when the run ended first.
+# A function, not a command substitution: no subshell between finding the file and the kill.
+wait_for_write() {
+    writing=""
+    while kill -0 $pid 2>/dev/null; do
+        writing=$(find "$dir" -name "$1" -newer "$tmp/started" 2>/dev/null | head -1)
+        [ -n "$writing" ] && return
+        sleep 0.01
+    done
+}
+
 ./train_llama "${common[@]}" --out_dir="$tmp/alone" > "$tmp/alone.out" 2>&1
 check "the run left alone completes" $? "$(tail -3 "$tmp/alone.out")"
 
@@ -39,12 +51,7 @@ for attempt in 1 2 3 4 5 6 7 8 9 10 11 12; do
     pid=$!
     if [ "$attempt" -lt 12 ]; then
         if [ $((attempt % 2)) -eq 1 ]; then
-            writing=""
-            while kill -0 $pid 2>/dev/null; do
-                writing=$(find "$dir" -name '*.bin.tmp' -newer "$tmp/started" 2>/dev/null | head -1)
-                [ -n "$writing" ] && break
-                sleep 0.01
-            done
+            wait_for_write '*.bin.tmp'
             if [ -n "$writing" ] && kill -9 $pid 2>/dev/null; then
                 kills_in_write=$((kills_in_write + 1))
                 step=$(basename "$writing" | sed 's/^ckpt_0*\([0-9][0-9]*\)\.bin\.tmp$/\1/')
@@ -92,12 +99,7 @@ for attempt in 1 2 3 4 5 6 7 8; do
     pid=$!
     if [ "$attempt" -lt 8 ]; then
         if [ $((attempt % 2)) -eq 1 ]; then
-            writing=""
-            while kill -0 $pid 2>/dev/null; do
-                writing=$(find "$dir" -name '*.rank0.bin.tmp' -newer "$tmp/started" 2>/dev/null | head -1)
-                [ -n "$writing" ] && break
-                sleep 0.01
-            done
+            wait_for_write '*.rank0.bin.tmp'
             if [ -n "$writing" ] && kill -9 $pid 2>/dev/null; then
                 kills_in_write=$((kills_in_write + 1))
                 step=$(basename "$writing" | sed 's/^ckpt_\([0-9]*\)\.rank0\.bin\.tmp$/\1/')
