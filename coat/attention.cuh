@@ -64,6 +64,32 @@ __device__ __forceinline__ void attention_fold_amax(float *amax, uint32_t bits, 
     if (lane == 0 && bits > 0) atomicMax(reinterpret_cast<unsigned *>(amax), bits);
 }
 
+// ---- block order ----------------------------------------------------------------------------------
+
+// The order in which a causal pass starts its blocks. Each block computes tile x of one (head,
+// batch) pair, and its work grows or falls with x (a forward or dQ block's rows see more keys the
+// later they lie; a dK/dV block's keys are seen by fewer queries). The GPU starts blocks in the
+// order of their index, one per SM here, so the pass ends with whatever ran last:
+//   ATTENTION_ORDER_GRID           pair after pair, each pair's tiles longest first (the last pair's
+//                                  longest block can start just before the end);
+//   ATTENTION_ORDER_LONGEST_FIRST  tile by tile, longest first, over all pairs (the end holds only
+//                                  the shortest blocks; blocks of one pair seldom run side by side,
+//                                  so each reads its K/V or Q/dO from memory, not from L2);
+//   ATTENTION_ORDER_L2_CHUNKS      the same within chunks of pairs, chunk after chunk, a chunk's pairs
+//                                  reading about half the L2.
+enum AttentionOrder { ATTENTION_ORDER_GRID, ATTENTION_ORDER_LONGEST_FIRST, ATTENTION_ORDER_L2_CHUNKS };
+
+struct AttentionBlock {
+    int x, pair;  // x: 0 is the longest tile
+};
+
+// Block `linear` of tiles x pairs blocks, pairs taken chunk_pairs at a time, in each chunk tile by tile.
+__device__ __forceinline__ AttentionBlock attention_block_in_order(int linear, int tiles, int pairs, int chunk_pairs) {
+    const int chunk = linear / (chunk_pairs * tiles), first_pair = chunk * chunk_pairs;
+    const int in_chunk = min(chunk_pairs, pairs - first_pair), r = linear - first_pair * tiles;
+    return AttentionBlock{r / in_chunk, first_pair + r % in_chunk};
+}
+
 // ---- backward: D ---------------------------------------------------------------------------------
 
 // D[b, h, t] = sum_d dout[b, t, h, d] * out[b, t, h, d] in FP32; HEAD_DIM / 8 lanes per row.
@@ -116,6 +142,28 @@ static void attention_launch_setup(Kernel kernel, size_t smem_bytes) {
     cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes));
 }
 
+// Pairs per chunk of an order, for pairs whose blocks read pair_bytes that blocks of the same pair share.
+static int attention_chunk_pairs(AttentionOrder order, int pairs, double pair_bytes) {
+    if (order == ATTENTION_ORDER_GRID) return 1;
+    if (order == ATTENTION_ORDER_LONGEST_FIRST) return pairs;
+    static int l2_bytes = 0;
+    if (l2_bytes == 0) {
+        int device;
+        cudaCheck(cudaGetDevice(&device));
+        cudaCheck(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
+    }
+    return (int)fmin(fmax(floor(0.5 * l2_bytes / pair_bytes), 1.0), (double)pairs);
+}
+
+// A pass of tiles x pairs blocks as a 1-D grid.
+static inline unsigned attention_grid_blocks(int tiles, int pairs) {
+    if ((long long)tiles * pairs > 0x7fffffffLL) {
+        fprintf(stderr, "error: attention: %d x %d blocks exceed the grid's limit\n", tiles, pairs);
+        exit(EXIT_FAILURE);
+    }
+    return (unsigned)(tiles * pairs);
+}
+
 // Dynamic shared memory one block may opt in to on sm_90.
 #define ATTENTION_MAX_SMEM_BYTES (227 * 1024)
 
@@ -130,18 +178,20 @@ static void attention_launch_setup(Kernel kernel, size_t smem_bytes) {
 // registers in both passes (192 key rows a dK/dV block; dQ on K/V tiles of 64), 1.09-1.10x the same
 // passes with 2 consumers of 232 (whose tensor cores sat idle 60% of the time: each consumer runs its
 // products and its exponentials one after the other); at 128, 2 consumers (dK and dV take 128
-// registers a thread), 1.5-1.7x the cp.async-fed wgmma two passes.
+// registers a thread), 1.5-1.7x the cp.async-fed wgmma two passes. The backward's blocks start
+// longest first at head_dim 64 (1.02-1.05x the grid's order) and in L2-sized chunks at 128 (1.01-1.07x;
+// longest first reads from memory there); the forward's in the grid's order (no other was faster).
 template <int HEAD_DIM>
 struct AttentionDefaults;
 template <>
 struct AttentionDefaults<64> {
     typedef AttentionTmaForwardConfig<128, 3, 2> forward;
-    typedef AttentionTmaTwoPassConfig<4, 64, 4, 3, 3> backward;
+    typedef AttentionTmaTwoPassConfig<4, 64, 4, 3, 3, ATTENTION_ORDER_LONGEST_FIRST> backward;
 };
 template <>
 struct AttentionDefaults<128> {
     typedef AttentionTmaForwardConfig<128, 2, 2> forward;
-    typedef AttentionTmaTwoPassConfig<3, 64, 4> backward;
+    typedef AttentionTmaTwoPassConfig<3, 64, 4, 2, 2, ATTENTION_ORDER_L2_CHUNKS> backward;
 };
 
 template <int HEAD_DIM>

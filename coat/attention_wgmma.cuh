@@ -374,10 +374,12 @@ __device__ __forceinline__ void warpgroup_registers_claim() {
 }
 
 // A forward variant: K/V tiles of KV keys, CONSUMERS warpgroups of 64 query rows, STAGES K/V stages;
-// with OVERLAP a consumer issues S for its next tile before the softmax of the current one.
-template <int KV, int CONSUMERS, int STAGES, bool OVERLAP = false>
+// with OVERLAP a consumer issues S for its next tile before the softmax of the current one; blocks
+// started in ORDER.
+template <int KV, int CONSUMERS, int STAGES, bool OVERLAP = false, AttentionOrder ORDER = ATTENTION_ORDER_GRID>
 struct AttentionTmaForwardConfig {
     static constexpr bool tma = true, overlap = OVERLAP;
+    static constexpr AttentionOrder order = ORDER;
     static constexpr int kv_tile = KV, consumers = CONSUMERS, stages = STAGES;
     static constexpr int q_tile = CONSUMERS * WGMMA_WARPGROUP_ROWS;
     static constexpr int threads = (CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS;  // the producer's warpgroup too
@@ -394,7 +396,8 @@ struct AttentionTmaForwardSmem {
     static constexpr size_t bytes = bars + (1 + 2 * STAGES) * sizeof(uint64_t) + 1024;
 };
 
-// Block: query rows q0 = q_tile * (last block first).., head h, batch b. Warpgroup 0 is the producer
+// Block: query rows q0 = q_tile * q_block.., head h, batch b, in the order of chunk_pairs (last query
+// block of a pair first: attention_block_in_order). Warpgroup 0 is the producer
 // (its thread 0 issues every load); warpgroup 1 + w is consumer w: rows q0 + 64 w.., warp i of it
 // rows + 16 i, thread rows g and g + 8. A consumer walks every K/V tile of the block, computing on
 // those left of its diagonal, and releases each stage once its products from it completed. Online
@@ -405,7 +408,7 @@ struct AttentionTmaForwardSmem {
 template <int HEAD_DIM, int KV, int CONSUMERS, int STAGES, bool OVERLAP>
 __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     attention_forward_tma_kernel(const __grid_constant__ CUtensorMap qkv_map, bf16 *out, float *lse, int T, int NH,
-                                 int NKV, float softmax_scale, float *out_amax) {
+                                 int NKV, float softmax_scale, float *out_amax, int chunk_pairs) {
     typedef AttentionTmaForwardSmem<HEAD_DIM, KV, CONSUMERS, STAGES> Smem;
     constexpr int Q_ROWS = Smem::q_rows, S_REGS = KV / 2, O_REGS = HEAD_DIM / 2;
     static_assert(HEAD_DIM % 64 == 0 && KV % 64 == 0 && (KV == 64 || KV == 128), "whole 64 x 64 boxes; wgmma n64/n128");
@@ -416,7 +419,9 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     uint64_t *full = q_full + 1, *empty = full + STAGES;
 
     const int warpgroup = threadIdx.x / WGMMA_WARPGROUP_THREADS;
-    const int q_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;  // longest rows first
+    const int q_blocks = ceil_div(T, Q_ROWS);
+    const AttentionBlock block = attention_block_in_order(blockIdx.x, q_blocks, gridDim.x / q_blocks, chunk_pairs);
+    const int q_block = q_blocks - 1 - block.x, h = block.pair % NH, b = block.pair / NH;
     const int kv_head = h / (NH / NKV);
     const int q0 = q_block * Q_ROWS;
     const int num_kv_tiles = (min(q0 + Q_ROWS, T) - 1) / KV + 1;  // up to the last valid row's diagonal
@@ -654,9 +659,11 @@ static void attention_forward_tma_launch(bf16 *out, float *lse, const bf16 *qkv,
     auto kernel =
         attention_forward_tma_kernel<HEAD_DIM, Config::kv_tile, Config::consumers, Config::stages, Config::overlap>;
     attention_launch_setup(kernel, Smem::bytes);
-    dim3 grid(ceil_div(T, Config::q_tile), NH, B);
-    kernel<<<grid, Config::threads, Smem::bytes, stream>>>(map, out, lse, T, NH, NKV,
-                                                           attention_softmax_scale(HEAD_DIM), out_amax);
+    // A pair's blocks share K/V with the pairs of its kv head (adjacent) and read their Q once.
+    const double pair_bytes = (double)T * HEAD_DIM * 2 * (1.0 + 2.0 * NKV / NH);
+    const int q_blocks = ceil_div(T, Config::q_tile), chunk = attention_chunk_pairs(Config::order, NH * B, pair_bytes);
+    kernel<<<attention_grid_blocks(q_blocks, NH * B), Config::threads, Smem::bytes, stream>>>(
+        map, out, lse, T, NH, NKV, attention_softmax_scale(HEAD_DIM), out_amax, chunk);
     cudaCheckLaunch();
 }
 
@@ -721,10 +728,13 @@ __device__ __forceinline__ void wgmma_store_rows_direct(bf16 *head, size_t row_s
 
 // A backward variant on TMA: dK/dV pass with query tiles of 64, DKDV_STAGES stages and DKDV_CONSUMERS
 // consumer warpgroups; dQ pass with K/V tiles of DQ_KV keys, DQ_STAGES stages and DQ_CONSUMERS
-// consumer warpgroups (consumers: 2 or 3, each 64 key or query rows of the block).
-template <int DKDV_STAGES, int DQ_KV, int DQ_STAGES, int DKDV_CONSUMERS = 2, int DQ_CONSUMERS = 2>
+// consumer warpgroups (consumers: 2 or 3, each 64 key or query rows of the block); both passes'
+// blocks started in ORDER.
+template <int DKDV_STAGES, int DQ_KV, int DQ_STAGES, int DKDV_CONSUMERS = 2, int DQ_CONSUMERS = 2,
+          AttentionOrder ORDER = ATTENTION_ORDER_GRID>
 struct AttentionTmaTwoPassConfig {
     static constexpr bool one_pass = false, wgmma = false, tma = true;
+    static constexpr AttentionOrder order = ORDER;
     static constexpr int dkdv_stages = DKDV_STAGES, dq_kv_tile = DQ_KV, dq_stages = DQ_STAGES;
     static constexpr int dkdv_consumers = DKDV_CONSUMERS, dq_consumers = DQ_CONSUMERS;
 };
@@ -756,14 +766,15 @@ struct AttentionTmaDkDvSmem {
     static constexpr size_t bytes = bars + (1 + 2 * STAGES) * sizeof(uint64_t) + 1024;
 };
 
-// Block: key rows kv0 = 64 CONSUMERS blockIdx.x.. of kv head blockIdx.y of batch blockIdx.z; consumer
-// w: keys kv0 + 64 w... Steps: every query head of the group (outer) and its query tiles from the one
+// Block: key rows kv0 = 64 CONSUMERS x.. of kv head kv_head of batch b, in the order of chunk_pairs
+// (attention_block_in_order: key block 0, the longest, first); consumer w: keys kv0 + 64 w... Steps: every query head of the group (outer) and its query tiles from the one
 // holding kv0 on (inner), each step's Q, dO, lse and D in stage step % STAGES.
 template <int HEAD_DIM, int STAGES, int CONSUMERS>
 __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     attention_backward_dkdv_tma_kernel(const __grid_constant__ CUtensorMap qkv_map,
                                        const __grid_constant__ CUtensorMap dout_map, bf16 *dqkv, const float *lse,
-                                       const float *delta, int T, int NH, int NKV, float softmax_scale) {
+                                       const float *delta, int T, int NH, int NKV, float softmax_scale,
+                                       int chunk_pairs) {
     typedef AttentionTmaDkDvSmem<HEAD_DIM, STAGES, CONSUMERS> Smem;
     typedef AttentionBackwardRegisters<HEAD_DIM, CONSUMERS> Registers;
     constexpr int Q_TILE = Smem::Q_TILE, KV_ROWS = Smem::kv_rows, GROUP_ROWS = WGMMA_WARPGROUP_ROWS;
@@ -775,7 +786,9 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     uint64_t *full = kv_full + 1, *empty = full + STAGES;
 
     const int warpgroup = threadIdx.x / WGMMA_WARPGROUP_THREADS;
-    const int kv0 = blockIdx.x * KV_ROWS, kv_head = blockIdx.y, b = blockIdx.z;
+    const int kv_blocks = ceil_div(T, KV_ROWS);
+    const AttentionBlock block = attention_block_in_order(blockIdx.x, kv_blocks, gridDim.x / kv_blocks, chunk_pairs);
+    const int kv0 = block.x * KV_ROWS, kv_head = block.pair % NKV, b = block.pair / NKV;
     const int group = NH / NKV;
     const int first_q_tile = kv0 / Q_TILE;  // earlier queries see none of these keys
     const int q_tiles_per_head = ceil_div(T, Q_TILE) - first_q_tile;
@@ -859,14 +872,15 @@ struct AttentionTmaDqSmem {
     static constexpr size_t bytes = bars + (1 + 2 * STAGES) * sizeof(uint64_t) + 1024;
 };
 
-// Block: query rows q0 = 64 CONSUMERS (last block first).. of head h of batch b; consumer w: rows
-// q0 + 64 w.. It walks the K/V tiles up to the diagonal like the forward: S = Q K^T, dP = dO V^T, P,
+// Block: query rows q0 = 64 CONSUMERS q_block.. of head h of batch b, ordered as the forward's;
+// consumer w: rows q0 + 64 w.. It walks the K/V tiles up to the diagonal like the forward: S = Q K^T, dP = dO V^T, P,
 // dS, dQ += dS K.
 template <int HEAD_DIM, int KV, int STAGES, int CONSUMERS>
 __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     attention_backward_dq_tma_kernel(const __grid_constant__ CUtensorMap qkv_map,
                                      const __grid_constant__ CUtensorMap dout_map, bf16 *dqkv, const float *lse,
-                                     const float *delta, int T, int NH, int NKV, float softmax_scale) {
+                                     const float *delta, int T, int NH, int NKV, float softmax_scale,
+                                     int chunk_pairs) {
     typedef AttentionTmaDqSmem<HEAD_DIM, KV, STAGES, CONSUMERS> Smem;
     constexpr int Q_ROWS = Smem::q_rows, GROUP_ROWS = WGMMA_WARPGROUP_ROWS;
     typedef AttentionBackwardRegisters<HEAD_DIM, CONSUMERS> Registers;
@@ -876,7 +890,9 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     uint64_t *full = qd_full + 1, *empty = full + STAGES;
 
     const int warpgroup = threadIdx.x / WGMMA_WARPGROUP_THREADS;
-    const int q_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;  // longest rows first
+    const int q_blocks = ceil_div(T, Q_ROWS);
+    const AttentionBlock block = attention_block_in_order(blockIdx.x, q_blocks, gridDim.x / q_blocks, chunk_pairs);
+    const int q_block = q_blocks - 1 - block.x, h = block.pair % NH, b = block.pair / NH;
     const int kv_head = h / (NH / NKV);
     const int q0 = q_block * Q_ROWS;
     const int num_kv_tiles = (min(q0 + Q_ROWS, T) - 1) / KV + 1;  // up to the last valid row's diagonal
@@ -945,15 +961,22 @@ static void attention_backward_tma_launch(bf16 *dqkv, const float *delta, const 
     const CUtensorMap dout_map = attention_dout_tensor_map(dout, B, T, NH, HEAD_DIM);
     const float scale = attention_softmax_scale(HEAD_DIM);
 
+    // What blocks of one pair share: a dK/dV block reads the Q and dO of its kv head's query heads, a
+    // dQ block the K/V of its kv head (shared with the adjacent pairs of that kv head) beside its Q and dO.
+    const double head_bytes = (double)T * HEAD_DIM * 2;
     auto dkdv = attention_backward_dkdv_tma_kernel<HEAD_DIM, Config::dkdv_stages, Config::dkdv_consumers>;
     attention_launch_setup(dkdv, DkDvSmem::bytes);
-    dkdv<<<dim3(ceil_div(T, DkDvSmem::kv_rows), NKV, B), (Config::dkdv_consumers + 1) * WGMMA_WARPGROUP_THREADS,
-           DkDvSmem::bytes, stream>>>(qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale);
+    const int kv_blocks = ceil_div(T, DkDvSmem::kv_rows);
+    const int dkdv_chunk = attention_chunk_pairs(Config::order, NKV * B, 2.0 * head_bytes * NH / NKV);
+    dkdv<<<attention_grid_blocks(kv_blocks, NKV * B), (Config::dkdv_consumers + 1) * WGMMA_WARPGROUP_THREADS,
+           DkDvSmem::bytes, stream>>>(qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale, dkdv_chunk);
     cudaCheckLaunch();
 
     auto dq = attention_backward_dq_tma_kernel<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages, Config::dq_consumers>;
     attention_launch_setup(dq, DqSmem::bytes);
-    dq<<<dim3(ceil_div(T, DqSmem::q_rows), NH, B), (Config::dq_consumers + 1) * WGMMA_WARPGROUP_THREADS, DqSmem::bytes,
-         stream>>>(qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale);
+    const int q_blocks = ceil_div(T, DqSmem::q_rows);
+    const int dq_chunk = attention_chunk_pairs(Config::order, NH * B, head_bytes * (2.0 + 2.0 * NKV / NH));
+    dq<<<attention_grid_blocks(q_blocks, NH * B), (Config::dq_consumers + 1) * WGMMA_WARPGROUP_THREADS, DqSmem::bytes,
+         stream>>>(qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale, dq_chunk);
     cudaCheckLaunch();
 }

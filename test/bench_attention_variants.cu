@@ -47,11 +47,13 @@ template <class DKDV, class DQ>
 using TwoPass = AttentionTwoPassConfig<DKDV, DQ>;
 template <int MB, int ST = 2>
 using OnePass = AttentionOnePassConfig<MB, ST>;
-template <int KV, int CONSUMERS, int ST, bool OVERLAP = false>  // TMA forward: K/V tile, consumers, stages
-using TmaFwd = AttentionTmaForwardConfig<KV, CONSUMERS, ST, OVERLAP>;
-// TMA two passes: dK/dV stages; dQ K/V tile and stages; consumer warpgroups of dK/dV and of dQ
-template <int DKDV_ST, int DQ_KV, int DQ_ST, int DKDV_C = 2, int DQ_C = 2>
-using TmaTwoPass = AttentionTmaTwoPassConfig<DKDV_ST, DQ_KV, DQ_ST, DKDV_C, DQ_C>;
+// TMA forward: K/V tile, consumers, stages, overlap, block order
+template <int KV, int CONSUMERS, int ST, bool OVERLAP = false, AttentionOrder ORDER = ATTENTION_ORDER_GRID>
+using TmaFwd = AttentionTmaForwardConfig<KV, CONSUMERS, ST, OVERLAP, ORDER>;
+// TMA two passes: dK/dV stages; dQ K/V tile and stages; consumer warpgroups of dK/dV and of dQ; block order
+template <int DKDV_ST, int DQ_KV, int DQ_ST, int DKDV_C = 2, int DQ_C = 2, AttentionOrder ORDER = ATTENTION_ORDER_GRID>
+using TmaTwoPass = AttentionTmaTwoPassConfig<DKDV_ST, DQ_KV, DQ_ST, DKDV_C, DQ_C, ORDER>;
+constexpr AttentionOrder LONGEST = ATTENTION_ORDER_LONGEST_FIRST, L2_CHUNKS = ATTENTION_ORDER_L2_CHUNKS;
 template <int Q, int KV>  // wgmma two passes: dK/dV query tile, dQ K/V tile, one block per SM each
 using WgmmaTwoPass = AttentionWgmmaTwoPassConfig<AttentionWgmmaDkDvConfig<Q, 1>, AttentionWgmmaDqConfig<KV, 1>>;
 
@@ -66,6 +68,11 @@ typedef struct {
     BackwardLaunch backward;
 } Variant;
 
+// The block order's name in a variant's ("" for the grid's order).
+static const char *order_suffix(AttentionOrder order) {
+    return order == ATTENTION_ORDER_LONGEST_FIRST ? " longest-first" : order == ATTENTION_ORDER_L2_CHUNKS ? " l2-chunks" : "";
+}
+
 // " stN" for N pipeline stages other than 2, else "".
 static const char *stages_suffix(int stages) {
     static const char *names[] = {"", "", "", " st3", " st4", " st5"};
@@ -75,8 +82,8 @@ static const char *stages_suffix(int stages) {
 template <class C>
 static void describe_forward(char *text, size_t size) {
     if constexpr (C::tma)
-        snprintf(text, size, "fwd tma kv%d c%d st%d%s", C::kv_tile, C::consumers, C::stages,
-                 C::overlap ? " overlap" : "");
+        snprintf(text, size, "fwd tma kv%d c%d st%d%s%s", C::kv_tile, C::consumers, C::stages,
+                 C::overlap ? " overlap" : "", order_suffix(C::order));
     else
         snprintf(text, size, "fwd w%d m%d kv%d q-%s mb%d%s", C::warps, C::m_tiles, C::kv_tile,
                  C::q_in_registers ? "reg" : "smem", C::min_blocks, stages_suffix(C::stages));
@@ -89,8 +96,8 @@ static void describe_backward(char *text, size_t size) {
     else if constexpr (C::wgmma)
         snprintf(text, size, "bwd wgmma dkdv q%d, dq kv%d", C::dkdv::q_tile, C::dq::kv_tile);
     else if constexpr (C::tma)
-        snprintf(text, size, "bwd tma dkdv c%d st%d, dq kv%d c%d st%d", C::dkdv_consumers, C::dkdv_stages,
-                 C::dq_kv_tile, C::dq_consumers, C::dq_stages);
+        snprintf(text, size, "bwd tma dkdv c%d st%d, dq kv%d c%d st%d%s", C::dkdv_consumers, C::dkdv_stages,
+                 C::dq_kv_tile, C::dq_consumers, C::dq_stages, order_suffix(C::order));
     else
         snprintf(text, size, "bwd 2-pass dkdv w%d q%d mb%d%s, dq w%d kv%d mb%d%s", C::dkdv::warps, C::dkdv::q_tile,
                  C::dkdv::min_blocks, stages_suffix(C::dkdv::stages), C::dq::warps, C::dq::kv_tile,
@@ -121,11 +128,16 @@ static const Variant variants_hd64[] = {
     variant<64, TmaFwd<64, 3, 4>, Bwd64>(),
     variant<64, TmaFwd<128, 3, 3>, Bwd64>(),
     variant<64, TmaFwd<128, 2, 3>, Bwd64>(),
-    variant<64, Fwd64, TmaTwoPass<3, 64, 4>>(),
-    variant<64, Fwd64, TmaTwoPass<4, 128, 3>>(),
-    variant<64, Fwd64, TmaTwoPass<4, 64, 4, 2, 3>>(),
-    variant<64, Fwd64, TmaTwoPass<6, 64, 4, 3, 3>>(),
-    variant<64, Fwd64, TmaTwoPass<4, 64, 6, 3, 3>>(),
+    variant<64, Fwd64, TmaTwoPass<3, 64, 4, 2, 2, Bwd64::order>>(),
+    variant<64, Fwd64, TmaTwoPass<4, 128, 3, 2, 2, Bwd64::order>>(),
+    variant<64, Fwd64, TmaTwoPass<4, 64, 4, 2, 3, Bwd64::order>>(),
+    variant<64, Fwd64, TmaTwoPass<6, 64, 4, 3, 3, Bwd64::order>>(),
+    variant<64, Fwd64, TmaTwoPass<4, 64, 6, 3, 3, Bwd64::order>>(),
+    // block orders (attention.cuh, AttentionOrder)
+    variant<64, TmaFwd<128, 3, 2, false, LONGEST>, Bwd64>(),
+    variant<64, TmaFwd<128, 3, 2, false, L2_CHUNKS>, Bwd64>(),
+    variant<64, Fwd64, TmaTwoPass<4, 64, 4, 3, 3>>(),
+    variant<64, Fwd64, TmaTwoPass<4, 64, 4, 3, 3, L2_CHUNKS>>(),
     // forward
     variant<64, Fwd<4, 2, 64, true, 2>, Bwd64>(),   // 246 [2x4]
     variant<64, Fwd<4, 2, 32, true, 2>, Bwd64>(),   // 194 [2x4]
@@ -167,8 +179,13 @@ static const Variant variants_hd128[] = {
     variant<128, TmaFwd<64, 2, 4, true>, Bwd128>(),
     variant<128, TmaFwd<64, 2, 4>, Bwd128>(),
     variant<128, TmaFwd<64, 3, 4>, Bwd128>(),
-    variant<128, Fwd128, TmaTwoPass<4, 64, 3>>(),
-    variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 3>>(),
+    variant<128, Fwd128, TmaTwoPass<4, 64, 3, 2, 2, Bwd128::order>>(),
+    variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 3, Bwd128::order>>(),
+    // block orders (attention.cuh, AttentionOrder)
+    variant<128, TmaFwd<128, 2, 2, false, LONGEST>, Bwd128>(),
+    variant<128, TmaFwd<128, 2, 2, false, L2_CHUNKS>, Bwd128>(),
+    variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 2, LONGEST>>(),
+    variant<128, Fwd128, TmaTwoPass<3, 64, 4>>(),
     // forward
     variant<128, Fwd<4, 2, 32, false, 2>, Bwd128>(),   // 255 [2x4]
     variant<128, Fwd<4, 2, 16, false, 2>, Bwd128>(),   // 215 [2x4]
