@@ -152,7 +152,8 @@ static int attention_chunk_pairs(AttentionOrder order, int pairs, double pair_by
         cudaCheck(cudaGetDevice(&device));
         cudaCheck(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
     }
-    return (int)fmin(fmax(floor(0.5 * l2_bytes / pair_bytes), 1.0), (double)pairs);
+    const double chunk = floor(0.5 * l2_bytes / pair_bytes);
+    return chunk < 1.0 ? 1 : chunk > pairs ? pairs : (int)chunk;
 }
 
 // A pass of tiles x pairs blocks as a 1-D grid.
