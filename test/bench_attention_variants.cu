@@ -10,10 +10,14 @@
 // BF16 tensors out, dq, dk, dv and below 1e-4 for lse (FP32), and its two backward runs agree
 // bitwise. Timing: CUDA events, median of 10 runs after 3 warm-ups, of the forward and of forward +
 // backward; TFLOP/s with causal FLOPs counted as test/test_attention.cu does (forward 4 B NH T^2
-// head_dim / 2, forward + backward 3.5 times that). Shapes: the four of the attention peers
+// head_dim / 2, forward + backward 3.5 times that). The GPU's clocks drift over a run (a kernel timed
+// late can take 5% longer than early), so the default is timed again right before each variant and
+// each variant is compared with that timing ("vs default": its speed-up); the default's timings of
+// a shape give its noise (their spread). Shapes: the four of the attention peers
 // (coat/README.md, Peers and hardware figures; timed) and a
-// small odd one per head_dim, T = 100 (checked only). At the end, per timed shape, the fastest
-// passing forward, backward (forward + backward time less forward time) and forward + backward.
+// small odd one per head_dim, T = 100 (checked only). At the end, per timed shape, the default's
+// noise and the passing variant with the largest speed-up in the forward, the backward (forward +
+// backward time less forward time) and forward + backward.
 //
 // Run: make build/bench_attention_variants && build/bench_attention_variants [FILTER]
 // (FILTER, e.g. "tma": only the default and the variants whose names contain it)
@@ -293,6 +297,7 @@ typedef struct {
     unsigned long long unwritten, backward_mismatches;
     int passed;
     float forward_ms, both_ms;
+    float default_forward_ms, default_both_ms;  // the default, timed right before this variant
 } VariantResult;
 
 static float relative_error(const CompareStats *stats, int part) {
@@ -419,6 +424,22 @@ static void shape_label(char *text, size_t size, BenchShape s) {
     snprintf(text, size, "hd%d B%d NH%d NKV%d T%d", s.head_dim, s.B, s.NH, s.NKV, s.T);
 }
 
+// A variant's durations, and the default's timed right before it.
+static float forward_time(const VariantResult *r) { return r->forward_ms; }
+static float backward_time(const VariantResult *r) { return r->both_ms - r->forward_ms; }
+static float both_time(const VariantResult *r) { return r->both_ms; }
+static VariantResult default_beside(const VariantResult *r) {
+    VariantResult d = *r;
+    d.forward_ms = r->default_forward_ms;
+    d.both_ms = r->default_both_ms;
+    return d;
+}
+// The default's duration over the variant's, both timed side by side.
+static float speedup(const VariantResult *r, float (*duration)(const VariantResult *)) {
+    const VariantResult d = default_beside(r);
+    return duration(&d) / duration(r);
+}
+
 // Checks (and times, for timed shapes) every variant at one shape, or with a filter only row 0 and
 // the variants whose names contain it; results[i] for variants[i] (not passed when left out).
 static void bench_shape(BenchShape s, const Variant *variants, int n_variants, VariantResult *results,
@@ -439,20 +460,23 @@ static void bench_shape(BenchShape s, const Variant *variants, int n_variants, V
     for (int i = 0; i < n_variants; i++) {
         const Variant *v = &variants[i];
         VariantResult *r = &results[i];
+        r->forward_ms = r->both_ms = r->default_forward_ms = r->default_both_ms = NAN;
         if (i > 0 && filter != NULL && strstr(v->forward_name, filter) == NULL &&
             strstr(v->backward_name, filter) == NULL) {
             r->passed = 0;
             continue;
         }
         check_variant(v, &buf, s, r);
-        r->forward_ms = r->both_ms = NAN;
-        char timing[96] = "timing: none (checked only)";
+        char timing[160] = "timing: none (checked only)";
         if (s.timed) {
-            r->forward_ms = time_variant(v, 0, &buf, s);
-            r->both_ms = time_variant(v, 1, &buf, s);
-            snprintf(timing, sizeof timing, "fwd %7.3f ms %4.0f TFLOP/s | fwd+bwd %7.3f ms %4.0f TFLOP/s",
+            r->default_forward_ms = time_variant(&variants[0], 0, &buf, s);
+            r->forward_ms = i == 0 ? r->default_forward_ms : time_variant(v, 0, &buf, s);
+            r->default_both_ms = time_variant(&variants[0], 1, &buf, s);
+            r->both_ms = i == 0 ? r->default_both_ms : time_variant(v, 1, &buf, s);
+            snprintf(timing, sizeof timing,
+                     "fwd %7.3f ms %4.0f TFLOP/s | fwd+bwd %7.3f ms %4.0f TFLOP/s | vs default fwd %.2fx bwd %.2fx",
                      r->forward_ms, flops / (r->forward_ms * 1e-3) / 1e12, r->both_ms,
-                     3.5 * flops / (r->both_ms * 1e-3) / 1e12);
+                     3.5 * flops / (r->both_ms * 1e-3) / 1e12, speedup(r, forward_time), speedup(r, backward_time));
         }
         char shape_text[64];
         shape_label(shape_text, sizeof shape_text, s);
@@ -465,16 +489,14 @@ static void bench_shape(BenchShape s, const Variant *variants, int n_variants, V
     free_buffers(&buf);
 }
 
-// The passing variant with the least duration(r), or -1.
+// The passing variant with the largest speed-up over the default timed beside it, or -1.
 static int fastest(const VariantResult *results, int n, float (*duration)(const VariantResult *)) {
     int best = -1;
     for (int i = 0; i < n; i++)
-        if (results[i].passed && (best < 0 || duration(&results[i]) < duration(&results[best]))) best = i;
+        if (results[i].passed && (best < 0 || speedup(&results[i], duration) > speedup(&results[best], duration)))
+            best = i;
     return best;
 }
-static float forward_time(const VariantResult *r) { return r->forward_ms; }
-static float backward_time(const VariantResult *r) { return r->both_ms - r->forward_ms; }
-static float both_time(const VariantResult *r) { return r->both_ms; }
 
 static void print_fastest(const char *what, const Variant *variants, const VariantResult *results, int n,
                           float (*duration)(const VariantResult *)) {
@@ -483,9 +505,35 @@ static void print_fastest(const char *what, const Variant *variants, const Varia
         printf("  fastest %-8s: none passes\n", what);
         return;
     }
-    const float default_ms = duration(&results[0]);
-    printf("  fastest %-8s: %2d %s | %s: %.3f ms (default %.3f ms, %.2fx)\n", what, best, variants[best].forward_name,
-           variants[best].backward_name, duration(&results[best]), default_ms, default_ms / duration(&results[best]));
+    const VariantResult beside = default_beside(&results[best]);
+    printf("  fastest %-8s: %2d %s | %s: %.3f ms (the default beside it %.3f ms, %.2fx)\n", what, best,
+           variants[best].forward_name, variants[best].backward_name, duration(&results[best]), duration(&beside),
+           speedup(&results[best], duration));
+}
+
+// The spread of the default's timings at one shape (one before each timed variant): how far one
+// figure moves over the run (drift and noise), as min-max and standard deviation over the median.
+static void print_default_noise(const VariantResult *results, int n, float (*duration)(const VariantResult *),
+                                const char *what) {
+    float values[256];
+    int count = 0;
+    for (int i = 0; i < n && count < 256; i++)
+        if (!isnan(results[i].default_forward_ms)) {
+            const VariantResult d = default_beside(&results[i]);
+            values[count++] = duration(&d);
+        }
+    if (count < 2) return;
+    double mean = 0, square = 0;
+    float low = values[0], high = values[0];
+    for (int i = 0; i < count; i++) {
+        mean += values[i] / count;
+        low = fminf(low, values[i]);
+        high = fmaxf(high, values[i]);
+    }
+    for (int i = 0; i < count; i++) square += (values[i] - mean) * (values[i] - mean) / (count - 1);
+    const float median = median_in_place(values, count);
+    printf("  default %-8s: timed %d times, median %.3f ms, min-max %.3f-%.3f ms, standard deviation %.1f%%\n", what,
+           count, median, low, high, 100.0 * sqrt(square) / median);
 }
 
 int main(int argc, char **argv) {
@@ -519,6 +567,8 @@ int main(int argc, char **argv) {
         char shape_text[64];
         shape_label(shape_text, sizeof shape_text, shapes[i]);
         printf("%s:\n", shape_text);
+        print_default_noise(r, n, forward_time, "forward");
+        print_default_noise(r, n, backward_time, "backward");
         print_fastest("forward", variants, r, n, forward_time);
         print_fastest("backward", variants, r, n, backward_time);
         print_fastest("fwd+bwd", variants, r, n, both_time);
