@@ -767,8 +767,9 @@ struct AttentionTmaDkDvSmem {
 };
 
 // Block: key rows kv0 = 64 CONSUMERS x.. of kv head kv_head of batch b, in the order of chunk_pairs
-// (attention_block_in_order: key block 0, the longest, first); consumer w: keys kv0 + 64 w... Steps: every query head of the group (outer) and its query tiles from the one
-// holding kv0 on (inner), each step's Q, dO, lse and D in stage step % STAGES.
+// (attention_block_in_order: key block 0, the longest, first); consumer w: keys kv0 + 64 w...
+// Steps: every query head of the group (outer) and its query tiles from the one holding kv0 on
+// (inner), each step's Q, dO, lse and D in stage step % STAGES.
 template <int HEAD_DIM, int STAGES, int CONSUMERS>
 __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     attention_backward_dkdv_tma_kernel(const __grid_constant__ CUtensorMap qkv_map,
@@ -873,8 +874,8 @@ struct AttentionTmaDqSmem {
 };
 
 // Block: query rows q0 = 64 CONSUMERS q_block.. of head h of batch b, ordered as the forward's;
-// consumer w: rows q0 + 64 w.. It walks the K/V tiles up to the diagonal like the forward: S = Q K^T, dP = dO V^T, P,
-// dS, dQ += dS K.
+// consumer w: rows q0 + 64 w.. It walks the K/V tiles up to the diagonal like the forward:
+// S = Q K^T, dP = dO V^T, P, dS, dQ += dS K.
 template <int HEAD_DIM, int KV, int STAGES, int CONSUMERS>
 __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     attention_backward_dq_tma_kernel(const __grid_constant__ CUtensorMap qkv_map,

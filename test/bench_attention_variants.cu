@@ -74,7 +74,8 @@ typedef struct {
 
 // The block order's name in a variant's ("" for the grid's order).
 static const char *order_suffix(AttentionOrder order) {
-    return order == ATTENTION_ORDER_LONGEST_FIRST ? " longest-first" : order == ATTENTION_ORDER_L2_CHUNKS ? " l2-chunks" : "";
+    if (order == ATTENTION_ORDER_LONGEST_FIRST) return " longest-first";
+    return order == ATTENTION_ORDER_L2_CHUNKS ? " l2-chunks" : "";
 }
 
 // " stN" for N pipeline stages other than 2, else "".
