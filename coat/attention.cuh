@@ -84,9 +84,11 @@ struct AttentionBlock {
 };
 
 // Block `linear` of tiles x pairs blocks, pairs taken chunk_pairs at a time, in each chunk tile by tile.
-__device__ __forceinline__ AttentionBlock attention_block_in_order(int linear, int tiles, int pairs, int chunk_pairs) {
+__host__ __device__ __forceinline__ AttentionBlock attention_block_in_order(int linear, int tiles, int pairs,
+                                                                            int chunk_pairs) {
     const int chunk = linear / (chunk_pairs * tiles), first_pair = chunk * chunk_pairs;
-    const int in_chunk = min(chunk_pairs, pairs - first_pair), r = linear - first_pair * tiles;
+    const int in_chunk = pairs - first_pair < chunk_pairs ? pairs - first_pair : chunk_pairs;
+    const int r = linear - first_pair * tiles;
     return AttentionBlock{r / in_chunk, first_pair + r % in_chunk};
 }
 

@@ -9,7 +9,7 @@
 // forward and forward+backward TFLOP/s at the four shapes of the attention peers (coat/README.md,
 // Peers and hardware figures; information, not a check),
 // and checks there that two backward runs from poisoned outputs agree bitwise and leave no element
-// unwritten.
+// unwritten. First, on the host, the block orders of the passes (test_block_order).
 //
 // Tolerances. out: atol = rtol = 2e-2; P is rounded to BF16 before P V (relative 2^-9) and out
 // itself is BF16 (2^-9), against values of order 1. lse: atol 1e-3, rtol 1e-4; it is FP32 all the
@@ -409,7 +409,46 @@ static void benchmark(AttnShape s) {
     cudaCheck(cudaStreamDestroy(stream));
 }
 
+// The block orders (attention_block_in_order, the code the kernels run): every (tile, pair) exactly
+// once; in any chunk size a pair's tiles in order, longest (0) first, and no block of a chunk before
+// one of an earlier chunk; chunks of one pair give the grid's order (pair after pair), one chunk of
+// all pairs goes tile by tile. Partial last chunks included (pairs not a multiple of the chunk).
+static void test_block_order(void) {
+    const int shapes[][2] = {{1, 1}, {11, 128}, {16, 416}, {3, 7}, {32, 80}, {7, 5}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int tiles = shapes[si][0], pairs = shapes[si][1];
+        const int chunks[] = {1, 2, 3, 5, 25, pairs > 1 ? pairs - 1 : 1, pairs};
+        for (size_t ci = 0; ci < sizeof chunks / sizeof chunks[0]; ci++) {
+            const int chunk = chunks[ci], n = tiles * pairs;
+            int *seen = (int *)calloc((size_t)n, sizeof(int)), *next_tile = (int *)calloc((size_t)pairs, sizeof(int));
+            int bad_range = 0, repeated = 0, out_of_order = 0, grid_order = 1, tile_by_tile = 1, last_chunk = 0;
+            for (int linear = 0; linear < n; linear++) {
+                const AttentionBlock b = attention_block_in_order(linear, tiles, pairs, chunk);
+                if (b.x < 0 || b.x >= tiles || b.pair < 0 || b.pair >= pairs) {
+                    bad_range++;
+                    continue;
+                }
+                repeated += seen[b.pair * tiles + b.x]++ > 0;
+                out_of_order += b.x != next_tile[b.pair]++;
+                out_of_order += b.pair / chunk < last_chunk;
+                last_chunk = b.pair / chunk;
+                grid_order &= b.pair == linear / tiles && b.x == linear % tiles;
+                tile_by_tile &= b.x == linear / pairs && b.pair == linear % pairs;
+            }
+            check(bad_range == 0 && repeated == 0 && out_of_order == 0,
+                  "block order of %d tiles x %d pairs in chunks of %d: each block once (%d out of range, %d "
+                  "repeated), in order (%d not)",
+                  tiles, pairs, chunk, bad_range, repeated, out_of_order);
+            if (chunk == 1) check(grid_order, "block order of %d x %d in chunks of 1: the grid's order", tiles, pairs);
+            if (chunk == pairs) check(tile_by_tile, "block order of %d x %d in one chunk: tile by tile", tiles, pairs);
+            free(seen);
+            free(next_tile);
+        }
+    }
+}
+
 int main(int argc, char **argv) {
+    test_block_order();
     Random rng;
     random_seed(&rng, 20261101);
     const int seq_lens[] = {1, 17, 64, 100, 257};
