@@ -5,8 +5,8 @@
 # trips (F32 exact, BF16 rounded, tied and sharded HF folders), the version-2 checkpoints import
 # writes (their CRC-32s verified by ./train_llama --dry_run=1, the bytes of coat/checkpoint_file.h's
 # writer), export of versions 1 and 2 (a damaged section refused, named) and its other refusals,
-# per-rank checkpoints (merge to one file, export, refusals), and plot_curves.py (SKIP without
-# matplotlib). Needs no GPU.
+# per-rank checkpoints (merge to one file, export, refusals), plot_curves.py (SKIP without
+# matplotlib) and the attention block-order model of predict_attention_order.py. Needs no GPU.
 cd "$(dirname "$0")/.." || exit 1
 PYTHON=${PYTHON:-python3}
 export PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" PYTHONDONTWRITEBYTECODE=1
@@ -25,7 +25,8 @@ tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 
 for script in scripts/llama_layout.py scripts/convert_hf.py scripts/plot_curves.py scripts/train_llama.py \
               scripts/optimizer_state_mse.py \
-              scripts/check_hf_export.py scripts/attention_sdpa.py scripts/bench_attention.py; do
+              scripts/check_hf_export.py scripts/attention_sdpa.py scripts/bench_attention.py \
+              scripts/predict_attention_order.py; do
     out=$("$PYTHON" -c 'import sys; compile(open(sys.argv[1]).read(), sys.argv[1], "exec")' "$script" 2>&1); rc=$?
     check "$script compiles" $rc "$out"
 done
@@ -859,6 +860,20 @@ PY
         "$([ "$(printf '%s\n' "$stage3" | awk '$2 == "82" && $4 == "160" && $6 == "3" && $7 + 0 > 50 && $7 + 0 < 100 { print $1 }' | tr '\n' ' ')" = "8 64 512 " ]; echo $?)" \
         "$stage3"
 fi
+
+# The block-order model of the attention passes: a row per shape and pass (6 x 3), no order faster
+# than a perfectly balanced pass (the bound), and llama-1b's dK/dV pass predicted at least 1.05x
+# faster started longest first (the reason the backward starts so at head_dim 64); bad arguments
+# refused, naming them.
+out=$("$PYTHON" scripts/predict_attention_order.py 2>&1); rc=$?
+rows=$(printf '%s\n' "$out" | grep -cE '^[|] [^|]*head_dim (64|128) [|] (forward|dK/dV|dQ) [|] [0-9]+ [|]')
+over=$(printf '%s\n' "$out" | awk -F'|' '/head_dim/ { l = $5; c = $6; b = $7; gsub(/[ x]/, "", l); sub(/x.*/, "", c); gsub(/ /, "", c); gsub(/[ x]/, "", b)
+    if (l + 0 <= 0 || c + 0 <= 0 || l + 0 > b + 1e-3 || c + 0 > b + 1e-3) bad++ } END { print bad + 0 }')
+dkdv=$(printf '%s\n' "$out" | awk -F'|' '$2 ~ /llama-1b/ && $3 == " dK/dV " { v = $5; gsub(/[ x]/, "", v); print v }')
+check "predict_attention_order.py: 18 rows, every order within the balanced bound, llama-1b's dK/dV longest first >= 1.05x (got $dkdv)" \
+    "$([ $rc -eq 0 ] && [ "$rows" -eq 18 ] && [ "$over" -eq 0 ] && awk -v v="$dkdv" 'BEGIN { exit !(v + 0 >= 1.05) }'; echo $?)" "$out"
+err=$("$PYTHON" scripts/predict_attention_order.py --sms 0 2>&1); rc=$?
+check "predict_attention_order.py refuses --sms 0, naming it" "$([ $rc -eq 2 ] && printf '%s' "$err" | grep -q -- '--sms must be at least 1'; echo $?)" "$err"
 
 # ---- robustness: arguments checked first, nothing deleted before its replacement exists ----
 # fetch_corpus.sh in a copy of the tree whose download is done: a step that fails (a broken
