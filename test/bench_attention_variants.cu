@@ -13,11 +13,11 @@
 // head_dim / 2, forward + backward 3.5 times that). The GPU's clocks drift over a run (a kernel timed
 // late can take 5% longer than early), so the default is timed again right before each variant and
 // each variant is compared with that timing ("vs default": its speed-up); the default's timings of
-// a shape give its noise (their spread). Shapes: the four of the attention peers
-// (coat/README.md, Peers and hardware figures; timed), llama3-8b's at micro-batch 10 (grouped-query
-// heads at head_dim 128; timed) and a small odd one per head_dim, T = 100 (checked only). At the end, per timed shape, the default's
-// noise and the passing variant with the largest speed-up in the forward, the backward (forward +
-// backward time less forward time) and forward + backward.
+// a shape give its noise (their spread). Shapes: the four of the attention peers (coat/README.md,
+// Peers and hardware figures; timed), llama3-8b's at micro-batch 10 (grouped-query heads at
+// head_dim 128; timed) and a small odd one per head_dim, T = 100 (checked only). At the end, per
+// timed shape, the default's noise and the passing variant with the largest speed-up in the
+// forward, the backward (forward + backward time less forward time) and forward + backward.
 //
 // Run: make build/bench_attention_variants && build/bench_attention_variants [FILTER]
 // (FILTER, e.g. "tma": only the default and the variants whose names contain it)

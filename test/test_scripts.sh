@@ -867,8 +867,11 @@ fi
 # refused, naming them.
 out=$("$PYTHON" scripts/predict_attention_order.py 2>&1); rc=$?
 rows=$(printf '%s\n' "$out" | grep -cE '^[|] [^|]*head_dim (64|128) [|] (forward|dK/dV|dQ) [|] [0-9]+ [|]')
-over=$(printf '%s\n' "$out" | awk -F'|' '/head_dim/ { l = $5; c = $6; b = $7; gsub(/[ x]/, "", l); sub(/x.*/, "", c); gsub(/ /, "", c); gsub(/[ x]/, "", b)
-    if (l + 0 <= 0 || c + 0 <= 0 || l + 0 > b + 1e-3 || c + 0 > b + 1e-3) bad++ } END { print bad + 0 }')
+over=$(printf '%s\n' "$out" | awk -F'|' '/head_dim/ {
+        l = $5; c = $6; b = $7  # longest first, L2 chunks ("1.050x (33)"), bound
+        gsub(/[ x]/, "", l); sub(/x.*/, "", c); gsub(/ /, "", c); gsub(/[ x]/, "", b)
+        if (l + 0 <= 0 || c + 0 <= 0 || l + 0 > b + 1e-3 || c + 0 > b + 1e-3) bad++
+    } END { print bad + 0 }')
 dkdv=$(printf '%s\n' "$out" | awk -F'|' '$2 ~ /llama-1b/ && $3 == " dK/dV " { v = $5; gsub(/[ x]/, "", v); print v }')
 check "predict_attention_order.py: 18 rows, every order within the balanced bound, llama-1b's dK/dV longest first >= 1.05x (got $dkdv)" \
     "$([ $rc -eq 0 ] && [ "$rows" -eq 18 ] && [ "$over" -eq 0 ] && awk -v v="$dkdv" 'BEGIN { exit !(v + 0 >= 1.05) }'; echo $?)" "$out"
