@@ -760,7 +760,7 @@ static void load_checkpoint(Trainer *t, const char *path, int resume) {
     open_checkpoint_or_exit(t->parser, start_checkpoint_key(t->c, path), path, &ck, resume);
     adamw_read_section(&t->opt, 0, &ck, CHECKPOINT_HEADER_BYTES, t->host_chunk, t->gpu.stream);
     adamw_write_params(&t->opt, t->model.params, t->gpu.stream);
-    zero_gather_params(&t->zero, t->opt.master);
+    zero_gather_params(&t->zero, t->opt.master, 0);
     if (resume) {
         adamw_load(&t->opt, &ck, checkpoint_optimizer_at(&ck.header), t->host_chunk, t->gpu.stream);
         adamw_read_or_exit(&ck, checkpoint_trainer_at(&ck.header), &t->state, sizeof(TrainerState));
@@ -1193,6 +1193,12 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     adamw_create_ranges(&t->opt, adamw_kind_from_config(config_optimizer_states(c)), &ac, &layout, ranges,
                         t->zero.plan.buckets, zero_optimizer_rank(&t->zero), t->gpu.stream);
     free(ranges);
+    if (t->model.precision.weights_from_master) {  // the step gathers the FP8 weights' amax
+        AdamWAmaxParts *parts = (AdamWAmaxParts *)malloc(sizeof(AdamWAmaxParts));
+        if (!parts) fail("out of host memory for the optimizer's amax parts");
+        if (zero_weights_amax_parts(&t->zero, parts)) adamw_set_amax_parts(&t->opt, parts);
+        free(parts);
+    }
     report_allocation(t);
     if (!c->generate) open_loader_rank(&t->train_loader, parser, "train_data", training_order(c), comm->rank, ranks);
     t->have_val = c->val_data[0] != '\0' && !c->generate;
@@ -1221,7 +1227,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     } else {
         adamw_init_master(&t->opt, &t->model.layout, c->seed, t->gpu.stream);
         adamw_write_params(&t->opt, t->model.params, t->gpu.stream);
-        zero_gather_params(&t->zero, t->opt.master);
+        zero_gather_params(&t->zero, t->opt.master, 0);
     }
 }
 
@@ -1299,10 +1305,11 @@ static float train_step(Trainer *t, float lr, float *grad_norm) {
     float loss = (float)(sums[0] / t->grad_accum);
     if (isfinite(loss) && isfinite(*grad_norm)) {  // the same values on every rank: all step or none
         float scale = t->c->grad_clip > 0 ? grad_clip_factor(*grad_norm, t->c->grad_clip) : 1.0f;
+        if (t->opt.amax) zero_weights_amax_reset(z);
         if (grad_sum) adamw_step_fp32_grads(&t->opt, m->params, grad_sum, lr, scale, s);
         else adamw_step(&t->opt, m->params, grads, lr, scale, s);
         op_timer_mark(m->timer, "adamw (after the host's wait)", s);
-        zero_gather_params(z, t->opt.master);
+        zero_gather_params(z, t->opt.master, t->opt.amax != NULL);
         if (sharded) op_timer_mark(m->timer, "parameter gather (its transfer overlaps the next forward)", s);
         else if (m->precision.weights_from_master) op_timer_mark(m->timer, "fp8 cast of the weights (once per step)", s);
     }

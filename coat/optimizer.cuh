@@ -8,7 +8,8 @@
 //   p = p - lr ((m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps) + wd p)
 // using the new m and v before they are stored back in their kind (the bias corrections as
 // products with 1 / (1-b^t), rounded from double); the master p is kept in FP32 and the BF16
-// parameter is written as p rounded to nearest even.
+// parameter is written as p rounded to nearest even. Given amax parts, the step also gathers
+// max |bf16(p)| of the weights that the FP8 GEMMs cast from the master after it (AdamWAmaxParts).
 //
 // FP8 states, per 128-group and per moment x (the group of a new x is quantized as a whole):
 //   fp8:     s = max|x| / 448,  q = e4m3(x / s);                 back: x = q s
@@ -16,9 +17,10 @@
 //            k = 1 if R <= 1 + 1e-6, else floor(16 log2(448^2 / 2) / log2 R) / 16,
 //            c = sqrt(Mx) sqrt(Mn),  s = (Mx / c)^k / 448,  q = e4m3(sign(x) (|x| / c)^k / s);
 //            back: x = sign(q s) |q s|^(1/k) c.   An all-zero group stores q = 0, s = k = c = 1.
-//   The powers are taken in the log domain, one exp2 per value and direction:
+//   The powers are taken in the log domain, one exp2 per value quantized:
 //            q = e4m3(sign(x) 2^(k (log2|x| - log2 Mx) + log2 448)),  x = 0 stays 0;
-//            back: x = sign(q) c 2^(log2|q| / k + log2 s / k),  log2|q| from a table of the 126 codes.
+//            back: x = sign(q) c 2^((e - 7) / k + log2 s / k) 2^(log2 f / k) for q = 2^(e - 7) f, a
+//            factor per field of the code, of which a group has 16 + 16 (dre_binade_factor).
 //   An error d in log2|x| - log2 Mx moves the stored value by 2^(k d) and the value it decodes to
 //   by 2^d, whatever k is: the round trip needs that difference to an absolute 1e-7 or so, for any
 //   group. Each log comes from a short table-driven log2 as an integer exponent and a fraction
@@ -63,6 +65,20 @@ typedef struct {
     int stochastic_rounding;  // FP8 states: 0 round to nearest even (as COAT), 1 stochastically
 } AdamWConfig;
 
+// Weights whose per-tensor amax the step gathers as it writes their master weights (the FP8
+// GEMMs' weights, cast from the master after the step): part i is the state's groups
+// [first_group[i], end_group[i]) (ascending, disjoint), and max |bf16(w)| over them goes to
+// slots[slot[i]].amax by atomic max of the float's bits (the slots zeroed before the step, which
+// writes no other field). Passed to the kernel as a parameter: the kernel finds a group's part by
+// a binary search of the table in the constant bank, once per group of a block.
+#define ADAMW_AMAX_PARTS 1024
+typedef struct {
+    Fp8Scale *slots;
+    int count;  // 0: none
+    uint32_t first_group[ADAMW_AMAX_PARTS], end_group[ADAMW_AMAX_PARTS];
+    uint16_t slot[ADAMW_AMAX_PARTS];
+} AdamWAmaxParts;
+
 typedef struct {
     AdamWConfig config;
     OptimizerStateKind kind;
@@ -78,6 +94,7 @@ typedef struct {
     void *m, *v;                    // [n] each, float, bf16 or E4M3 bytes
     float *m_group, *v_group;       // [n/128][S] each (NULL when S = 0)
     unsigned char *decay_group;     // [n/128]
+    AdamWAmaxParts *amax;           // host copy; NULL: the step gathers no amax (adamw_set_amax_parts)
 } AdamW;
 
 #define ADAMW_VEC 8                                 // elements per thread: one 16-byte BF16 load
@@ -264,6 +281,7 @@ typedef struct {
     float *m_group, *v_group;
     const unsigned char *decay_group;
     size_t n;
+    uint32_t first_group;  // the shard's first group in the state (the amax parts' numbering)
 } AdamWShard;
 
 __device__ __forceinline__ void adamw_load8(const float *p, float out[ADAMW_VEC]) {
@@ -301,16 +319,29 @@ __device__ __forceinline__ float adamw_group_min(float x) {
 
 
 // The tables of DRE, in shared memory, filled by the block's first threads before a barrier:
-// log2 |decode(code)| of the 128 E4M3 magnitudes (0 for the zero code, which decodes to 0 by a
-// select: 0 keeps it on the fast path; NaN for the NaN code), then dre_log2_split's.
+// dre_log2_split's, then the 16 mantissa logs of dre_mantissa_factor.
 typedef struct {
-    float code_log2[128];
     float log2[DRE_LOG2_TABLE];
+    float mantissa_log2[16];
 } DreTables;
 
+// A DRE code's |value| as two factors, one per field of its E4M3 magnitude (exponent e, mantissa
+// m): c (|q| s)^(1/k) = B[e] M[f], with the binade factor B[e] = c 2^((max(e, 1) - 7) / k + log2 s / k)
+// and the mantissa factor M[f] = 2^(log2(1 + m/8) / k) for a normal code (f = m), 2^(log2(m/8) / k)
+// for a subnormal one (f = 8 + m; M[8] = 0: the zero code). A group has 16 of each per moment,
+// where it has 128 values: the kernel computes them once per group, one of each per lane, and
+// each value takes its two from their lanes (the NaN code, e = 15 and m = 7, decodes to NaN).
+static __host__ __device__ __forceinline__ int dre_code_binade(uint32_t code) { return (int)((code >> 3) & 15u); }
+static __host__ __device__ __forceinline__ int dre_code_mantissa(uint32_t code) {
+    return (int)(code & 7u) | ((code & 0x78u) == 0 ? 8 : 0);
+}
+static __host__ __device__ inline float dre_mantissa_log2(int f) {
+    return f < 8 ? dre_log2(1.0f + (float)f * 0.125f) : f == 8 ? 0.0f : dre_log2((float)(f - 8) * 0.125f);
+}
+
 __device__ __forceinline__ void dre_fill_tables(DreTables *t) {
-    if (threadIdx.x < 128) t->code_log2[threadIdx.x] = threadIdx.x ? dre_log2(fp8_decode((uint8_t)threadIdx.x, FP8_E4M3)) : 0.0f;
     if (threadIdx.x < DRE_LOG2_TABLE) t->log2[threadIdx.x] = dre_log2_table_entry(threadIdx.x);
+    if (threadIdx.x < 16) t->mantissa_log2[threadIdx.x] = dre_mantissa_log2(threadIdx.x);
     __syncthreads();
 }
 
@@ -325,37 +356,46 @@ __device__ __forceinline__ float adamw_from_moment_lane(float x, int moment) {
     return __shfl_sync(0xffffffffu, x, moment * (ADAMW_THREADS_PER_GROUP / 2), ADAMW_THREADS_PER_GROUP);
 }
 
-// What dequantizing a group of one moment needs: its scale s, and with DRE 1 / k, log2 s / k and c.
+// What DRE's factors of a group's moment (dre_binade_factor) need: 1 / k, log2 s / k and c.
 typedef struct {
-    float scale, inverse_k, log2_scale_over_k, c;
+    float inverse_k, log2_scale_over_k, c;
 } DreDecode;
 
 static __host__ __device__ inline DreDecode dre_decode_constants(float scale, float k, float c) {
     float inverse_k = 1.0f / k;
-    DreDecode d = {scale, inverse_k, mul_unfused(dre_log2(scale), inverse_k), c};
+    DreDecode d = {inverse_k, mul_unfused(dre_log2(scale), inverse_k), c};
     return d;
 }
 
-// |x| of a nonzero DRE code whose |value| has log2 code_log2: c 2^(code_log2 / k + log2 s / k).
-static __host__ __device__ __forceinline__ float dre_decode_magnitude(float code_log2, DreDecode d) {
-    return mul_unfused(dre_exp2(fmaf(code_log2, d.inverse_k, d.log2_scale_over_k)), d.c);
+static __host__ __device__ inline float dre_binade_factor(DreDecode d, int e) {
+    return mul_unfused(dre_exp2(fmaf((float)((e > 1 ? e : 1) - 7), d.inverse_k, d.log2_scale_over_k)), d.c);
+}
+static __host__ __device__ inline float dre_mantissa_factor(DreDecode d, int f, float mantissa_log2) {
+    return f == 8 ? 0.0f : dre_exp2_near(mul_unfused(mantissa_log2, d.inverse_k));  // |exponent| <= 3 * 16
 }
 
 __device__ __forceinline__ DreDecode dre_decode_of_moment(DreDecode mine, int moment) {
-    DreDecode d = {adamw_from_moment_lane(mine.scale, moment), adamw_from_moment_lane(mine.inverse_k, moment),
-                   adamw_from_moment_lane(mine.log2_scale_over_k, moment), adamw_from_moment_lane(mine.c, moment)};
+    DreDecode d = {adamw_from_moment_lane(mine.inverse_k, moment), adamw_from_moment_lane(mine.log2_scale_over_k, moment),
+                   adamw_from_moment_lane(mine.c, moment)};
     return d;
 }
 
-// This thread's 8 values of a moment from its E4M3 codes and the group's constants.
+// What a lane needs to dequantize a group's moment: its scale (fp8), or (DRE) the group's binade
+// and mantissa factors whose index is this lane's place in the group.
+typedef struct {
+    float scale, binade, mantissa;
+} MomentDecode;
+
+// This thread's 8 values of a moment from its E4M3 codes. DRE: every lane of the warp calls it.
 template <bool DRE>
-__device__ __forceinline__ void dequantize8_e4m3(float out[ADAMW_VEC], uint2 codes, DreDecode d, const DreTables *tables) {
+__device__ __forceinline__ void dequantize8_e4m3(float out[ADAMW_VEC], uint2 codes, MomentDecode d) {
     for (int j = 0; j < ADAMW_VEC; j++) {
         uint32_t code = ((j < 4 ? codes.x : codes.y) >> (8 * (j % 4))) & 0xffu;
         float y;
         if (DRE) {
-            float magnitude = dre_decode_magnitude(tables->code_log2[code & 0x7fu], d);
-            magnitude = (code & 0x7fu) == 0 ? 0.0f : magnitude;
+            float magnitude = mul_unfused(__shfl_sync(0xffffffffu, d.binade, dre_code_binade(code), ADAMW_THREADS_PER_GROUP),
+                                          __shfl_sync(0xffffffffu, d.mantissa, dre_code_mantissa(code), ADAMW_THREADS_PER_GROUP));
+            magnitude = (code & 0x7fu) == 0x7fu ? __int_as_float(0x7fc00000) : magnitude;
             y = code & 0x80u ? -magnitude : magnitude;
         } else {
             y = mul_unfused(fp8_decode((uint8_t)code, FP8_E4M3), d.scale);
@@ -455,36 +495,96 @@ __device__ __forceinline__ uint2 quantize8_e4m3(const float x[ADAMW_VEC], DreEnc
     return make_uint2(word[0], word[1]);
 }
 
+// The part of state group g, or -1.
+__device__ __forceinline__ int adamw_amax_part(const AdamWAmaxParts &amax, uint32_t g) {
+    int low = 0, high = amax.count;  // the last part with first_group <= g is below high
+    while (high - low > 1) {
+        int mid = (low + high) / 2;
+        if (amax.first_group[mid] <= g) low = mid;
+        else high = mid;
+    }
+    return amax.count > 0 && amax.first_group[low] <= g && g < amax.end_group[low] ? low : -1;
+}
+
+// The step's amax, in three calls that every thread of the block makes: the part of each of the
+// block's groups (lanes 0-15 of warp 0, a group each; at the start, so that the search's loads
+// wait under the step's), each group's max |bf16(p)| into shared memory (as soon as p is
+// known), and at the end, after a barrier, warp 0 combines the runs of groups in one part and
+// the first lane of each run takes the atomic: a part sees about one atomic per block.
+#define ADAMW_BLOCK_GROUPS (ADAMW_THREADS / ADAMW_THREADS_PER_GROUP)
+__device__ __forceinline__ int adamw_amax_block_part(const AdamWAmaxParts &amax, uint32_t block_first_group) {
+    return threadIdx.x < ADAMW_BLOCK_GROUPS ? adamw_amax_part(amax, block_first_group + threadIdx.x) : -1;
+}
+
+__device__ __forceinline__ void adamw_amax_of_group(const float p[ADAMW_VEC], bool active, unsigned *group_max) {
+    unsigned bits = 0;  // float bits of a magnitude: ordered as unsigned integers, NaN above infinity
+    for (int j = 0; j < ADAMW_VEC && active; j++)
+        bits = max(bits, __float_as_uint(fabsf(__bfloat162float(__float2bfloat16_rn(p[j])))));
+    for (int offset = ADAMW_THREADS_PER_GROUP / 2; offset > 0; offset >>= 1)
+        bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, offset, ADAMW_THREADS_PER_GROUP));
+    if (threadIdx.x % ADAMW_THREADS_PER_GROUP == 0) group_max[threadIdx.x / ADAMW_THREADS_PER_GROUP] = bits;
+}
+
+__device__ __forceinline__ void adamw_amax_commit(const AdamWAmaxParts &amax, int part, const unsigned *group_max) {
+    __syncthreads();
+    if (threadIdx.x >= 32) return;
+    int lane = threadIdx.x;
+    unsigned bits = lane < ADAMW_BLOCK_GROUPS ? group_max[lane] : 0u;
+    for (int offset = 1; offset < ADAMW_BLOCK_GROUPS; offset <<= 1) {  // a run's maximum to its first lane
+        unsigned other = __shfl_down_sync(0xffffffffu, bits, offset);
+        int other_part = __shfl_down_sync(0xffffffffu, part, offset);
+        if (lane + offset < ADAMW_BLOCK_GROUPS && other_part == part) bits = max(bits, other);
+    }
+    int before = __shfl_up_sync(0xffffffffu, part, 1);
+    if (part >= 0 && (lane == 0 || before != part) && bits > 0) atomicMax((unsigned *)&amax.slots[amax.slot[part]].amax, bits);
+}
+
 // One thread per 8 elements, 16 threads per 128-group; the grid covers the shard once.
 // WRITE_PARAMS false: the shard has no BF16 parameters, the rest is the same arithmetic.
 template <OptimizerStateKind KIND, bool STOCHASTIC, bool WRITE_PARAMS>
-__global__ void __launch_bounds__(ADAMW_THREADS) adamw_step_kernel(AdamWShard shard, AdamWStepScalars sc) {
+__global__ void __launch_bounds__(ADAMW_THREADS)
+    adamw_step_kernel(AdamWShard shard, AdamWStepScalars sc, const __grid_constant__ AdamWAmaxParts amax) {
     constexpr bool FP8 = KIND == OPT_STATES_FP8 || KIND == OPT_STATES_FP8_DRE;
     constexpr bool DRE = KIND == OPT_STATES_FP8_DRE;
     constexpr int SCALARS = DRE ? 3 : 1;
     size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * ADAMW_VEC;
     bool active = i < shard.n;  // n is a multiple of 128: whole groups are in or out
-    if (!FP8 && !active) return;
+    bool gather_amax = amax.count > 0;  // the same in every thread
+    if (!FP8 && !active && !gather_amax) return;
+    __shared__ unsigned group_max[ADAMW_BLOCK_GROUPS];
+    int amax_part = gather_amax ? adamw_amax_block_part(amax, shard.first_group + blockIdx.x * ADAMW_BLOCK_GROUPS) : -1;
     size_t group = i / ADAMW_GROUP;
     __shared__ DreTables tables;
     if constexpr (DRE) dre_fill_tables(&tables);  // FP8 kinds keep every thread to the end
 
-    // The FP8 kinds' dequantization constants; DRE's are computed by every lane of the warp,
-    // inactive groups on dummies (an all-zero group's).
-    DreDecode m_decode = {1.0f, 0.0f, 1.0f, 1.0f}, v_decode = m_decode;
-    if constexpr (DRE) {
-        const float *mine = (adamw_lane_works_for_v() ? shard.v_group : shard.m_group) + group * SCALARS;
-        DreDecode d = active ? dre_decode_constants(mine[0], mine[1], mine[2]) : m_decode;
-        m_decode = dre_decode_of_moment(d, 0);
-        v_decode = dre_decode_of_moment(d, 1);
-    } else if constexpr (FP8) {
+    float p[ADAMW_VEC] = {0}, g[ADAMW_VEC] = {0}, m[ADAMW_VEC] = {0}, v[ADAMW_VEC] = {0};
+    // The FP8 kinds' moments, decoded by every lane of the warp (DRE's shuffles need them all),
+    // inactive groups as an all-zero group's codes and constants.
+    if constexpr (FP8) {
+        uint2 m_codes = make_uint2(0u, 0u), v_codes = m_codes;
+        MomentDecode m_decode = {1.0f, 0.0f, 0.0f}, v_decode = m_decode;
         if (active) {
+            m_codes = *(const uint2 *)((const unsigned char *)shard.m + i);
+            v_codes = *(const uint2 *)((const unsigned char *)shard.v + i);
+        }
+        if constexpr (DRE) {
+            const float *mine = (adamw_lane_works_for_v() ? shard.v_group : shard.m_group) + group * SCALARS;
+            DreDecode d = active ? dre_decode_constants(mine[0], mine[1], mine[2]) : DreDecode{0.0f, 1.0f, 1.0f};
+            DreDecode of_m = dre_decode_of_moment(d, 0), of_v = dre_decode_of_moment(d, 1);
+            int lane = threadIdx.x % ADAMW_THREADS_PER_GROUP;
+            float mantissa_log2 = tables.mantissa_log2[lane];
+            m_decode.binade = dre_binade_factor(of_m, lane);
+            m_decode.mantissa = dre_mantissa_factor(of_m, lane, mantissa_log2);
+            v_decode.binade = dre_binade_factor(of_v, lane);
+            v_decode.mantissa = dre_mantissa_factor(of_v, lane, mantissa_log2);
+        } else if (active) {
             m_decode.scale = shard.m_group[group];
             v_decode.scale = shard.v_group[group];
         }
+        dequantize8_e4m3<DRE>(m, m_codes, m_decode);
+        dequantize8_e4m3<DRE>(v, v_codes, v_decode);
     }
 
-    float p[ADAMW_VEC] = {0}, g[ADAMW_VEC] = {0}, m[ADAMW_VEC] = {0}, v[ADAMW_VEC] = {0};
     if (active) {
         adamw_load8(shard.master + i, p);
         if (shard.grads_f32) {
@@ -500,9 +600,6 @@ __global__ void __launch_bounds__(ADAMW_THREADS) adamw_step_kernel(AdamWShard sh
         } else if constexpr (KIND == OPT_STATES_BF16) {
             adamw_load8((const bf16 *)shard.m + i, m);
             adamw_load8((const bf16 *)shard.v + i, v);
-        } else {
-            dequantize8_e4m3<DRE>(m, *(const uint2 *)((const unsigned char *)shard.m + i), m_decode, &tables);
-            dequantize8_e4m3<DRE>(v, *(const uint2 *)((const unsigned char *)shard.v + i), v_decode, &tables);
         }
         float decay = shard.decay_group[group] ? sc.weight_decay : 0.0f;
         for (int j = 0; j < ADAMW_VEC; j++) {
@@ -523,6 +620,7 @@ __global__ void __launch_bounds__(ADAMW_THREADS) adamw_step_kernel(AdamWShard sh
             adamw_store8((bf16 *)shard.v + i, v);
         }
     }
+    if (gather_amax) adamw_amax_of_group(p, active, group_max);
     if constexpr (FP8) {  // every lane takes part in the group reductions (inactive ones with zeros)
         float m_max, m_min, v_max, v_min;
         adamw_local_range(m, &m_max, &m_min);
@@ -560,6 +658,7 @@ __global__ void __launch_bounds__(ADAMW_THREADS) adamw_step_kernel(AdamWShard sh
             }
         }
     }
+    if (gather_amax) adamw_amax_commit(amax, amax_part, group_max);
 }
 
 __global__ void adamw_fill_kernel(float *out, float value, size_t n) {
@@ -686,6 +785,7 @@ static inline void adamw_create_ranges(AdamW *opt, OptimizerStateKind kind, cons
     opt->config = *config;
     opt->kind = kind;
     opt->step = 0;
+    opt->amax = NULL;
     opt->rank = rank;
     opt->range_count = range_count;
     opt->ranges = (ParamShardRange *)malloc(range_count * sizeof(ParamShardRange));
@@ -737,6 +837,8 @@ static inline void adamw_free(AdamW *opt) {
     opt->state = NULL;
     opt->decay_group = NULL;
     opt->ranges = NULL;
+    free(opt->amax);
+    opt->amax = NULL;
 }
 
 // Master weights from an FP32 host buffer of the whole model, params_fp32[total]: this rank's
@@ -824,10 +926,25 @@ static inline void adamw_copy_master_to_host(const AdamW *opt, float *host_param
 
 // The step kernel over one part, with or without its BF16 parameters.
 template <OptimizerStateKind KIND, bool STOCHASTIC>
-static inline void adamw_launch_step(unsigned blocks, cudaStream_t stream, const AdamWShard &shard, const AdamWStepScalars &sc) {
-    if (shard.params) adamw_step_kernel<KIND, STOCHASTIC, true><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc);
-    else adamw_step_kernel<KIND, STOCHASTIC, false><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc);
+static inline void adamw_launch_step(unsigned blocks, cudaStream_t stream, const AdamWShard &shard, const AdamWStepScalars &sc,
+                                     const AdamWAmaxParts &amax) {
+    if (shard.params) adamw_step_kernel<KIND, STOCHASTIC, true><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc, amax);
+    else adamw_step_kernel<KIND, STOCHASTIC, false><<<blocks, ADAMW_THREADS, 0, stream>>>(shard, sc, amax);
     cudaCheckLaunch();
+}
+
+// From now on each step gathers the amax of `parts` (a copy is kept); NULL: none.
+static inline void adamw_set_amax_parts(AdamW *opt, const AdamWAmaxParts *parts) {
+    free(opt->amax);
+    opt->amax = NULL;
+    if (parts == NULL) return;
+    for (int i = 0; i < parts->count; i++)
+        if (parts->end_group[i] <= parts->first_group[i] || (size_t)parts->end_group[i] > opt->n / ADAMW_GROUP ||
+            (i > 0 && parts->first_group[i] < parts->end_group[i - 1]))
+            fail_with("adamw_set_amax_parts", "the parts must be non-empty, ascending, disjoint and in the state");
+    opt->amax = (AdamWAmaxParts *)malloc(sizeof(AdamWAmaxParts));
+    if (opt->amax == NULL) fail_with("adamw_set_amax_parts", "out of host memory");
+    *opt->amax = *parts;
 }
 
 // One AdamW step over this rank's parts (t = ++opt->step), a launch per part: params is the whole
@@ -853,6 +970,8 @@ static inline void adamw_step_any(AdamW *opt, bf16 *params, const bf16 *grads_sh
     int stochastic = c->stochastic_rounding && adamw_group_scalars(opt->kind) > 0;
     for (int moment = 0; moment < 2; moment++) sc.rounding_key[moment] = stochastic ? adamw_rounding_key(opt->step, moment) : 0;
     size_t elem_bytes = adamw_moment_elem_bytes(opt->kind), scalars = adamw_group_scalars(opt->kind);
+    static const AdamWAmaxParts no_amax = {};
+    const AdamWAmaxParts &amax = opt->amax ? *opt->amax : no_amax;
     for (int i = 0; i < opt->range_count; i++) {
         size_t at = opt->ranges[i].state_at, groups_at = at / ADAMW_GROUP * scalars;
         sc.first_index = opt->ranges[i].begin + (size_t)opt->rank * opt->ranges[i].part;  // the stochastic rounding's index
@@ -867,17 +986,18 @@ static inline void adamw_step_any(AdamW *opt, bf16 *params, const bf16 *grads_sh
         shard.v_group = opt->v_group ? opt->v_group + groups_at : NULL;
         shard.decay_group = opt->decay_group + at / ADAMW_GROUP;
         shard.n = opt->ranges[i].part;
+        shard.first_group = (uint32_t)(at / ADAMW_GROUP);
         unsigned blocks = (unsigned)ceil_div_size(shard.n / ADAMW_VEC, ADAMW_THREADS);
         switch (opt->kind) {
-        case OPT_STATES_FP32: adamw_launch_step<OPT_STATES_FP32, false>(blocks, stream, shard, sc); break;
-        case OPT_STATES_BF16: adamw_launch_step<OPT_STATES_BF16, false>(blocks, stream, shard, sc); break;
+        case OPT_STATES_FP32: adamw_launch_step<OPT_STATES_FP32, false>(blocks, stream, shard, sc, amax); break;
+        case OPT_STATES_BF16: adamw_launch_step<OPT_STATES_BF16, false>(blocks, stream, shard, sc, amax); break;
         case OPT_STATES_FP8:
-            if (stochastic) adamw_launch_step<OPT_STATES_FP8, true>(blocks, stream, shard, sc);
-            else adamw_launch_step<OPT_STATES_FP8, false>(blocks, stream, shard, sc);
+            if (stochastic) adamw_launch_step<OPT_STATES_FP8, true>(blocks, stream, shard, sc, amax);
+            else adamw_launch_step<OPT_STATES_FP8, false>(blocks, stream, shard, sc, amax);
             break;
         case OPT_STATES_FP8_DRE:
-            if (stochastic) adamw_launch_step<OPT_STATES_FP8_DRE, true>(blocks, stream, shard, sc);
-            else adamw_launch_step<OPT_STATES_FP8_DRE, false>(blocks, stream, shard, sc);
+            if (stochastic) adamw_launch_step<OPT_STATES_FP8_DRE, true>(blocks, stream, shard, sc, amax);
+            else adamw_launch_step<OPT_STATES_FP8_DRE, false>(blocks, stream, shard, sc, amax);
             break;
         }
     }

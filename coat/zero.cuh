@@ -6,6 +6,7 @@
 //   zero_step_begin, zero_micro_batch      the gradient accumulators zeroed; which micro-batch reduces
 //   zero_gradients_done                    the compute stream waits for the gradients' reduces
 //   zero_optimizer_ranges                  the buckets as the optimizer steps them (where their BF16 is)
+//   zero_weights_amax_parts / _reset       where the optimizer's step gathers the FP8 weights' amax
 //   zero_gather_params                     after the optimizer stepped this rank's parts of the parameters
 // Backward (the hooks): as backward finishes the last segment of a bucket, the bucket's gradient
 // is all-reduced (stage 0) or reduce-scattered (stages 1 to 3) on the collectives' stream while
@@ -49,6 +50,7 @@
 #include "collectives_mpi.cuh"
 #include "collectives_nccl.cuh"
 #include "model.cuh"
+#include "optimizer.cuh"
 #include "zero.h"
 
 typedef struct {
@@ -181,6 +183,48 @@ static inline void zero_weights_amax_mine(Zero *z, const float *master) {
                 fp8_amax(slot, master + zero_master_index(z, z->plan.bucket_of[L - l], mine.begin), mine.end - mine.begin,
                          z->compute);
         }
+}
+
+// The same amax gathered by the optimizer's step instead, as it writes the master weights (one
+// pass less over them): the weights' parts in this rank's optimizer state, ascending, and their
+// slots. Returns 0 (and the separate pass stays) past ADAMW_AMAX_PARTS parts.
+static inline int zero_weights_amax_parts(const Zero *z, AdamWAmaxParts *parts) {
+    LlamaModel *m = z->model;
+    int L = m->shape.n_layers;
+    parts->slots = m->fp8_scales;
+    parts->count = 0;
+    for (int l = 0; l < L; l++)
+        for (int i = 0; i < LINEARS; i++) {
+            ZeroRange mine = zero_mine_of_linear(z, l, (Linear)i);
+            if (mine.end == mine.begin) continue;
+            if (parts->count == ADAMW_AMAX_PARTS) return 0;
+            size_t first = zero_master_index(z, z->plan.bucket_of[L - l], mine.begin);
+            int c = parts->count++, k = c;  // inserted in order of first group
+            for (; k > 0 && parts->first_group[k - 1] > first / ADAMW_GROUP; k--) {
+                parts->first_group[k] = parts->first_group[k - 1];
+                parts->end_group[k] = parts->end_group[k - 1];
+                parts->slot[k] = parts->slot[k - 1];
+            }
+            parts->first_group[k] = (uint32_t)(first / ADAMW_GROUP);
+            parts->end_group[k] = (uint32_t)ceil_div_size(first + (mine.end - mine.begin), ADAMW_GROUP);
+            parts->slot[k] = (uint16_t)(model_fp8_scale(m, l, FP8_SLOT_WEIGHT, (Linear)i) - m->fp8_scales);
+        }
+    return 1;
+}
+
+__global__ void zero_weight_slots_kernel(Fp8Scale *scales) {
+    Fp8Scale zero = {};
+    scales[blockIdx.x * FP8_SCALES_PER_LAYER + FP8_SLOT_WEIGHT + threadIdx.x] = zero;
+}
+
+// Before a step that gathers the weights' amax: every weight's slot zeroed (those of weights
+// this rank holds no part of too: the sharded path's max all-reduce reads them), on the compute
+// stream, after the step's last reader of the scales there. At stage 3 a gather on the
+// collectives' stream may still read them: it is waited for first.
+static inline void zero_weights_amax_reset(Zero *z) {
+    if (zero_layers_gathered(&z->plan)) collectives_join(&z->collectives, z->compute);
+    zero_weight_slots_kernel<<<z->model->shape.n_layers, LINEARS, 0, z->compute>>>(z->model->fp8_scales);
+    cudaCheckLaunch();
 }
 
 __global__ void zero_master_to_bf16_kernel(bf16 *out, const float *master, size_t n) {
@@ -583,10 +627,11 @@ static inline void zero_gather_from_master(Zero *z, const float *master) {
 }
 
 // After the optimizer stepped this rank's parts of the parameters (on the compute stream; its
-// FP32 master weights `master`, the parts back to back): every rank gets all of the weights the
+// FP32 master weights `master`, the parts back to back; amax_gathered: it gathered the weights'
+// amax too, zero_weights_amax_parts): every rank gets all of the weights the
 // model reads, a bucket at a time in the forward's order (the parameter order); at stage 3 the
 // buckets of layers only when the model reads them (the slots' buckets are stale now).
-static inline void zero_gather_params(Zero *z, const float *master) {
+static inline void zero_gather_params(Zero *z, const float *master, int amax_gathered) {
     LlamaModel *m = z->model;
     if (zero_layers_gathered(&z->plan)) {
         collectives_join(&z->collectives, z->compute);  // no earlier gather still reads the scales or the master
@@ -597,7 +642,7 @@ static inline void zero_gather_params(Zero *z, const float *master) {
         int sharded = z->plan.shards > 1;
         if (sharded) cudaCheck(cudaMemsetAsync(m->norms, 0, 2 * m->norms_elems, z->compute));
         zero_norms_from_master(z, master);
-        zero_weights_amax_mine(z, master);
+        if (!amax_gathered) zero_weights_amax_mine(z, master);
         if (sharded) zero_gather_from_master(z, master);
         else zero_cast_weights_from_master(z, master);
         m->fp8_weights_current = 1;  // the codes, once zero_params_ready has waited for them

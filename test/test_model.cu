@@ -266,7 +266,12 @@ static void test_weights_from_master(GpuContext *gpu) {
     adamw_write_params(&cast_opt, cast.params, gpu->stream);
     model_weights_changed(&cast);
     adamw_write_params(&master_opt, mastered.params, gpu->stream);
-    zero_gather_params(&zero, master_opt.master);
+    zero_gather_params(&zero, master_opt.master, 0);
+    AdamWAmaxParts *amax_parts = (AdamWAmaxParts *)host_alloc(sizeof(AdamWAmaxParts));
+    check(zero_weights_amax_parts(&zero, amax_parts) && amax_parts->count == L * LINEARS,
+          "weights from the master: the optimizer's step gathers the amax of the %d weights (%d parts)", L * LINEARS,
+          amax_parts->count);
+    adamw_set_amax_parts(&master_opt, amax_parts);
     int *tokens = (int *)host_alloc(N * sizeof(int));
     Random rng;
     random_seed(&rng, 9);
@@ -306,8 +311,9 @@ static void test_weights_from_master(GpuContext *gpu) {
         same_grads &= memcmp(grads[0], grads[1], 2 * P) == 0;
         adamw_step(&cast_opt, cast.params, cast.grads, 1e-3f, 1.0f, gpu->stream);
         model_weights_changed(&cast);
+        zero_weights_amax_reset(&zero);
         adamw_step(&master_opt, mastered.params, zero_gradient_shard(&zero), 1e-3f, 1.0f, gpu->stream);
-        zero_gather_params(&zero, master_opt.master);
+        zero_gather_params(&zero, master_opt.master, 1);
     }
     check(same_codes && same_scales, "weights from the master: the E4M3 weights and their scales equal model_cast_weights' "
           "(codes %s, scales %s)", same_codes ? "equal" : "differ", same_scales ? "equal" : "differ");
@@ -325,6 +331,7 @@ static void test_weights_from_master(GpuContext *gpu) {
     model_free(&mastered);
     for (int k = 0; k < 2; k++) { free(codes[k]); free(scales[k]); free(grads[k]); free(norms[k]); }
     free(tokens);
+    free(amax_parts);
     free(ranges);
     free(plan);
 }

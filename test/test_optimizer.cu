@@ -312,11 +312,19 @@ static void cpu_quantize_group(int dre, const float *x, uint8_t *codes, float *s
 }
 
 static void cpu_dequantize_group(int dre, const uint8_t *codes, const float *scalars, float *x) {
-    // |q s|^(1/k) c = c 2^(log2|q| / k + log2 s / k)
+    // |q s|^(1/k) c, a factor per field of q = 2^(e - 7) f (subnormals: 2^-6 f): c 2^((e - 7) / k +
+    // log2 s / k) for its binade and 2^(log2 f / k) for its significand f, 1 + m/8 (or m/8)
     float inverse_k = dre ? 1.0f / scalars[1] : 1.0f, log2_scale_over_k = dre_log2(scalars[0]) * inverse_k;
     for (int i = 0; i < 128; i++) {
         float q = float_from_e4m3(codes[i]), y = q * scalars[0];
-        if (dre) y = q == 0.0f ? q : copysignf(dre_exp2(fmaf(dre_log2(fabsf(q)), inverse_k, log2_scale_over_k)) * scalars[2], q);
+        if (dre && q == q && q != 0.0f) {
+            int e = (codes[i] >> 3) & 15, m = codes[i] & 7;
+            float binade = dre_exp2(fmaf((float)((e > 0 ? e : 1) - 7), inverse_k, log2_scale_over_k)) * scalars[2];
+            float significand = e > 0 ? 1.0f + m / 8.0f : m / 8.0f;
+            y = copysignf(binade * dre_exp2_near(dre_log2(significand) * inverse_k), q);
+        } else if (dre) {
+            y = q;  // 0 and NaN
+        }
         x[i] = y;
     }
 }
@@ -511,9 +519,11 @@ static void test_dre_math(void) {
 // double, with the group's own k (1/16 to 10^7): each stored code must be the E4M3 rounding of a
 // value within 2e-6 + 5e-7 k (relative) of the exact 448 (|x| / Mx)^k, the error of the logs'
 // difference (2e-7) times k plus the exp2's; and its decode (cpu_dequantize_group) must equal the
-// exact c (q s)^(1/k) = c 2^t of the stored state within 3e-7 (the exp2 and the product by c) +
-// 1e-7 |t| (t rounded to float) + 4e-7 / k (the logs' error over k), or one unit of the last place
-// where that falls among the subnormals. Groups spanning 2^0.01 to 2^60,
+// exact c (q s)^(1/k) = c 2^t1 2^t2 of the stored state (a factor per field of the code) within
+// 4e-7 (two exp2 and two products) + 1e-7 (|t1| + |t2|) (each exponent rounded to float) + 4e-7 / k
+// (the logs' error over k), and one unit of the subnormals' last place times the mantissa factor
+// 2^t2 (the binade factor's where it falls among the subnormals) plus one (the product's). Groups
+// spanning 2^0.01 to 2^60,
 // with zeros, from subnormal to large magnitudes.
 static void test_dre_codes_against_exact(void) {
     Random rng;
@@ -546,15 +556,23 @@ static void test_dre_codes_against_exact(void) {
             double high = got == 126 ? INFINITY : 0.5 * (q + float_from_e4m3((uint8_t)(got + 1)));
             outside += exact < low * (1 - tolerance) || exact > high * (1 + tolerance);
             if (got == 0) continue;
-            double decoded = (double)scalars[2] * pow(q * (double)scalars[0], 1.0 / k), error = fabs(fabs((double)back[i]) - decoded);
-            double exponent = fabs(log2(decoded / scalars[2]));  // rounded to float before its exp2
-            decode_off += error > fmax(decoded * (3e-7 + 1e-7 * exponent + 4e-7 / k), 1.5e-45);
-            if (decoded >= 1.17549435e-38) worst_decode = fmax(worst_decode, error / decoded);
+            // the decode's two factors, exactly: c (2^(e - 7) s)^(1/k) for the binade (subnormals: e = 1)
+            // and f^(1/k) for the significand f
+            int e = got >> 3;
+            double binade = (double)scalars[2] * pow(ldexp((double)scalars[0], (e > 0 ? e : 1) - 7), 1.0 / k);
+            double mantissa = pow(e > 0 ? 1.0 + (got & 7) / 8.0 : (got & 7) / 8.0, 1.0 / k);
+            double decoded = binade * mantissa, error = fabs(fabs((double)back[i]) - decoded);
+            // each exponent is rounded to float before its exp2; a binade factor below FLT_MIN keeps
+            // an absolute error of up to one unit of the subnormals' last place, times the mantissa's
+            double exponents = fabs(log2(binade / scalars[2])) + fabs(log2(mantissa));
+            decode_off += error > decoded * (4e-7 + 1e-7 * exponents + 4e-7 / k) + 1.5e-45 * (mantissa + 1.0);
+            if (binade >= 1.17549435e-38) worst_decode = fmax(worst_decode, error / decoded);
         }
     }
     check(outside == 0, "DRE codes vs 448 (|x| / Mx)^k in double: %ld of %ld differ from its rounding, each the rounding of a "
           "value within 2e-6 + 5e-7 k of it (%ld not)", differ, values, outside);
-    check(decode_off == 0, "DRE decode vs c (q s)^(1/k) in double: within 3e-7 + 1e-7 |t| + 4e-7 / k, or 1.5e-45 (%ld not; largest "
+    check(decode_off == 0, "DRE decode vs c (q s)^(1/k) in double: within 4e-7 + 1e-7 (|t1| + |t2|) + 4e-7 / k, and 1.5e-45 times its mantissa "
+          "factor + 1 (%ld not; largest "
           "relative error of a normal value %.2e)", decode_off, worst_decode);
 }
 
@@ -1326,6 +1344,57 @@ static void run_crafted(Fixture *fx, OptimizerStateKind kind, CraftedResult *r) 
     adamw_free(&opt);
 }
 
+// The step's amax parts (adamw_set_amax_parts): each slot holds max |bf16(w)| over its part's
+// groups of the new master weights, bit for bit, for parts that start and end inside a block's
+// 16 groups, a part of one group, gaps between parts and a part that ends the state; a slot of
+// no part stays 0.
+static void test_amax_parts(Fixture *fx, OptimizerStateKind kind) {
+    AdamW opt;
+    gpu_create(&opt, fx, kind, 0, fx->layout.total_padded);
+    uint32_t groups = (uint32_t)(opt.n / ADAMW_GROUP);
+    const int PARTS = 5, SLOTS = 6;
+    uint32_t bounds[PARTS][2] = {{0, 5}, {5, 37}, {40, 41}, {41, 300}, {groups - 20, groups}};
+    Fp8Scale *slots;
+    cudaCheck(cudaMalloc(&slots, SLOTS * sizeof(Fp8Scale)));
+    cudaCheck(cudaMemset(slots, 0, SLOTS * sizeof(Fp8Scale)));
+    AdamWAmaxParts *parts = (AdamWAmaxParts *)host_alloc(sizeof(AdamWAmaxParts));
+    parts->slots = slots;
+    parts->count = PARTS;
+    for (int i = 0; i < PARTS; i++) {
+        parts->first_group[i] = bounds[i][0];
+        parts->end_group[i] = bounds[i][1];
+        parts->slot[i] = (uint16_t)((i + 2) % SLOTS);  // slot 1 belongs to no part
+    }
+    adamw_set_amax_parts(&opt, parts);
+    gpu_run(&opt, fx, 0, 1);
+    float *master = host_floats(opt.n);
+    Fp8Scale got[SLOTS];
+    cudaCheck(cudaMemcpy(master, opt.master, opt.n * sizeof(float), cudaMemcpyDeviceToHost));
+    cudaCheck(cudaMemcpy(got, slots, sizeof(got), cudaMemcpyDeviceToHost));
+    int wrong = 0;
+    for (int i = 0; i < PARTS; i++) {
+        uint32_t expected = 0;
+        for (size_t e = (size_t)bounds[i][0] * ADAMW_GROUP; e < (size_t)bounds[i][1] * ADAMW_GROUP; e++) {
+            float w = fabsf(float_from_bf16(bf16_from_float(master[e])));
+            uint32_t bits;
+            memcpy(&bits, &w, 4);
+            expected = bits > expected ? bits : expected;
+        }
+        uint32_t slot_bits;
+        memcpy(&slot_bits, &got[parts->slot[i]].amax, 4);
+        wrong += slot_bits != expected || expected == 0;
+    }
+    check(groups > 320 && wrong == 0 && got[1].amax == 0.0f,
+          "%s step's amax parts: %d of %d slots hold max |bf16(w)| of their part's groups bit for bit (%u groups), the "
+          "slot of no part 0", optimizer_state_kind_name(kind), PARTS - wrong, PARTS, groups);
+    adamw_set_amax_parts(&opt, NULL);
+    check(opt.amax == NULL, "adamw_set_amax_parts(NULL): the step gathers no amax");
+    free(parts);
+    free(master);
+    cudaCheck(cudaFree(slots));
+    adamw_free(&opt);
+}
+
 static void test_crafted_groups(Fixture *fx) {
     CraftedResult plain, dre;
     run_crafted(fx, OPT_STATES_FP8, &plain);
@@ -1563,11 +1632,10 @@ static void test_init_master(Fixture *fx) {
     cudaCheck(cudaFree(master));
 }
 
-static void bench_step(void) {
+static void bench_step(size_t n) {  // n: a multiple of 128; groups past the small model are simply not decayed
     ModelShape shape = test_shape();
     ParamLayout layout;
     param_layout_init(&layout, &shape);
-    size_t n = 1000000000;  // a multiple of 128; groups past the small model are simply not decayed
     bf16 *params, *grads;
     cudaCheck(cudaMalloc(&params, n * 2));
     cudaCheck(cudaMalloc(&grads, n * 2));
@@ -1594,8 +1662,8 @@ static void bench_step(void) {
         }
         float median_ms = median_in_place(ms, 5);
         double bytes = 4.0 * n + 2.0 * adamw_payload_bytes(opt.kind, n);  // grads in, params out, state in and out
-        printf("bench: adamw_step %-7s 1e9 params: %.2f ms, %.0f GB/s (median of 5)\n", optimizer_state_kind_name(opt.kind),
-               median_ms, bytes / (median_ms * 1e-3) / 1e9);
+        printf("bench: adamw_step %-7s %.3g params: %.2f ms, %.0f GB/s (median of 5)\n", optimizer_state_kind_name(opt.kind),
+               (double)n, median_ms, bytes / (median_ms * 1e-3) / 1e9);
         adamw_free(&opt);
     }
     double *scratch;
@@ -1611,7 +1679,7 @@ static void bench_step(void) {
         cudaCheck(cudaEventElapsedTime(&ms[rep], start, stop));
     }
     float median_ms = median_in_place(ms, 5);
-    printf("bench: grad_norm_squared 1e9 values: %.2f ms, %.0f GB/s (median of 5)\n", median_ms,
+    printf("bench: grad_norm_squared %.3g values: %.2f ms, %.0f GB/s (median of 5)\n", (double)n, median_ms,
            2.0 * n / (median_ms * 1e-3) / 1e9);
     cudaCheck(cudaFree(scratch));
     cudaCheck(cudaFree(out));
@@ -1621,10 +1689,16 @@ static void bench_step(void) {
     cudaCheck(cudaFree(grads));
 }
 
-// `test_optimizer bench` times the step alone (what a profiler run wants).
+// `test_optimizer bench [N]` times the step alone (what a profiler run wants) over N parameters
+// (default 1e9, rounded down to a multiple of 128).
 int main(int argc, char **argv) {
-    if (argc == 2 && strcmp(argv[1], "bench") == 0) {
-        bench_step();
+    if ((argc == 2 || argc == 3) && strcmp(argv[1], "bench") == 0) {
+        double n = argc == 3 ? atof(argv[2]) : 1e9;
+        if (!(n >= 128 && n <= 1e12)) {
+            fprintf(stderr, "usage: test_optimizer bench [N]   (N parameters, 128 to 1e12)\n");
+            return 2;
+        }
+        bench_step((size_t)n / ADAMW_GROUP * ADAMW_GROUP);
         return 0;
     }
     test_state_sizes();
@@ -1652,12 +1726,14 @@ int main(int argc, char **argv) {
     test_per_rank_checkpoint(OPT_STATES_FP8_DRE);
     for (int k = 0; k < 4; k++)
         for (int without = 0; without < 2; without++) test_bucket_parts(&fx, (OptimizerStateKind)k, without);
+    test_amax_parts(&fx, OPT_STATES_FP32);
+    test_amax_parts(&fx, OPT_STATES_FP8_DRE);
     test_crafted_groups(&fx);
     test_infinite_moment(&fx);
     test_fp8_long_run(&fx);
     test_grad_norm();
     test_init_master(&fx);
     fixture_free(&fx);
-    bench_step();
+    bench_step(1000000000);
     return check_summary("test_optimizer");
 }
