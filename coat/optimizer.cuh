@@ -318,11 +318,16 @@ __device__ __forceinline__ float adamw_group_min(float x) {
 }
 
 
+// A DRE group's binade and mantissa factors per moment (below): 16 of each (the exponent field's
+// values; the mantissa field's for normal and for subnormal codes), one of each per lane.
+#define DRE_FACTORS 16
+static_assert(DRE_FACTORS == ADAMW_THREADS_PER_GROUP, "a DRE group's factors are one per lane");
+
 // The tables of DRE, in shared memory, filled by the block's first threads before a barrier:
-// dre_log2_split's, then the 16 mantissa logs of dre_mantissa_factor.
+// dre_log2_split's, then the mantissa logs of dre_mantissa_factor.
 typedef struct {
     float log2[DRE_LOG2_TABLE];
-    float mantissa_log2[16];
+    float mantissa_log2[DRE_FACTORS];
 } DreTables;
 
 // A DRE code's |value| as two factors, one per field of its E4M3 magnitude (exponent e, mantissa
@@ -341,7 +346,7 @@ static __host__ __device__ inline float dre_mantissa_log2(int f) {
 
 __device__ __forceinline__ void dre_fill_tables(DreTables *t) {
     if (threadIdx.x < DRE_LOG2_TABLE) t->log2[threadIdx.x] = dre_log2_table_entry(threadIdx.x);
-    if (threadIdx.x < 16) t->mantissa_log2[threadIdx.x] = dre_mantissa_log2(threadIdx.x);
+    if (threadIdx.x < DRE_FACTORS) t->mantissa_log2[threadIdx.x] = dre_mantissa_log2(threadIdx.x);
     __syncthreads();
 }
 
