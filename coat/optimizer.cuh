@@ -522,12 +522,12 @@ __device__ __forceinline__ int adamw_amax_block_part(const AdamWAmaxParts &amax,
 }
 
 __device__ __forceinline__ void adamw_amax_of_group(const float p[ADAMW_VEC], bool active, unsigned *group_max) {
-    unsigned bits = 0;  // float bits of a magnitude: ordered as unsigned integers, NaN above infinity
-    for (int j = 0; j < ADAMW_VEC && active; j++)
-        bits = max(bits, __float_as_uint(fabsf(__bfloat162float(__float2bfloat16_rn(p[j])))));
+    float m = 0.0f;
+    for (int j = 0; j < ADAMW_VEC && active; j++) m = fp8_abs_max(m, __bfloat162float(__float2bfloat16_rn(p[j])));
     for (int offset = ADAMW_THREADS_PER_GROUP / 2; offset > 0; offset >>= 1)
-        bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, offset, ADAMW_THREADS_PER_GROUP));
-    if (threadIdx.x % ADAMW_THREADS_PER_GROUP == 0) group_max[threadIdx.x / ADAMW_THREADS_PER_GROUP] = bits;
+        m = fp8_abs_max(m, __shfl_xor_sync(0xffffffffu, m, offset, ADAMW_THREADS_PER_GROUP));
+    // As float bits: magnitudes order as unsigned integers, NaN above infinity.
+    if (threadIdx.x % ADAMW_THREADS_PER_GROUP == 0) group_max[threadIdx.x / ADAMW_THREADS_PER_GROUP] = __float_as_uint(m);
 }
 
 __device__ __forceinline__ void adamw_amax_commit(const AdamWAmaxParts &amax, int part, const unsigned *group_max) {

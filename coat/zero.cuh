@@ -169,16 +169,31 @@ static inline ZeroRange zero_mine_of_linear(const Zero *z, int layer, Linear whi
     return zero_intersection(zero_linear_range(layout, which, layer), zero_mine(z, b));
 }
 
+__global__ void zero_weight_slots_kernel(Fp8Scale *scales) {
+    Fp8Scale zero = {};
+    scales[blockIdx.x * FP8_SCALES_PER_LAYER + FP8_SLOT_WEIGHT + threadIdx.x] = zero;
+}
+
+// Before the weights' amax is gathered (by the step or the pass below): every weight's slot
+// zeroed (those of weights this rank holds no part of too: the sharded path's max all-reduce
+// reads them), on the compute stream, after the last reader of the scales there. At stage 3 a
+// gather on the collectives' stream may still read them: it is waited for first.
+static inline void zero_weights_amax_reset(Zero *z) {
+    if (zero_layers_gathered(&z->plan)) collectives_join(&z->collectives, z->compute);
+    zero_weight_slots_kernel<<<z->model->shape.n_layers, LINEARS, 0, z->compute>>>(z->model->fp8_scales);
+    cudaCheckLaunch();
+}
+
 // Every weight's amax slot = max |w| over its elements in this rank's master weights, rounded to
 // BF16 (0 where it has none).
 static inline void zero_weights_amax_mine(Zero *z, const float *master) {
     LlamaModel *m = z->model;
     int L = m->shape.n_layers;
+    zero_weights_amax_reset(z);
     for (int l = 0; l < L; l++)
         for (int i = 0; i < LINEARS; i++) {
             Fp8Scale *slot = model_fp8_scale(m, l, FP8_SLOT_WEIGHT, (Linear)i);
             ZeroRange mine = zero_mine_of_linear(z, l, (Linear)i);
-            cudaCheck(cudaMemsetAsync(slot, 0, sizeof(Fp8Scale), z->compute));
             if (mine.end > mine.begin)
                 fp8_amax(slot, master + zero_master_index(z, z->plan.bucket_of[L - l], mine.begin), mine.end - mine.begin,
                          z->compute);
@@ -210,21 +225,6 @@ static inline int zero_weights_amax_parts(const Zero *z, AdamWAmaxParts *parts) 
             parts->slot[k] = (uint16_t)(model_fp8_scale(m, l, FP8_SLOT_WEIGHT, (Linear)i) - m->fp8_scales);
         }
     return 1;
-}
-
-__global__ void zero_weight_slots_kernel(Fp8Scale *scales) {
-    Fp8Scale zero = {};
-    scales[blockIdx.x * FP8_SCALES_PER_LAYER + FP8_SLOT_WEIGHT + threadIdx.x] = zero;
-}
-
-// Before a step that gathers the weights' amax: every weight's slot zeroed (those of weights
-// this rank holds no part of too: the sharded path's max all-reduce reads them), on the compute
-// stream, after the step's last reader of the scales there. At stage 3 a gather on the
-// collectives' stream may still read them: it is waited for first.
-static inline void zero_weights_amax_reset(Zero *z) {
-    if (zero_layers_gathered(&z->plan)) collectives_join(&z->collectives, z->compute);
-    zero_weight_slots_kernel<<<z->model->shape.n_layers, LINEARS, 0, z->compute>>>(z->model->fp8_scales);
-    cudaCheckLaunch();
 }
 
 __global__ void zero_master_to_bf16_kernel(bf16 *out, const float *master, size_t n) {
