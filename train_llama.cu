@@ -1329,6 +1329,8 @@ static void profile_speed_of_light(const Trainer *t, SolTable *table) {
     run.fp32_grads = zero_gradient_sum(&t->zero) != NULL;
     run.casts_weights = m->precision.fp8_gemms && !t->zero.e4m3_gather;
     run.casts_from_master = m->precision.weights_from_master;
+    run.weights_amax_in_step = t->opt.amax != NULL;
+    run.transposes_weights = m->precision.fp8_gemms && !zero_layers_gathered(z);
     run.params_written_elems = 0;
     for (int i = 0; i < t->opt.range_count; i++)
         if (adamw_part_has_params(&t->opt, i)) run.params_written_elems += t->opt.ranges[i].part;

@@ -26,8 +26,9 @@
 // gradient, the widest block intermediates and their gradients, RoPE tables, one classifier
 // chunk of logits and the kernels' scratch. With FP8 GEMMs also: the E4M3 input of the current
 // GEMM (in backward: the remade transpose of an input saved in BF16), the E5M2 output gradient
-// and its transpose, every layer's E4M3 weights and their transposes (cast once per optimizer
-// step; none at ZeRO stage 3, which gathers them a bucket at a time, coat/zero.h); the table of
+// and its transpose, every layer's E4M3 weights (cast once per optimizer step) and one layer's
+// transposes (remade from them as its backward starts; none at ZeRO stage 3, which gathers the
+// weights a bucket at a time, coat/zero.h); the table of
 // per-tensor FP8 scales (also for FP8 activations with BF16 GEMMs). With
 // COAT's 1x16 copies of the residual stream, the BF16 residual stream, updated in place (only
 // the copies are saved); with those of gate_up, the forward's BF16 gate_up output (before its
@@ -71,7 +72,7 @@ static inline void working_layout_init(WorkingLayout *w, const ModelShape *m, in
     w->residual_bytes = activations_group_residual(activations) ? 2 * tokens * H : 0;
     w->fp8_input_bytes = fp8_gemms ? tokens * widest_in : 0;
     w->fp8_grad_bytes = fp8_gemms ? tokens * widest_out : 0;
-    w->fp8_weights_bytes = fp8_gemms && !layers_gathered ? 2 * linear_layer_weight_elems(m) * (size_t)m->n_layers : 0;
+    w->fp8_weights_bytes = fp8_gemms && !layers_gathered ? linear_layer_weight_elems(m) * ((size_t)m->n_layers + 1) : 0;
     int any_fp8 = fp8_gemms || activations != ACTS_BF16;
     w->fp8_scales_bytes = any_fp8 ? FP8_SCALE_BYTES * FP8_SCALES_PER_LAYER * (size_t)m->n_layers : 0;
     size_t at = 0;

@@ -109,7 +109,7 @@ typedef struct {
     uint8_t *fp8_input;            // E4M3 input of the current FP8 GEMM, or in backward a remade input transpose
     uint8_t *fp8_grad, *fp8_grad_t;  // E5M2 output gradient [N, out] and its transpose [out, N]
     bf16 *gate_up_working;         // COAT forward: gate_up before its 1x16 cast (in fp8_grad and fp8_grad_t, or wide)
-    uint8_t *fp8_weights;          // per layer and linear: W [out, in] then W^T [in, out], E4M3 (none: ZeRO stage 3)
+    uint8_t *fp8_weights;          // E4M3 W [out, in] per layer and linear, then one layer's W^T (none: ZeRO stage 3)
     Fp8Scale *fp8_scales;          // [n_layers][FP8_SCALES_PER_LAYER]
     int fp8_weights_current;       // the FP8 weights are those of the present weights
     float *rope_cos, *rope_sin;
@@ -335,17 +335,21 @@ static inline LinearShape linear_shape(const LlamaModel *model, Linear which) {
     return shape;
 }
 
-// E4M3 copies of the weight W [out, in] and its transpose [in, out].
+// Whether data parallelism's hooks hold the E4M3 weights (ZeRO stage 3) rather than fp8_weights.
+static inline bool model_fp8_weights_in_buckets(const LlamaModel *model) {
+    return model->buckets && model->buckets->fp8_weight;
+}
+
+// E4M3 copies of the weight W [out, in] and its transpose [in, out]: every layer's W, and one
+// layer's W^T, remade from its codes as that layer's backward starts (model_backward).
 static inline uint8_t *linear_fp8_weight(const LlamaModel *model, int layer, Linear which, int transposed) {
-    if (model->buckets && model->buckets->fp8_weight)
+    if (model_fp8_weights_in_buckets(model))
         return model->buckets->fp8_weight(model->buckets->context, layer, which, transposed);
-    size_t in[LINEARS], out[LINEARS], at = 0, per_layer = 0;
+    size_t in[LINEARS], out[LINEARS], at = 0;
     linear_shapes(&model->shape, in, out);
-    for (int i = 0; i < LINEARS; i++) {
-        if (i < (int)which) at += 2 * in[i] * out[i];
-        per_layer += 2 * in[i] * out[i];
-    }
-    return model->fp8_weights + (size_t)layer * per_layer + at + (transposed ? in[which] * out[which] : 0);
+    for (int i = 0; i < (int)which; i++) at += in[i] * out[i];
+    size_t place = transposed ? (size_t)model->shape.n_layers : (size_t)layer;  // the room follows the last layer
+    return model->fp8_weights + place * linear_layer_weight_elems(&model->shape) + at;
 }
 
 // Where the forward pass writes a linear layer's BF16 input: the saved tensor when it is
@@ -364,8 +368,8 @@ static inline Fp8Scale *linear_input_amax(const LlamaModel *model, int layer, Li
     return model_fp8_scale(model, layer, FP8_SLOT_INPUT, which);
 }
 
-// Casts every layer's weights to E4M3 and their transposes (FP8 GEMMs with BF16 block weights,
-// once per optimizer step).
+// Casts every layer's weights to E4M3 (FP8 GEMMs with BF16 block weights, once per optimizer
+// step).
 static inline void model_cast_weights(LlamaModel *model, cudaStream_t s) {
     if (model->precision.weights_from_master)
         fail_with("model_cast_weights", "the block's linear weights have no BF16 copy: they are cast from the master weights");
@@ -377,8 +381,7 @@ static inline void model_cast_weights(LlamaModel *model, cudaStream_t s) {
             const bf16 *weight = model_param(model, linear_weight_kind(which), l);
             cudaCheck(cudaMemsetAsync(slot, 0, sizeof(Fp8Scale), s));
             fp8_amax(slot, weight, (size_t)shape.out * shape.in, s);
-            fp8_quantize(linear_fp8_weight(model, l, which, 0), linear_fp8_weight(model, l, which, 1), slot, weight,
-                         shape.out, shape.in, FP8_E4M3, s);
+            fp8_quantize(linear_fp8_weight(model, l, which, 0), NULL, slot, weight, shape.out, shape.in, FP8_E4M3, s);
         }
     model->fp8_weights_current = 1;
 }
@@ -584,6 +587,8 @@ static inline void model_backward(GpuContext *gpu, LlamaModel *model) {
     model_segment_end(model, 0);
     for (int l = L - 1; l >= 0; l--) {
         model_params_ready_backward(model, L - l);
+        if (model->precision.fp8_gemms && !model_fp8_weights_in_buckets(model))
+            TIMED("fp8 transposes of the layer's weights", model_transpose_layer_weights(model, l, s));
         model_segment_begin(model, L - l);
         // MLP block: x_out = x_mid + Wdown swiglu(Wgate_up rmsnorm(x_mid))
         // With FP8 GEMMs d_gate_up goes straight to E5M2 (and its transpose), never to BF16.

@@ -36,6 +36,8 @@ typedef struct {
     int fp32_grads;               // they read FP32 gradient sums (ZeRO stage 2), not BF16
     int casts_weights;            // this GPU casts the FP8 weights once per step (not gathered as codes)
     int casts_from_master;        // ... from the FP32 master weights (no BF16 block weights), not BF16 ones
+    int weights_amax_in_step;     // ... with their amax gathered by AdamW's step (no pass of its own)
+    int transposes_weights;       // backward remakes each layer's W^T from its codes (FP8 GEMMs, not ZeRO stage 3)
     size_t params_written_elems;  // BF16 parameters AdamW writes on this GPU (none of the block weights without them)
 } SolRun;
 
@@ -59,7 +61,7 @@ static inline SolRun sol_run_one_gpu(const ModelShape *shape, int B, int T, int 
     ParamLayout layout;
     param_layout_init(&layout, shape);
     SolRun run = {*shape, B, T, micro_batches, fp8_gemms, activations, states,
-                  2 * layout.total_padded, layout.total_padded, 0, fp8_gemms, 0, layout.total_padded};
+                  2 * layout.total_padded, layout.total_padded, 0, fp8_gemms, 0, 0, fp8_gemms, layout.total_padded};
     return run;
 }
 
@@ -132,12 +134,14 @@ static inline void sol_add_linears(SolTable *t, const SolRun *r, double per_laye
         sol_add(t, "fp8 cast of an output gradient (+ transpose)", fp8 && i != LINEAR_GATE_UP ? per_layer : 0, 0, 0,
                 2 * dy + 2 * dy);
     }
-    // Once per step: each weight's amax pass (read), then its cast (read, codes and transpose
-    // written), reading BF16 weights or FP32 master weights.
-    double weights = 0, weight_bytes = r->casts_from_master ? 4 : 2;
+    // Once per step: each weight's amax pass (read; none when the step gathers it), then its cast
+    // (read, codes written), reading BF16 weights or FP32 master weights. Each layer's backward
+    // reads the codes and writes their transposes.
+    double weights = 0, weight_bytes = r->casts_from_master ? 4 : 2, reads = r->weights_amax_in_step ? 1 : 2;
     for (int i = 0; i < LINEARS; i++) weights += (double)in[i] * out[i];
     sol_add(t, "fp8 cast of the weights (once per step)", fp8 && r->casts_weights ? 1 : 0, 0, 0,
-            r->shape.n_layers * (2 * weight_bytes + 1 + 1) * weights);
+            r->shape.n_layers * (reads * weight_bytes + 1) * weights);
+    sol_add(t, "fp8 transposes of the layer's weights", fp8 && r->transposes_weights ? per_layer : 0, 0, 0, 2 * weights);
 }
 
 // The norms (coat/rmsnorm.cuh), per micro-batch: BF16 rows in and out, rstd, weights; the
@@ -223,7 +227,7 @@ static inline void speed_of_light_table(SolTable *t, const SolRun *r) {
     sol_unbounded(t, "batch upload (after the host's wait)", "the host's wait for the loader");
     sol_unbounded(t, "wait for the gradient reduces", "a wait for the network");
     sol_unbounded(t, "parameter gather (its transfer overlaps the next forward)", "a wait for the network");
-    sol_unbounded(t, "parameter gather: waiting for a bucket (+ its E4M3 transposes)", "a wait for the network");
+    sol_unbounded(t, "parameter gather: waiting for a bucket", "a wait for the network");
     sol_unbounded(t, "parameter gather: waiting for a bucket of layers", "a wait for the network (ZeRO stage 3)");
     sol_unbounded(t, "parameter gather: waiting for a bucket of layers (+ its E4M3 transposes)",
                   "a wait for the network (ZeRO stage 3, backward)");

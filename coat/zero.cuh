@@ -24,10 +24,9 @@
 // (BF16) into the model's norm table. Sharded (stages 1, 2 over several ranks): one max
 // all-reduce of the scale table, then each bucket of layers travels as one byte per element
 // through a staging buffer, from which every rank copies each weight's codes into its place, the
-// norm table's all-reduce sums the owners' norms, and each layer's transposes are written once its
-// bucket is here; otherwise the rank owns everything and casts each weight and its transpose in
-// one pass. Every rank ends with the codes and scales that model_cast_weights gives from the BF16
-// weights, bit for bit.
+// norm table's all-reduce sums the owners' norms; otherwise the rank owns everything and casts
+// each weight in one pass. Every rank ends with the codes and scales that model_cast_weights
+// gives from the BF16 weights, bit for bit; backward remakes each layer's transposes from them.
 // Stage 3 (coat/zero.h): after the step only the embedding's and the tail's buckets (and with
 // E4M3 the scale table's max and the norm table) are gathered. A bucket of layers is gathered
 // when the forward's `ready` reaches it, into one of two slots, the next bucket into the other
@@ -253,8 +252,8 @@ static inline void zero_norms_from_master(Zero *z, const float *master) {
         }
 }
 
-// Unsharded: every weight and its transpose cast from the master in one pass, as
-// model_cast_weights casts them from the BF16 weights.
+// Unsharded: every weight cast from the master in one pass, as model_cast_weights casts them
+// from the BF16 weights.
 static inline void zero_cast_weights_from_master(Zero *z, const float *master) {
     LlamaModel *m = z->model;
     int L = m->shape.n_layers;
@@ -264,8 +263,8 @@ static inline void zero_cast_weights_from_master(Zero *z, const float *master) {
             LinearShape shape = linear_shape(m, which);
             size_t first = zero_linear_range(&m->layout, which, l).begin;
             const float *weight = master + zero_master_index(z, z->plan.bucket_of[L - l], first);
-            fp8_quantize(linear_fp8_weight(m, l, which, 0), linear_fp8_weight(m, l, which, 1),
-                         model_fp8_scale(m, l, FP8_SLOT_WEIGHT, which), weight, shape.out, shape.in, FP8_E4M3, z->compute);
+            fp8_quantize(linear_fp8_weight(m, l, which, 0), NULL, model_fp8_scale(m, l, FP8_SLOT_WEIGHT, which), weight,
+                         shape.out, shape.in, FP8_E4M3, z->compute);
         }
 }
 
@@ -397,9 +396,8 @@ static bf16 *zero_bucket_gradient(void *context, int segment, size_t buffer_offs
     return zero_bucket_buffer(z, b) + (buffer_offset - z->plan.bucket[b].at);
 }
 
-// The forward's wait for a bucket's gather (once per gather); with the E4M3 gather its layers'
-// transposes follow. Stage 3: a bucket of layers, at its first layer, gathered (the next one
-// meanwhile).
+// The forward's wait for a bucket's gather (once per gather). Stage 3: a bucket of layers, at its
+// first layer, gathered (the next one meanwhile).
 static void zero_params_ready(void *context, int segment) {
     Zero *z = (Zero *)context;
     int b = z->plan.bucket_of[segment];
@@ -412,10 +410,7 @@ static void zero_params_ready(void *context, int segment) {
     if (!z->gathering[b]) return;
     z->gathering[b] = 0;
     cudaCheck(cudaStreamWaitEvent(z->compute, z->params_gathered[b], 0));
-    int L = z->model->shape.n_layers, layers = z->e4m3_gather && zero_bucket_is_layers(&z->plan, b);
-    for (int s = z->plan.first_segment[b]; layers && s <= z->plan.last_segment[b]; s++)
-        model_transpose_layer_weights(z->model, L - s, z->compute);
-    op_timer_mark(z->model->timer, "parameter gather: waiting for a bucket (+ its E4M3 transposes)", z->compute);
+    op_timer_mark(z->model->timer, "parameter gather: waiting for a bucket", z->compute);
 }
 
 // Stage 3, backward: a bucket of layers, at its last layer (backward's first), gathered unless a
@@ -589,7 +584,7 @@ static inline void zero_optimizer_ranges(const Zero *z, ParamShardRange *ranges)
     }
 }
 
-// Stage 3: every weight's scale from its amax (the max over the ranks by now), on every rank: the
+// Sharded: every weight's scale from its amax (the max over the ranks by now), on every rank: the
 // forward's FP8 GEMMs read it before backward's transposes would write it, and a rank that owns
 // none of a weight casts none of it. The casts write the same value.
 __global__ void zero_weight_scales_kernel(Fp8Scale *table, int layers) {
@@ -608,12 +603,10 @@ static inline void zero_gather_from_master(Zero *z, const float *master) {
     // The whole scale table: the activations' and gradients' entries, reset by every forward, ride along.
     collectives_all_reduce_max_f32(c, (float *)m->fp8_scales, m->working_layout.fp8_scales_bytes / sizeof(float), z->compute);
     collectives_join(c, z->compute);  // the next forward resets the activations' entries after it
-    if (zero_layers_gathered(&z->plan)) {
-        int weights = m->shape.n_layers * LINEARS;
-        zero_weight_scales_kernel<<<(unsigned)ceil_div_size((size_t)weights, 256), 256, 0, z->compute>>>(m->fp8_scales,
-                                                                                                          m->shape.n_layers);
-        cudaCheckLaunch();
-    }
+    int weights = m->shape.n_layers * LINEARS;
+    zero_weight_scales_kernel<<<(unsigned)ceil_div_size((size_t)weights, 256), 256, 0, z->compute>>>(m->fp8_scales,
+                                                                                                      m->shape.n_layers);
+    cudaCheckLaunch();
     collectives_all_reduce_sum_bf16(c, m->norms, m->norms_elems, c->stream);
     for (int b = 0; b < z->plan.buckets; b++) {
         const ParamShardRange *r = &z->plan.bucket[b];

@@ -111,13 +111,21 @@ static void check_coat(void) {
     // Without BF16 block weights: the cast reads the FP32 master weights, AdamW writes BF16 only
     // outside the layers (here the embedding, final norm and lm_head, 2 V H + H elements).
     double weights = L * ((H + 2 * KV) * H + H * H + 2 * I * H + I * H);
-    check_value("coat weights cast: amax pass, codes and transpose from BF16 weights",
-                op(&t, "fp8 cast of the weights (once per step)")->bytes, (2 + 2 + 1 + 1) * weights);
+    check_value("coat weights cast: amax pass and codes from BF16 weights",
+                op(&t, "fp8 cast of the weights (once per step)")->bytes, (2 + 2 + 1) * weights);
+    check_value("coat weights' transposes: remade per layer and micro-batch",
+                op(&t, "fp8 transposes of the layer's weights")->calls, 2 * L);
+    check_value("coat weights' transposes: codes read, transposes written",
+                op(&t, "fp8 transposes of the layer's weights")->bytes, 2 * (1 + 1) * weights);
     run.casts_from_master = 1;
     run.params_written_elems = (size_t)(2 * V * H + H);
     speed_of_light_table(&t, &run);
-    check_value("coat weights cast from the FP32 master weights: 4 + 4 bytes read, codes and transpose written",
-                op(&t, "fp8 cast of the weights (once per step)")->bytes, (4 + 4 + 1 + 1) * weights);
+    check_value("coat weights cast from the FP32 master weights: 4 + 4 bytes read, codes written",
+                op(&t, "fp8 cast of the weights (once per step)")->bytes, (4 + 4 + 1) * weights);
+    run.weights_amax_in_step = 1;
+    speed_of_light_table(&t, &run);
+    check_value("coat weights cast with the amax from the step: the master read once",
+                op(&t, "fp8 cast of the weights (once per step)")->bytes, (4 + 1) * weights);
     check_value("adamw without BF16 block weights: the BF16 parameters written outside the layers only",
                 op(&t, "adamw (after the host's wait)")->bytes, 14 * n + 2 * (2 * V * H + H) + 2 * 2 * 4 * 3 * n / 128 + n / 128);
 }
