@@ -259,23 +259,50 @@ __global__ void __launch_bounds__(FP8_THREADS)
     }
 }
 
-// One block per 64 x 64 tile of codes: each thread loads a 16-byte row piece into shared memory
-// and stores a 16-byte piece of a transposed row. Block (0, 0) also stores the scale of the
+// One block per 128 x 128 tile of codes, 256 threads. Each thread loads four 16-byte row pieces
+// into shared memory, then reads the 4-column word of 16 rows (one 32-bit load per row, no byte
+// loads), transposes the four 4 x 4 byte blocks with byte permutes and stores 16 bytes into each
+// of 4 output rows. A warp reads 8 words of 4 row groups: row group g's words are XORed with
+// 8 (g % 4), so those reads fall in 32 distinct banks. Block (0, 0) also stores the scale of the
 // slot's amax, as the cast pass does for the codes it writes.
+#define FP8_TRANSPOSE_TILE 128
+__device__ __forceinline__ int fp8_transpose_swizzle(int row) { return ((row >> 4) & 3) << 3; }
+
 __global__ void __launch_bounds__(FP8_THREADS)
     fp8_transpose_codes_kernel(uint8_t *out_t, const uint8_t *in, Fp8Scale *slot, Fp8Format format, int R, int C) {
-    __shared__ __align__(16) uint8_t tile[FP8_TILE][FP8_TILE + 16];  // [row][column] of the tile
+    constexpr int WORDS = FP8_TRANSPOSE_TILE / 4;  // 32-bit words per staged row
+    __shared__ __align__(16) uint32_t tile[FP8_TRANSPOSE_TILE * WORDS];  // [row][word ^ swizzle(row)]
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) slot->scale = fp8_scale_from_amax(slot->amax, format);
-    int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
-    int row = threadIdx.x / 4, piece = (threadIdx.x % 4) * 16;
-    if (r0 + row < R && c0 + piece < C)
-        *reinterpret_cast<uint4 *>(&tile[row][piece]) = *reinterpret_cast<const uint4 *>(in + (size_t)(r0 + row) * C + c0 + piece);
+    int r0 = blockIdx.y * FP8_TRANSPOSE_TILE, c0 = blockIdx.x * FP8_TRANSPOSE_TILE;
+    int piece = threadIdx.x % 8;  // 16 bytes = words 4 piece .. 4 piece + 3
+    for (int k = 0; k < 4; k++) {
+        int row = threadIdx.x / 8 + 32 * k;
+        if (r0 + row < R && c0 + 16 * piece < C)
+            *reinterpret_cast<uint4 *>(&tile[row * WORDS + ((4 * piece) ^ fp8_transpose_swizzle(row))]) =
+                *reinterpret_cast<const uint4 *>(in + (size_t)(r0 + row) * C + c0 + 16 * piece);
+    }
     __syncthreads();
-    int column = threadIdx.x / 4;  // the output row c0 + column takes tile rows piece..piece+15
-    if (c0 + column >= C || r0 + piece >= R) return;
-    uint32_t words[4] = {0, 0, 0, 0};
-    for (int j = 0; j < 16; j++) words[j / 4] |= (uint32_t)tile[piece + j][column] << (8 * (j % 4));
-    *reinterpret_cast<uint4 *>(out_t + (size_t)(c0 + column) * R + r0 + piece) = make_uint4(words[0], words[1], words[2], words[3]);
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int group = 4 * (warp % 2) + lane / 8;   // rows 16 group .. 16 group + 15
+    int word = 8 * (warp / 2) + lane % 8;    // columns 4 word .. 4 word + 3
+    if (r0 + 16 * group >= R || c0 + 4 * word >= C) return;  // R and C are multiples of 16
+    uint32_t column[4][4];  // [column j][rows 4q .. 4q + 3 of the group]
+    for (int q = 0; q < 4; q++) {
+        uint32_t w[4];
+        for (int i = 0; i < 4; i++) {
+            int row = 16 * group + 4 * q + i;
+            w[i] = tile[row * WORDS + (word ^ fp8_transpose_swizzle(row))];
+        }
+        uint32_t low01 = __byte_perm(w[0], w[1], 0x5140), high01 = __byte_perm(w[0], w[1], 0x7362);
+        uint32_t low23 = __byte_perm(w[2], w[3], 0x5140), high23 = __byte_perm(w[2], w[3], 0x7362);
+        column[0][q] = __byte_perm(low01, low23, 0x5410);
+        column[1][q] = __byte_perm(low01, low23, 0x7632);
+        column[2][q] = __byte_perm(high01, high23, 0x5410);
+        column[3][q] = __byte_perm(high01, high23, 0x7632);
+    }
+    for (int j = 0; j < 4; j++)
+        *reinterpret_cast<uint4 *>(out_t + (size_t)(c0 + 4 * word + j) * R + r0 + 16 * group) =
+            make_uint4(column[j][0], column[j][1], column[j][2], column[j][3]);
 }
 
 // out = code * slot->scale, 8 values per thread.
@@ -339,7 +366,7 @@ static inline void fp8_transpose_codes(uint8_t *out_t, const uint8_t *in, Fp8Sca
                                        cudaStream_t stream) {
     fp8_check("fp8_transpose_codes", R > 0 && C > 0 && R % 16 == 0 && C % 16 == 0, "R and C must be positive multiples of 16");
     fp8_check("fp8_transpose_codes", (((uintptr_t)in | (uintptr_t)out_t) & 15u) == 0, "in and out_t must be 16-byte aligned");
-    dim3 grid(ceil_div(C, FP8_TILE), ceil_div(R, FP8_TILE));
+    dim3 grid(ceil_div(C, FP8_TRANSPOSE_TILE), ceil_div(R, FP8_TRANSPOSE_TILE));
     fp8_transpose_codes_kernel<<<grid, FP8_THREADS, 0, stream>>>(out_t, in, slot, format, R, C);
     cudaCheckLaunch();
 }
