@@ -328,7 +328,7 @@ check "llama2-7b coat, ZeRO-1, 8 ranks: BF16 parameters $(params_gib "$out") GiB
     "$(params_gib "$out") / $(params_gib "$out2")"
 
 # ZeRO stage 3 shards the layers' working weights: llama2-70b in coat, 1 x 4096, plans at most
-# 130 GiB per rank on 8 ranks and 70 GiB on 64 (stage 2: 266 and 194), with the layer gather's
+# 130 GiB per rank on 8 ranks and 70 GiB on 64 (stage 2: 203 and 132), with the layer gather's
 # slots among its lines; the fewest ranks that fit 80 GiB; stage 3 with FP8 GEMMs and
 # param_gather = bf16 is refused by name.
 total_gib() { printf '%s\n' "$1" | sed -n 's/^  total *\([0-9.]*\) GiB.*/\1/p'; }

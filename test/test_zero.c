@@ -499,8 +499,8 @@ static void test_stage3_calls(void) {
 }
 
 // The goals of ZeRO-3 for llama2-70b in coat, micro-batch 1 x 4096: at most 130 GiB per rank on
-// 8 ranks and 70 GiB on 64, where stage 2 plans 266 and 194 GiB (every layer's E4M3 weights and
-// their transposes, 129.5 GiB on every rank, are what stage 3 shards).
+// 8 ranks and 70 GiB on 64, where stage 2 plans 203 and 132 GiB (every layer's E4M3 weights and
+// one layer's transposes, 64.5 GiB on every rank, are what stage 3 shards).
 static void test_stage3_70b(void) {
     TrainConfig c = coat_plan_config(shape_of(32000, 8192, 80, 64, 8, 28672), 4096);
     const struct { int ranks; double most_gib; } goals[] = {{8, 130.0}, {64, 70.0}};
@@ -511,7 +511,7 @@ static void test_stage3_70b(void) {
         c.zero_stage = 3;
         memory_plan_compute(&three, &c, goals[i].ranks, 1);
         check(gib(three.total_bytes) <= goals[i].most_gib && gib(two.total_bytes) > goals[i].most_gib + 60.0 &&
-                  three.gather_bytes > 0 && two.working_bytes - three.working_bytes > (size_t)127 << 30,
+                  three.gather_bytes > 0 && two.working_bytes - three.working_bytes > (size_t)64 << 30,
               "llama2-70b coat, 1 x 4096, %d ranks: ZeRO-3 plans %.3f GiB per rank (at most %.0f; stage 2 %.3f GiB), the layer "
               "gather %.3f GiB", goals[i].ranks, gib(three.total_bytes), goals[i].most_gib, gib(two.total_bytes),
               gib(three.gather_bytes));
