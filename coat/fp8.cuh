@@ -263,16 +263,14 @@ __global__ void __launch_bounds__(FP8_THREADS)
 // into shared memory, then reads the 4-column word of 16 rows (one 32-bit load per row, no byte
 // loads), transposes the four 4 x 4 byte blocks with byte permutes and stores 16 bytes into each
 // of 4 output rows. A warp reads 8 words of 4 row groups: row group g's words are XORed with
-// 8 (g % 4), so those reads fall in 32 distinct banks. Block (0, 0) also stores the scale of the
-// slot's amax, as the cast pass does for the codes it writes.
+// 8 (g % 4), so those reads fall in 32 distinct banks.
 #define FP8_TRANSPOSE_TILE 128
 __device__ __forceinline__ int fp8_transpose_swizzle(int row) { return ((row >> 4) & 3) << 3; }
 
 __global__ void __launch_bounds__(FP8_THREADS)
-    fp8_transpose_codes_kernel(uint8_t *out_t, const uint8_t *in, Fp8Scale *slot, Fp8Format format, int R, int C) {
+    fp8_transpose_codes_kernel(uint8_t *out_t, const uint8_t *in, int R, int C) {
     constexpr int WORDS = FP8_TRANSPOSE_TILE / 4;  // 32-bit words per staged row
     __shared__ __align__(16) uint32_t tile[FP8_TRANSPOSE_TILE * WORDS];  // [row][word ^ swizzle(row)]
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) slot->scale = fp8_scale_from_amax(slot->amax, format);
     int r0 = blockIdx.y * FP8_TRANSPOSE_TILE, c0 = blockIdx.x * FP8_TRANSPOSE_TILE;
     int piece = threadIdx.x % 8;  // 16 bytes = words 4 piece .. 4 piece + 3
     for (int k = 0; k < 4; k++) {
@@ -360,14 +358,13 @@ static inline void fp8_dequantize(bf16 *out, const uint8_t *in, const Fp8Scale *
 }
 
 // out_t [C, R] = the transpose of the FP8 codes in [R, C] (R and C multiples of 16, both
-// 16-byte aligned), for codes cast elsewhere (ZeRO's gather of the E4M3 weights); stores the
-// scale of slot->amax in slot->scale.
-static inline void fp8_transpose_codes(uint8_t *out_t, const uint8_t *in, Fp8Scale *slot, int R, int C, Fp8Format format,
-                                       cudaStream_t stream) {
+// 16-byte aligned), for codes cast earlier (the weights' W^T, remade layer by layer in backward);
+// their scale is the cast's.
+static inline void fp8_transpose_codes(uint8_t *out_t, const uint8_t *in, int R, int C, cudaStream_t stream) {
     fp8_check("fp8_transpose_codes", R > 0 && C > 0 && R % 16 == 0 && C % 16 == 0, "R and C must be positive multiples of 16");
     fp8_check("fp8_transpose_codes", (((uintptr_t)in | (uintptr_t)out_t) & 15u) == 0, "in and out_t must be 16-byte aligned");
     dim3 grid(ceil_div(C, FP8_TRANSPOSE_TILE), ceil_div(R, FP8_TRANSPOSE_TILE));
-    fp8_transpose_codes_kernel<<<grid, FP8_THREADS, 0, stream>>>(out_t, in, slot, format, R, C);
+    fp8_transpose_codes_kernel<<<grid, FP8_THREADS, 0, stream>>>(out_t, in, R, C);
     cudaCheckLaunch();
 }
 

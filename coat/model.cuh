@@ -386,13 +386,13 @@ static inline void model_cast_weights(LlamaModel *model, cudaStream_t s) {
     model->fp8_weights_current = 1;
 }
 
-// A layer's transposed weight codes and their scales, once all its codes are here.
+// A layer's transposed weight codes, once all its codes are here (their scales are the casts').
 static inline void model_transpose_layer_weights(LlamaModel *model, int layer, cudaStream_t s) {
     for (int i = 0; i < LINEARS; i++) {
         Linear which = (Linear)i;
         LinearShape shape = linear_shape(model, which);
         fp8_transpose_codes(linear_fp8_weight(model, layer, which, 1), linear_fp8_weight(model, layer, which, 0),
-                            model_fp8_scale(model, layer, FP8_SLOT_WEIGHT, which), shape.out, shape.in, FP8_E4M3, s);
+                            shape.out, shape.in, s);
     }
 }
 

@@ -585,8 +585,8 @@ static inline void zero_optimizer_ranges(const Zero *z, ParamShardRange *ranges)
 }
 
 // Sharded: every weight's scale from its amax (the max over the ranks by now), on every rank: the
-// forward's FP8 GEMMs read it before backward's transposes would write it, and a rank that owns
-// none of a weight casts none of it. The casts write the same value.
+// FP8 GEMMs read it, and a rank that owns none of a weight casts none of it. The casts write the
+// same value.
 __global__ void zero_weight_scales_kernel(Fp8Scale *table, int layers) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= layers * LINEARS) return;
