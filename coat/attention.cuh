@@ -43,7 +43,8 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 }
 
 // A dQ pass's statistics of rows row_lo and row_lo + 8 of head h of batch b: lse in log2 units and D,
-// from lse and delta [B, NH, T]. Rows past T get lse = +inf, so that their P is exactly 0, and D = 0.
+// from lse and delta [B, NH, T]. Rows past T (or before 0) get lse = +inf, so that their P is exactly
+// 0, and D = 0.
 __device__ __forceinline__ void attention_dq_row_statistics(float (&row_lse_log2)[2], float (&row_delta)[2],
                                                             const float *lse, const float *delta, int b, int h, int NH,
                                                             int T, int row_lo) {
@@ -51,8 +52,9 @@ __device__ __forceinline__ void attention_dq_row_statistics(float (&row_lse_log2
     for (int r = 0; r < 2; r++) {
         const int row = row_lo + 8 * r;
         const size_t index = ((size_t)b * NH + h) * T + row;
-        row_lse_log2[r] = row < T ? lse[index] * ATTENTION_LOG2E : INFINITY;
-        row_delta[r] = row < T ? delta[index] : 0.f;
+        const bool valid = row >= 0 && row < T;  // rows before 0: a TMA query block's first warpgroups
+        row_lse_log2[r] = valid ? lse[index] * ATTENTION_LOG2E : INFINITY;
+        row_delta[r] = valid ? delta[index] : 0.f;
     }
 }
 

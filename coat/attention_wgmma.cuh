@@ -396,8 +396,17 @@ struct AttentionTmaForwardSmem {
     static constexpr size_t bytes = bars + (1 + 2 * STAGES) * sizeof(uint64_t) + 1024;
 };
 
-// Block: query rows q0 = q_tile * q_block.., head h, batch b, in the order of chunk_pairs (last query
-// block of a pair first: attention_block_in_order). Warpgroup 0 is the producer
+// The first row of query block q_block (of q_blocks, ROWS rows each) in the forward and the dQ pass:
+// the blocks end at T rounded up to a warpgroup's 64 rows, so that a partial block is a pair's first,
+// whose rows see one K/V tile or two and whose warpgroups of rows before 0 only release its stages
+// (their Q rows load as zeros). Aligned from row 0 the partial block would be the last: at T = 1024
+// with blocks of 192 rows, 64 rows walking every K/V tile beside two idle warpgroups.
+__device__ __forceinline__ int attention_query_block_row0(int q_block, int q_blocks, int rows, int T) {
+    return ceil_div(T, WGMMA_WARPGROUP_ROWS) * WGMMA_WARPGROUP_ROWS - (q_blocks - q_block) * rows;
+}
+
+// Block: query rows q0 = attention_query_block_row0.., head h, batch b, in the order of chunk_pairs
+// (last query block of a pair first: attention_block_in_order). Warpgroup 0 is the producer
 // (its thread 0 issues every load); warpgroup 1 + w is consumer w: rows q0 + 64 w.., warp i of it
 // rows + 16 i, thread rows g and g + 8. A consumer walks every K/V tile of the block, computing on
 // those left of its diagonal, and releases each stage once its products from it completed. Online
@@ -423,7 +432,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     const AttentionBlock block = attention_block_in_order(blockIdx.x, q_blocks, gridDim.x / q_blocks, chunk_pairs);
     const int q_block = q_blocks - 1 - block.x, h = block.pair % NH, b = block.pair / NH;
     const int kv_head = h / (NH / NKV);
-    const int q0 = q_block * Q_ROWS;
+    const int q0 = attention_query_block_row0(q_block, q_blocks, Q_ROWS, T);
     const int num_kv_tiles = (min(q0 + Q_ROWS, T) - 1) / KV + 1;  // up to the last valid row's diagonal
 
     tma_pipeline_init<STAGES>(q_full, CONSUMERS);
@@ -450,8 +459,10 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     if constexpr (CLAIM) warpgroup_registers_claim<CONSUMER_REGISTERS>();
     const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
     const int group_row0 = q0 + consumer * WGMMA_WARPGROUP_ROWS;
-    // This warpgroup's tiles: up to the diagonal of its last valid row (none when all lie past T).
-    const int group_tiles = group_row0 >= T ? 0 : (min(group_row0 + WGMMA_WARPGROUP_ROWS, T) - 1) / KV + 1;
+    // This warpgroup's tiles: up to the diagonal of its last valid row (none when all lie past T or
+    // before 0).
+    const bool group_rows = group_row0 >= 0 && group_row0 < T;
+    const int group_tiles = group_rows ? (min(group_row0 + WGMMA_WARPGROUP_ROWS, T) - 1) / KV + 1 : 0;
     const int g = lane / 4, c = (lane % 4) * 2;
     const int row_lo = group_row0 + warp * 16 + g;  // this thread's rows: row_lo and row_lo + 8
     const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
@@ -579,6 +590,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     wgmma_pin_registers(p_frag);
     if constexpr (OVERLAP)
         if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[(num_kv_tiles - 1) % STAGES]);
+    if (!group_rows) return;  // warpgroup-uniform
 
     float inv_sum[2];
 #pragma unroll
@@ -873,7 +885,8 @@ struct AttentionTmaDqSmem {
     static constexpr size_t bytes = bars + (1 + 2 * STAGES) * sizeof(uint64_t) + 1024;
 };
 
-// Block: query rows q0 = 64 CONSUMERS q_block.. of head h of batch b, ordered as the forward's;
+// Block: query rows q0 = attention_query_block_row0.. (64 CONSUMERS of them) of head h of batch b,
+// ordered as the forward's;
 // consumer w: rows q0 + 64 w.. It walks the K/V tiles up to the diagonal like the forward:
 // S = Q K^T, dP = dO V^T, P, dS, dQ += dS K.
 template <int HEAD_DIM, int KV, int STAGES, int CONSUMERS>
@@ -895,7 +908,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     const AttentionBlock block = attention_block_in_order(blockIdx.x, q_blocks, gridDim.x / q_blocks, chunk_pairs);
     const int q_block = q_blocks - 1 - block.x, h = block.pair % NH, b = block.pair / NH;
     const int kv_head = h / (NH / NKV);
-    const int q0 = q_block * Q_ROWS;
+    const int q0 = attention_query_block_row0(q_block, q_blocks, Q_ROWS, T);
     const int num_kv_tiles = (min(q0 + Q_ROWS, T) - 1) / KV + 1;  // up to the last valid row's diagonal
 
     tma_pipeline_init<STAGES>(qd_full, CONSUMERS);
@@ -915,7 +928,8 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
 
     const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
     const int group_row0 = q0 + consumer * GROUP_ROWS;
-    const int group_tiles = group_row0 >= T ? 0 : (min(group_row0 + GROUP_ROWS, T) - 1) / KV + 1;
+    const bool group_rows = group_row0 >= 0 && group_row0 < T;  // as the forward's
+    const int group_tiles = group_rows ? (min(group_row0 + GROUP_ROWS, T) - 1) / KV + 1 : 0;
     const int row_lo = group_row0 + warp * 16 + lane / 4;  // this thread's rows: row_lo and row_lo + 8
     const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
     float row_lse_log2[2], row_delta[2];
@@ -939,6 +953,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
         }
         if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
     }
+    if (!group_rows) return;  // warpgroup-uniform
 
     const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM;
     wgmma_store_rows_direct<HEAD_DIM>(dqkv + (size_t)b * T * qkv_row + (size_t)h * HEAD_DIM, qkv_row, row_lo, T, dq_acc,
