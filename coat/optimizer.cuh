@@ -329,6 +329,7 @@ typedef struct {
     float log2[DRE_LOG2_TABLE];
     float mantissa_log2[DRE_FACTORS];
 } DreTables;
+#define ADAMW_BLOCK_GROUPS (ADAMW_THREADS / ADAMW_THREADS_PER_GROUP)
 
 // A DRE code's |value| as two factors, one per field of its E4M3 magnitude (exponent e, mantissa
 // m): c (|q| s)^(1/k) = B[e] M[f], with the binade factor B[e] = c 2^((max(e, 1) - 7) / k + log2 s / k)
@@ -347,20 +348,14 @@ static __host__ __device__ inline float dre_mantissa_log2(int f) {
 __device__ __forceinline__ void dre_fill_tables(DreTables *t) {
     if (threadIdx.x < DRE_LOG2_TABLE) t->log2[threadIdx.x] = dre_log2_table_entry(threadIdx.x);
     if (threadIdx.x < DRE_FACTORS) t->mantissa_log2[threadIdx.x] = dre_mantissa_log2(threadIdx.x);
-    __syncthreads();
 }
 
-// A group's per-moment work runs once for both moments: lanes 0-7 of the group's 16 compute it for
-// m, lanes 8-15 for v (the same instructions, other operands), and each lane then takes m's from
-// the group's lane 0 and v's from its lane 8. The group math (logs, a power, divisions) costs as
-// much per element as the values' own: sharing it takes a sixth off DRE's step.
-__device__ __forceinline__ bool adamw_lane_works_for_v() {
-    return threadIdx.x % ADAMW_THREADS_PER_GROUP >= ADAMW_THREADS_PER_GROUP / 2;
-}
-__device__ __forceinline__ float adamw_from_moment_lane(float x, int moment) {
-    return __shfl_sync(0xffffffffu, x, moment * (ADAMW_THREADS_PER_GROUP / 2), ADAMW_THREADS_PER_GROUP);
-}
-
+// A group's per-moment math (logs, a power, divisions) costs as much per element as the values'
+// own if each of its 16 lanes repeats it. One warp of the block does it instead, a lane for each of
+// the block's 16 groups and 2 moments (DRE_GROUP_LANE's), and the other lanes read the results from
+// shared memory after a barrier: 11% of the step's instructions.
+#define DRE_GROUP_LANE(group, moment) (2 * (group) + (moment))
+static_assert(DRE_LOG2_TABLE + 2 * ADAMW_BLOCK_GROUPS <= ADAMW_THREADS, "the decode's lanes follow the table's threads");
 // What DRE's factors of a group's moment (dre_binade_factor) need: 1 / k, log2 s / k and c.
 typedef struct {
     float inverse_k, log2_scale_over_k, c;
@@ -377,12 +372,6 @@ static __host__ __device__ inline float dre_binade_factor(DreDecode d, int e) {
 }
 static __host__ __device__ inline float dre_mantissa_factor(DreDecode d, int f, float mantissa_log2) {
     return f == 8 ? 0.0f : dre_exp2_near(mul_unfused(mantissa_log2, d.inverse_k));  // |exponent| <= 3 * 16
-}
-
-__device__ __forceinline__ DreDecode dre_decode_of_moment(DreDecode mine, int moment) {
-    DreDecode d = {adamw_from_moment_lane(mine.inverse_k, moment), adamw_from_moment_lane(mine.log2_scale_over_k, moment),
-                   adamw_from_moment_lane(mine.c, moment)};
-    return d;
 }
 
 // What a lane needs to dequantize a group's moment: its scale (fp8), or (DRE) the group's binade
@@ -433,17 +422,6 @@ static __host__ __device__ inline DreEncode dre_encode_constants(float max_abs, 
             e.scale = max_abs / DRE_E4M3_MAX;
         }
     }
-    return e;
-}
-
-__device__ __forceinline__ DreEncode dre_encode_of_moment(DreEncode mine, int moment) {
-    DreEncode e;
-    e.scale = adamw_from_moment_lane(mine.scale, moment);
-    e.k = adamw_from_moment_lane(mine.k, moment);
-    e.c = adamw_from_moment_lane(mine.c, moment);
-    e.log2_max.exponent = __shfl_sync(0xffffffffu, mine.log2_max.exponent, moment * (ADAMW_THREADS_PER_GROUP / 2),
-                                      ADAMW_THREADS_PER_GROUP);
-    e.log2_max.fraction = adamw_from_moment_lane(mine.log2_max.fraction, moment);
     return e;
 }
 
@@ -500,6 +478,14 @@ __device__ __forceinline__ uint2 quantize8_e4m3(const float x[ADAMW_VEC], DreEnc
     return make_uint2(word[0], word[1]);
 }
 
+// The block's DRE group constants in shared memory (DRE_GROUP_LANE's order): the decode's, the
+// groups' ranges (max and smallest nonzero magnitude), then the encode's.
+typedef struct {
+    DreDecode decode[2 * ADAMW_BLOCK_GROUPS];
+    float max_abs[2 * ADAMW_BLOCK_GROUPS], min_abs[2 * ADAMW_BLOCK_GROUPS];
+    DreEncode encode[2 * ADAMW_BLOCK_GROUPS];
+} DreBlockGroups;
+
 // The part of state group g, or -1.
 __device__ __forceinline__ int adamw_amax_part(const AdamWAmaxParts &amax, uint32_t g) {
     int low = 0, high = amax.count;  // the last part with first_group <= g is below high
@@ -516,7 +502,6 @@ __device__ __forceinline__ int adamw_amax_part(const AdamWAmaxParts &amax, uint3
 // wait under the step's), each group's max |bf16(p)| into shared memory (as soon as p is
 // known), and at the end, after a barrier, warp 0 combines the runs of groups in one part and
 // the first lane of each run takes the atomic: a part sees about one atomic per block.
-#define ADAMW_BLOCK_GROUPS (ADAMW_THREADS / ADAMW_THREADS_PER_GROUP)
 __device__ __forceinline__ int adamw_amax_block_part(const AdamWAmaxParts &amax, uint32_t block_first_group) {
     return threadIdx.x < ADAMW_BLOCK_GROUPS ? adamw_amax_part(amax, block_first_group + threadIdx.x) : -1;
 }
@@ -560,7 +545,20 @@ __global__ void __launch_bounds__(ADAMW_THREADS)
     int amax_part = gather_amax ? adamw_amax_block_part(amax, shard.first_group + blockIdx.x * ADAMW_BLOCK_GROUPS) : -1;
     size_t group = i / ADAMW_GROUP;
     __shared__ DreTables tables;
-    if constexpr (DRE) dre_fill_tables(&tables);  // FP8 kinds keep every thread to the end
+    __shared__ DreBlockGroups block_groups;
+    const int block_group = threadIdx.x / ADAMW_THREADS_PER_GROUP;
+    if constexpr (DRE) {  // FP8 kinds keep every thread to the end (the barriers)
+        dre_fill_tables(&tables);
+        int lane = threadIdx.x - DRE_LOG2_TABLE;  // the warp after the table's: the decode's constants
+        if (lane >= 0 && lane < 2 * ADAMW_BLOCK_GROUPS) {
+            size_t lane_group = (size_t)blockIdx.x * ADAMW_BLOCK_GROUPS + lane / 2;
+            const float *scalars = (lane % 2 ? shard.v_group : shard.m_group) + lane_group * SCALARS;
+            block_groups.decode[lane] = lane_group * ADAMW_GROUP < shard.n
+                                            ? dre_decode_constants(scalars[0], scalars[1], scalars[2])
+                                            : DreDecode{0.0f, 1.0f, 1.0f};
+        }
+        __syncthreads();
+    }
 
     float p[ADAMW_VEC] = {0}, g[ADAMW_VEC] = {0}, m[ADAMW_VEC] = {0}, v[ADAMW_VEC] = {0};
     // The FP8 kinds' moments, decoded by every lane of the warp (DRE's shuffles need them all),
@@ -573,9 +571,8 @@ __global__ void __launch_bounds__(ADAMW_THREADS)
             v_codes = *(const uint2 *)((const unsigned char *)shard.v + i);
         }
         if constexpr (DRE) {
-            const float *mine = (adamw_lane_works_for_v() ? shard.v_group : shard.m_group) + group * SCALARS;
-            DreDecode d = active ? dre_decode_constants(mine[0], mine[1], mine[2]) : DreDecode{0.0f, 1.0f, 1.0f};
-            DreDecode of_m = dre_decode_of_moment(d, 0), of_v = dre_decode_of_moment(d, 1);
+            DreDecode of_m = block_groups.decode[DRE_GROUP_LANE(block_group, 0)];
+            DreDecode of_v = block_groups.decode[DRE_GROUP_LANE(block_group, 1)];
             int lane = threadIdx.x % ADAMW_THREADS_PER_GROUP;
             float mantissa_log2 = tables.mantissa_log2[lane];
             m_decode.binade = dre_binade_factor(of_m, lane);
@@ -636,10 +633,19 @@ __global__ void __launch_bounds__(ADAMW_THREADS)
         v_min = adamw_group_min(v_min);
         DreEncode m_encode, v_encode;
         if constexpr (DRE) {
-            bool for_v = adamw_lane_works_for_v();
-            DreEncode mine = dre_encode_constants<true>(for_v ? v_max : m_max, for_v ? v_min : m_min, tables.log2);
-            m_encode = dre_encode_of_moment(mine, 0);
-            v_encode = dre_encode_of_moment(mine, 1);
+            if (threadIdx.x % ADAMW_THREADS_PER_GROUP == 0) {
+                block_groups.max_abs[DRE_GROUP_LANE(block_group, 0)] = m_max;
+                block_groups.min_abs[DRE_GROUP_LANE(block_group, 0)] = m_min;
+                block_groups.max_abs[DRE_GROUP_LANE(block_group, 1)] = v_max;
+                block_groups.min_abs[DRE_GROUP_LANE(block_group, 1)] = v_min;
+            }
+            __syncthreads();
+            if (threadIdx.x < 2 * ADAMW_BLOCK_GROUPS)
+                block_groups.encode[threadIdx.x] = dre_encode_constants<true>(
+                    block_groups.max_abs[threadIdx.x], block_groups.min_abs[threadIdx.x], tables.log2);
+            __syncthreads();
+            m_encode = block_groups.encode[DRE_GROUP_LANE(block_group, 0)];
+            v_encode = block_groups.encode[DRE_GROUP_LANE(block_group, 1)];
         } else {
             m_encode = dre_encode_constants<false>(m_max, m_min, tables.log2);
             v_encode = dre_encode_constants<false>(v_max, v_min, tables.log2);
