@@ -17,17 +17,20 @@
 //            k = 1 if R <= 1 + 1e-6, else floor(16 log2(448^2 / 2) / log2 R) / 16,
 //            c = sqrt(Mx) sqrt(Mn),  s = (Mx / c)^k / 448,  q = e4m3(sign(x) (|x| / c)^k / s);
 //            back: x = sign(q s) |q s|^(1/k) c.   An all-zero group stores q = 0, s = k = c = 1.
-//   The powers are taken in the log domain, one exp2 per value quantized:
-//            q = e4m3(sign(x) 2^(k (log2|x| - log2 Mx) + log2 448)),  x = 0 stays 0;
+//   The powers are taken in the log domain:
+//            q = e4m3(sign(x) 2^(k log2(|x| / Mx) + log2 448)),  x = 0 stays 0;
 //            back: x = sign(q) c 2^((e - 7) / k + log2 s / k) 2^(log2 f / k) for q = 2^(e - 7) f, a
 //            factor per field of the code, of which a group has 16 + 16 (dre_binade_factor).
-//   An error d in log2|x| - log2 Mx moves the stored value by 2^(k d) and the value it decodes to
-//   by 2^d, whatever k is: the round trip needs that difference to an absolute 1e-7 or so, for any
-//   group. Each log comes from a short table-driven log2 as an integer exponent and a fraction
-//   below 0.6 (dre_log2_split), so that the difference keeps that accuracy at any magnitude.
-// e4m3 rounds to nearest even and saturates to +-448. The powers use log2 and exp2 written below
-// from correctly rounded operations only, and every product that feeds a sum is rounded on its own
-// (no FMA contraction), so a plain C program reproduces the FP8 states bit for bit.
+// e4m3 rounds to nearest even and saturates to +-448. Everything but the values' codes uses log2
+// and exp2 written below from correctly rounded operations only, and every product that feeds a sum
+// is rounded on its own (no FMA contraction), so a plain C program reproduces the master weights,
+// the parameters, every group's scalars and the decoded moments bit for bit. The codes take the
+// hardware's log2 and exp2, a value each (dre_expanded): an error d in log2(|x| / Mx) moves the
+// stored value by 2^(k d) and the value it decodes to by 2^d, whatever k is, and d stays below
+// 4e-7, so a code differs from the exact rounding's only where the value lies within 1e-6 (1 + k)
+// of a rounding boundary (test_optimizer checks each step's codes so against the definition in
+// double). Instructions, not bytes, set the step's time: the software log2 and exp2 per value were
+// 40 of its 229 instructions per parameter.
 //
 // Layouts. The optimizer steps this rank's parts of a list of ranges of the parameter order
 // (ParamShardRange, coat/params.h: one per data-parallel bucket, coat/zero.h, or one range of the
@@ -198,43 +201,6 @@ static __host__ __device__ inline float dre_pow(float y, float p) {
     return dre_exp2(mul_unfused(p, dre_log2(y)));
 }
 
-// log2 x of a positive x as an integer exponent and a fraction in [-0.42, 0.59] (their sum), the
-// fraction within about 1e-7 absolute: x = 2^e f, the top 6 mantissa bits pick a point F of
-// [0.75, 1.5) (F = 1 for the two intervals beside 1, so that the fraction stays accurate there
-// relative to itself), r = f / F - 1 (|r| < 1/64) from the tabulated 1 / F by one FMA, and
-// log2(1 + r) by its series to r^3 (truncated at 2e-8). The table: 1 / F[j] at j, log2 F[j] at
-// 64 + j, j = 0..63. 0 gives 2^-151 (the caller selects), infinity and NaN garbage (never passed).
-#define DRE_LOG2_TABLE 128
-static __host__ __device__ inline float dre_log2_table_entry(int i) {
-    int j = i % 64;
-    float f = j == 0 || j == 63 ? 1.0f : mul_unfused(1.0f + (j + 0.5f) / 64.0f, j >= 32 ? 0.5f : 1.0f);
-    return i < 64 ? 1.0f / f : dre_log2(f);
-}
-
-typedef struct {
-    int exponent;
-    float fraction;
-} DreLog2;
-
-static __host__ __device__ inline DreLog2 dre_log2_split(float x, const float *table) {
-    bool subnormal = x < 1.17549435e-38f;  // scaled by 2^24 (exact)
-    uint32_t bits = dre_float_bits(subnormal ? mul_unfused(x, 16777216.0f) : x);
-    int j = (int)((bits >> 17) & 63u), upper = j >= 32;  // upper: f in [1.5, 2) is taken as 2 (f / 2)
-    float f = dre_bits_float((bits & 0x007fffffu) | (upper ? 0x3f000000u : 0x3f800000u));
-    float r = fmaf(f, table[j], -1.0f);
-    float series = fmaf(r, 0.480898347f, -0.721347511f);  // log2(e) / 3, -log2(e) / 2
-    series = fmaf(r, series, 1.44269502f);                // log2(e)
-    DreLog2 log2 = {(int)(bits >> 23) - 127 - (subnormal ? 24 : 0) + upper, fmaf(r, series, table[64 + j])};
-    return log2;
-}
-
-// log2 a - log2 b from their splits: the exponents' difference exact (|difference| < 2^22, through
-// the mantissa of 1.5 2^23 rather than a conversion instruction), the fractions' nearly so.
-static __host__ __device__ __forceinline__ float dre_log2_difference(DreLog2 a, DreLog2 b) {
-    float exponents = dre_bits_float(dre_float_bits(DRE_ROUNDING_SHIFTER) + (uint32_t)(a.exponent - b.exponent)) - DRE_ROUNDING_SHIFTER;
-    return exponents + (a.fraction - b.fraction);
-}
-
 // ---- the step kernel ----------------------------------------------------------------------
 
 // What every element of one step shares; computed on the host.
@@ -323,10 +289,9 @@ __device__ __forceinline__ float adamw_group_min(float x) {
 #define DRE_FACTORS 16
 static_assert(DRE_FACTORS == ADAMW_THREADS_PER_GROUP, "a DRE group's factors are one per lane");
 
-// The tables of DRE, in shared memory, filled by the block's first threads before a barrier:
-// dre_log2_split's, then the mantissa logs of dre_mantissa_factor.
+// The table of DRE, in shared memory, filled by the block's first threads before a barrier: the
+// mantissa logs of dre_mantissa_factor.
 typedef struct {
-    float log2[DRE_LOG2_TABLE];
     float mantissa_log2[DRE_FACTORS];
 } DreTables;
 #define ADAMW_BLOCK_GROUPS (ADAMW_THREADS / ADAMW_THREADS_PER_GROUP)
@@ -346,7 +311,6 @@ static __host__ __device__ inline float dre_mantissa_log2(int f) {
 }
 
 __device__ __forceinline__ void dre_fill_tables(DreTables *t) {
-    if (threadIdx.x < DRE_LOG2_TABLE) t->log2[threadIdx.x] = dre_log2_table_entry(threadIdx.x);
     if (threadIdx.x < DRE_FACTORS) t->mantissa_log2[threadIdx.x] = dre_mantissa_log2(threadIdx.x);
 }
 
@@ -355,7 +319,7 @@ __device__ __forceinline__ void dre_fill_tables(DreTables *t) {
 // the block's 16 groups and 2 moments (DRE_GROUP_LANE's), and the other lanes read the results from
 // shared memory after a barrier: 11% of the step's instructions.
 #define DRE_GROUP_LANE(group, moment) (2 * (group) + (moment))
-static_assert(DRE_LOG2_TABLE + 2 * ADAMW_BLOCK_GROUPS <= ADAMW_THREADS, "the decode's lanes follow the table's threads");
+static_assert(2 * ADAMW_BLOCK_GROUPS == 32 && ADAMW_THREADS >= 64, "a warp for the decode, another for the encode");
 // What DRE's factors of a group's moment (dre_binade_factor) need: 1 / k, log2 s / k and c.
 typedef struct {
     float inverse_k, log2_scale_over_k, c;
@@ -398,15 +362,15 @@ __device__ __forceinline__ void dequantize8_e4m3(float out[ADAMW_VEC], uint2 cod
     }
 }
 
-// What quantizing a group of one moment needs, from its largest and smallest nonzero magnitude.
+// What quantizing a group of one moment needs, from its largest and smallest nonzero magnitude:
+// its scalars; on the device also unit and log2_max_unit (dre_encode_unit).
 typedef struct {
-    float scale, k, c;
-    DreLog2 log2_max;
+    float scale, k, c, unit, log2_max_unit;
 } DreEncode;
 
 template <bool DRE>
-static __host__ __device__ inline DreEncode dre_encode_constants(float max_abs, float min_abs, const float *log2_table) {
-    DreEncode e = {1.0f, 1.0f, 1.0f, {0, 0.0f}};
+static __host__ __device__ inline DreEncode dre_encode_constants(float max_abs, float min_abs) {
+    DreEncode e = {1.0f, 1.0f, 1.0f, 1.0f, 0.0f};
     if (max_abs > 0.0f) {
         if (DRE) {
             float ratio = max_abs / min_abs;
@@ -416,7 +380,6 @@ static __host__ __device__ inline DreEncode dre_encode_constants(float max_abs, 
                 e.k = fmaxf(floorf(DRE_K_NUMERATOR / log2_ratio), 1.0f) * 0.0625f;
             }
             e.c = mul_unfused(sqrtf(max_abs), sqrtf(min_abs));
-            e.log2_max = dre_log2_split(max_abs, log2_table);
             e.scale = dre_pow(max_abs / e.c, e.k) / DRE_E4M3_MAX;
         } else {
             e.scale = max_abs / DRE_E4M3_MAX;
@@ -441,26 +404,53 @@ __device__ __forceinline__ void adamw_local_range(const float x[ADAMW_VEC], floa
     *min_abs = fminf(*min_abs, 3.40282347e38f);
 }
 
-// 448 (|x| / Mx)^k for a = |x| <= Mx, the magnitude that DRE stores in E4M3: 0 stays 0, NaN stays
-// NaN, an infinity counts as FLT_MAX (as in the group's range), and below 2^-64 (which rounds to 0)
-// the exponent is clamped, keeping dre_exp2_near in its range.
-static __host__ __device__ __forceinline__ float dre_expanded(float a, DreEncode e, const float *log2_table) {
-    DreLog2 log2 = dre_log2_split(fminf(a, 3.40282347e38f), log2_table);
-    float t = fmaf(e.k, dre_log2_difference(log2, e.log2_max), DRE_LOG2_E4M3_MAX);
-    float expanded = dre_exp2_near(fmaxf(t, -64.0f));
-    return a > 0.0f ? expanded : a;
+// The hardware's log2 (within 2^-22 absolute, then rounded to float; subnormal inputs flushed to 0,
+// log2 -inf) and exp2 (within 2^-22 relative; results below 2^-126, which E4M3 rounds to 0, flushed
+// to 0).
+__device__ __forceinline__ float dre_hardware_log2(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float dre_hardware_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// The group's unit, a power of two that takes its values where their logs are exact enough, and
+// log2(Mx unit): Mx to [1, 2), so that log2(|x| unit) is small where k is large; where that would
+// take Mn below FLT_MIN (R > 2^126, so k <= 1/8), Mx to [2^126, 2^127), which keeps every value
+// of a group with R < 2^252 normal (values below Mx 2^-252 fall to 0, code 0).
+__device__ __forceinline__ void dre_encode_unit(DreEncode *e, float max_abs, float min_abs) {
+    if (!(max_abs > 0.0f)) return;
+    int exponent = (int)(dre_float_bits(max_abs) >> 23);  // 0 to 254: max_abs <= FLT_MAX
+    int shift = 127 - exponent;
+    if (min_abs * dre_bits_float((uint32_t)(127 + max(shift, -126)) << 23) < 1.17549435e-38f) shift = 253 - exponent;
+    e->unit = dre_bits_float((uint32_t)(127 + min(max(shift, -126), 127)) << 23);
+    e->log2_max_unit = dre_hardware_log2(max_abs * e->unit);
+}
+
+// 448 (|x| / Mx)^k = 2^(k (log2(|x| unit) - log2(Mx unit)) + log2 448) for a = |x| <= Mx, the
+// magnitude that DRE stores in E4M3: 0 stays 0 (log2 0 = -inf), NaN stays NaN, an infinity gives
+// 448 (as FLT_MAX would: the group's range counts it so). Each log carries the hardware's error and
+// a rounding to float, |log2(|x| / Mx)| 6e-8 at most where the value can round to a nonzero code
+// (k |log2(|x| / Mx)| <= 19), the exponent one more rounding, exp2 its error: within
+// 1.3e-6 + 3.5e-7 k of the value (relative), where E4M3's steps are 6-12%, so a code differs from
+// the exact rounding's only for a value that close to a rounding boundary.
+__device__ __forceinline__ float dre_expanded(float a, DreEncode e) {
+    float log2_ratio = dre_hardware_log2(a * e.unit) - e.log2_max_unit;
+    return dre_hardware_exp2(fmaf(e.k, log2_ratio, DRE_LOG2_E4M3_MAX));
 }
 
 // The codes of this thread's 8 values of a group quantized with e. STOCHASTIC rounds with the
 // uniforms of (key, index + j), else to nearest even, two values per conversion.
 template <bool DRE, bool STOCHASTIC>
-__device__ __forceinline__ uint2 quantize8_e4m3(const float x[ADAMW_VEC], DreEncode e, const DreTables *tables, uint64_t key,
-                                                uint64_t index) {
+__device__ __forceinline__ uint2 quantize8_e4m3(const float x[ADAMW_VEC], DreEncode e, uint64_t key, uint64_t index) {
     float y[ADAMW_VEC];
     for (int j = 0; j < ADAMW_VEC; j++) {
         if (DRE) {
-            float a = fabsf(x[j]);
-            y[j] = copysignf(dre_expanded(a, e, tables->log2), x[j]);
+            y[j] = copysignf(dre_expanded(fabsf(x[j]), e), x[j]);
         } else {
             y[j] = x[j] / e.scale;
         }
@@ -549,7 +539,7 @@ __global__ void __launch_bounds__(ADAMW_THREADS)
     const int block_group = threadIdx.x / ADAMW_THREADS_PER_GROUP;
     if constexpr (DRE) {  // FP8 kinds keep every thread to the end (the barriers)
         dre_fill_tables(&tables);
-        int lane = threadIdx.x - DRE_LOG2_TABLE;  // the warp after the table's: the decode's constants
+        int lane = threadIdx.x - 32;  // warp 1 (the table is warp 0's): the decode's constants
         if (lane >= 0 && lane < 2 * ADAMW_BLOCK_GROUPS) {
             size_t lane_group = (size_t)blockIdx.x * ADAMW_BLOCK_GROUPS + lane / 2;
             const float *scalars = (lane % 2 ? shard.v_group : shard.m_group) + lane_group * SCALARS;
@@ -640,19 +630,22 @@ __global__ void __launch_bounds__(ADAMW_THREADS)
                 block_groups.min_abs[DRE_GROUP_LANE(block_group, 1)] = v_min;
             }
             __syncthreads();
-            if (threadIdx.x < 2 * ADAMW_BLOCK_GROUPS)
-                block_groups.encode[threadIdx.x] = dre_encode_constants<true>(
-                    block_groups.max_abs[threadIdx.x], block_groups.min_abs[threadIdx.x], tables.log2);
+            if (threadIdx.x < 2 * ADAMW_BLOCK_GROUPS) {
+                float max_abs = block_groups.max_abs[threadIdx.x], min_abs = block_groups.min_abs[threadIdx.x];
+                DreEncode e = dre_encode_constants<true>(max_abs, min_abs);
+                dre_encode_unit(&e, max_abs, min_abs);
+                block_groups.encode[threadIdx.x] = e;
+            }
             __syncthreads();
             m_encode = block_groups.encode[DRE_GROUP_LANE(block_group, 0)];
             v_encode = block_groups.encode[DRE_GROUP_LANE(block_group, 1)];
         } else {
-            m_encode = dre_encode_constants<false>(m_max, m_min, tables.log2);
-            v_encode = dre_encode_constants<false>(v_max, v_min, tables.log2);
+            m_encode = dre_encode_constants<false>(m_max, m_min);
+            v_encode = dre_encode_constants<false>(v_max, v_min);
         }
         uint64_t index = sc.first_index + i;
-        uint2 m_codes = quantize8_e4m3<DRE, STOCHASTIC>(m, m_encode, &tables, sc.rounding_key[0], index);
-        uint2 v_codes = quantize8_e4m3<DRE, STOCHASTIC>(v, v_encode, &tables, sc.rounding_key[1], index);
+        uint2 m_codes = quantize8_e4m3<DRE, STOCHASTIC>(m, m_encode, sc.rounding_key[0], index);
+        uint2 v_codes = quantize8_e4m3<DRE, STOCHASTIC>(v, v_encode, sc.rounding_key[1], index);
         if (active) {
             *(uint2 *)((unsigned char *)shard.m + i) = m_codes;
             *(uint2 *)((unsigned char *)shard.v + i) = v_codes;

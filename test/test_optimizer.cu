@@ -236,6 +236,7 @@ typedef struct {
     unsigned char *m, *v;
     float *m_group, *v_group;
     long long step;
+    uint8_t *near_boundary;  // fp8_dre, when set: m's then v's flags of cpu_quantize_group, last step
 } CpuAdamW;
 
 static void cpu_create(CpuAdamW *s, OptimizerStateKind kind, const float *init, size_t begin, size_t end) {
@@ -254,6 +255,7 @@ static void cpu_create(CpuAdamW *s, OptimizerStateKind kind, const float *init, 
     for (size_t i = 0; i < 2 * s->scalars * s->groups; i++) s->m_group[i] = 1.0f;  // an all-zero group
     memcpy(s->master, init + begin, 4 * s->n);
     s->step = 0;
+    s->near_boundary = NULL;
 }
 
 // k of DRE for a group with max|x| = mx and smallest nonzero |x| = mn.
@@ -278,34 +280,48 @@ static uint8_t e4m3_stochastic_reference(float y, float u) {
     return (uint8_t)((signbit(y) ? 0x80 : 0) | code);
 }
 
+// Whether the E4M3 rounding of y > 0 can go either way under a relative error tol of y: y lies that
+// close to a midpoint between codes (u < 0), or (stochastic rounding with uniform u) to a code or to
+// the point between its neighbours where the choice turns.
+static int e4m3_near_boundary(double y, double tol, float u) {
+    if (!(y < 448.0)) return 0;
+    int below = 0;  // the largest code at most y
+    while (below < 0x7e && float_from_e4m3((uint8_t)(below + 1)) <= y) below++;
+    double low = float_from_e4m3((uint8_t)below), high = float_from_e4m3((uint8_t)(below + 1));
+    double turn = u < 0.0f ? 0.5 * (low + high) : low + (double)u * (high - low);
+    return fabs(y - turn) <= tol * y || y - low <= tol * y || high - y <= tol * y;
+}
+
 // Quantizes 128 values: codes, and scalars {s} or {s, k, c}; key 0 rounds to nearest, else
-// stochastically with the uniforms of elements first.. of the whole buffer.
-static void cpu_quantize_group(int dre, const float *x, uint8_t *codes, float *scalars, uint64_t key, uint64_t first) {
+// stochastically with the uniforms of elements first.. of the whole buffer. DRE's values go through
+// the definition in double, 448 (|x| / Mx)^k (the kernel's scalars, bit for bit, and its codes but
+// where near_boundary, when set, flags a value within 2e-6 (1 + k) of a rounding boundary: the
+// kernel's values, from the hardware's log2 and exp2, are within 1.3e-6 + 3.5e-7 k, optimizer.cuh).
+static void cpu_quantize_group(int dre, const float *x, uint8_t *codes, float *scalars, uint64_t key, uint64_t first,
+                               uint8_t *near_boundary) {
     float mx = 0.0f, mn = INFINITY;
     for (int i = 0; i < 128; i++) {
         float a = fabsf(x[i]);
         if (a > mx) mx = a;
         if (a > 0.0f && a < mn) mn = a;
     }
-    float table[DRE_LOG2_TABLE];
-    for (int i = 0; i < DRE_LOG2_TABLE; i++) table[i] = dre_log2_table_entry(i);
+    mx = fminf(mx, 3.40282347e38f);
+    mn = fminf(mn, 3.40282347e38f);
     float s = 1.0f, k = 1.0f, c = 1.0f;
-    DreLog2 log2_max = {0, 0.0f};
     if (mx > 0.0f && !dre) s = mx / 448.0f;
     if (mx > 0.0f && dre) {
         k = cpu_dre_k(mx, mn);
         c = sqrtf(mx) * sqrtf(mn);
-        log2_max = dre_log2_split(mx, table);
         s = dre_pow(mx / c, k) / 448.0f;
     }
     for (int i = 0; i < 128; i++) {
-        // (|x|/c)^k / s = 448 (|x|/Mx)^k = 2^(k (log2|x| - log2 Mx) + log2 448), taken in the log
-        // domain as the kernel does (below 2^-64, which rounds to 0, the exponent clamped)
-        float a = fabsf(x[i]);
-        float t = fmaf(k, dre_log2_difference(dre_log2_split(a, table), log2_max), (float)log2(448.0));
-        float expanded = a == 0.0f ? 0.0f : dre_exp2_near(t < -64.0f ? -64.0f : t);
-        float y = !dre ? x[i] / s : copysignf(expanded, x[i]);
-        codes[i] = key ? e4m3_stochastic_reference(y, adamw_rounding_uniform(key, first + i)) : e4m3_from_float(y);
+        float u = key ? adamw_rounding_uniform(key, first + i) : -1.0f, y = x[i] / s;
+        if (dre) {  // (|x|/c)^k / s = 448 (|x|/Mx)^k
+            double a = fmin(fabs((double)x[i]), 3.40282347e38), expanded = a == 0.0 ? 0.0 : 448.0 * pow(a / mx, k);
+            y = x[i] != x[i] ? x[i] : copysignf((float)expanded, x[i]);
+            if (near_boundary) near_boundary[i] = expanded > 0.0 && e4m3_near_boundary(expanded, 2e-6 * (1.0 + k), u);
+        }
+        codes[i] = key ? e4m3_stochastic_reference(y, u) : e4m3_from_float(y);
     }
     scalars[0] = s;
     if (dre) { scalars[1] = k; scalars[2] = c; }
@@ -341,7 +357,7 @@ static void cpu_load_moment(const CpuAdamW *s, const unsigned char *store, const
 }
 
 static void cpu_store_moment(const CpuAdamW *s, unsigned char *store, float *group_scalars, size_t g, const float *x,
-                             uint64_t key) {
+                             uint64_t key, uint8_t *near_boundary) {
     size_t base = g * 128;
     for (int i = 0; i < 128 && s->kind == OPT_STATES_FP32; i++) memcpy(store + 4 * (base + i), &x[i], 4);
     for (int i = 0; i < 128 && s->kind == OPT_STATES_BF16; i++) {
@@ -349,7 +365,8 @@ static void cpu_store_moment(const CpuAdamW *s, unsigned char *store, float *gro
         memcpy(store + 2 * (base + i), &b, 2);
     }
     if (s->scalars)
-        cpu_quantize_group(s->kind == OPT_STATES_FP8_DRE, x, store + base, group_scalars + g * s->scalars, key, s->begin + base);
+        cpu_quantize_group(s->kind == OPT_STATES_FP8_DRE, x, store + base, group_scalars + g * s->scalars, key, s->begin + base,
+                           near_boundary ? near_boundary + base : NULL);
 }
 
 // One step over the shard; grads and params are whole buffers of BF16 bits, flags per element.
@@ -378,8 +395,8 @@ static void cpu_step(CpuAdamW *s, const AdamWConfig *c, const uint16_t *grads, u
         }
         uint64_t m_key = c->stochastic_rounding ? adamw_rounding_key(s->step, 0) : 0;
         uint64_t v_key = c->stochastic_rounding ? adamw_rounding_key(s->step, 1) : 0;
-        cpu_store_moment(s, s->m, s->m_group, g, m, m_key);
-        cpu_store_moment(s, s->v, s->v_group, g, v, v_key);
+        cpu_store_moment(s, s->m, s->m_group, g, m, m_key, s->near_boundary);
+        cpu_store_moment(s, s->v, s->v_group, g, v, v_key, s->near_boundary ? s->near_boundary + s->n : NULL);
     }
 }
 
@@ -469,40 +486,15 @@ static void test_dre_math(void) {
         worst_near_one = fmax(worst_near_one, fabs(dre_log2(x) / log2((double)x) - 1.0));
         worst_near_one = fmax(worst_near_one, fabs(dre_log2(x_below) / log2((double)x_below) - 1.0));
     }
-    // dre_log2_split: the fraction's absolute error at any magnitude, and near 1 from both sides its
-    // error relative to itself; dre_log2_difference of two such; dre_exp2_near over its range.
-    float table[DRE_LOG2_TABLE];
-    for (int i = 0; i < DRE_LOG2_TABLE; i++) table[i] = dre_log2_table_entry(i);
-    double worst_split = 0, worst_split_near_one = 0, worst_difference = 0, worst_near = 0;
-    long fraction_outside = 0;
+    // dre_exp2_near over its range
+    double worst_near = 0;
     for (int i = 0; i < 200000; i++) {
-        float x = (float)exp2(-149.0 + 277.0 * random_uniform(&rng));
-        if (x == 0.0f || isinf(x)) continue;
-        DreLog2 l = dre_log2_split(x, table);
-        worst_split = fmax(worst_split, fabs(l.exponent + (double)l.fraction - log2((double)x)));
-        fraction_outside += !(l.fraction >= -0.5f && l.fraction <= 0.6f);
-        // a and b up to 2^40 apart, from subnormals up: the difference as accurate as its parts
-        float b = (float)exp2(fmax(log2((double)x) + 80.0 * (random_uniform(&rng) - 0.5), -149.0));
-        if (b == 0.0f || isinf(b)) continue;
-        double exact = log2((double)x) - log2((double)b);
-        worst_difference = fmax(worst_difference, fabs(dre_log2_difference(l, dre_log2_split(b, table)) - exact) / fmax(fabs(exact), 1.0));
         float t = (float)(-125.0 + 250.0 * random_uniform(&rng));
         worst_near = fmax(worst_near, fabs(dre_exp2_near(t) / exp2((double)t) - 1.0));
     }
-    for (int i = 1; i < 2000; i++) {
-        float x = 1.0f + (float)i * 1.1920929e-7f, x_below = 1.0f - (float)i * 5.9604645e-8f;
-        DreLog2 above = dre_log2_split(x, table), below = dre_log2_split(x_below, table);
-        worst_split_near_one = fmax(worst_split_near_one, fabs((above.exponent + (double)above.fraction) / log2((double)x) - 1.0));
-        worst_split_near_one = fmax(worst_split_near_one, fabs((below.exponent + (double)below.fraction) / log2((double)x_below) - 1.0));
-    }
-    check(worst_split < 1.5e-7 && fraction_outside == 0,
-          "dre_log2_split vs libm: max absolute error %.2e, every fraction in [-0.5, 0.6] (%ld outside)", worst_split, fraction_outside);
-    check(worst_split_near_one < 1e-6, "dre_log2_split near 1: max relative error %.2e", worst_split_near_one);
-    check(worst_difference < 3e-7, "dre_log2_difference vs libm: max error %.2e (relative, or absolute below 1)", worst_difference);
     check(worst_near < 4e-7, "dre_exp2_near vs libm over [-125, 125]: max relative error %.2e", worst_near);
-    DreLog2 one = dre_log2_split(1.0f, table);
-    check(one.exponent == 0 && one.fraction == 0.0f && dre_exp2_near(0.0f) == 1.0f && dre_exp2_near(-125.0f) == ldexpf(1.0f, -125),
-          "dre_log2_split(1) = 0, dre_exp2_near(0) = 1 and (-125) = 2^-125 exactly");
+    check(dre_exp2_near(0.0f) == 1.0f && dre_exp2_near(-125.0f) == ldexpf(1.0f, -125),
+          "dre_exp2_near(0) = 1 and (-125) = 2^-125 exactly");
     check(worst_log < 4e-7, "dre_log2 vs libm: max error %.2e (relative, or absolute below 1)", worst_log);
     check(worst_exp < 4e-7, "dre_exp2 vs libm: max relative error %.2e", worst_exp);
     // The exponent t = p log2 y is rounded to float: 2^t carries ~|t| 2^-24 relative error.
@@ -515,20 +507,18 @@ static void test_dre_math(void) {
           "dre_exp2: exact powers of two, smallest subnormal, underflow to 0");
 }
 
-// The DRE codes (cpu_quantize_group, the kernel's arithmetic) against the definition taken in
-// double, with the group's own k (1/16 to 10^7): each stored code must be the E4M3 rounding of a
-// value within 2e-6 + 5e-7 k (relative) of the exact 448 (|x| / Mx)^k, the error of the logs'
-// difference (2e-7) times k plus the exp2's; and its decode (cpu_dequantize_group) must equal the
+// The DRE decode (cpu_dequantize_group, the kernel's arithmetic) of codes and scalars from
+// cpu_quantize_group, with the group's own k (1/16 to 10^7): it must equal the
 // exact c (q s)^(1/k) = c 2^t1 2^t2 of the stored state (a factor per field of the code) within
 // 4e-7 (two exp2 and two products) + 1e-7 (|t1| + |t2|) (each exponent rounded to float) + 4e-7 / k
 // (the logs' error over k), and one unit of the subnormals' last place times the mantissa factor
 // 2^t2 (the binade factor's where it falls among the subnormals) plus one (the product's). Groups
 // spanning 2^0.01 to 2^60,
 // with zeros, from subnormal to large magnitudes.
-static void test_dre_codes_against_exact(void) {
+static void test_dre_decode_against_exact(void) {
     Random rng;
     random_seed(&rng, SEED + 7);
-    long values = 0, differ = 0, outside = 0, decode_off = 0;
+    long values = 0, decode_off = 0;
     double worst_decode = 0;
     for (int g = 0; g < 4000; g++) {
         float x[128], scalars[3], back[128];
@@ -540,22 +530,13 @@ static void test_dre_codes_against_exact(void) {
             float v = (float)exp2(base + span * random_uniform(&rng));
             x[i] = i % 37 == 5 ? 0.0f : random_uniform(&rng) < 0.5 ? -v : v;
         }
-        cpu_quantize_group(1, x, codes, scalars, 0, 0);
+        cpu_quantize_group(1, x, codes, scalars, 0, 0, NULL);
         cpu_dequantize_group(1, codes, scalars, back);
-        double mx = 0.0, k = scalars[1];
-        for (int i = 0; i < 128; i++) mx = fmax(mx, fabs((double)x[i]));
+        double k = scalars[1];
         for (int i = 0; i < 128; i++) {
-            if (x[i] == 0.0f) continue;
-            values++;
-            double exact = 448.0 * pow(fabs((double)x[i]) / mx, k), tolerance = 2e-6 + 5e-7 * k;
             int got = codes[i] & 0x7f;
-            differ += got != (e4m3_from_float((float)exact) & 0x7f);
-            // the values that round to `got`: from the midpoint below it to the one above (448 saturates)
-            double q = float_from_e4m3((uint8_t)got);
-            double low = got == 0 ? 0.0 : 0.5 * (q + float_from_e4m3((uint8_t)(got - 1)));
-            double high = got == 126 ? INFINITY : 0.5 * (q + float_from_e4m3((uint8_t)(got + 1)));
-            outside += exact < low * (1 - tolerance) || exact > high * (1 + tolerance);
-            if (got == 0) continue;
+            if (x[i] == 0.0f || got == 0) continue;
+            values++;
             // the decode's two factors, exactly: c (2^(e - 7) s)^(1/k) for the binade (subnormals: e = 1)
             // and f^(1/k) for the significand f
             int e = got >> 3;
@@ -569,11 +550,9 @@ static void test_dre_codes_against_exact(void) {
             if (binade >= 1.17549435e-38) worst_decode = fmax(worst_decode, error / decoded);
         }
     }
-    check(outside == 0, "DRE codes vs 448 (|x| / Mx)^k in double: %ld of %ld differ from its rounding, each the rounding of a "
-          "value within 2e-6 + 5e-7 k of it (%ld not)", differ, values, outside);
     check(decode_off == 0, "DRE decode vs c (q s)^(1/k) in double: within 4e-7 + 1e-7 (|t1| + |t2|) + 4e-7 / k, and 1.5e-45 times its mantissa "
-          "factor + 1 (%ld not; largest "
-          "relative error of a normal value %.2e)", decode_off, worst_decode);
+          "factor + 1 (%ld of %ld not; largest "
+          "relative error of a normal value %.2e)", decode_off, values, worst_decode);
 }
 
 // The C E4M3 cast used as the oracle agrees with cuda_fp8.h (host side) on every code's
@@ -669,9 +648,60 @@ static void test_weight_decay(Fixture *fx) {
     }
 }
 
-// BF16 and FP8 kinds: bit for bit against the C implementation over EXACT_STEPS steps;
-// BF16 also against FP32 AdamW.
+// FP8+DRE: each of EXACT_STEPS steps from the kernel's state before it against the C
+// implementation's step from the same state: master weights, parameters and every group's scalars
+// bit for bit, and each code that of the definition in double (cpu_quantize_group) but for a value
+// within 2e-6 (1 + k) of a rounding boundary, whose code may be the other side's (the kernel's
+// log2 and exp2 are the hardware's).
+static void test_dre_steps_vs_c(Fixture *fx) {
+    AdamW opt;
+    gpu_create(&opt, fx, OPT_STATES_FP8_DRE, 0, fx->total);
+    CpuAdamW cpu;
+    uint16_t *cpu_params = (uint16_t *)host_alloc(fx->total * 2);
+    cpu_create(&cpu, OPT_STATES_FP8_DRE, fx->init, 0, fx->total);
+    cpu.near_boundary = (uint8_t *)host_alloc(2 * cpu.n);
+    size_t n = cpu.n, codes_at = 4 * n, scalars_at = 6 * n, bytes = scalars_at + 8 * cpu.scalars * cpu.groups;
+    long near = 0, near_differ = 0, far_differ = 0, other_differ = 0;
+    for (int step = 0; step < EXACT_STEPS; step++) {
+        unsigned char *before = download_state(&opt);
+        memcpy(cpu.state, before, bytes);
+        cpu.step = step;
+        gpu_run(&opt, fx, step, 1);
+        cpu_run(&cpu, fx, cpu_params, step, 1);
+        unsigned char *after = download_state(&opt);
+        uint16_t *params = download_params(fx);
+        other_differ += memcmp(after, cpu.state, codes_at) != 0 || memcmp(after + scalars_at, cpu.state + scalars_at, bytes - scalars_at) != 0 ||
+                        memcmp(params, cpu_params, fx->total * 2) != 0;
+        for (size_t i = 0; i < 2 * n; i++) {
+            uint8_t got = after[codes_at + i], want = cpu.state[codes_at + i];
+            near += cpu.near_boundary[i];
+            if (got == want) continue;
+            int adjacent = (got & 0x80) == (want & 0x80) && abs((got & 0x7f) - (want & 0x7f)) == 1;
+            if (cpu.near_boundary[i] && adjacent) near_differ++;
+            else far_differ++;
+        }
+        free(before);
+        free(after);
+        free(params);
+    }
+    check(other_differ == 0 && far_differ == 0,
+          "fp8_dre%s: %d steps against the C implementation's from the same state: master, params and group scalars bit "
+          "for bit (%ld steps differ), codes the exact rounding's but within 2e-6 (1 + k) of a boundary (%ld elsewhere; "
+          "%ld of the %ld near one take the other side)",
+          stochastic_states ? " (stochastic rounding)" : "", EXACT_STEPS, other_differ, far_differ, near_differ, near);
+    free(cpu.near_boundary);
+    free(cpu.state);
+    free(cpu_params);
+    adamw_free(&opt);
+}
+
+// BF16 and FP8 kinds: bit for bit against the C implementation over EXACT_STEPS steps (FP8+DRE
+// step by step, above); BF16 also against FP32 AdamW.
 static void test_kind_vs_c(Fixture *fx, OptimizerStateKind kind) {
+    if (kind == OPT_STATES_FP8_DRE) {
+        test_dre_steps_vs_c(fx);
+        return;
+    }
     AdamW opt;
     gpu_create(&opt, fx, kind, 0, fx->total);
     gpu_run(&opt, fx, 0, EXACT_STEPS);
@@ -1468,9 +1498,9 @@ static double ratio_mse(const float *m, const float *v, size_t n, int dre_m, int
     for (size_t grp = 0; grp < n / 128; grp++) {
         float mq[128], vq[128], scalars[3];
         uint8_t codes[128];
-        cpu_quantize_group(dre_m, m + grp * 128, codes, scalars, 0, 0);
+        cpu_quantize_group(dre_m, m + grp * 128, codes, scalars, 0, 0, NULL);
         cpu_dequantize_group(dre_m, codes, scalars, mq);
-        cpu_quantize_group(dre_v, v + grp * 128, codes, scalars, 0, 0);
+        cpu_quantize_group(dre_v, v + grp * 128, codes, scalars, 0, 0, NULL);
         cpu_dequantize_group(dre_v, codes, scalars, vq);
         for (int i = 0; i < 128; i++) {
             size_t e = grp * 128 + i;
@@ -1703,7 +1733,7 @@ int main(int argc, char **argv) {
     }
     test_state_sizes();
     test_dre_math();
-    test_dre_codes_against_exact();
+    test_dre_decode_against_exact();
     test_e4m3_oracle();
     Fixture fx;
     fixture_create(&fx, 0);
