@@ -1,7 +1,8 @@
 // GPU tests of coat/optimizer.cuh. AdamW with FP32 states against the CPU reference's
 // ref_adamw_update; every state kind (fp32, bf16, fp8, fp8_dre) bit for bit against a C
 // re-implementation of the kernel's arithmetic written here from its rules (the FP8 casts and
-// BF16 rounding included, only dre_log2/dre_exp2 shared and checked against libm); weight decay
+// BF16 rounding included, only dre_log2/dre_exp2 shared and checked against libm; fp8_dre's codes,
+// from the hardware's log2 and exp2, step by step against the definition in double); weight decay
 // on matrices only; save -> load -> continue; ZeRO shards; the FP8/DRE quantizer on crafted
 // groups (the reference kernel's two defects), 50 steps against FP32 AdamW and the m/sqrt(v) error
 // ranking of coat/README.md, Dynamic Range Expansion; the gradient norm. Ends with the step's
