@@ -7,7 +7,8 @@ in which the GPU starts them.
           pass and (kv head, batch) for the dK/dV pass, with the program's tiles: at head_dim 64
           blocks of 192 rows (3 consumer warpgroups), at 128 of 128 rows (2).
   work    In steps of one K/V or query tile: a forward block walks its K/V tiles of 128 keys up to
-          its last row's diagonal, a dQ block its K/V tiles of 64, and a dK/dV block every query
+          its last row's diagonal (query blocks end at T rounded up to 64 rows, the partial one
+          first), a dQ block its K/V tiles of 64, and a dK/dV block every query
           tile of 64 rows of each query head of its kv head from its first key on. Each block also
           costs --block-overhead steps (loads before the first step, stores after the last).
   GPU     --sms SMs, one block each (every pass uses the SM's registers); a free SM starts the next
@@ -63,7 +64,7 @@ def passes(b, nh, nkv, t, hd, overhead):
     head_bytes = t * hd * 2
 
     def tiles_to_diagonal(x, kv):  # K/V tiles up to the last row of query block q_blocks - 1 - x
-        return (min((q_blocks - x) * rows, t) - 1) // kv + 1
+        return (min(math.ceil(t / 64) * 64 - x * rows, t) - 1) // kv + 1  # the blocks end at T
 
     forward = [tiles_to_diagonal(x, 128) + overhead for x in range(q_blocks)]
     dq = [tiles_to_diagonal(x, 64) + overhead for x in range(q_blocks)]
