@@ -1139,14 +1139,17 @@ static void report_allocation(Trainer *t) {
     memory_plan_compute(&plan, t->c, t->comm->world, t->c->micro_batch_size);
     size_t allocated = model_allocated_bytes(&t->model) + adamw_allocated_bytes(&t->opt) + t->gpu.cublaslt_workspace_bytes +
                        t->zero.allocated_bytes;
-    double differ = allocated != plan.total_bytes;
+    size_t planned = plan.total_bytes + (t->model.attention_ds ? plan.attention_ds_bytes : 0);
+    double differ = allocated != planned;
     if (differ)
         fprintf(stderr, "warning: rank %d allocated %zu bytes on the GPU, its memory plan %zu\n", t->comm->rank, allocated,
-                plan.total_bytes);
+                planned);
     if (t->comm->world > 1)
         collectives_all_reduce_sum_f64(&t->zero.collectives, &differ, 1, t->gpu.stream, "the memory plan check's all-reduce");
     if (t->comm->rank != 0) return;
-    if (differ == 0) printf("GPU memory allocated: %.3f GiB per rank, each rank's plan byte for byte\n", gib(allocated));
+    if (differ == 0)
+        printf("GPU memory allocated: %.3f GiB per rank, each rank's plan byte for byte%s\n", gib(allocated),
+               t->model.attention_ds ? " (with the attention dS buffer)" : "");
     else printf("GPU memory allocated: %.3f GiB on rank 0, %d rank(s) differ from their plan\n", gib(allocated), (int)differ);
 }
 
@@ -1161,7 +1164,11 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     t->grad_accum = config_grad_accum_steps(parser, ranks, error, sizeof(error));
     if (t->grad_accum < 0) { fprintf(stderr, "error: %s\n", error); exit(EXIT_CONFIG_ERROR); }
     check_gpu(&t->gpu, comm, parser);
-    refuse_unless_fits(parser, ranks, gpu_memory_budget(c), "free GPU memory");
+    size_t budget = gpu_memory_budget(c);
+    refuse_unless_fits(parser, ranks, budget, "free GPU memory");
+    MemoryPlan memory;
+    memory_plan_compute(&memory, c, ranks, c->micro_batch_size);
+    int attention_ds = memory.attention_ds_bytes > 0 && memory.total_bytes + memory.attention_ds_bytes <= budget;
 
     ParamLayout layout;
     param_layout_init(&layout, &c->model);
@@ -1172,7 +1179,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     ParamLayout buffers;
     zero_model_layout(plan, &c->model, &buffers);
     model_create_sized(&t->model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), &buffers,
-                       zero_grads_elems(plan), zero_layers_gathered(plan));
+                       zero_grads_elems(plan), zero_layers_gathered(plan), attention_ds);
     CollectivesBackend backend = c->comm_backend == COMM_MPI ? COLLECTIVES_MPI : COLLECTIVES_NCCL;
     if (zero_attach(&t->zero, plan, comm, &t->model, t->gpu.stream, backend, c->collective_timeout_s, error,
                     sizeof(error)) != 0)

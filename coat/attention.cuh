@@ -197,6 +197,10 @@ template <>
 struct AttentionDefaults<128> {
     typedef AttentionTmaForwardConfig<128, 2, 2> forward;
     typedef AttentionTmaTwoPassConfig<3, 64, 4, 2, 2, ATTENTION_ORDER_L2_CHUNKS> backward;
+    // Given a buffer for dS (attention_ds_bytes): the dK/dV pass stores dS^T and the dQ pass only
+    // multiplies it by K (4 consumers of 64 query rows): 1.07-1.26x the backward above at the
+    // llama shapes, the same bits. At head_dim 64 it measured 0.98-1.00x (twice dS's bytes per FLOP).
+    typedef AttentionTmaTwoPassConfig<3, 64, 4, 2, 4, ATTENTION_ORDER_L2_CHUNKS, true> backward_stored_ds;
 };
 
 template <int HEAD_DIM>
@@ -226,24 +230,32 @@ static inline size_t attention_backward_scratch_bytes(int B, int T, int NH) {
     return (size_t)B * NH * T * sizeof(float);
 }
 
-// D into scratch, then the dK/dV pass and the dQ pass.
-template <int HEAD_DIM>
-static void attention_backward_launch(bf16 *dqkv, float *scratch, const bf16 *dout, const bf16 *qkv, const bf16 *out,
-                                      const float *lse, int B, int T, int NH, int NKV, cudaStream_t stream) {
-    attention_backward_delta_launch<HEAD_DIM>(scratch, dout, out, B, T, NH, stream);
-    attention_backward_tma_launch<HEAD_DIM, typename AttentionDefaults<HEAD_DIM>::backward>(dqkv, scratch, dout, qkv,
-                                                                                            lse, B, T, NH, NKV, stream);
+// Bytes of the optional dS buffer of attention_backward: BF16 dS^T on and below the diagonal in 64 x 64
+// tiles, at head_dim 128 (0 at 64, which does not use it). coat/memory_plan.h counts the same.
+static inline size_t attention_backward_ds_bytes(int B, int T, int NH, int head_dim) {
+    return head_dim == 128 ? attention_ds_bytes(B, T, NH) : 0;
 }
 
-// Writes all of dqkv (packed like qkv) from dout and the forward's qkv, out and lse.
-// scratch: attention_backward_scratch_bytes(B, T, NH) bytes of device memory.
+// Writes all of dqkv (packed like qkv) from dout and the forward's qkv, out and lse: D into scratch,
+// then the dK/dV pass and the dQ pass. scratch: attention_backward_scratch_bytes(B, T, NH) bytes of
+// device memory. ds (optional, used at head_dim 128): attention_backward_ds_bytes(B, T, NH,
+// head_dim) bytes, for the faster dQ pass.
 static inline void attention_backward(bf16 *dqkv, float *scratch, const bf16 *dout, const bf16 *qkv, const bf16 *out,
                                       const float *lse, int B, int T, int NH, int NKV, int head_dim,
-                                      cudaStream_t stream) {
+                                      cudaStream_t stream, bf16 *ds = NULL) {
     const void *pointers[] = {dqkv, scratch, dout, qkv, out, lse};
     attention_check_args("attention_backward", pointers, 6, B, T, NH, NKV, head_dim);
-    if (head_dim == 128)
-        attention_backward_launch<128>(dqkv, scratch, dout, qkv, out, lse, B, T, NH, NKV, stream);
-    else
-        attention_backward_launch<64>(dqkv, scratch, dout, qkv, out, lse, B, T, NH, NKV, stream);
+    if (head_dim == 128) {
+        attention_backward_delta_launch<128>(scratch, dout, out, B, T, NH, stream);
+        if (ds != NULL)
+            attention_backward_tma_launch<128, AttentionDefaults<128>::backward_stored_ds>(
+                dqkv, scratch, dout, qkv, lse, B, T, NH, NKV, stream, ds);
+        else
+            attention_backward_tma_launch<128, AttentionDefaults<128>::backward>(dqkv, scratch, dout, qkv, lse, B, T,
+                                                                                 NH, NKV, stream);
+    } else {
+        attention_backward_delta_launch<64>(scratch, dout, out, B, T, NH, stream);
+        attention_backward_tma_launch<64, AttentionDefaults<64>::backward>(dqkv, scratch, dout, qkv, lse, B, T, NH,
+                                                                           NKV, stream);
+    }
 }

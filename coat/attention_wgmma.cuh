@@ -63,10 +63,11 @@ __device__ __forceinline__ void wgmma_pin_registers(uint32_t (&fragments)[K_STEP
 #define WGMMA_ACC32(d, i) WGMMA_ACC8(d, i), WGMMA_ACC8(d, i + 8), WGMMA_ACC8(d, i + 16), WGMMA_ACC8(d, i + 24)
 
 // d (64 x N FP32) = A B (+ d when accumulate != 0) for one warpgroup, k = 16: A (64 x 16) and B
-// (16 x N, stored N x 16) K-major in shared memory. Accumulators of warp w: rows 16 w + g and
+// (16 x N, stored N x 16) K-major in shared memory, or MN-major where TRANS_A / TRANS_B is 1 (A
+// stored 16 x 64, B 16 x N). Accumulators of warp w: rows 16 w + g and
 // 16 w + g + 8 (g = lane / 4), d[4 j + {0, 1}] = (row 16 w + g, columns 8 j + c + {0, 1}), d[4 j + {2, 3}]
 // the same columns of row 16 w + g + 8, c = 2 (lane % 4): the mma.sync m16n8 layout, n8 block by block.
-template <int N>
+template <int N, int TRANS_A = 0, int TRANS_B = 0>
 __device__ __forceinline__ void wgmma_m64k16_smem_a(float (&d)[N / 2], uint64_t a_descriptor, uint64_t b_descriptor,
                                                     int accumulate) {
     static_assert(N == 64 || N == 128, "wgmma shapes used here: m64n64k16 and m64n128k16");
@@ -75,18 +76,18 @@ __device__ __forceinline__ void wgmma_m64k16_smem_a(float (&d)[N / 2], uint64_t 
             "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, "
             "%11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, "
-            "%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+            "%31}, %32, %33, p, 1, 1, %35, %36;\n}\n"
             : WGMMA_ACC32(d, 0)
-            : "l"(a_descriptor), "l"(b_descriptor), "r"(accumulate));
+            : "l"(a_descriptor), "l"(b_descriptor), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
     } else {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, "
             "%11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, "
             "%31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, "
-            "%51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+            "%51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %67, %68;\n}\n"
             : WGMMA_ACC32(d, 0), WGMMA_ACC32(d, 32)
-            : "l"(a_descriptor), "l"(b_descriptor), "r"(accumulate));
+            : "l"(a_descriptor), "l"(b_descriptor), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
     }
 }
 
@@ -141,12 +142,13 @@ __device__ __forceinline__ void wgmma_scores_to_a_operand(uint32_t (&p)[KV_TILE 
 // A warpgroup's step of the dK/dV pass: its 64 keys (the first key_first) against the Q_TILE
 // queries q0.. of the stage (operands: each issue_* one commit group of wgmma, as Sw128DkDvOperands
 // below; lse_log2 and delta per query, lse in log2 units, +inf past T so that P = 0 there). dk and dv
-// accumulate (dK unscaled).
+// accumulate (dK unscaled). ds_t (or NULL): where dS^T goes in BF16, as the dK product reads it: a
+// 128B-swizzled shared tile of the warpgroup's 64 keys x 64 queries (Q_TILE = 64).
 template <int HEAD_DIM, int Q_TILE, class Operands>
 __device__ __forceinline__ void wgmma_backward_dkdv_step(float (&dk)[HEAD_DIM / 2], float (&dv)[HEAD_DIM / 2],
                                                          const Operands &operands, const float *lse_log2,
                                                          const float *delta, float scale_log2, int key_first, int q0,
-                                                         int warp, int lane) {
+                                                         int warp, int lane, char *ds_t = NULL) {
     float pt[Q_TILE / 2], dst[Q_TILE / 2];  // S^T then P^T; dP^T then dS^T: keys x queries
     operands.issue_scores_t(pt);
     operands.issue_dp_t(dst);
@@ -181,6 +183,16 @@ __device__ __forceinline__ void wgmma_backward_dkdv_step(float (&dk)[HEAD_DIM / 
     }
     uint32_t dst_frag[Q_TILE / 16][4];
     wgmma_scores_to_a_operand<Q_TILE>(dst_frag, dst);
+    if (ds_t != NULL) {  // fragment i: key row + 8 (i % 2), the 16-byte chunk 2 kk + i / 2 of the row
+        static_assert(Q_TILE == 64, "dS^T tiles of 64 queries: one 128-byte row a key");
+        char *row = ds_t + (warp * 16 + g) * 128 + 2 * c;  // rows g and g + 8: chunk j lands at j ^ g
+#pragma unroll
+        for (int kk = 0; kk < Q_TILE / 16; kk++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                *reinterpret_cast<uint32_t *>(row + (i & 1) * 8 * 128 + (((2 * kk + (i >> 1)) ^ g) * 16)) =
+                    dst_frag[kk][i];
+    }
     operands.issue_dk(dk, dst_frag);
     wgmma_wait_pending<0>();
     // The fragments are read by the wgmma until here: pinned, they keep their registers that long.
@@ -269,6 +281,26 @@ __device__ __forceinline__ void tma_load_box(void *dst, const CUtensorMap *map, 
         "[%5];\n" ::"r"(shared_address(dst)),
         "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(shared_address(bar))
         : "memory");
+}
+
+// The 64 x 64 box at (c0, c1, c2) of a rank-3 tensor map from shared memory, one bulk group.
+__device__ __forceinline__ void tma_store_box(const CUtensorMap *map, const void *src, int c0, int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+        "cp.async.bulk.commit_group;\n" ::"l"((uint64_t)map),
+        "r"(c0), "r"(c1), "r"(c2), "r"(shared_address(src))
+        : "memory");
+}
+// Returns once at most PENDING of this thread's bulk stores still read shared memory.
+template <int PENDING>
+__device__ __forceinline__ void tma_store_wait_reads() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(PENDING) : "memory");
+}
+// Makes this thread's shared-memory writes visible to the TMA (the async proxy).
+__device__ __forceinline__ void tma_fence_shared_writes() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// A barrier of consumer warpgroup `consumer`'s 128 threads (named barrier 1 + consumer).
+__device__ __forceinline__ void warpgroup_barrier(int consumer) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + consumer), "n"(WGMMA_WARPGROUP_THREADS) : "memory");
 }
 
 // The dynamic shared memory rounded up to 1024 bytes (the launches ask for 1024 more): swizzled tiles
@@ -741,11 +773,12 @@ __device__ __forceinline__ void wgmma_store_rows_direct(bf16 *head, size_t row_s
 // A backward variant on TMA: dK/dV pass with query tiles of 64, DKDV_STAGES stages and DKDV_CONSUMERS
 // consumer warpgroups; dQ pass with K/V tiles of DQ_KV keys, DQ_STAGES stages and DQ_CONSUMERS
 // consumer warpgroups (consumers: 2 or 3, each 64 key or query rows of the block); both passes'
-// blocks started in ORDER.
+// blocks started in ORDER. STORE_DS: the dK/dV pass also stores dS^T and the dQ pass only multiplies
+// it by K (tiles of 64 keys; DQ_KV unused), where the two-pass dQ recomputes S, P, dP and dS.
 template <int DKDV_STAGES, int DQ_KV, int DQ_STAGES, int DKDV_CONSUMERS = 2, int DQ_CONSUMERS = 2,
-          AttentionOrder ORDER = ATTENTION_ORDER_GRID>
+          AttentionOrder ORDER = ATTENTION_ORDER_GRID, bool STORE_DS = false>
 struct AttentionTmaTwoPassConfig {
-    static constexpr bool one_pass = false, wgmma = false, tma = true;
+    static constexpr bool one_pass = false, wgmma = false, tma = true, store_ds = STORE_DS;
     static constexpr AttentionOrder order = ORDER;
     static constexpr int dkdv_stages = DKDV_STAGES, dq_kv_tile = DQ_KV, dq_stages = DQ_STAGES;
     static constexpr int dkdv_consumers = DKDV_CONSUMERS, dq_consumers = DQ_CONSUMERS;
@@ -765,15 +798,28 @@ struct AttentionBackwardRegisters {
 
 #define ATTENTION_TMA_BACKWARD_Q_TILE 64
 
+// dS^T as the dK/dV pass stores it for a dQ pass that only multiplies it by K: per (batch, query
+// head) pair, the causal tiles (query tile i, key tile j <= i) of 64 x 64, tile (i, j) at index
+// i (i + 1) / 2 + j, each 64 key rows of 64 queries, row-major BF16 (entries past T or past the
+// diagonal are 0).
+#define ATTENTION_DS_TILE 64
+__host__ __device__ __forceinline__ size_t attention_ds_tiles_per_pair(int T) {
+    const size_t n = (size_t)ceil_div(T, ATTENTION_DS_TILE);
+    return n * (n + 1) / 2;
+}
+
 // Shared memory of the TMA dK/dV pass from a 1024-byte aligned start: K and V (64 CONSUMERS rows
 // each), then per stage Q and dO (64 rows each), then lse (log2 units) and D per stage, then the
 // mbarriers kv_full, full[STAGES], empty[STAGES].
-template <int HEAD_DIM, int STAGES, int CONSUMERS>
+template <int HEAD_DIM, int STAGES, int CONSUMERS, bool STORE_DS = false>
 struct AttentionTmaDkDvSmem {
     static constexpr int Q_TILE = ATTENTION_TMA_BACKWARD_Q_TILE, kv_rows = CONSUMERS * WGMMA_WARPGROUP_ROWS;
     static constexpr size_t kv_bytes = (size_t)kv_rows * HEAD_DIM * 2, q_bytes = (size_t)Q_TILE * HEAD_DIM * 2;
     static constexpr size_t k = 0, v = kv_bytes, q = 2 * kv_bytes, dout = q + STAGES * q_bytes;
-    static constexpr size_t lse = dout + STAGES * q_bytes, delta = lse + STAGES * Q_TILE * sizeof(float);
+    // STORE_DS: two swizzled 64 x 64 dS^T tiles per consumer, filled and stored (TMA) in turn
+    static constexpr size_t ds_tile_bytes = 64 * 64 * 2, ds = dout + STAGES * q_bytes;
+    static constexpr size_t lse = ds + (STORE_DS ? 2 * CONSUMERS * ds_tile_bytes : 0);
+    static constexpr size_t delta = lse + STAGES * Q_TILE * sizeof(float);
     static constexpr size_t bars = delta + STAGES * Q_TILE * sizeof(float);
     static constexpr size_t bytes = bars + (1 + 2 * STAGES) * sizeof(uint64_t) + 1024;
 };
@@ -782,13 +828,13 @@ struct AttentionTmaDkDvSmem {
 // (attention_block_in_order: key block 0, the longest, first); consumer w: keys kv0 + 64 w...
 // Steps: every query head of the group (outer) and its query tiles from the one holding kv0 on
 // (inner), each step's Q, dO, lse and D in stage step % STAGES.
-template <int HEAD_DIM, int STAGES, int CONSUMERS>
+template <int HEAD_DIM, int STAGES, int CONSUMERS, bool STORE_DS>
 __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     attention_backward_dkdv_tma_kernel(const __grid_constant__ CUtensorMap qkv_map,
                                        const __grid_constant__ CUtensorMap dout_map, bf16 *dqkv, const float *lse,
                                        const float *delta, int T, int NH, int NKV, float softmax_scale,
-                                       int chunk_pairs) {
-    typedef AttentionTmaDkDvSmem<HEAD_DIM, STAGES, CONSUMERS> Smem;
+                                       int chunk_pairs, const __grid_constant__ CUtensorMap ds_map) {
+    typedef AttentionTmaDkDvSmem<HEAD_DIM, STAGES, CONSUMERS, STORE_DS> Smem;
     typedef AttentionBackwardRegisters<HEAD_DIM, CONSUMERS> Registers;
     constexpr int Q_TILE = Smem::Q_TILE, KV_ROWS = Smem::kv_rows, GROUP_ROWS = WGMMA_WARPGROUP_ROWS;
     extern __shared__ __align__(1024) unsigned char attention_tma_smem[];
@@ -852,19 +898,38 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     for (int i = 0; i < HEAD_DIM / 2; i++) dk_acc[i] = dv_acc[i] = 0.f;
     mbarrier_wait(kv_full, 0);
 
+    int ds_turn = 0;  // the warpgroup's steps so far: its two dS^T tiles take turns
     for (int step = 0; step < steps; step++) {
         const int stage = step % STAGES;
         mbarrier_wait(&full[stage], (step / STAGES) & 1);
         const int q0 = (first_q_tile + step % q_tiles_per_head) * Q_TILE;
-        if (key_first < T && key_first <= q0 + Q_TILE - 1)  // warpgroup-uniform
+        char *ds_t = STORE_DS ? smem + Smem::ds + (2 * consumer + ds_turn % 2) * Smem::ds_tile_bytes : NULL;
+        if (key_first < T && key_first <= q0 + Q_TILE - 1) {  // warpgroup-uniform
+            ds_turn++;
             wgmma_backward_dkdv_step<HEAD_DIM, Q_TILE>(
                 dk_acc, dv_acc,
                 Sw128DkDvOperands<HEAD_DIM, Q_TILE, KV_ROWS>{smem + Smem::k, smem + Smem::v, consumer * GROUP_ROWS,
                                                              smem + Smem::q + stage * Smem::q_bytes,
                                                              smem + Smem::dout + stage * Smem::q_bytes},
-                lse_tiles + stage * Q_TILE, delta_tiles + stage * Q_TILE, scale_log2, key_first, q0, warp, lane);
+                lse_tiles + stage * Q_TILE, delta_tiles + stage * Q_TILE, scale_log2, key_first, q0, warp, lane,
+                ds_t);
+            if (STORE_DS) {
+                // Written by this warpgroup's threads, read by the TMA store that its first thread issues
+                // once the store before (of the other tile) has read its own: then both are free again.
+                tma_fence_shared_writes();
+                const bool first = threadIdx.x % WGMMA_WARPGROUP_THREADS == 0;
+                if (first) tma_store_wait_reads<0>();
+                warpgroup_barrier(consumer);
+                if (first) {
+                    const int i = q0 / ATTENTION_DS_TILE, j = key_first / ATTENTION_DS_TILE;
+                    tma_store_box(&ds_map, ds_t, 0, (i * (i + 1) / 2 + j) * ATTENTION_DS_TILE,
+                                  b * NH + kv_head * group + step / q_tiles_per_head);
+                }
+            }
+        }
         if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
     }
+    if (STORE_DS && threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) tma_store_wait_reads<0>();
 
     const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM;
     bf16 *dqkv_batch = dqkv + (size_t)b * T * qkv_row;
@@ -960,39 +1025,168 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
                                       softmax_scale, lane);
 }
 
+// Shared memory of the dQ-from-dS pass from a 1024-byte aligned start: per stage a K tile of 64 keys and
+// one dS^T tile per consumer, then the mbarriers (unused), full[STAGES], empty[STAGES].
+template <int HEAD_DIM, int STAGES, int CONSUMERS>
+struct AttentionTmaDqFromDsSmem {
+    static constexpr size_t k_bytes = (size_t)ATTENTION_DS_TILE * HEAD_DIM * 2;
+    static constexpr size_t ds_bytes = (size_t)ATTENTION_DS_TILE * ATTENTION_DS_TILE * 2;
+    static constexpr size_t stage_bytes = k_bytes + CONSUMERS * ds_bytes, bars = STAGES * stage_bytes;
+    static constexpr size_t bytes = bars + (1 + 2 * STAGES) * sizeof(uint64_t) + 1024;
+};
+
+// Block: query tiles CONSUMERS x.. of 64 rows of head h of batch b (last block of a pair first),
+// consumer w: tile CONSUMERS x + w. Stage j holds K tile j and the dS^T tiles (i, j) of the block's
+// tiles i >= j; a consumer computes dQ += dS K from those left of its diagonal (A = dS from the
+// stored dS^T, read MN-major; B = K read MN-major), then releases the stage.
+template <int HEAD_DIM, int STAGES, int CONSUMERS>
+__global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
+    attention_backward_dq_from_ds_kernel(const __grid_constant__ CUtensorMap qkv_map,
+                                         const __grid_constant__ CUtensorMap ds_map, bf16 *dqkv, int T, int NH,
+                                         int NKV, float softmax_scale, int chunk_pairs) {
+    typedef AttentionTmaDqFromDsSmem<HEAD_DIM, STAGES, CONSUMERS> Smem;
+    constexpr int TILE = ATTENTION_DS_TILE;
+    extern __shared__ __align__(1024) unsigned char attention_tma_smem[];
+    char *smem = shared_aligned_1024(attention_tma_smem);
+    uint64_t *once = reinterpret_cast<uint64_t *>(smem + Smem::bars);
+    uint64_t *full = once + 1, *empty = full + STAGES;
+
+    const int warpgroup = threadIdx.x / WGMMA_WARPGROUP_THREADS;
+    const int tiles = ceil_div(T, TILE), q_blocks = ceil_div(tiles, CONSUMERS);
+    const AttentionBlock block = attention_block_in_order(blockIdx.x, q_blocks, gridDim.x / q_blocks, chunk_pairs);
+    const int tile0 = (q_blocks - 1 - block.x) * CONSUMERS, h = block.pair % NH, b = block.pair / NH;
+    const int last_tile = min(tile0 + CONSUMERS, tiles) - 1;  // also the last K tile any consumer reads
+
+    tma_pipeline_init<STAGES>(once, CONSUMERS);
+
+    if (warpgroup == 0) {
+        warpgroup_registers_release<24>();
+        if (threadIdx.x == 0) {
+            const int kv_head = h / (NH / NKV);
+            for (int j = 0; j <= last_tile; j++) {
+                const int stage = j % STAGES, first = max(tile0, j);
+                if (j >= STAGES) mbarrier_wait(&empty[stage], (j / STAGES + 1) & 1);
+                char *tiles_at = smem + stage * Smem::stage_bytes;
+                mbarrier_arrive_expect_bytes(&full[stage],
+                                             (uint32_t)(Smem::k_bytes + (last_tile - first + 1) * Smem::ds_bytes));
+                tma_load_tile<TILE, HEAD_DIM>(tiles_at, &qkv_map, (NH + kv_head) * HEAD_DIM, j * TILE, b, &full[stage]);
+                for (int i = first; i <= last_tile; i++)
+                    tma_load_box(tiles_at + Smem::k_bytes + (i - tile0) * Smem::ds_bytes, &ds_map, 0,
+                                 (i * (i + 1) / 2 + j) * TILE, block.pair, &full[stage]);
+            }
+        }
+        return;
+    }
+    warpgroup_registers_claim<CONSUMERS == 2 ? 240 : CONSUMERS == 3 ? 160 : 112>();
+
+    const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+    const int tile = tile0 + consumer;
+    float dq_acc[HEAD_DIM / 2];
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 2; i++) dq_acc[i] = 0.f;
+    for (int j = 0; j <= last_tile; j++) {
+        const int stage = j % STAGES;
+        mbarrier_wait(&full[stage], (j / STAGES) & 1);
+        if (j <= tile && tile < tiles) {  // warpgroup-uniform
+            const char *tiles_at = smem + stage * Smem::stage_bytes;
+            const char *ds_t = tiles_at + Smem::k_bytes + consumer * Smem::ds_bytes;
+            wgmma_pin_registers(dq_acc);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < TILE / 16; kk++)
+                wgmma_m64k16_smem_a<HEAD_DIM, 1, 1>(dq_acc, wgmma_sw128_descriptor(ds_t + kk * 2048, TILE * 128),
+                                                    wgmma_sw128_descriptor(tiles_at + kk * 2048, TILE * 128), 1);
+            wgmma_commit_group();
+            wgmma_wait_pending<0>();
+            wgmma_pin_registers(dq_acc);
+        }
+        if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
+    }
+    if (tile >= tiles) return;  // warpgroup-uniform
+    const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM;
+    const int row_lo = tile * TILE + warp * 16 + lane / 4;
+    wgmma_store_rows_direct<HEAD_DIM>(dqkv + (size_t)b * T * qkv_row + (size_t)h * HEAD_DIM, qkv_row, row_lo, T, dq_acc,
+                                      softmax_scale, lane);
+}
+
+// The stored dS^T [B NH pairs][tiles][64][64] as a rank-3 BF16 tensor (column, row, pair) read in
+// 128B-swizzled boxes of 64 x 64 x 1.
+static CUtensorMap attention_ds_tensor_map(const bf16 *ds, int B, int T, int NH) {
+    CUtensorMap map;
+    const cuuint64_t rows = (cuuint64_t)attention_ds_tiles_per_pair(T) * ATTENTION_DS_TILE;
+    const cuuint64_t dims[3] = {ATTENTION_DS_TILE, rows, (cuuint64_t)B * NH};
+    const cuuint64_t strides[2] = {ATTENTION_DS_TILE * sizeof(bf16), rows * ATTENTION_DS_TILE * sizeof(bf16)};
+    const cuuint32_t box[3] = {ATTENTION_DS_TILE, ATTENTION_DS_TILE, 1}, element_strides[3] = {1, 1, 1};
+    CUresult result = tensor_map_encode_function()(
+        &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16 *>(ds), dims, strides, box, element_strides,
+        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (result != CUDA_SUCCESS) {
+        fprintf(stderr, "error: cuTensorMapEncodeTiled refused the dS tensor (code %d)\n", (int)result);
+        exit(EXIT_FAILURE);
+    }
+    return map;
+}
+
 // dout [B, T, NH * head_dim] as a rank-3 tensor map like qkv's.
 static CUtensorMap attention_dout_tensor_map(const bf16 *dout, int B, int T, int NH, int head_dim) {
     return attention_qkv_tensor_map(dout, B, T, NH, 0, head_dim);
 }
 
-// The TMA dK/dV pass, then the TMA dQ pass (D already in delta).
+// Bytes of the stored dS^T of a STORE_DS backward.
+static inline size_t attention_ds_bytes(int B, int T, int NH) {
+    return (size_t)B * NH * attention_ds_tiles_per_pair(T) * ATTENTION_DS_TILE * ATTENTION_DS_TILE * sizeof(bf16);
+}
+
+// The TMA dK/dV pass, then the TMA dQ pass (D already in delta). With Config::store_ds, ds holds
+// attention_ds_bytes(B, T, NH).
 template <int HEAD_DIM, class Config>
 static void attention_backward_tma_launch(bf16 *dqkv, const float *delta, const bf16 *dout, const bf16 *qkv,
-                                          const float *lse, int B, int T, int NH, int NKV, cudaStream_t stream) {
-    typedef AttentionTmaDkDvSmem<HEAD_DIM, Config::dkdv_stages, Config::dkdv_consumers> DkDvSmem;
-    typedef AttentionTmaDqSmem<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages, Config::dq_consumers> DqSmem;
-    static_assert(DkDvSmem::bytes <= ATTENTION_MAX_SMEM_BYTES && DqSmem::bytes <= ATTENTION_MAX_SMEM_BYTES,
-                  "TMA backward tiles exceed shared memory");
+                                          const float *lse, int B, int T, int NH, int NKV, cudaStream_t stream,
+                                          bf16 *ds = NULL) {
+    typedef AttentionTmaDkDvSmem<HEAD_DIM, Config::dkdv_stages, Config::dkdv_consumers, Config::store_ds> DkDvSmem;
+    static_assert(DkDvSmem::bytes <= ATTENTION_MAX_SMEM_BYTES, "TMA dK/dV tiles exceed shared memory");
     const CUtensorMap qkv_map = attention_qkv_tensor_map(qkv, B, T, NH, NKV, HEAD_DIM);
     const CUtensorMap dout_map = attention_dout_tensor_map(dout, B, T, NH, HEAD_DIM);
     const float scale = attention_softmax_scale(HEAD_DIM);
+    if (Config::store_ds && ds == NULL) {
+        fprintf(stderr, "error: attention backward: no buffer for dS\n");
+        exit(EXIT_FAILURE);
+    }
+    const CUtensorMap ds_map = Config::store_ds ? attention_ds_tensor_map(ds, B, T, NH) : qkv_map;
 
     // What blocks of one pair share: a dK/dV block reads the Q and dO of its kv head's query heads, a
     // dQ block the K/V of its kv head (shared with the adjacent pairs of that kv head) beside its Q and dO.
     const double head_bytes = (double)T * HEAD_DIM * 2;
-    auto dkdv = attention_backward_dkdv_tma_kernel<HEAD_DIM, Config::dkdv_stages, Config::dkdv_consumers>;
+    auto dkdv =
+        attention_backward_dkdv_tma_kernel<HEAD_DIM, Config::dkdv_stages, Config::dkdv_consumers, Config::store_ds>;
     attention_launch_setup(dkdv, DkDvSmem::bytes);
     const int kv_blocks = ceil_div(T, DkDvSmem::kv_rows);
     const int dkdv_chunk = attention_chunk_pairs(Config::order, NKV * B, 2.0 * head_bytes * NH / NKV);
     dkdv<<<attention_grid_blocks(kv_blocks, NKV * B), (Config::dkdv_consumers + 1) * WGMMA_WARPGROUP_THREADS,
-           DkDvSmem::bytes, stream>>>(qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale, dkdv_chunk);
+           DkDvSmem::bytes, stream>>>(qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale, dkdv_chunk,
+                                      ds_map);
     cudaCheckLaunch();
 
-    auto dq = attention_backward_dq_tma_kernel<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages, Config::dq_consumers>;
-    attention_launch_setup(dq, DqSmem::bytes);
-    const int q_blocks = ceil_div(T, DqSmem::q_rows);
-    const int dq_chunk = attention_chunk_pairs(Config::order, NH * B, head_bytes * (2.0 + 2.0 * NKV / NH));
-    dq<<<attention_grid_blocks(q_blocks, NH * B), (Config::dq_consumers + 1) * WGMMA_WARPGROUP_THREADS, DqSmem::bytes,
-         stream>>>(qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale, dq_chunk);
-    cudaCheckLaunch();
+    if constexpr (Config::store_ds) {
+        typedef AttentionTmaDqFromDsSmem<HEAD_DIM, Config::dq_stages, Config::dq_consumers> Smem;
+        static_assert(Smem::bytes <= ATTENTION_MAX_SMEM_BYTES, "dQ-from-dS tiles exceed shared memory");
+        auto dq = attention_backward_dq_from_ds_kernel<HEAD_DIM, Config::dq_stages, Config::dq_consumers>;
+        attention_launch_setup(dq, Smem::bytes);
+        const int q_blocks = ceil_div(ceil_div(T, ATTENTION_DS_TILE), Config::dq_consumers);
+        const int dq_chunk = attention_chunk_pairs(Config::order, NH * B, head_bytes * 2.0 * NKV / NH);
+        dq<<<attention_grid_blocks(q_blocks, NH * B), (Config::dq_consumers + 1) * WGMMA_WARPGROUP_THREADS,
+             Smem::bytes, stream>>>(qkv_map, ds_map, dqkv, T, NH, NKV, scale, dq_chunk);
+        cudaCheckLaunch();
+    } else {
+        typedef AttentionTmaDqSmem<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages, Config::dq_consumers> DqSmem;
+        static_assert(DqSmem::bytes <= ATTENTION_MAX_SMEM_BYTES, "TMA dQ tiles exceed shared memory");
+        auto dq = attention_backward_dq_tma_kernel<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages, Config::dq_consumers>;
+        attention_launch_setup(dq, DqSmem::bytes);
+        const int q_blocks = ceil_div(T, DqSmem::q_rows);
+        const int dq_chunk = attention_chunk_pairs(Config::order, NH * B, head_bytes * (2.0 + 2.0 * NKV / NH));
+        dq<<<attention_grid_blocks(q_blocks, NH * B), (Config::dq_consumers + 1) * WGMMA_WARPGROUP_THREADS, DqSmem::bytes,
+             stream>>>(qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale, dq_chunk);
+        cudaCheckLaunch();
+    }
 }

@@ -107,7 +107,18 @@ typedef struct {
     size_t working_bytes;      // reused across layers (WorkingLayout), the cuBLASLt workspace, the collectives' scalars
     size_t gather_bytes;       // ZeRO-3: the gather slots of the buckets of layers (coat/zero.h)
     size_t total_bytes;
+    size_t attention_ds_bytes; // not in total_bytes: taken where it fits beside them (attention_ds_plan_bytes)
 } MemoryPlan;
+
+// The attention backward's optional buffer at head_dim 128: dS^T of one layer in BF16, in the 64 x 64
+// tiles on and below the diagonal of each (sequence, query head) (coat/attention.cuh,
+// attention_backward_ds_bytes). Given it, the dQ pass multiplies the stored dS by K instead of
+// recomputing it, 1.07-1.26x faster; without it the results are the same bits.
+static inline size_t attention_ds_plan_bytes(const ModelShape *m, int micro_batch_size, int seq_len) {
+    if (model_head_dim(m) != 128) return 0;
+    size_t tiles = ((size_t)seq_len + 63) / 64;
+    return (size_t)micro_batch_size * (size_t)m->n_heads * tiles * (tiles + 1) / 2 * 64 * 64 * 2;
+}
 
 // Outside the layers: final residual and norm output (BF16), the final rstd, the per-token loss,
 // and the input and target ids, each 256-byte aligned.
@@ -166,6 +177,7 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
     plan->gather_bytes = zero_layer_gather_bytes(&zero, m, config_fp8_gemms(c));
     plan->total_bytes = plan->params_bytes + plan->grads_bytes + plan->master_bytes + plan->states_bytes +
                         plan->activations_bytes + plan->working_bytes + plan->gather_bytes;
+    plan->attention_ds_bytes = attention_ds_plan_bytes(m, micro_batch_size, c->seq_len);
 }
 
 // Largest micro-batch whose plan fits in `budget_bytes` (0 if even 1 does not).
@@ -234,4 +246,7 @@ static inline void memory_plan_print(FILE *out, const MemoryPlan *plan, const Tr
         fprintf(out, "  %-22s %9.3f GiB  (ZeRO-3: %d slots of a bucket of layers%s)\n", "layer gather", gib(plan->gather_bytes),
                 ZERO_GATHER_SLOTS, config_fp8_gemms(c) ? " in e4m3, one bucket's transposes" : " in bf16");
     fprintf(out, "  %-22s %9.3f GiB\n", "total", gib(plan->total_bytes));
+    if (plan->attention_ds_bytes)
+        fprintf(out, "  %-22s %9.3f GiB  (attention dS, for a faster backward, where it fits beside the total)\n",
+                "and if free", gib(plan->attention_ds_bytes));
 }

@@ -101,6 +101,8 @@ typedef struct {
     int *tokens, *targets;
     char *working;
     WorkingLayout working_layout;
+    bf16 *attention_ds;            // the attention backward's dS buffer where it fit (NULL: not used)
+    size_t attention_ds_bytes;
     bf16 *branch;                  // forward: a linear layer's output, then the next norm's output; backward: d(norm out)
     bf16 *d_residual;
     bf16 *wide;                    // backward: the block intermediates' gradients
@@ -196,7 +198,8 @@ static inline const char *model_precision_unsupported(const ModelShape *shape, i
 // no buffer holds the layers' working weights, which data parallelism gathers a bucket at a time
 // (ZeRO stage 3) and the hooks find. Exactly the buffers of the memory plan.
 static inline void model_create_sized(LlamaModel *model, const ModelShape *shape, int B, int T, ModelPrecision precision,
-                                      const ParamLayout *buffers, size_t grads_elems, int layers_gathered) {
+                                      const ParamLayout *buffers, size_t grads_elems, int layers_gathered,
+                                      int attention_ds = 0) {
     memset(model, 0, sizeof(*model));
     model->shape = *shape;
     model->precision = precision;
@@ -257,6 +260,8 @@ static inline void model_create_sized(LlamaModel *model, const ModelShape *shape
         fail_with("model_create", message);
     }
     model->working = (char *)gpu_alloc(w->total_bytes, "working buffers");
+    model->attention_ds_bytes = attention_ds ? attention_backward_ds_bytes(B, T, shape->n_heads, model_head_dim(shape)) : 0;
+    if (model->attention_ds_bytes) model->attention_ds = (bf16 *)gpu_alloc(model->attention_ds_bytes, "attention dS");
     model->branch = (bf16 *)(model->working + w->branch);
     model->d_residual = (bf16 *)(model->working + w->d_residual);
     model->wide = (bf16 *)(model->working + w->wide);
@@ -297,13 +302,14 @@ static inline void model_free(LlamaModel *model) {
     cudaCheck(cudaFree(model->grads));
     cudaCheck(cudaFree(model->activations));
     cudaCheck(cudaFree(model->working));
+    if (model->attention_ds) cudaCheck(cudaFree(model->attention_ds));
     free(model->saved);
 }
 
 // Bytes of GPU memory the model allocates (what the memory plan counts for it).
 static inline size_t model_allocated_bytes(const LlamaModel *model) {
     return 2 * (model->params_elems + model->norms_elems + model->grads_elems) + model->activations_bytes +
-           model->working_layout.total_bytes;
+           model->working_layout.total_bytes + model->attention_ds_bytes;
 }
 
 static inline void model_create(LlamaModel *model, const ModelShape *shape, int B, int T, ModelPrecision precision) {
@@ -612,7 +618,8 @@ static inline void model_backward(GpuContext *gpu, LlamaModel *model) {
         TIMED("matmul attention output backward", linear_backward(gpu, model, l, LINEAR_OUT, d_attn_out, d_residual));
         TIMED("attention backward",
               attention_backward(d_qkv, scratch, d_attn_out, model_saved(model, l, ACT_QKV), model_saved(model, l, ACT_ATTN_OUT),
-                                 model_saved_f32(model, l, ACT_ATTN_LSE), B, T, m->n_heads, m->n_kv_heads, hd, s));
+                                 model_saved_f32(model, l, ACT_ATTN_LSE), B, T, m->n_heads, m->n_kv_heads, hd, s,
+                                 model->attention_ds));
         // With FP8 GEMMs RoPE's backward also gathers the amax of the whole qkv gradient for its cast.
         TIMED("rope backward", rope_backward(d_qkv, model->rope_cos, model->rope_sin, B, T, m->n_heads, m->n_kv_heads, hd, s,
                                              model->precision.fp8_gemms ? model_fp8_scale(model, l, FP8_SLOT_GRAD, LINEAR_QKV) : NULL));

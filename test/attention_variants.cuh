@@ -1479,6 +1479,19 @@ static inline AttentionBackwardScratch attention_variant_scratch_layout(int B, i
     return s;
 }
 
+// The stored dS^T of the variants that keep it: one buffer, grown to the largest shape asked for.
+static bf16 *attention_variant_ds(int B, int T, int NH) {
+    static bf16 *ds = NULL;
+    static size_t bytes = 0;
+    const size_t need = attention_ds_bytes(B, T, NH);
+    if (need > bytes) {
+        if (ds != NULL) cudaCheck(cudaFree(ds));
+        cudaCheck(cudaMalloc(&ds, need));
+        bytes = need;
+    }
+    return ds;
+}
+
 // Two passes: dK and dV per 16 DkDv::warps key rows, then dQ per 16 Dq::warps query rows.
 template <int HEAD_DIM, class DkDv, class Dq>
 static void attention_backward_two_pass_launch(bf16 *dqkv, const float *delta, const bf16 *dout, const bf16 *qkv,
@@ -1549,7 +1562,8 @@ static void attention_variant_backward_launch(bf16 *dqkv, float *scratch, const 
         attention_backward_wgmma_launch<HEAD_DIM, typename Config::dkdv, typename Config::dq>(
             dqkv, delta, dout, qkv, lse, B, T, NH, NKV, stream);
     else if constexpr (Config::tma)
-        attention_backward_tma_launch<HEAD_DIM, Config>(dqkv, delta, dout, qkv, lse, B, T, NH, NKV, stream);
+        attention_backward_tma_launch<HEAD_DIM, Config>(dqkv, delta, dout, qkv, lse, B, T, NH, NKV, stream,
+                                                        Config::store_ds ? attention_variant_ds(B, T, NH) : NULL);
     else
         attention_backward_two_pass_launch<HEAD_DIM, typename Config::dkdv, typename Config::dq>(
             dqkv, delta, dout, qkv, lse, B, T, NH, NKV, stream);

@@ -55,8 +55,9 @@ using OnePass = AttentionOnePassConfig<MB, ST>;
 template <int KV, int CONSUMERS, int ST, bool OVERLAP = false, AttentionOrder ORDER = ATTENTION_ORDER_GRID>
 using TmaFwd = AttentionTmaForwardConfig<KV, CONSUMERS, ST, OVERLAP, ORDER>;
 // TMA two passes: dK/dV stages; dQ K/V tile and stages; consumer warpgroups of dK/dV and of dQ; block order
-template <int DKDV_ST, int DQ_KV, int DQ_ST, int DKDV_C = 2, int DQ_C = 2, AttentionOrder ORDER = ATTENTION_ORDER_GRID>
-using TmaTwoPass = AttentionTmaTwoPassConfig<DKDV_ST, DQ_KV, DQ_ST, DKDV_C, DQ_C, ORDER>;
+template <int DKDV_ST, int DQ_KV, int DQ_ST, int DKDV_C = 2, int DQ_C = 2, AttentionOrder ORDER = ATTENTION_ORDER_GRID,
+          bool STORE_DS = false>
+using TmaTwoPass = AttentionTmaTwoPassConfig<DKDV_ST, DQ_KV, DQ_ST, DKDV_C, DQ_C, ORDER, STORE_DS>;
 constexpr AttentionOrder LONGEST = ATTENTION_ORDER_LONGEST_FIRST, L2_CHUNKS = ATTENTION_ORDER_L2_CHUNKS;
 template <int Q, int KV>  // wgmma two passes: dK/dV query tile, dQ K/V tile, one block per SM each
 using WgmmaTwoPass = AttentionWgmmaTwoPassConfig<AttentionWgmmaDkDvConfig<Q, 1>, AttentionWgmmaDqConfig<KV, 1>>;
@@ -101,8 +102,9 @@ static void describe_backward(char *text, size_t size) {
     else if constexpr (C::wgmma)
         snprintf(text, size, "bwd wgmma dkdv q%d, dq kv%d", C::dkdv::q_tile, C::dq::kv_tile);
     else if constexpr (C::tma)
-        snprintf(text, size, "bwd tma dkdv c%d st%d, dq kv%d c%d st%d%s", C::dkdv_consumers, C::dkdv_stages,
-                 C::dq_kv_tile, C::dq_consumers, C::dq_stages, order_suffix(C::order));
+        snprintf(text, size, "bwd tma dkdv c%d st%d, dq %s%d c%d st%d%s", C::dkdv_consumers, C::dkdv_stages,
+                 C::store_ds ? "dS-kv" : "kv", C::dq_kv_tile, C::dq_consumers, C::dq_stages,
+                 order_suffix(C::order));
     else
         snprintf(text, size, "bwd 2-pass dkdv w%d q%d mb%d%s, dq w%d kv%d mb%d%s", C::dkdv::warps, C::dkdv::q_tile,
                  C::dkdv::min_blocks, stages_suffix(C::dkdv::stages), C::dq::warps, C::dq::kv_tile,
@@ -138,6 +140,10 @@ static const Variant variants_hd64[] = {
     variant<64, Fwd64, TmaTwoPass<4, 64, 4, 2, 3, Bwd64::order>>(),
     variant<64, Fwd64, TmaTwoPass<6, 64, 4, 3, 3, Bwd64::order>>(),
     variant<64, Fwd64, TmaTwoPass<4, 64, 6, 3, 3, Bwd64::order>>(),
+    // dS^T stored by the dK/dV pass, dQ = dS K from it
+    variant<64, Fwd64, TmaTwoPass<4, 64, 4, 3, 3, Bwd64::order, true>>(),
+    variant<64, Fwd64, TmaTwoPass<4, 64, 4, 3, 4, Bwd64::order, true>>(),
+    variant<64, Fwd64, TmaTwoPass<4, 64, 6, 3, 2, Bwd64::order, true>>(),
     // block orders (attention.cuh, AttentionOrder)
     variant<64, TmaFwd<128, 3, 2, false, LONGEST>, Bwd64>(),
     variant<64, TmaFwd<128, 3, 2, false, L2_CHUNKS>, Bwd64>(),
@@ -186,6 +192,10 @@ static const Variant variants_hd128[] = {
     variant<128, TmaFwd<64, 3, 4>, Bwd128>(),
     variant<128, Fwd128, TmaTwoPass<4, 64, 3, 2, 2, Bwd128::order>>(),
     variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 3, Bwd128::order>>(),
+    // dS^T stored by the dK/dV pass, dQ = dS K from it
+    variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 3, Bwd128::order, true>>(),
+    variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 4, Bwd128::order, true>>(),
+    variant<128, Fwd128, TmaTwoPass<3, 64, 3, 2, 2, Bwd128::order, true>>(),
     // block orders (attention.cuh, AttentionOrder)
     variant<128, TmaFwd<128, 2, 2, false, LONGEST>, Bwd128>(),
     variant<128, TmaFwd<128, 2, 2, false, L2_CHUNKS>, Bwd128>(),

@@ -194,6 +194,26 @@ static void test_shape(AttnShape s, Random *rng) {
           label, unwritten, guards_intact ? "intact" : "overwritten");
     check(memcmp(dqkv_h[0], dqkv_h[1], n_qkv * sizeof(bf16)) == 0, "%s: backward bitwise deterministic", label);
 
+    // With a (poisoned) dS buffer, used at head_dim 128: the dQ pass multiplies the stored dS^T by K,
+    // and every bit of dqkv must be the one the two passes give without it.
+    const size_t ds_bytes = attention_backward_ds_bytes(B, T, NH, hd);
+    if (ds_bytes > 0) {
+        bf16 *d_ds;
+        cudaCheck(cudaMalloc(&d_ds, ds_bytes));
+        poison_nan(d_ds, ds_bytes);
+        guarded_poison(&dqkv_buf);
+        attention_backward((bf16 *)dqkv_buf.data, d_scratch, d_dout, d_qkv, d_out_in, d_lse_in, B, T, NH, NKV, hd, 0,
+                           d_ds);
+        cudaCheck(cudaDeviceSynchronize());
+        bf16 *stored_h = host_bf16s(n_qkv);
+        int intact = guarded_fetch(&dqkv_buf, stored_h);
+        check(intact && memcmp(stored_h, dqkv_h[0], n_qkv * sizeof(bf16)) == 0,
+              "%s: backward with the stored dS the same bits as without, guards %s", label,
+              intact ? "intact" : "overwritten");
+        free(stored_h);
+        cudaCheck(cudaFree(d_ds));
+    }
+
     guarded_free(&out_buf);
     guarded_free(&lse_buf);
     guarded_free(&dqkv_buf);
@@ -334,7 +354,7 @@ __global__ void count_mismatches_kernel(unsigned long long *counts, const bf16 *
 
 // Median milliseconds of TIMED_RUNS runs of forward (with_backward = 0) or forward + backward.
 static float time_attention(int with_backward, bf16 *out, float *lse, const bf16 *qkv, bf16 *dqkv, float *scratch,
-                            const bf16 *dout, AttnShape s, cudaStream_t stream) {
+                            const bf16 *dout, AttnShape s, cudaStream_t stream, bf16 *ds = NULL) {
     cudaEvent_t start, stop;
     cudaCheck(cudaEventCreate(&start));
     cudaCheck(cudaEventCreate(&stop));
@@ -343,7 +363,7 @@ static float time_attention(int with_backward, bf16 *out, float *lse, const bf16
         cudaCheck(cudaEventRecord(start, stream));
         attention_forward(out, lse, qkv, s.B, s.T, s.NH, s.NKV, s.head_dim, stream);
         if (with_backward)
-            attention_backward(dqkv, scratch, dout, qkv, out, lse, s.B, s.T, s.NH, s.NKV, s.head_dim, stream);
+            attention_backward(dqkv, scratch, dout, qkv, out, lse, s.B, s.T, s.NH, s.NKV, s.head_dim, stream, ds);
         cudaCheck(cudaEventRecord(stop, stream));
         cudaCheck(cudaEventSynchronize(stop));
         if (run >= 0) cudaCheck(cudaEventElapsedTime(&ms[run], start, stop));
@@ -397,6 +417,30 @@ static void benchmark(AttnShape s) {
           "attention B=%d NH=%d NKV=%d T=%d hd=%d: backward bitwise deterministic (%llu elements differ), every "
           "element written (%llu NaN)",
           s.B, s.NH, s.NKV, s.T, s.head_dim, counts_h[0], counts_h[1]);
+
+    // The same with the stored dS (head_dim 128), timed beside it.
+    const size_t ds_bytes = attention_backward_ds_bytes(s.B, s.T, s.NH, s.head_dim);
+    if (ds_bytes > 0) {
+        bf16 *ds;
+        cudaCheck(cudaMalloc(&ds, ds_bytes));
+        cudaCheck(cudaMemsetAsync(counts, 0, 2 * sizeof(unsigned long long), stream));
+        cudaCheck(cudaMemsetAsync(dqkv, 0xFF, n_qkv * sizeof(bf16), stream));
+        attention_backward(dqkv, scratch, dout, qkv, out, lse, s.B, s.T, s.NH, s.NKV, s.head_dim, stream, ds);
+        count_mismatches_kernel<<<1024, 256, 0, stream>>>(counts, dqkv, dqkv_first, n_qkv);
+        cudaCheckLaunch();
+        cudaCheck(cudaMemcpyAsync(counts_h, counts, sizeof counts_h, cudaMemcpyDeviceToHost, stream));
+        cudaCheck(cudaStreamSynchronize(stream));
+        check(counts_h[0] == 0 && counts_h[1] == 0,
+              "attention B=%d NH=%d NKV=%d T=%d hd=%d: backward with the stored dS the same bits as without (%llu "
+              "elements differ, %llu NaN)",
+              s.B, s.NH, s.NKV, s.T, s.head_dim, counts_h[0], counts_h[1]);
+        const float stored_ms = time_attention(1, out, lse, qkv, dqkv, scratch, dout, s, stream, ds);
+        printf("attention B=%d NH=%d NKV=%d T=%d hd=%d: forward+backward with the stored dS %.3f ms %.0f TFLOP/s "
+               "(%.2fx without)\n",
+               s.B, s.NH, s.NKV, s.T, s.head_dim, stored_ms, 3.5 * forward_flops / (stored_ms * 1e-3) / 1e12,
+               both_ms / stored_ms);
+        cudaCheck(cudaFree(ds));
+    }
     cudaCheck(cudaFree(dqkv_first));
     cudaCheck(cudaFree(counts));
 

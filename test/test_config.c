@@ -423,6 +423,15 @@ static void test_memory_plan(ConfigParser *p) {
     check(fabs(growth - 2.0) < 1e-4, "saved activations grow linearly with the micro-batch (x%.6f; alignment aside)", growth);
     int largest = memory_plan_largest_micro_batch(&p->values, 1, b16.total_bytes);
     check(largest == 16, "the largest micro-batch within a 16-sequence budget is 16 (got %d)", largest);
+    // The attention backward's optional dS buffer: head_dim 128 only, 528 tiles of 64 x 64 BF16 per
+    // sequence and query head at T = 2048, not in the total (the largest micro-batch ignores it).
+    check(b16.attention_ds_bytes == 0, "llama-1b (head_dim 64) plans no dS buffer (got %zu bytes)", b16.attention_ds_bytes);
+    load(p, "configs/models/llama2-7b.conf", error);
+    p->values.seq_len = 2048;
+    memory_plan_compute(&b8, &p->values, 1, 8);
+    check(b8.attention_ds_bytes == (size_t)8 * 32 * 528 * 8192,
+          "llama2-7b at 8 x 2048 plans a dS buffer of 8 x 32 heads x 528 tiles x 8 KiB (got %zu bytes)",
+          b8.attention_ds_bytes);
 }
 
 static void test_schedule(ConfigParser *p) {

@@ -383,6 +383,23 @@ static void test_memory_plan_matches_allocation(GpuContext *gpu) {
         adamw_free(&opt);
         model_free(&model);
     }
+    // One head of 128: the attention backward's optional dS buffer, as planned, beside the plan.
+    {
+        c->model.n_heads = c->model.n_kv_heads = 1;
+        MemoryPlan plan;
+        memory_plan_compute(&plan, c, 1, c->micro_batch_size);
+        LlamaModel model;
+        model_create_sized(&model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), NULL, 0, 0, 1);
+        size_t planned_model = plan.params_bytes + plan.grads_bytes + plan.activations_bytes + plan.working_bytes -
+                               CUBLASLT_WORKSPACE_BYTES + plan.attention_ds_bytes;
+        check(plan.attention_ds_bytes == (size_t)c->micro_batch_size * 1 * 8192 && model.attention_ds != NULL &&
+                  planned_model == model_allocated_bytes(&model),
+              "head_dim 128: the plan's dS buffer (%zu bytes, one 64 x 64 tile a sequence at T = 64) allocated as "
+              "planned (%zu planned, %zu allocated)",
+              plan.attention_ds_bytes, planned_model, model_allocated_bytes(&model));
+        model_free(&model);
+        c->model = shape;
+    }
     // ZeRO over 3 ranks: each rank's padded parameters, its gradients (stage 1: padded, and
     // coat/zero.cuh's BF16 gradient shard; stages 2 and 3: two bucket buffers and the FP32 shard
     // sum, at stage 3 with one micro-batch a BF16 shard), the E4M3 gather's buffers (stage 3: the
