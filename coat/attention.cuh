@@ -1,5 +1,6 @@
 // Causal flash attention with grouped-query heads, forward and backward, on Hopper (sm_90a): TMA
-// loads and warpgroup MMA (wgmma) on BF16 with FP32 accumulation. No T x T matrix is ever stored.
+// loads and warpgroup MMA (wgmma) on BF16 with FP32 accumulation. No T x T matrix is stored, but for
+// dS at head_dim 128 where the caller gives it room (attention_backward_ds_bytes).
 //
 //   forward:  S = scale Q K^T (keys s <= query t), P = softmax(S), O = P V, lse = log sum_s exp(S)
 //   backward: D = rowsum(dO * O), dP = dO V^T, dS = P (dP - D),

@@ -23,7 +23,9 @@
 //     to the diagonal: S = Q K^T and dP = dO V^T (issued together), P, dS, dQ += dS K.
 // dQ has its own pass (7 products per query-key tile instead of 5): a share per dK/dV step would need
 // a fixed-order sum between blocks to stay deterministic, and its accumulators do not fit beside dK
-// and dV. No atomics; bitwise deterministic.
+// and dV. Or, given a buffer for it, the dK/dV pass stores dS^T (TMA, from a swizzled shared tile)
+// and the dQ pass only computes dQ += dS K from it: the same products in the same order, so the same
+// bits. No atomics; bitwise deterministic.
 #pragma once
 #include <cuda.h>
 #include <stdint.h>
@@ -1077,6 +1079,8 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
         }
         return;
     }
+    // What the producer's 24 leave of the block's launch share (65536 / threads, rounded down to 8):
+    // a claim beyond it waits forever.
     warpgroup_registers_claim<CONSUMERS == 2 ? 240 : CONSUMERS == 3 ? 160 : 112>();
 
     const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
