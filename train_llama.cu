@@ -1337,7 +1337,7 @@ static void profile_speed_of_light(const Trainer *t, SolTable *table) {
     run.casts_weights = m->precision.fp8_gemms && !t->zero.e4m3_gather;
     run.casts_from_master = m->precision.weights_from_master;
     run.weights_amax_in_step = t->opt.amax != NULL;
-    run.transposes_weights = m->precision.fp8_gemms && !zero_layers_gathered(z);
+    run.transposes_weights = m->precision.fp8_gemms && !model_fp8_weights_in_buckets(m);  // as model_backward decides
     run.params_written_elems = 0;
     for (int i = 0; i < t->opt.range_count; i++)
         if (adamw_part_has_params(&t->opt, i)) run.params_written_elems += t->opt.ranges[i].part;

@@ -240,14 +240,23 @@ typedef struct {
     uint8_t *near_boundary;  // fp8_dre, when set: m's then v's flags of cpu_quantize_group, last step
 } CpuAdamW;
 
+static size_t cpu_moment_elem_bytes(OptimizerStateKind kind) {
+    return kind == OPT_STATES_FP32 ? 4 : kind == OPT_STATES_BF16 ? 2 : 1;
+}
+
+// Bytes of the state: master weights, m and v, then m's and v's group scalars.
+static size_t cpu_state_bytes(const CpuAdamW *s) {
+    return 4 * s->n + 2 * cpu_moment_elem_bytes(s->kind) * s->n + 2 * 4 * s->scalars * s->groups;
+}
+
 static void cpu_create(CpuAdamW *s, OptimizerStateKind kind, const float *init, size_t begin, size_t end) {
-    size_t elem_bytes = kind == OPT_STATES_FP32 ? 4 : kind == OPT_STATES_BF16 ? 2 : 1;
+    size_t elem_bytes = cpu_moment_elem_bytes(kind);
     s->kind = kind;
     s->begin = begin;
     s->n = end - begin;
     s->groups = s->n / 128;
     s->scalars = kind == OPT_STATES_FP8 ? 1 : kind == OPT_STATES_FP8_DRE ? 3 : 0;
-    s->state = (unsigned char *)host_alloc(4 * s->n + 2 * elem_bytes * s->n + 2 * 4 * s->scalars * s->groups);
+    s->state = (unsigned char *)host_alloc(cpu_state_bytes(s));
     s->master = (float *)s->state;
     s->m = s->state + 4 * s->n;
     s->v = s->m + elem_bytes * s->n;
@@ -416,8 +425,7 @@ static void cpu_run(CpuAdamW *s, const Fixture *fx, uint16_t *params, int first_
 
 // memcmp of two states; on a difference names the region and element, expected vs got.
 static void check_state_equal(const char *name, const CpuAdamW *s, const unsigned char *got) {
-    size_t elem_bytes = s->kind == OPT_STATES_FP32 ? 4 : s->kind == OPT_STATES_BF16 ? 2 : 1;
-    size_t bytes = 4 * s->n + 2 * elem_bytes * s->n + 8 * s->scalars * s->groups;
+    size_t elem_bytes = cpu_moment_elem_bytes(s->kind), bytes = cpu_state_bytes(s);
     size_t first = 0;
     while (first < bytes && got[first] == s->state[first]) first++;
     if (first == bytes) {
@@ -661,7 +669,7 @@ static void test_dre_steps_vs_c(Fixture *fx) {
     uint16_t *cpu_params = (uint16_t *)host_alloc(fx->total * 2);
     cpu_create(&cpu, OPT_STATES_FP8_DRE, fx->init, 0, fx->total);
     cpu.near_boundary = (uint8_t *)host_alloc(2 * cpu.n);
-    size_t n = cpu.n, codes_at = 4 * n, scalars_at = 6 * n, bytes = scalars_at + 8 * cpu.scalars * cpu.groups;
+    size_t n = cpu.n, codes_at = 4 * n, scalars_at = 6 * n, bytes = cpu_state_bytes(&cpu);
     long near = 0, near_differ = 0, far_differ = 0, other_differ = 0;
     for (int step = 0; step < EXACT_STEPS; step++) {
         unsigned char *before = download_state(&opt);
