@@ -298,6 +298,8 @@ template <int PENDING>
 __device__ __forceinline__ void tma_store_wait_reads() {
     asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(PENDING) : "memory");
 }
+// Returns once every bulk store of this thread has completed (its writes done).
+__device__ __forceinline__ void tma_store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 // Makes this thread's shared-memory writes visible to the TMA (the async proxy).
 __device__ __forceinline__ void tma_fence_shared_writes() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // A barrier of consumer warpgroup `consumer`'s 128 threads (named barrier 1 + consumer).
@@ -809,16 +811,18 @@ __host__ __device__ __forceinline__ size_t attention_ds_tiles_per_pair(int T) {
     const size_t n = (size_t)ceil_div(T, ATTENTION_DS_TILE);
     return n * (n + 1) / 2;
 }
+// The first row of tile (i, j) within its pair (attention_ds_tensor_map's second coordinate).
+__device__ __forceinline__ int attention_ds_tile_row(int i, int j) { return (i * (i + 1) / 2 + j) * ATTENTION_DS_TILE; }
 
 // Shared memory of the TMA dK/dV pass from a 1024-byte aligned start: K and V (64 CONSUMERS rows
-// each), then per stage Q and dO (64 rows each), then lse (log2 units) and D per stage, then the
-// mbarriers kv_full, full[STAGES], empty[STAGES].
+// each), then per stage Q and dO (64 rows each), with STORE_DS two dS^T tiles per consumer, then lse
+// (log2 units) and D per stage, then the mbarriers kv_full, full[STAGES], empty[STAGES].
 template <int HEAD_DIM, int STAGES, int CONSUMERS, bool STORE_DS = false>
 struct AttentionTmaDkDvSmem {
     static constexpr int Q_TILE = ATTENTION_TMA_BACKWARD_Q_TILE, kv_rows = CONSUMERS * WGMMA_WARPGROUP_ROWS;
     static constexpr size_t kv_bytes = (size_t)kv_rows * HEAD_DIM * 2, q_bytes = (size_t)Q_TILE * HEAD_DIM * 2;
     static constexpr size_t k = 0, v = kv_bytes, q = 2 * kv_bytes, dout = q + STAGES * q_bytes;
-    // STORE_DS: two swizzled 64 x 64 dS^T tiles per consumer, filled and stored (TMA) in turn
+    // filled and stored (TMA) in turn
     static constexpr size_t ds_tile_bytes = 64 * 64 * 2, ds = dout + STAGES * q_bytes;
     static constexpr size_t lse = ds + (STORE_DS ? 2 * CONSUMERS * ds_tile_bytes : 0);
     static constexpr size_t delta = lse + STAGES * Q_TILE * sizeof(float);
@@ -924,14 +928,14 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
                 warpgroup_barrier(consumer);
                 if (first) {
                     const int i = q0 / ATTENTION_DS_TILE, j = key_first / ATTENTION_DS_TILE;
-                    tma_store_box(&ds_map, ds_t, 0, (i * (i + 1) / 2 + j) * ATTENTION_DS_TILE,
+                    tma_store_box(&ds_map, ds_t, 0, attention_ds_tile_row(i, j),
                                   b * NH + kv_head * group + step / q_tiles_per_head);
                 }
             }
         }
         if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
     }
-    if (STORE_DS && threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) tma_store_wait_reads<0>();
+    if (STORE_DS && threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) tma_store_wait_all();
 
     const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM;
     bf16 *dqkv_batch = dqkv + (size_t)b * T * qkv_row;
@@ -1074,7 +1078,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
                 tma_load_tile<TILE, HEAD_DIM>(tiles_at, &qkv_map, (NH + kv_head) * HEAD_DIM, j * TILE, b, &full[stage]);
                 for (int i = first; i <= last_tile; i++)
                     tma_load_box(tiles_at + Smem::k_bytes + (i - tile0) * Smem::ds_bytes, &ds_map, 0,
-                                 (i * (i + 1) / 2 + j) * TILE, block.pair, &full[stage]);
+                                 attention_ds_tile_row(i, j), block.pair, &full[stage]);
             }
         }
         return;
@@ -1157,7 +1161,7 @@ static void attention_backward_tma_launch(bf16 *dqkv, const float *delta, const 
         fprintf(stderr, "error: attention backward: no buffer for dS\n");
         exit(EXIT_FAILURE);
     }
-    const CUtensorMap ds_map = Config::store_ds ? attention_ds_tensor_map(ds, B, T, NH) : qkv_map;
+    const CUtensorMap ds_map = Config::store_ds ? attention_ds_tensor_map(ds, B, T, NH) : qkv_map;  // else unused
 
     // What blocks of one pair share: a dK/dV block reads the Q and dO of its kv head's query heads, a
     // dQ block the K/V of its kv head (shared with the adjacent pairs of that kv head) beside its Q and dO.
