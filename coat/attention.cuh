@@ -199,7 +199,7 @@ struct AttentionDefaults<128> {
     typedef AttentionTmaForwardConfig<128, 2, 2> forward;
     typedef AttentionTmaTwoPassConfig<3, 64, 4, 2, 2, ATTENTION_ORDER_L2_CHUNKS> backward;
     // Given a buffer for dS (attention_ds_bytes): the dK/dV pass stores dS^T and the dQ pass only
-    // multiplies it by K (4 consumers of 64 query rows): 1.07-1.26x the backward above at the
+    // multiplies it by K (4 consumers of 64 query rows): 1.10-1.21x the backward above at the
     // llama shapes, the same bits. At head_dim 64 it measured 0.98-1.00x (twice dS's bytes per FLOP).
     typedef AttentionTmaTwoPassConfig<3, 64, 4, 2, 4, ATTENTION_ORDER_L2_CHUNKS, true> backward_stored_ds;
 };
