@@ -264,12 +264,13 @@ static void fewest_ranks_text(const TrainConfig *c, size_t budget_bytes, char *t
 }
 
 // Refuses (exit 2) a micro-batch whose plan exceeds budget_bytes (what the budget is: "free GPU
-// memory", "gpu_memory_gib"), naming the largest that fits, or saying that none does.
-static void refuse_unless_fits(const ConfigParser *parser, int ranks, size_t budget_bytes, const char *budget_name) {
+// memory", "gpu_memory_gib"), naming the largest that fits, or saying that none does; else returns the plan.
+static MemoryPlan refuse_unless_fits(const ConfigParser *parser, int ranks, size_t budget_bytes,
+                                     const char *budget_name) {
     const TrainConfig *c = &parser->values;
     MemoryPlan plan;
     memory_plan_compute(&plan, c, ranks, c->micro_batch_size);
-    if (plan.total_bytes <= budget_bytes) return;
+    if (plan.total_bytes <= budget_bytes) return plan;
     int largest = memory_plan_largest_micro_batch(c, ranks, budget_bytes);
     char verdict[160], fewest[160];
     fewest_ranks_text(c, budget_bytes, fewest, sizeof(fewest));
@@ -1165,9 +1166,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     if (t->grad_accum < 0) { fprintf(stderr, "error: %s\n", error); exit(EXIT_CONFIG_ERROR); }
     check_gpu(&t->gpu, comm, parser);
     size_t budget = gpu_memory_budget(c);
-    refuse_unless_fits(parser, ranks, budget, "free GPU memory");
-    MemoryPlan memory;
-    memory_plan_compute(&memory, c, ranks, c->micro_batch_size);
+    MemoryPlan memory = refuse_unless_fits(parser, ranks, budget, "free GPU memory");
     int attention_ds = memory.attention_ds_bytes > 0 && memory.total_bytes + memory.attention_ds_bytes <= budget;
 
     ParamLayout layout;

@@ -170,6 +170,17 @@ static inline unsigned attention_grid_blocks(int tiles, int pairs) {
     return (unsigned)(tiles * pairs);
 }
 
+// The blocks of a kernel that run at once on the device, at most `blocks`: a persistent grid.
+template <typename Kernel>
+static unsigned attention_resident_blocks(Kernel kernel, int threads, size_t smem_bytes, unsigned blocks) {
+    int device, sms, per_sm;
+    cudaCheck(cudaGetDevice(&device));
+    cudaCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes));
+    const unsigned resident = (unsigned)(sms * (per_sm > 0 ? per_sm : 1));
+    return resident < blocks ? resident : blocks;
+}
+
 // Dynamic shared memory one block may opt in to on sm_90.
 #define ATTENTION_MAX_SMEM_BYTES (227 * 1024)
 
@@ -246,17 +257,17 @@ static inline void attention_backward(bf16 *dqkv, float *scratch, const bf16 *do
                                       cudaStream_t stream, bf16 *ds = NULL) {
     const void *pointers[] = {dqkv, scratch, dout, qkv, out, lse};
     attention_check_args("attention_backward", pointers, 6, B, T, NH, NKV, head_dim);
-    if (head_dim == 128) {
-        attention_backward_delta_launch<128>(scratch, dout, out, B, T, NH, stream);
-        if (ds != NULL)
-            attention_backward_tma_launch<128, AttentionDefaults<128>::backward_stored_ds>(
-                dqkv, scratch, dout, qkv, lse, B, T, NH, NKV, stream, ds);
-        else
-            attention_backward_tma_launch<128, AttentionDefaults<128>::backward>(dqkv, scratch, dout, qkv, lse, B, T,
-                                                                                 NH, NKV, stream);
-    } else {
+    if (head_dim == 64) {
         attention_backward_delta_launch<64>(scratch, dout, out, B, T, NH, stream);
         attention_backward_tma_launch<64, AttentionDefaults<64>::backward>(dqkv, scratch, dout, qkv, lse, B, T, NH,
                                                                            NKV, stream);
+        return;
     }
+    attention_backward_delta_launch<128>(scratch, dout, out, B, T, NH, stream);
+    if (ds != NULL)
+        attention_backward_tma_launch<128, AttentionDefaults<128>::backward_stored_ds>(dqkv, scratch, dout, qkv, lse, B,
+                                                                                       T, NH, NKV, stream, ds);
+    else
+        attention_backward_tma_launch<128, AttentionDefaults<128>::backward>(dqkv, scratch, dout, qkv, lse, B, T, NH,
+                                                                             NKV, stream);
 }

@@ -313,20 +313,14 @@ __device__ __forceinline__ char *shared_aligned_1024(unsigned char *smem) {
     return reinterpret_cast<char *>(smem) + ((1024u - (shared_address(smem) & 1023u)) & 1023u);
 }
 
-// The mbarriers of a TMA pipeline, bars[0 .. 2 STAGES]: once (the tiles loaded once per block), then
-// full[STAGES] (one arrival: the producer's, with the bytes), then empty[STAGES] (one arrival per
-// consumer warpgroup). Thread 0 initialises them; the whole block waits.
+// The mbarriers of a ring of STAGES stages, bars[0 .. 2 STAGES - 1]: full[STAGES] (one arrival: the
+// producer's, with the bytes), then empty[STAGES] (one arrival per consumer warpgroup).
 template <int STAGES>
-__device__ __forceinline__ void tma_pipeline_init(uint64_t *bars, int consumers) {
-    if (threadIdx.x == 0) {
-        mbarrier_init(&bars[0], 1);
-        for (int s = 0; s < STAGES; s++) {
-            mbarrier_init(&bars[1 + s], 1);
-            mbarrier_init(&bars[1 + STAGES + s], consumers);
-        }
-        mbarrier_fence_init();
+__device__ __forceinline__ void tma_ring_init(uint64_t *bars, int consumers) {
+    for (int s = 0; s < STAGES; s++) {
+        mbarrier_init(&bars[s], 1);
+        mbarrier_init(&bars[STAGES + s], consumers);
     }
-    __syncthreads();
 }
 
 // Rows row0 .. row0 + ROWS - 1 and columns col0 .. col0 + HEAD_DIM - 1 of batch b of a tensor map into
@@ -340,17 +334,18 @@ __device__ __forceinline__ void tma_load_tile(char *tile, const CUtensorMap *map
 }
 
 // A producer's loop over the K/V tiles 0 .. num_kv_tiles - 1 of kv head kv_head of batch b: tile j into
-// stage j % STAGES of the K and V rings (STAGES tiles of KV rows each, from k_ring and v_ring), once
-// every consumer released the stage's previous tile, completing on full[stage].
+// ring position at = ring_first + j, stage at % STAGES of the K and V rings (STAGES tiles of KV rows
+// each, from k_ring and v_ring), once every consumer released the stage's previous tile, completing
+// on full[stage].
 template <int KV, int HEAD_DIM, int STAGES>
 __device__ __forceinline__ void tma_load_kv_tiles(char *k_ring, char *v_ring, const CUtensorMap *qkv_map, int NH,
                                                   int NKV, int kv_head, int b, int num_kv_tiles, uint64_t *full,
-                                                  uint64_t *empty) {
+                                                  uint64_t *empty, int ring_first = 0) {
     constexpr size_t TILE_BYTES = (size_t)KV * HEAD_DIM * 2;
     for (int j = 0; j < num_kv_tiles; j++) {
-        const int stage = j % STAGES;
-        // Tile j - STAGES, the stage's last, released by every consumer (its phase j / STAGES - 1).
-        if (j >= STAGES) mbarrier_wait(&empty[stage], (j / STAGES + 1) & 1);
+        const int at = ring_first + j, stage = at % STAGES;
+        // Position at - STAGES, the stage's last, released by every consumer (its phase at / STAGES - 1).
+        if (at >= STAGES) mbarrier_wait(&empty[stage], (at / STAGES + 1) & 1);
         mbarrier_arrive_expect_bytes(&full[stage], (uint32_t)(2 * TILE_BYTES));
         tma_load_tile<KV, HEAD_DIM>(k_ring + stage * TILE_BYTES, qkv_map, (NH + kv_head) * HEAD_DIM, j * KV, b,
                                     &full[stage]);
@@ -409,28 +404,115 @@ __device__ __forceinline__ void warpgroup_registers_claim() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS) : "memory");
 }
 
+// ---- persistent blocks ------------------------------------------------------------------------------
+//
+// A persistent pass launches one block per SM (attention_resident_blocks), and each takes the pass's
+// blocks in their order from a counter. Its producer announces each block it takes in a slot
+// (full: with the loads of the block's resident tiles; the block's index, or the pass's block count
+// once none are left) and the consumers release the slot (empty) once no product reads those tiles,
+// so the next block's loads run while they finish this one. Without PERSISTENT a launch block takes
+// the one block of its index, as the hardware starts them.
+
+// The counter, and the count of launch blocks done taking from it: the last one sets both back to 0
+// for the next launch. One pass at a time per device.
+static __device__ unsigned attention_next_block, attention_blocks_done;
+
+// full[2], empty[2] and the two slots' blocks, in shared memory.
+struct AttentionBlockSlots {
+    uint64_t full[2], empty[2];
+    int block[2];
+};
+
+__device__ __forceinline__ void attention_slots_init(AttentionBlockSlots *slots, int consumers) {
+    for (int i = 0; i < 2; i++) {
+        mbarrier_init(&slots->full[i], 1);
+        mbarrier_init(&slots->empty[i], consumers);
+    }
+}
+
+// The producer's k-th block (k from 0) into slot k % SLOTS, once the consumers released the slot's
+// block before; the caller then arrives on slots->full[k % SLOTS] (with its loads' bytes, or none
+// when the block is `blocks`: nothing left).
+template <bool PERSISTENT, int SLOTS>
+__device__ __forceinline__ int attention_take_block(AttentionBlockSlots *slots, int k, int blocks) {
+    const int slot = k % SLOTS;
+    if (k >= SLOTS) mbarrier_wait(&slots->empty[slot], (k / SLOTS + 1) & 1);  // its phase k / SLOTS - 1
+    const int linear = PERSISTENT ? (int)atomicAdd(&attention_next_block, 1u) : k == 0 ? (int)blockIdx.x : blocks;
+    slots->block[slot] = min(linear, blocks);
+    return min(linear, blocks);
+}
+
+// The producer has taken its last block.
+template <bool PERSISTENT>
+__device__ __forceinline__ void attention_blocks_taken(void) {
+    if (!PERSISTENT) return;
+    __threadfence();
+    if (atomicAdd(&attention_blocks_done, 1u) == gridDim.x - 1) {
+        atomicExch(&attention_next_block, 0u);
+        atomicExch(&attention_blocks_done, 0u);
+    }
+}
+
+// Thread 0 initialises the block slots and a ring's mbarriers (tma_ring_init); the whole block waits.
+template <int STAGES>
+__device__ __forceinline__ void attention_pipeline_init(AttentionBlockSlots *slots, uint64_t *ring_bars,
+                                                        int consumers) {
+    if (threadIdx.x == 0) {
+        attention_slots_init(slots, consumers);
+        tma_ring_init<STAGES>(ring_bars, consumers);
+        mbarrier_fence_init();
+    }
+    __syncthreads();
+}
+
+// The slots a persistent pass gets: two (its next block's resident tiles load while it finishes the
+// last) where a block's shared memory with a second copy of those tiles fits, else one.
+static constexpr int attention_block_slots(bool persistent, size_t resident_bytes, size_t other_bytes) {
+    return persistent && 2 * resident_bytes + other_bytes + sizeof(AttentionBlockSlots) + 1024 <= ATTENTION_MAX_SMEM_BYTES
+               ? 2
+               : 1;
+}
+
+// A consumer's k-th block, once its slot's tiles landed.
+template <int SLOTS>
+__device__ __forceinline__ int attention_wait_block(AttentionBlockSlots *slots, int k) {
+    mbarrier_wait(&slots->full[k % SLOTS], (k / SLOTS) & 1);
+    return slots->block[k % SLOTS];
+}
+
+// A consumer warpgroup is done reading its k-th block's tiles (its first thread arrives).
+template <bool PERSISTENT, int SLOTS>
+__device__ __forceinline__ void attention_release_block(AttentionBlockSlots *slots, int k) {
+    if (PERSISTENT && threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&slots->empty[k % SLOTS]);
+}
+
 // A forward variant: K/V tiles of KV keys, CONSUMERS warpgroups of 64 query rows, STAGES K/V stages;
 // with OVERLAP a consumer issues S for its next tile before the softmax of the current one; blocks
-// started in ORDER.
-template <int KV, int CONSUMERS, int STAGES, bool OVERLAP = false, AttentionOrder ORDER = ATTENTION_ORDER_GRID>
+// started in ORDER. PERSISTENT: one block per SM walks the query blocks in that order, taking the
+// next from a counter, so that its next Q and K/V tiles load while it finishes the last.
+template <int KV, int CONSUMERS, int STAGES, bool OVERLAP = false, AttentionOrder ORDER = ATTENTION_ORDER_GRID,
+          bool PERSISTENT = false>
 struct AttentionTmaForwardConfig {
-    static constexpr bool tma = true, overlap = OVERLAP;
+    static constexpr bool tma = true, overlap = OVERLAP, persistent = PERSISTENT;
     static constexpr AttentionOrder order = ORDER;
     static constexpr int kv_tile = KV, consumers = CONSUMERS, stages = STAGES;
     static constexpr int q_tile = CONSUMERS * WGMMA_WARPGROUP_ROWS;
     static constexpr int threads = (CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS;  // the producer's warpgroup too
 };
 
-// Shared memory of the TMA forward, in bytes from a 1024-byte aligned start: Q, K stages, V stages,
-// then the mbarriers q_full, full[STAGES], empty[STAGES]. bytes includes 1024 of slack for the
-// alignment, done by hand (dynamic shared memory is only 16-byte aligned).
-template <int HEAD_DIM, int KV, int CONSUMERS, int STAGES>
+// Shared memory of the TMA forward, in bytes from a 1024-byte aligned start: Q (a buffer per block
+// slot: two when persistent), K stages, V stages, then the mbarriers full[STAGES], empty[STAGES] and
+// the block slots. bytes includes 1024 of slack for the alignment, done by hand (dynamic shared
+// memory is only 16-byte aligned).
+template <int HEAD_DIM, int KV, int CONSUMERS, int STAGES, bool PERSISTENT>
 struct AttentionTmaForwardSmem {
-    static constexpr int q_rows = CONSUMERS * WGMMA_WARPGROUP_ROWS;
+    static constexpr int q_rows = CONSUMERS * WGMMA_WARPGROUP_ROWS, slots = PERSISTENT ? 2 : 1;
     static constexpr size_t q_bytes = (size_t)q_rows * HEAD_DIM * 2, kv_bytes = (size_t)KV * HEAD_DIM * 2;
-    static constexpr size_t q = 0, k = q_bytes, v = k + STAGES * kv_bytes, bars = v + STAGES * kv_bytes;
-    static constexpr size_t bytes = bars + (1 + 2 * STAGES) * sizeof(uint64_t) + 1024;
+    static constexpr size_t q = 0, k = slots * q_bytes, v = k + STAGES * kv_bytes, bars = v + STAGES * kv_bytes;
+    static constexpr size_t block_slots = bars + 2 * STAGES * sizeof(uint64_t);
+    static constexpr size_t bytes = block_slots + sizeof(AttentionBlockSlots) + 1024;
 };
+
 
 // The first row of query block q_block (of q_blocks, ROWS rows each) in the forward and the dQ pass:
 // the blocks end at T rounded up to a warpgroup's 64 rows, so that a partial block is a pair's first,
@@ -441,37 +523,52 @@ __device__ __forceinline__ int attention_query_block_row0(int q_block, int q_blo
     return ceil_div(T, WGMMA_WARPGROUP_ROWS) * WGMMA_WARPGROUP_ROWS - (q_blocks - q_block) * rows;
 }
 
+// What a forward block computes: query rows q0.., head h, batch b, and the K/V tiles up to the
+// diagonal of its last valid row.
+struct AttentionForwardBlock {
+    int q0, h, b, kv_head, num_kv_tiles;
+};
+__device__ __forceinline__ AttentionForwardBlock attention_forward_block(int linear, int q_blocks, int q_rows,
+                                                                         int pairs, int chunk_pairs, int T, int NH,
+                                                                         int NKV, int kv) {
+    const AttentionBlock block = attention_block_in_order(linear, q_blocks, pairs, chunk_pairs);
+    AttentionForwardBlock f;
+    f.h = block.pair % NH;
+    f.b = block.pair / NH;
+    f.kv_head = f.h / (NH / NKV);
+    f.q0 = attention_query_block_row0(q_blocks - 1 - block.x, q_blocks, q_rows, T);
+    f.num_kv_tiles = (min(f.q0 + q_rows, T) - 1) / kv + 1;
+    return f;
+}
+
 // Block: query rows q0 = attention_query_block_row0.., head h, batch b, in the order of chunk_pairs
-// (last query block of a pair first: attention_block_in_order). Warpgroup 0 is the producer
-// (its thread 0 issues every load); warpgroup 1 + w is consumer w: rows q0 + 64 w.., warp i of it
+// (last query block of a pair first: attention_block_in_order); a persistent block takes such
+// blocks one after the other. Warpgroup 0 is the producer (its thread 0 issues every load: per
+// query block its Q into the next Q buffer, then its K/V tiles into the ring, whose stages carry on
+// from one query block to the next); warpgroup 1 + w is consumer w: rows q0 + 64 w.., warp i of it
 // rows + 16 i, thread rows g and g + 8. A consumer walks every K/V tile of the block, computing on
-// those left of its diagonal, and releases each stage once its products from it completed. Online
-// softmax in base 2, as attention_forward_kernel. With OVERLAP, per tile j of a consumer:
+// those left of its diagonal, and releases each stage once its products from it completed, and the
+// Q buffer once its last product read it. Online softmax in base 2, as attention_forward_kernel.
+// With OVERLAP, per tile j of a consumer:
 //   issue S_{j+1} (its tile loaded) | softmax of S_j | wait for S_{j+1} and O += P_{j-1} V_{j-1} |
 //   rescale O | issue O += P_j V_j, which runs into tile j + 1 (stage j is released there);
 // where needed the producer gives its registers to the consumers, who hold S_j and S_{j+1} beside O.
-template <int HEAD_DIM, int KV, int CONSUMERS, int STAGES, bool OVERLAP>
+template <int HEAD_DIM, int KV, int CONSUMERS, int STAGES, bool OVERLAP, bool PERSISTENT>
 __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     attention_forward_tma_kernel(const __grid_constant__ CUtensorMap qkv_map, bf16 *out, float *lse, int T, int NH,
-                                 int NKV, float softmax_scale, float *out_amax, int chunk_pairs) {
-    typedef AttentionTmaForwardSmem<HEAD_DIM, KV, CONSUMERS, STAGES> Smem;
-    constexpr int Q_ROWS = Smem::q_rows, S_REGS = KV / 2, O_REGS = HEAD_DIM / 2;
+                                 int NKV, float softmax_scale, float *out_amax, int pairs, int chunk_pairs) {
+    typedef AttentionTmaForwardSmem<HEAD_DIM, KV, CONSUMERS, STAGES, PERSISTENT> Smem;
+    constexpr int Q_ROWS = Smem::q_rows, SLOTS = Smem::slots, S_REGS = KV / 2, O_REGS = HEAD_DIM / 2;
     static_assert(HEAD_DIM % 64 == 0 && KV % 64 == 0 && (KV == 64 || KV == 128), "whole 64 x 64 boxes; wgmma n64/n128");
     extern __shared__ __align__(1024) unsigned char attention_tma_smem[];
     char *smem = shared_aligned_1024(attention_tma_smem);
-    char *q_tile = smem + Smem::q;
-    uint64_t *q_full = reinterpret_cast<uint64_t *>(smem + Smem::bars);
-    uint64_t *full = q_full + 1, *empty = full + STAGES;
+    uint64_t *full = reinterpret_cast<uint64_t *>(smem + Smem::bars), *empty = full + STAGES;
+    AttentionBlockSlots *slots = reinterpret_cast<AttentionBlockSlots *>(smem + Smem::block_slots);
 
     const int warpgroup = threadIdx.x / WGMMA_WARPGROUP_THREADS;
-    const int q_blocks = ceil_div(T, Q_ROWS);
-    const AttentionBlock block = attention_block_in_order(blockIdx.x, q_blocks, gridDim.x / q_blocks, chunk_pairs);
-    const int q_block = q_blocks - 1 - block.x, h = block.pair % NH, b = block.pair / NH;
-    const int kv_head = h / (NH / NKV);
-    const int q0 = attention_query_block_row0(q_block, q_blocks, Q_ROWS, T);
-    const int num_kv_tiles = (min(q0 + Q_ROWS, T) - 1) / KV + 1;  // up to the last valid row's diagonal
+    const int q_blocks = ceil_div(T, Q_ROWS), blocks = q_blocks * pairs;
 
-    tma_pipeline_init<STAGES>(q_full, CONSUMERS);
+    attention_pipeline_init<STAGES>(slots, full, CONSUMERS);
 
     // The consumers take registers from the producer (128 x 24 + 128 CONSUMERS x CONSUMER_REGISTERS)
     // where the launch's even split is too few: at head_dim 128 (O takes 64 a thread), and with 3
@@ -483,178 +580,200 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
                   "the SM's 64K registers");
     if (warpgroup == 0) {
         if constexpr (CLAIM) warpgroup_registers_release<24>();
-        if (threadIdx.x == 0) {
-            mbarrier_arrive_expect_bytes(q_full, (uint32_t)Smem::q_bytes);
-            tma_load_tile<Q_ROWS, HEAD_DIM>(q_tile, &qkv_map, h * HEAD_DIM, q0, b, q_full);
-            tma_load_kv_tiles<KV, HEAD_DIM, STAGES>(smem + Smem::k, smem + Smem::v, &qkv_map, NH, NKV, kv_head, b,
-                                                    num_kv_tiles, full, empty);
+        if (threadIdx.x != 0) return;
+        int ring = 0;  // K/V tiles loaded so far: the ring position of the next
+        for (int k = 0; PERSISTENT || k == 0; k++) {
+            const int slot = k % SLOTS, linear = attention_take_block<PERSISTENT, SLOTS>(slots, k, blocks);
+            if (linear == blocks) {
+                mbarrier_arrive(&slots->full[slot]);
+                break;
+            }
+            const AttentionForwardBlock f =
+                attention_forward_block(linear, q_blocks, Q_ROWS, pairs, chunk_pairs, T, NH, NKV, KV);
+            mbarrier_arrive_expect_bytes(&slots->full[slot], (uint32_t)Smem::q_bytes);
+            tma_load_tile<Q_ROWS, HEAD_DIM>(smem + Smem::q + slot * Smem::q_bytes, &qkv_map, f.h * HEAD_DIM, f.q0, f.b,
+                                            &slots->full[slot]);
+            tma_load_kv_tiles<KV, HEAD_DIM, STAGES>(smem + Smem::k, smem + Smem::v, &qkv_map, NH, NKV, f.kv_head, f.b,
+                                                    f.num_kv_tiles, full, empty, ring);
+            ring += f.num_kv_tiles;
         }
+        attention_blocks_taken<PERSISTENT>();
         return;
     }
 
     if constexpr (CLAIM) warpgroup_registers_claim<CONSUMER_REGISTERS>();
     const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
-    const int group_row0 = q0 + consumer * WGMMA_WARPGROUP_ROWS;
-    // This warpgroup's tiles: up to the diagonal of its last valid row (none when all lie past T or
-    // before 0).
-    const bool group_rows = group_row0 >= 0 && group_row0 < T;
-    const int group_tiles = group_rows ? (min(group_row0 + WGMMA_WARPGROUP_ROWS, T) - 1) / KV + 1 : 0;
     const int g = lane / 4, c = (lane % 4) * 2;
-    const int row_lo = group_row0 + warp * 16 + g;  // this thread's rows: row_lo and row_lo + 8
     const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
     const int q_row0 = consumer * WGMMA_WARPGROUP_ROWS;
-    float o_acc[O_REGS];
+    int ring = 0;  // the ring position of this query block's K/V tile 0
+    for (int k = 0; PERSISTENT || k == 0; k++) {
+        const int linear = attention_wait_block<SLOTS>(slots, k);
+        if (linear == blocks) break;  // warpgroup-uniform
+        const AttentionForwardBlock f =
+            attention_forward_block(linear, q_blocks, Q_ROWS, pairs, chunk_pairs, T, NH, NKV, KV);
+        const char *q_tile = smem + Smem::q + (k % SLOTS) * Smem::q_bytes;
+        const int group_row0 = f.q0 + consumer * WGMMA_WARPGROUP_ROWS;
+        // This warpgroup's tiles: up to the diagonal of its last valid row (none when all lie past T or
+        // before 0).
+        const bool group_rows = group_row0 >= 0 && group_row0 < T;
+        const int group_tiles = group_rows ? (min(group_row0 + WGMMA_WARPGROUP_ROWS, T) - 1) / KV + 1 : 0;
+        const int row_lo = group_row0 + warp * 16 + g;  // this thread's rows: row_lo and row_lo + 8
+        float o_acc[O_REGS];
 #pragma unroll
-    for (int i = 0; i < O_REGS; i++) o_acc[i] = 0.f;
-    // Tile 0 holds key 0, which every row sees, so the running max is finite after it.
-    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-    // P as BF16 A fragments, read by O += P V until the next wait. Defined before its first pin: an
-    // undefined one makes ptxas serialize every wgmma of the kernel.
-    uint32_t p_frag[KV / 16][4];
+        for (int i = 0; i < O_REGS; i++) o_acc[i] = 0.f;
+        // Tile 0 holds key 0, which every row sees, so the running max is finite after it.
+        float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+        // P as BF16 A fragments, read by O += P V until the next wait. Defined before its first pin: an
+        // undefined one makes ptxas serialize every wgmma of the kernel.
+        uint32_t p_frag[KV / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < KV / 16; kk++)
+        for (int kk = 0; kk < KV / 16; kk++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) p_frag[kk][i] = 0u;
-    float s[S_REGS];  // S_j (with OVERLAP issued one tile ahead)
-    mbarrier_wait(q_full, 0);
-    if (OVERLAP && group_tiles > 0) {
-        mbarrier_wait(&full[0], 0);
-        wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, q_row0, smem + Smem::k);
-        wgmma_wait_pending<0>();
-        wgmma_pin_registers(s);
-    }
-
-    // Tile j of this warpgroup; has_next: tile j + 1 is one of its tiles too. Warpgroup-uniform
-    // branches with one issue/wait pattern each, so that ptxas keeps the wgmma asynchronous.
-    auto compute_tile = [&](int j, auto has_next_tag) {
-        constexpr bool HAS_NEXT = decltype(has_next_tag)::value && OVERLAP;
-        const int stage = j % STAGES;
-        float s_next[S_REGS];
-        if constexpr (HAS_NEXT) {
-            const int next = (j + 1) % STAGES;
-            mbarrier_wait(&full[next], ((j + 1) / STAGES) & 1);
-            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s_next, q_tile, Q_ROWS, q_row0,
-                                                 smem + Smem::k + next * Smem::kv_bytes);
-        }
-        if constexpr (!OVERLAP) {
-            mbarrier_wait(&full[stage], (j / STAGES) & 1);
-            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, q_row0, smem + Smem::k + stage * Smem::kv_bytes);
+            for (int i = 0; i < 4; i++) p_frag[kk][i] = 0u;
+        float s[S_REGS];  // S_j (with OVERLAP issued one tile ahead)
+        if (OVERLAP && group_tiles > 0) {
+            mbarrier_wait(&full[ring % STAGES], (ring / STAGES) & 1);
+            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, q_row0, smem + Smem::k + (ring % STAGES) * Smem::kv_bytes);
             wgmma_wait_pending<0>();
             wgmma_pin_registers(s);
         }
-        const int kv0 = j * KV;
-        if (kv0 + KV - 1 > group_row0) {  // the tile crosses this warpgroup's diagonal
+
+        // Tile j of this warpgroup, at ring position at; has_next: tile j + 1 is one of its tiles too.
+        // Warpgroup-uniform branches with one issue/wait pattern each, so that ptxas keeps the wgmma
+        // asynchronous.
+        auto compute_tile = [&](int j, int at, auto has_next_tag) {
+            constexpr bool HAS_NEXT = decltype(has_next_tag)::value && OVERLAP;
+            const int stage = at % STAGES;
+            float s_next[S_REGS];
+            if constexpr (HAS_NEXT) {
+                const int next = (at + 1) % STAGES;
+                mbarrier_wait(&full[next], ((at + 1) / STAGES) & 1);
+                wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s_next, q_tile, Q_ROWS, q_row0,
+                                                     smem + Smem::k + next * Smem::kv_bytes);
+            }
+            if constexpr (!OVERLAP) {
+                mbarrier_wait(&full[stage], (at / STAGES) & 1);
+                wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, q_row0, smem + Smem::k + stage * Smem::kv_bytes);
+                wgmma_wait_pending<0>();
+                wgmma_pin_registers(s);
+            }
+            const int kv0 = j * KV;
+            if (kv0 + KV - 1 > group_row0) {  // the tile crosses this warpgroup's diagonal
 #pragma unroll
-            for (int i = 0; i < S_REGS; i++)
-                if (kv0 + (i / 4) * 8 + c + (i & 1) > row_lo + ((i >> 1) & 1) * 8) s[i] = -INFINITY;
-        }
-        float correction[2];
+                for (int i = 0; i < S_REGS; i++)
+                    if (kv0 + (i / 4) * 8 + c + (i & 1) > row_lo + ((i >> 1) & 1) * 8) s[i] = -INFINITY;
+            }
+            float correction[2];
 #pragma unroll
-        for (int r = 0; r < 2; r++) {  // r = 0: row row_lo, r = 1: row row_lo + 8
-            float tile_max = -INFINITY;
+            for (int r = 0; r < 2; r++) {  // r = 0: row row_lo, r = 1: row row_lo + 8
+                float tile_max = -INFINITY;
 #pragma unroll
-            for (int n8 = 0; n8 < KV / 8; n8++)
-                tile_max = fmaxf(tile_max, fmaxf(s[4 * n8 + 2 * r], s[4 * n8 + 2 * r + 1]));
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));  // the 4 threads of a row
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-            const float new_max = fmaxf(row_max[r], tile_max * scale_log2);
-            correction[r] = exp2_approx(row_max[r] - new_max);
-            row_max[r] = new_max;
-            row_sum[r] *= correction[r];  // a per-thread partial sum: the 4 partials are added at the end
+                for (int n8 = 0; n8 < KV / 8; n8++)
+                    tile_max = fmaxf(tile_max, fmaxf(s[4 * n8 + 2 * r], s[4 * n8 + 2 * r + 1]));
+                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));  // the 4 threads of a row
+                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+                const float new_max = fmaxf(row_max[r], tile_max * scale_log2);
+                correction[r] = exp2_approx(row_max[r] - new_max);
+                row_max[r] = new_max;
+                row_sum[r] *= correction[r];  // a per-thread partial sum: the 4 partials are added at the end
 #pragma unroll
-            for (int n8 = 0; n8 < KV / 8; n8++)
+                for (int n8 = 0; n8 < KV / 8; n8++)
 #pragma unroll
-                for (int e = 2 * r; e < 2 * r + 2; e++) {
-                    const float p = exp2_approx(fmaf(s[4 * n8 + e], scale_log2, -new_max));
-                    s[4 * n8 + e] = p;
-                    row_sum[r] += p;
+                    for (int e = 2 * r; e < 2 * r + 2; e++) {
+                        const float p = exp2_approx(fmaf(s[4 * n8 + e], scale_log2, -new_max));
+                        s[4 * n8 + e] = p;
+                        row_sum[r] += p;
+                    }
+            }
+            // The previous O += P V (and S_{j+1}) complete: O may be rescaled and P rewritten. (Waiting
+            // for O += P V alone, wait_group 1, makes ptxas serialize every wgmma.)
+            wgmma_wait_pending<0>();
+            wgmma_pin_registers(o_acc);
+            wgmma_pin_registers(p_frag);
+            if constexpr (HAS_NEXT) wgmma_pin_registers(s_next);
+#pragma unroll
+            for (int n8 = 0; n8 < HEAD_DIM / 8; n8++) {
+                o_acc[4 * n8] *= correction[0];
+                o_acc[4 * n8 + 1] *= correction[0];
+                o_acc[4 * n8 + 2] *= correction[1];
+                o_acc[4 * n8 + 3] *= correction[1];
+            }
+            wgmma_scores_to_a_operand<KV>(p_frag, s);
+            wgmma_issue_add_x_b_sw128<HEAD_DIM, KV>(o_acc, p_frag, smem + Smem::v + stage * Smem::kv_bytes);
+            if constexpr (HAS_NEXT) {
+#pragma unroll
+                for (int i = 0; i < S_REGS; i++) s[i] = s_next[i];
+            }
+            if constexpr (!OVERLAP) {  // the product completes here, and the stage is released at once
+                wgmma_wait_pending<0>();
+                wgmma_pin_registers(o_acc);
+                wgmma_pin_registers(p_frag);
+            }
+        };
+
+        for (int j = 0; j < f.num_kv_tiles; j++) {
+            const int at = ring + j, stage = at % STAGES;
+            if (j + 1 < group_tiles) {
+                compute_tile(j, at, std::true_type());
+            } else if (j < group_tiles) {
+                compute_tile(j, at, std::false_type());
+            } else {
+                // A tile right of this warpgroup's diagonal: nothing to compute, but the release must not
+                // run ahead of the tile's load (an early arrival would count towards the stage's
+                // previous phase).
+                mbarrier_wait(&full[stage], (at / STAGES) & 1);
+                wgmma_wait_pending<0>();
+                wgmma_pin_registers(o_acc);
+                wgmma_pin_registers(p_frag);
+            }
+            // Release: without OVERLAP this tile's stage; with it the previous tile's (its O += P V
+            // completed in this tile), and the last one's after the loop.
+            if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) {
+                if constexpr (OVERLAP) {
+                    if (j > 0) mbarrier_arrive(&empty[(at - 1) % STAGES]);
+                } else {
+                    mbarrier_arrive(&empty[stage]);
                 }
+            }
         }
-        // The previous O += P V (and S_{j+1}) complete: O may be rescaled and P rewritten. (Waiting
-        // for O += P V alone, wait_group 1, makes ptxas serialize every wgmma.)
         wgmma_wait_pending<0>();
         wgmma_pin_registers(o_acc);
         wgmma_pin_registers(p_frag);
-        if constexpr (HAS_NEXT) wgmma_pin_registers(s_next);
-#pragma unroll
-        for (int n8 = 0; n8 < HEAD_DIM / 8; n8++) {
-            o_acc[4 * n8] *= correction[0];
-            o_acc[4 * n8 + 1] *= correction[0];
-            o_acc[4 * n8 + 2] *= correction[1];
-            o_acc[4 * n8 + 3] *= correction[1];
-        }
-        wgmma_scores_to_a_operand<KV>(p_frag, s);
-        wgmma_issue_add_x_b_sw128<HEAD_DIM, KV>(o_acc, p_frag, smem + Smem::v + stage * Smem::kv_bytes);
-        if constexpr (HAS_NEXT) {
-#pragma unroll
-            for (int i = 0; i < S_REGS; i++) s[i] = s_next[i];
-        }
-        if constexpr (!OVERLAP) {  // the product completes here, and the stage is released at once
-            wgmma_wait_pending<0>();
-            wgmma_pin_registers(o_acc);
-            wgmma_pin_registers(p_frag);
-        }
-    };
+        if constexpr (OVERLAP)
+            if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[(ring + f.num_kv_tiles - 1) % STAGES]);
+        attention_release_block<PERSISTENT, SLOTS>(slots, k);  // no product reads its Q any more
+        ring += f.num_kv_tiles;
+        if (!group_rows) continue;  // warpgroup-uniform
 
-    for (int j = 0; j < num_kv_tiles; j++) {
-        const int stage = j % STAGES;
-        if (j + 1 < group_tiles) {
-            compute_tile(j, std::true_type());
-        } else if (j < group_tiles) {
-            compute_tile(j, std::false_type());
-        } else {
-            // A tile right of this warpgroup's diagonal: nothing to compute, but the release must not
-            // run ahead of the tile's load (an early arrival would count towards the stage's
-            // previous phase).
-            mbarrier_wait(&full[stage], (j / STAGES) & 1);
-            wgmma_wait_pending<0>();
-            wgmma_pin_registers(o_acc);
-            wgmma_pin_registers(p_frag);
-        }
-        // Release: without OVERLAP this tile's stage; with it the previous tile's (its O += P V
-        // completed in this tile), and the last one's after the loop.
-        if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) {
-            if constexpr (OVERLAP) {
-                if (j > 0) mbarrier_arrive(&empty[(j - 1) % STAGES]);
-            } else {
-                mbarrier_arrive(&empty[stage]);
-            }
-        }
-    }
-    wgmma_wait_pending<0>();
-    wgmma_pin_registers(o_acc);
-    wgmma_pin_registers(p_frag);
-    if constexpr (OVERLAP)
-        if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[(num_kv_tiles - 1) % STAGES]);
-    if (!group_rows) return;  // warpgroup-uniform
-
-    float inv_sum[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float sum = row_sum[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        inv_sum[r] = 1.f / sum;
-        const int row = row_lo + 8 * r;
-        // lse = ln(2^m l) = (m + log2 l) ln 2
-        if (lane % 4 == 0 && row < T) lse[((size_t)b * NH + h) * T + row] = (row_max[r] + log2f(sum)) * ATTENTION_LN2;
-    }
-    bf16 *out_head = out + ((size_t)b * T * NH + h) * HEAD_DIM;
-    uint32_t amax_bits = 0;  // of |out| as stored: a BF16's bits, shifted, are its float's
-#pragma unroll
-    for (int n8 = 0; n8 < HEAD_DIM / 8; n8++)
+        float inv_sum[2];
 #pragma unroll
         for (int r = 0; r < 2; r++) {
+            float sum = row_sum[r];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            inv_sum[r] = 1.f / sum;
             const int row = row_lo + 8 * r;
-            const __nv_bfloat162 pair =
-                __floats2bfloat162_rn(o_acc[4 * n8 + 2 * r] * inv_sum[r], o_acc[4 * n8 + 2 * r + 1] * inv_sum[r]);
-            if (row < T) {
-                *reinterpret_cast<__nv_bfloat162 *>(out_head + (size_t)row * NH * HEAD_DIM + 8 * n8 + c) = pair;
-                const uint32_t bits = *reinterpret_cast<const uint32_t *>(&pair);
-                amax_bits = max(amax_bits, max((bits & 0x7fffu) << 16, bits & 0x7fff0000u));
-            }
+            // lse = ln(2^m l) = (m + log2 l) ln 2
+            if (lane % 4 == 0 && row < T) lse[((size_t)f.b * NH + f.h) * T + row] = (row_max[r] + log2f(sum)) * ATTENTION_LN2;
         }
-    if (out_amax != NULL) attention_fold_amax(out_amax, amax_bits, lane);
+        bf16 *out_head = out + ((size_t)f.b * T * NH + f.h) * HEAD_DIM;
+        uint32_t amax_bits = 0;  // of |out| as stored: a BF16's bits, shifted, are its float's
+#pragma unroll
+        for (int n8 = 0; n8 < HEAD_DIM / 8; n8++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const int row = row_lo + 8 * r;
+                const __nv_bfloat162 pair =
+                    __floats2bfloat162_rn(o_acc[4 * n8 + 2 * r] * inv_sum[r], o_acc[4 * n8 + 2 * r + 1] * inv_sum[r]);
+                if (row < T) {
+                    *reinterpret_cast<__nv_bfloat162 *>(out_head + (size_t)row * NH * HEAD_DIM + 8 * n8 + c) = pair;
+                    const uint32_t bits = *reinterpret_cast<const uint32_t *>(&pair);
+                    amax_bits = max(amax_bits, max((bits & 0x7fffu) << 16, bits & 0x7fff0000u));
+                }
+            }
+        if (out_amax != NULL) attention_fold_amax(out_amax, amax_bits, lane);
+    }
 }
 
 typedef CUresult (*TensorMapEncodeTiled)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
@@ -701,17 +820,20 @@ static CUtensorMap attention_qkv_tensor_map(const bf16 *qkv, int B, int T, int N
 template <int HEAD_DIM, class Config>
 static void attention_forward_tma_launch(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH, int NKV,
                                          cudaStream_t stream, float *out_amax = NULL) {
-    typedef AttentionTmaForwardSmem<HEAD_DIM, Config::kv_tile, Config::consumers, Config::stages> Smem;
+    typedef AttentionTmaForwardSmem<HEAD_DIM, Config::kv_tile, Config::consumers, Config::stages, Config::persistent>
+        Smem;
     static_assert(Smem::bytes <= ATTENTION_MAX_SMEM_BYTES, "TMA forward tiles exceed shared memory");
     const CUtensorMap map = attention_qkv_tensor_map(qkv, B, T, NH, NKV, HEAD_DIM);
-    auto kernel =
-        attention_forward_tma_kernel<HEAD_DIM, Config::kv_tile, Config::consumers, Config::stages, Config::overlap>;
+    auto kernel = attention_forward_tma_kernel<HEAD_DIM, Config::kv_tile, Config::consumers, Config::stages,
+                                               Config::overlap, Config::persistent>;
     attention_launch_setup(kernel, Smem::bytes);
     // A pair's blocks share K/V with the pairs of its kv head (adjacent) and read their Q once.
     const double pair_bytes = (double)T * HEAD_DIM * 2 * (1.0 + 2.0 * NKV / NH);
     const int q_blocks = ceil_div(T, Config::q_tile), chunk = attention_chunk_pairs(Config::order, NH * B, pair_bytes);
-    kernel<<<attention_grid_blocks(q_blocks, NH * B), Config::threads, Smem::bytes, stream>>>(
-        map, out, lse, T, NH, NKV, attention_softmax_scale(HEAD_DIM), out_amax, chunk);
+    unsigned grid = attention_grid_blocks(q_blocks, NH * B);
+    if (Config::persistent) grid = attention_resident_blocks(kernel, Config::threads, Smem::bytes, grid);
+    kernel<<<grid, Config::threads, Smem::bytes, stream>>>(map, out, lse, T, NH, NKV, attention_softmax_scale(HEAD_DIM),
+                                                           out_amax, NH * B, chunk);
     cudaCheckLaunch();
 }
 
@@ -779,10 +901,11 @@ __device__ __forceinline__ void wgmma_store_rows_direct(bf16 *head, size_t row_s
 // consumer warpgroups (consumers: 2 or 3, each 64 key or query rows of the block); both passes'
 // blocks started in ORDER. STORE_DS: the dK/dV pass also stores dS^T and the dQ pass only multiplies
 // it by K (tiles of 64 keys; DQ_KV unused), where the two-pass dQ recomputes S, P, dP and dS.
+// PERSISTENT: both passes run one block per SM taking the blocks in turn (as the forward's).
 template <int DKDV_STAGES, int DQ_KV, int DQ_STAGES, int DKDV_CONSUMERS = 2, int DQ_CONSUMERS = 2,
-          AttentionOrder ORDER = ATTENTION_ORDER_GRID, bool STORE_DS = false>
+          AttentionOrder ORDER = ATTENTION_ORDER_GRID, bool STORE_DS = false, bool PERSISTENT = false>
 struct AttentionTmaTwoPassConfig {
-    static constexpr bool one_pass = false, wgmma = false, tma = true, store_ds = STORE_DS;
+    static constexpr bool one_pass = false, wgmma = false, tma = true, store_ds = STORE_DS, persistent = PERSISTENT;
     static constexpr AttentionOrder order = ORDER;
     static constexpr int dkdv_stages = DKDV_STAGES, dq_kv_tile = DQ_KV, dq_stages = DQ_STAGES;
     static constexpr int dkdv_consumers = DKDV_CONSUMERS, dq_consumers = DQ_CONSUMERS;
@@ -815,272 +938,352 @@ __host__ __device__ __forceinline__ size_t attention_ds_tiles_per_pair(int T) {
 __device__ __forceinline__ int attention_ds_tile_row(int i, int j) { return (i * (i + 1) / 2 + j) * ATTENTION_DS_TILE; }
 
 // Shared memory of the TMA dK/dV pass from a 1024-byte aligned start: K and V (64 CONSUMERS rows
-// each), then per stage Q and dO (64 rows each), with STORE_DS two dS^T tiles per consumer, then lse
-// (log2 units) and D per stage, then the mbarriers kv_full, full[STAGES], empty[STAGES].
-template <int HEAD_DIM, int STAGES, int CONSUMERS, bool STORE_DS = false>
+// each) per block slot, then per stage Q and dO (64 rows each), with STORE_DS two dS^T tiles per
+// consumer, then lse (log2 units) and D per stage, then the mbarriers full[STAGES], empty[STAGES] and
+// the block slots.
+template <int HEAD_DIM, int STAGES, int CONSUMERS, bool STORE_DS = false, bool PERSISTENT = false>
 struct AttentionTmaDkDvSmem {
     static constexpr int Q_TILE = ATTENTION_TMA_BACKWARD_Q_TILE, kv_rows = CONSUMERS * WGMMA_WARPGROUP_ROWS;
     static constexpr size_t kv_bytes = (size_t)kv_rows * HEAD_DIM * 2, q_bytes = (size_t)Q_TILE * HEAD_DIM * 2;
-    static constexpr size_t k = 0, v = kv_bytes, q = 2 * kv_bytes, dout = q + STAGES * q_bytes;
-    // filled and stored (TMA) in turn
-    static constexpr size_t ds_tile_bytes = 64 * 64 * 2, ds = dout + STAGES * q_bytes;
+    static constexpr size_t ds_tile_bytes = 64 * 64 * 2;  // filled and stored (TMA) in turn
+    static constexpr size_t ring_bytes = STAGES * (2 * q_bytes + 2 * Q_TILE * sizeof(float) + 2 * sizeof(uint64_t)) +
+                                         (STORE_DS ? 2 * CONSUMERS * ds_tile_bytes : 0);
+    static constexpr int slots = attention_block_slots(PERSISTENT, 2 * kv_bytes, ring_bytes);
+    static constexpr size_t k = 0, v = slots * kv_bytes, q = 2 * slots * kv_bytes, dout = q + STAGES * q_bytes;
+    static constexpr size_t ds = dout + STAGES * q_bytes;
     static constexpr size_t lse = ds + (STORE_DS ? 2 * CONSUMERS * ds_tile_bytes : 0);
     static constexpr size_t delta = lse + STAGES * Q_TILE * sizeof(float);
     static constexpr size_t bars = delta + STAGES * Q_TILE * sizeof(float);
-    static constexpr size_t bytes = bars + (1 + 2 * STAGES) * sizeof(uint64_t) + 1024;
+    static constexpr size_t block_slots = bars + 2 * STAGES * sizeof(uint64_t);
+    static constexpr size_t bytes = block_slots + sizeof(AttentionBlockSlots) + 1024;
 };
 
+// What a dK/dV block computes: key rows kv0.. of kv head kv_head of batch b, against the query tiles
+// from first_q_tile on of each query head of the group (steps of them in all).
+struct AttentionDkDvBlock {
+    int kv0, kv_head, b, first_q_tile, q_tiles_per_head, steps;
+};
+__device__ __forceinline__ AttentionDkDvBlock attention_dkdv_block(int linear, int kv_blocks, int kv_rows, int pairs,
+                                                                   int chunk_pairs, int T, int NKV, int group,
+                                                                   int q_tile) {
+    const AttentionBlock block = attention_block_in_order(linear, kv_blocks, pairs, chunk_pairs);
+    AttentionDkDvBlock d;
+    d.kv0 = block.x * kv_rows;
+    d.kv_head = block.pair % NKV;
+    d.b = block.pair / NKV;
+    d.first_q_tile = d.kv0 / q_tile;  // earlier queries see none of these keys
+    d.q_tiles_per_head = ceil_div(T, q_tile) - d.first_q_tile;
+    d.steps = group * d.q_tiles_per_head;  // step i: head kv_head * group + i / q_tiles_per_head
+    return d;
+}
+
 // Block: key rows kv0 = 64 CONSUMERS x.. of kv head kv_head of batch b, in the order of chunk_pairs
-// (attention_block_in_order: key block 0, the longest, first); consumer w: keys kv0 + 64 w...
+// (attention_block_in_order: key block 0, the longest, first; a persistent block takes such blocks
+// one after the other, its K and V in the block slot's tiles); consumer w: keys kv0 + 64 w...
 // Steps: every query head of the group (outer) and its query tiles from the one holding kv0 on
-// (inner), each step's Q, dO, lse and D in stage step % STAGES.
-template <int HEAD_DIM, int STAGES, int CONSUMERS, bool STORE_DS>
+// (inner), each step's Q, dO, lse and D in the ring's next stage (its position carries on from one
+// block to the next).
+template <int HEAD_DIM, int STAGES, int CONSUMERS, bool STORE_DS, bool PERSISTENT>
 __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     attention_backward_dkdv_tma_kernel(const __grid_constant__ CUtensorMap qkv_map,
                                        const __grid_constant__ CUtensorMap dout_map, bf16 *dqkv, const float *lse,
-                                       const float *delta, int T, int NH, int NKV, float softmax_scale,
+                                       const float *delta, int T, int NH, int NKV, float softmax_scale, int pairs,
                                        int chunk_pairs, const __grid_constant__ CUtensorMap ds_map) {
-    typedef AttentionTmaDkDvSmem<HEAD_DIM, STAGES, CONSUMERS, STORE_DS> Smem;
+    typedef AttentionTmaDkDvSmem<HEAD_DIM, STAGES, CONSUMERS, STORE_DS, PERSISTENT> Smem;
     typedef AttentionBackwardRegisters<HEAD_DIM, CONSUMERS> Registers;
     constexpr int Q_TILE = Smem::Q_TILE, KV_ROWS = Smem::kv_rows, GROUP_ROWS = WGMMA_WARPGROUP_ROWS;
+    constexpr int SLOTS = Smem::slots;
     extern __shared__ __align__(1024) unsigned char attention_tma_smem[];
     char *smem = shared_aligned_1024(attention_tma_smem);
     float *lse_tiles = reinterpret_cast<float *>(smem + Smem::lse);  // log2 units
     float *delta_tiles = reinterpret_cast<float *>(smem + Smem::delta);
-    uint64_t *kv_full = reinterpret_cast<uint64_t *>(smem + Smem::bars);
-    uint64_t *full = kv_full + 1, *empty = full + STAGES;
+    uint64_t *full = reinterpret_cast<uint64_t *>(smem + Smem::bars), *empty = full + STAGES;
+    AttentionBlockSlots *slots = reinterpret_cast<AttentionBlockSlots *>(smem + Smem::block_slots);
 
     const int warpgroup = threadIdx.x / WGMMA_WARPGROUP_THREADS;
-    const int kv_blocks = ceil_div(T, KV_ROWS);
-    const AttentionBlock block = attention_block_in_order(blockIdx.x, kv_blocks, gridDim.x / kv_blocks, chunk_pairs);
-    const int kv0 = block.x * KV_ROWS, kv_head = block.pair % NKV, b = block.pair / NKV;
-    const int group = NH / NKV;
-    const int first_q_tile = kv0 / Q_TILE;  // earlier queries see none of these keys
-    const int q_tiles_per_head = ceil_div(T, Q_TILE) - first_q_tile;
-    const int steps = group * q_tiles_per_head;  // step i: head kv_head * group + i / q_tiles_per_head
+    const int kv_blocks = ceil_div(T, KV_ROWS), blocks = kv_blocks * pairs, group = NH / NKV;
 
-    tma_pipeline_init<STAGES>(kv_full, CONSUMERS);
+    attention_pipeline_init<STAGES>(slots, full, CONSUMERS);
 
     if (warpgroup == 0) {
         warpgroup_registers_release<Registers::producer>();
         if (threadIdx.x >= 32) return;
         const int lane = threadIdx.x;
-        if (lane == 0) {
-            mbarrier_arrive_expect_bytes(kv_full, (uint32_t)(2 * Smem::kv_bytes));
-            tma_load_tile<KV_ROWS, HEAD_DIM>(smem + Smem::k, &qkv_map, (NH + kv_head) * HEAD_DIM, kv0, b, kv_full);
-            tma_load_tile<KV_ROWS, HEAD_DIM>(smem + Smem::v, &qkv_map, (NH + NKV + kv_head) * HEAD_DIM, kv0, b,
-                                             kv_full);
-        }
-        for (int step = 0; step < steps; step++) {
-            const int stage = step % STAGES;
-            if (step >= STAGES) mbarrier_wait(&empty[stage], (step / STAGES + 1) & 1);
-            const int head = kv_head * group + step / q_tiles_per_head;
-            const int q0 = (first_q_tile + step % q_tiles_per_head) * Q_TILE;
-            const size_t stats = ((size_t)b * NH + head) * T;
-            for (int i = lane; i < Q_TILE; i += 32) {  // rows past T: P = 0 exactly (lse = +inf), D = 0
-                const int q = q0 + i;
-                lse_tiles[stage * Q_TILE + i] = q < T ? lse[stats + q] * ATTENTION_LOG2E : INFINITY;
-                delta_tiles[stage * Q_TILE + i] = q < T ? delta[stats + q] : 0.f;
+        int ring = 0;  // steps loaded so far: the ring position of the next
+        for (int k = 0; PERSISTENT || k == 0; k++) {
+            const int slot = k % SLOTS;
+            int linear = lane == 0 ? attention_take_block<PERSISTENT, SLOTS>(slots, k, blocks) : 0;
+            linear = __shfl_sync(0xffffffffu, linear, 0);
+            if (linear == blocks) {
+                if (lane == 0) mbarrier_arrive(&slots->full[slot]);
+                break;
             }
-            __syncwarp();
-            if (lane == 0) {  // its arrival releases the warp's lse and D stores with the tiles
-                mbarrier_arrive_expect_bytes(&full[stage], (uint32_t)(2 * Smem::q_bytes));
-                tma_load_tile<Q_TILE, HEAD_DIM>(smem + Smem::q + stage * Smem::q_bytes, &qkv_map, head * HEAD_DIM, q0,
-                                                b, &full[stage]);
-                tma_load_tile<Q_TILE, HEAD_DIM>(smem + Smem::dout + stage * Smem::q_bytes, &dout_map, head * HEAD_DIM,
-                                                q0, b, &full[stage]);
+            const AttentionDkDvBlock d =
+                attention_dkdv_block(linear, kv_blocks, KV_ROWS, pairs, chunk_pairs, T, NKV, group, Q_TILE);
+            if (lane == 0) {
+                mbarrier_arrive_expect_bytes(&slots->full[slot], (uint32_t)(2 * Smem::kv_bytes));
+                tma_load_tile<KV_ROWS, HEAD_DIM>(smem + Smem::k + slot * Smem::kv_bytes, &qkv_map,
+                                                 (NH + d.kv_head) * HEAD_DIM, d.kv0, d.b, &slots->full[slot]);
+                tma_load_tile<KV_ROWS, HEAD_DIM>(smem + Smem::v + slot * Smem::kv_bytes, &qkv_map,
+                                                 (NH + NKV + d.kv_head) * HEAD_DIM, d.kv0, d.b, &slots->full[slot]);
             }
+            for (int step = 0; step < d.steps; step++) {
+                const int at = ring + step, stage = at % STAGES;
+                if (at >= STAGES) mbarrier_wait(&empty[stage], (at / STAGES + 1) & 1);
+                const int head = d.kv_head * group + step / d.q_tiles_per_head;
+                const int q0 = (d.first_q_tile + step % d.q_tiles_per_head) * Q_TILE;
+                const size_t stats = ((size_t)d.b * NH + head) * T;
+                for (int i = lane; i < Q_TILE; i += 32) {  // rows past T: P = 0 exactly (lse = +inf), D = 0
+                    const int q = q0 + i;
+                    lse_tiles[stage * Q_TILE + i] = q < T ? lse[stats + q] * ATTENTION_LOG2E : INFINITY;
+                    delta_tiles[stage * Q_TILE + i] = q < T ? delta[stats + q] : 0.f;
+                }
+                __syncwarp();
+                if (lane == 0) {  // its arrival releases the warp's lse and D stores with the tiles
+                    mbarrier_arrive_expect_bytes(&full[stage], (uint32_t)(2 * Smem::q_bytes));
+                    tma_load_tile<Q_TILE, HEAD_DIM>(smem + Smem::q + stage * Smem::q_bytes, &qkv_map, head * HEAD_DIM,
+                                                    q0, d.b, &full[stage]);
+                    tma_load_tile<Q_TILE, HEAD_DIM>(smem + Smem::dout + stage * Smem::q_bytes, &dout_map,
+                                                    head * HEAD_DIM, q0, d.b, &full[stage]);
+                }
+            }
+            ring += d.steps;
         }
+        if (lane == 0) attention_blocks_taken<PERSISTENT>();
         return;
     }
     warpgroup_registers_claim<Registers::consumer>();
 
     const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
-    const int key_first = kv0 + consumer * GROUP_ROWS;    // this warpgroup's first key
-    const int key_lo = key_first + warp * 16 + lane / 4;  // this thread's keys: key_lo and key_lo + 8
     const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
-    float dk_acc[HEAD_DIM / 2], dv_acc[HEAD_DIM / 2];
-#pragma unroll
-    for (int i = 0; i < HEAD_DIM / 2; i++) dk_acc[i] = dv_acc[i] = 0.f;
-    mbarrier_wait(kv_full, 0);
-
+    int ring = 0;     // the ring position of this block's step 0
     int ds_turn = 0;  // the warpgroup's steps so far: its two dS^T tiles take turns
-    for (int step = 0; step < steps; step++) {
-        const int stage = step % STAGES;
-        mbarrier_wait(&full[stage], (step / STAGES) & 1);
-        const int q0 = (first_q_tile + step % q_tiles_per_head) * Q_TILE;
-        char *ds_t = STORE_DS ? smem + Smem::ds + (2 * consumer + ds_turn % 2) * Smem::ds_tile_bytes : NULL;
-        if (key_first < T && key_first <= q0 + Q_TILE - 1) {  // warpgroup-uniform
-            ds_turn++;
-            wgmma_backward_dkdv_step<HEAD_DIM, Q_TILE>(
-                dk_acc, dv_acc,
-                Sw128DkDvOperands<HEAD_DIM, Q_TILE, KV_ROWS>{smem + Smem::k, smem + Smem::v, consumer * GROUP_ROWS,
-                                                             smem + Smem::q + stage * Smem::q_bytes,
-                                                             smem + Smem::dout + stage * Smem::q_bytes},
-                lse_tiles + stage * Q_TILE, delta_tiles + stage * Q_TILE, scale_log2, key_first, q0, warp, lane,
-                ds_t);
-            if (STORE_DS) {
-                // Written by this warpgroup's threads, read by the TMA store that its first thread issues
-                // once the store before (of the other tile) has read its own: then both are free again.
-                tma_fence_shared_writes();
-                const bool first = threadIdx.x % WGMMA_WARPGROUP_THREADS == 0;
-                if (first) tma_store_wait_reads<0>();
-                warpgroup_barrier(consumer);
-                if (first) {
-                    const int i = q0 / ATTENTION_DS_TILE, j = key_first / ATTENTION_DS_TILE;
-                    tma_store_box(&ds_map, ds_t, 0, attention_ds_tile_row(i, j),
-                                  b * NH + kv_head * group + step / q_tiles_per_head);
+    for (int k = 0; PERSISTENT || k == 0; k++) {
+        const int linear = attention_wait_block<SLOTS>(slots, k);
+        if (linear == blocks) break;  // warpgroup-uniform
+        const AttentionDkDvBlock d =
+            attention_dkdv_block(linear, kv_blocks, KV_ROWS, pairs, chunk_pairs, T, NKV, group, Q_TILE);
+        const int key_first = d.kv0 + consumer * GROUP_ROWS;  // this warpgroup's first key
+        const int key_lo = key_first + warp * 16 + lane / 4;  // this thread's keys: key_lo and key_lo + 8
+        const char *k_tile = smem + Smem::k + (k % SLOTS) * Smem::kv_bytes;
+        const char *v_tile = smem + Smem::v + (k % SLOTS) * Smem::kv_bytes;
+        float dk_acc[HEAD_DIM / 2], dv_acc[HEAD_DIM / 2];
+#pragma unroll
+        for (int i = 0; i < HEAD_DIM / 2; i++) dk_acc[i] = dv_acc[i] = 0.f;
+
+        for (int step = 0; step < d.steps; step++) {
+            const int at = ring + step, stage = at % STAGES;
+            mbarrier_wait(&full[stage], (at / STAGES) & 1);
+            const int q0 = (d.first_q_tile + step % d.q_tiles_per_head) * Q_TILE;
+            char *ds_t = STORE_DS ? smem + Smem::ds + (2 * consumer + ds_turn % 2) * Smem::ds_tile_bytes : NULL;
+            if (key_first < T && key_first <= q0 + Q_TILE - 1) {  // warpgroup-uniform
+                ds_turn++;
+                wgmma_backward_dkdv_step<HEAD_DIM, Q_TILE>(
+                    dk_acc, dv_acc,
+                    Sw128DkDvOperands<HEAD_DIM, Q_TILE, KV_ROWS>{k_tile, v_tile, consumer * GROUP_ROWS,
+                                                                 smem + Smem::q + stage * Smem::q_bytes,
+                                                                 smem + Smem::dout + stage * Smem::q_bytes},
+                    lse_tiles + stage * Q_TILE, delta_tiles + stage * Q_TILE, scale_log2, key_first, q0, warp, lane,
+                    ds_t);
+                if (STORE_DS) {
+                    // Written by this warpgroup's threads, read by the TMA store that its first thread issues
+                    // once the store before (of the other tile) has read its own: then both are free again.
+                    tma_fence_shared_writes();
+                    const bool first = threadIdx.x % WGMMA_WARPGROUP_THREADS == 0;
+                    if (first) tma_store_wait_reads<0>();
+                    warpgroup_barrier(consumer);
+                    if (first) {
+                        const int i = q0 / ATTENTION_DS_TILE, j = key_first / ATTENTION_DS_TILE;
+                        tma_store_box(&ds_map, ds_t, 0, attention_ds_tile_row(i, j),
+                                      d.b * NH + d.kv_head * group + step / d.q_tiles_per_head);
+                    }
                 }
             }
+            if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
         }
-        if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
+        attention_release_block<PERSISTENT, SLOTS>(slots, k);  // no product reads its K and V any more
+        ring += d.steps;
+
+        const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM;
+        bf16 *dqkv_batch = dqkv + (size_t)d.b * T * qkv_row;
+        wgmma_store_rows_direct<HEAD_DIM>(dqkv_batch + (size_t)(NH + d.kv_head) * HEAD_DIM, qkv_row, key_lo, T, dk_acc,
+                                          softmax_scale, lane);
+        wgmma_store_rows_direct<HEAD_DIM>(dqkv_batch + (size_t)(NH + NKV + d.kv_head) * HEAD_DIM, qkv_row, key_lo, T,
+                                          dv_acc, 1.f, lane);
     }
     if (STORE_DS && threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) tma_store_wait_all();
-
-    const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM;
-    bf16 *dqkv_batch = dqkv + (size_t)b * T * qkv_row;
-    wgmma_store_rows_direct<HEAD_DIM>(dqkv_batch + (size_t)(NH + kv_head) * HEAD_DIM, qkv_row, key_lo, T, dk_acc,
-                                      softmax_scale, lane);
-    wgmma_store_rows_direct<HEAD_DIM>(dqkv_batch + (size_t)(NH + NKV + kv_head) * HEAD_DIM, qkv_row, key_lo, T, dv_acc,
-                                      1.f, lane);
 }
 
-// Shared memory of the TMA dQ pass from a 1024-byte aligned start: Q and dO (64 CONSUMERS rows each), K
-// and V stages, then the mbarriers qd_full, full[STAGES], empty[STAGES].
-template <int HEAD_DIM, int KV, int STAGES, int CONSUMERS>
+// Shared memory of the TMA dQ pass from a 1024-byte aligned start: Q and dO (64 CONSUMERS rows each)
+// per block slot, K and V stages, then the mbarriers full[STAGES], empty[STAGES] and the block slots.
+template <int HEAD_DIM, int KV, int STAGES, int CONSUMERS, bool PERSISTENT = false>
 struct AttentionTmaDqSmem {
     static constexpr int q_rows = CONSUMERS * WGMMA_WARPGROUP_ROWS;
     static constexpr size_t rows_bytes = (size_t)q_rows * HEAD_DIM * 2, kv_bytes = (size_t)KV * HEAD_DIM * 2;
-    static constexpr size_t q = 0, dout = rows_bytes, k = 2 * rows_bytes, v = k + STAGES * kv_bytes;
-    static constexpr size_t bars = v + STAGES * kv_bytes;
-    static constexpr size_t bytes = bars + (1 + 2 * STAGES) * sizeof(uint64_t) + 1024;
+    static constexpr int slots =
+        attention_block_slots(PERSISTENT, 2 * rows_bytes, STAGES * (2 * kv_bytes + 2 * sizeof(uint64_t)));
+    static constexpr size_t q = 0, dout = slots * rows_bytes, k = 2 * slots * rows_bytes, v = k + STAGES * kv_bytes;
+    static constexpr size_t bars = v + STAGES * kv_bytes, block_slots = bars + 2 * STAGES * sizeof(uint64_t);
+    static constexpr size_t bytes = block_slots + sizeof(AttentionBlockSlots) + 1024;
 };
 
 // Block: query rows q0 = attention_query_block_row0.. (64 CONSUMERS of them) of head h of batch b,
-// ordered as the forward's;
-// consumer w: rows q0 + 64 w.. It walks the K/V tiles up to the diagonal like the forward:
-// S = Q K^T, dP = dO V^T, P, dS, dQ += dS K.
-template <int HEAD_DIM, int KV, int STAGES, int CONSUMERS>
+// ordered and taken as the forward's (attention_forward_block); consumer w: rows q0 + 64 w.. It walks
+// the K/V tiles up to the diagonal like the forward: S = Q K^T, dP = dO V^T, P, dS, dQ += dS K.
+template <int HEAD_DIM, int KV, int STAGES, int CONSUMERS, bool PERSISTENT>
 __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     attention_backward_dq_tma_kernel(const __grid_constant__ CUtensorMap qkv_map,
                                      const __grid_constant__ CUtensorMap dout_map, bf16 *dqkv, const float *lse,
-                                     const float *delta, int T, int NH, int NKV, float softmax_scale,
+                                     const float *delta, int T, int NH, int NKV, float softmax_scale, int pairs,
                                      int chunk_pairs) {
-    typedef AttentionTmaDqSmem<HEAD_DIM, KV, STAGES, CONSUMERS> Smem;
-    constexpr int Q_ROWS = Smem::q_rows, GROUP_ROWS = WGMMA_WARPGROUP_ROWS;
+    typedef AttentionTmaDqSmem<HEAD_DIM, KV, STAGES, CONSUMERS, PERSISTENT> Smem;
+    constexpr int Q_ROWS = Smem::q_rows, GROUP_ROWS = WGMMA_WARPGROUP_ROWS, SLOTS = Smem::slots;
     typedef AttentionBackwardRegisters<HEAD_DIM, CONSUMERS> Registers;
     extern __shared__ __align__(1024) unsigned char attention_tma_smem[];
     char *smem = shared_aligned_1024(attention_tma_smem);
-    uint64_t *qd_full = reinterpret_cast<uint64_t *>(smem + Smem::bars);
-    uint64_t *full = qd_full + 1, *empty = full + STAGES;
+    uint64_t *full = reinterpret_cast<uint64_t *>(smem + Smem::bars), *empty = full + STAGES;
+    AttentionBlockSlots *slots = reinterpret_cast<AttentionBlockSlots *>(smem + Smem::block_slots);
 
     const int warpgroup = threadIdx.x / WGMMA_WARPGROUP_THREADS;
-    const int q_blocks = ceil_div(T, Q_ROWS);
-    const AttentionBlock block = attention_block_in_order(blockIdx.x, q_blocks, gridDim.x / q_blocks, chunk_pairs);
-    const int q_block = q_blocks - 1 - block.x, h = block.pair % NH, b = block.pair / NH;
-    const int kv_head = h / (NH / NKV);
-    const int q0 = attention_query_block_row0(q_block, q_blocks, Q_ROWS, T);
-    const int num_kv_tiles = (min(q0 + Q_ROWS, T) - 1) / KV + 1;  // up to the last valid row's diagonal
+    const int q_blocks = ceil_div(T, Q_ROWS), blocks = q_blocks * pairs;
 
-    tma_pipeline_init<STAGES>(qd_full, CONSUMERS);
+    attention_pipeline_init<STAGES>(slots, full, CONSUMERS);
 
     if (warpgroup == 0) {
         warpgroup_registers_release<Registers::producer>();
-        if (threadIdx.x == 0) {
-            mbarrier_arrive_expect_bytes(qd_full, (uint32_t)(2 * Smem::rows_bytes));
-            tma_load_tile<Q_ROWS, HEAD_DIM>(smem + Smem::q, &qkv_map, h * HEAD_DIM, q0, b, qd_full);
-            tma_load_tile<Q_ROWS, HEAD_DIM>(smem + Smem::dout, &dout_map, h * HEAD_DIM, q0, b, qd_full);
-            tma_load_kv_tiles<KV, HEAD_DIM, STAGES>(smem + Smem::k, smem + Smem::v, &qkv_map, NH, NKV, kv_head, b,
-                                                    num_kv_tiles, full, empty);
+        if (threadIdx.x != 0) return;
+        int ring = 0;  // K/V tiles loaded so far: the ring position of the next
+        for (int k = 0; PERSISTENT || k == 0; k++) {
+            const int slot = k % SLOTS, linear = attention_take_block<PERSISTENT, SLOTS>(slots, k, blocks);
+            if (linear == blocks) {
+                mbarrier_arrive(&slots->full[slot]);
+                break;
+            }
+            const AttentionForwardBlock f =
+                attention_forward_block(linear, q_blocks, Q_ROWS, pairs, chunk_pairs, T, NH, NKV, KV);
+            mbarrier_arrive_expect_bytes(&slots->full[slot], (uint32_t)(2 * Smem::rows_bytes));
+            tma_load_tile<Q_ROWS, HEAD_DIM>(smem + Smem::q + slot * Smem::rows_bytes, &qkv_map, f.h * HEAD_DIM, f.q0,
+                                            f.b, &slots->full[slot]);
+            tma_load_tile<Q_ROWS, HEAD_DIM>(smem + Smem::dout + slot * Smem::rows_bytes, &dout_map, f.h * HEAD_DIM,
+                                            f.q0, f.b, &slots->full[slot]);
+            tma_load_kv_tiles<KV, HEAD_DIM, STAGES>(smem + Smem::k, smem + Smem::v, &qkv_map, NH, NKV, f.kv_head, f.b,
+                                                    f.num_kv_tiles, full, empty, ring);
+            ring += f.num_kv_tiles;
         }
+        attention_blocks_taken<PERSISTENT>();
         return;
     }
     warpgroup_registers_claim<Registers::consumer>();
 
     const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
-    const int group_row0 = q0 + consumer * GROUP_ROWS;
-    const bool group_rows = group_row0 >= 0 && group_row0 < T;  // as the forward's
-    const int group_tiles = group_rows ? (min(group_row0 + GROUP_ROWS, T) - 1) / KV + 1 : 0;
-    const int row_lo = group_row0 + warp * 16 + lane / 4;  // this thread's rows: row_lo and row_lo + 8
     const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
-    float row_lse_log2[2], row_delta[2];
-    attention_dq_row_statistics(row_lse_log2, row_delta, lse, delta, b, h, NH, T, row_lo);
-    float dq_acc[HEAD_DIM / 2];
+    int ring = 0;  // the ring position of this block's K/V tile 0
+    for (int k = 0; PERSISTENT || k == 0; k++) {
+        const int linear = attention_wait_block<SLOTS>(slots, k);
+        if (linear == blocks) break;  // warpgroup-uniform
+        const AttentionForwardBlock f =
+            attention_forward_block(linear, q_blocks, Q_ROWS, pairs, chunk_pairs, T, NH, NKV, KV);
+        const int group_row0 = f.q0 + consumer * GROUP_ROWS;
+        const bool group_rows = group_row0 >= 0 && group_row0 < T;  // as the forward's
+        const int group_tiles = group_rows ? (min(group_row0 + GROUP_ROWS, T) - 1) / KV + 1 : 0;
+        const int row_lo = group_row0 + warp * 16 + lane / 4;  // this thread's rows: row_lo and row_lo + 8
+        float row_lse_log2[2], row_delta[2];
+        attention_dq_row_statistics(row_lse_log2, row_delta, lse, delta, f.b, f.h, NH, T, row_lo);
+        float dq_acc[HEAD_DIM / 2];
 #pragma unroll
-    for (int i = 0; i < HEAD_DIM / 2; i++) dq_acc[i] = 0.f;
-    mbarrier_wait(qd_full, 0);
+        for (int i = 0; i < HEAD_DIM / 2; i++) dq_acc[i] = 0.f;
 
-    for (int j = 0; j < num_kv_tiles; j++) {
-        const int stage = j % STAGES;
-        mbarrier_wait(&full[stage], (j / STAGES) & 1);  // also where skipped: see the forward
-        if (j < group_tiles) {                          // warpgroup-uniform
-            const int kv0 = j * KV;
-            wgmma_backward_dq_step<HEAD_DIM, KV>(
-                dq_acc,
-                Sw128DqOperands<HEAD_DIM, KV, Q_ROWS>{smem + Smem::q, smem + Smem::dout, consumer * GROUP_ROWS,
-                                                      smem + Smem::k + stage * Smem::kv_bytes,
-                                                      smem + Smem::v + stage * Smem::kv_bytes},
-                row_lse_log2, row_delta, scale_log2, row_lo, kv0, kv0 + KV - 1 > group_row0, lane);
+        for (int j = 0; j < f.num_kv_tiles; j++) {
+            const int at = ring + j, stage = at % STAGES;
+            mbarrier_wait(&full[stage], (at / STAGES) & 1);  // also where skipped: see the forward
+            if (j < group_tiles) {                           // warpgroup-uniform
+                const int kv0 = j * KV;
+                wgmma_backward_dq_step<HEAD_DIM, KV>(
+                    dq_acc,
+                    Sw128DqOperands<HEAD_DIM, KV, Q_ROWS>{smem + Smem::q + (k % SLOTS) * Smem::rows_bytes,
+                                                          smem + Smem::dout + (k % SLOTS) * Smem::rows_bytes,
+                                                          consumer * GROUP_ROWS, smem + Smem::k + stage * Smem::kv_bytes,
+                                                          smem + Smem::v + stage * Smem::kv_bytes},
+                    row_lse_log2, row_delta, scale_log2, row_lo, kv0, kv0 + KV - 1 > group_row0, lane);
+            }
+            if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
         }
-        if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
-    }
-    if (!group_rows) return;  // warpgroup-uniform
+        attention_release_block<PERSISTENT, SLOTS>(slots, k);  // no product reads its Q and dO any more
+        ring += f.num_kv_tiles;
+        if (!group_rows) continue;  // warpgroup-uniform
 
-    const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM;
-    wgmma_store_rows_direct<HEAD_DIM>(dqkv + (size_t)b * T * qkv_row + (size_t)h * HEAD_DIM, qkv_row, row_lo, T, dq_acc,
-                                      softmax_scale, lane);
+        const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM;
+        wgmma_store_rows_direct<HEAD_DIM>(dqkv + (size_t)f.b * T * qkv_row + (size_t)f.h * HEAD_DIM, qkv_row, row_lo, T,
+                                          dq_acc, softmax_scale, lane);
+    }
 }
 
 // Shared memory of the dQ-from-dS pass from a 1024-byte aligned start: per stage a K tile of 64 keys and
-// one dS^T tile per consumer, then the mbarriers (unused), full[STAGES], empty[STAGES].
+// one dS^T tile per consumer, then the mbarriers full[STAGES], empty[STAGES] and the block slots.
 template <int HEAD_DIM, int STAGES, int CONSUMERS>
 struct AttentionTmaDqFromDsSmem {
     static constexpr size_t k_bytes = (size_t)ATTENTION_DS_TILE * HEAD_DIM * 2;
     static constexpr size_t ds_bytes = (size_t)ATTENTION_DS_TILE * ATTENTION_DS_TILE * 2;
     static constexpr size_t stage_bytes = k_bytes + CONSUMERS * ds_bytes, bars = STAGES * stage_bytes;
-    static constexpr size_t bytes = bars + (1 + 2 * STAGES) * sizeof(uint64_t) + 1024;
+    static constexpr size_t block_slots = bars + 2 * STAGES * sizeof(uint64_t);
+    static constexpr size_t bytes = block_slots + sizeof(AttentionBlockSlots) + 1024;
 };
 
-// Block: query tiles CONSUMERS x.. of 64 rows of head h of batch b (last block of a pair first),
-// consumer w: tile CONSUMERS x + w. Stage j holds K tile j and the dS^T tiles (i, j) of the block's
-// tiles i >= j; a consumer computes dQ += dS K from those left of its diagonal (A = dS from the
-// stored dS^T, read MN-major; B = K read MN-major), then releases the stage.
-template <int HEAD_DIM, int STAGES, int CONSUMERS>
+// Block: query tiles CONSUMERS x.. of 64 rows of head h of batch b (last block of a pair first; a
+// persistent block takes such blocks one after the other: a block's tiles are all in the ring, whose
+// position carries on, and its slot only names it), consumer w: tile CONSUMERS x + w. A stage holds K
+// tile j and the dS^T tiles (i, j) of the block's tiles i >= j; a consumer computes dQ += dS K from
+// those left of its diagonal (A = dS from the stored dS^T, read MN-major; B = K read MN-major), then
+// releases the stage.
+template <int HEAD_DIM, int STAGES, int CONSUMERS, bool PERSISTENT>
 __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     attention_backward_dq_from_ds_kernel(const __grid_constant__ CUtensorMap qkv_map,
                                          const __grid_constant__ CUtensorMap ds_map, bf16 *dqkv, int T, int NH,
-                                         int NKV, float softmax_scale, int chunk_pairs) {
+                                         int NKV, float softmax_scale, int pairs, int chunk_pairs) {
     typedef AttentionTmaDqFromDsSmem<HEAD_DIM, STAGES, CONSUMERS> Smem;
-    constexpr int TILE = ATTENTION_DS_TILE;
+    constexpr int TILE = ATTENTION_DS_TILE, SLOTS = 2;
     extern __shared__ __align__(1024) unsigned char attention_tma_smem[];
     char *smem = shared_aligned_1024(attention_tma_smem);
-    uint64_t *once = reinterpret_cast<uint64_t *>(smem + Smem::bars);
-    uint64_t *full = once + 1, *empty = full + STAGES;
+    uint64_t *full = reinterpret_cast<uint64_t *>(smem + Smem::bars), *empty = full + STAGES;
+    AttentionBlockSlots *slots = reinterpret_cast<AttentionBlockSlots *>(smem + Smem::block_slots);
 
     const int warpgroup = threadIdx.x / WGMMA_WARPGROUP_THREADS;
-    const int tiles = ceil_div(T, TILE), q_blocks = ceil_div(tiles, CONSUMERS);
-    const AttentionBlock block = attention_block_in_order(blockIdx.x, q_blocks, gridDim.x / q_blocks, chunk_pairs);
-    const int tile0 = (q_blocks - 1 - block.x) * CONSUMERS, h = block.pair % NH, b = block.pair / NH;
-    const int last_tile = min(tile0 + CONSUMERS, tiles) - 1;  // also the last K tile any consumer reads
+    const int tiles = ceil_div(T, TILE), q_blocks = ceil_div(tiles, CONSUMERS), blocks = q_blocks * pairs;
+    // The block's first query tile and its pair.
+    auto block_of = [&](int linear, int *tile0, int *pair) {
+        const AttentionBlock block = attention_block_in_order(linear, q_blocks, pairs, chunk_pairs);
+        *tile0 = (q_blocks - 1 - block.x) * CONSUMERS;
+        *pair = block.pair;
+    };
 
-    tma_pipeline_init<STAGES>(once, CONSUMERS);
+    attention_pipeline_init<STAGES>(slots, full, CONSUMERS);
 
     if (warpgroup == 0) {
         warpgroup_registers_release<24>();
-        if (threadIdx.x == 0) {
-            const int kv_head = h / (NH / NKV);
+        if (threadIdx.x != 0) return;
+        int ring = 0;  // stages loaded so far: the ring position of the next
+        for (int k = 0; PERSISTENT || k == 0; k++) {
+            const int linear = attention_take_block<PERSISTENT, SLOTS>(slots, k, blocks);
+            mbarrier_arrive(&slots->full[k % SLOTS]);
+            if (linear == blocks) break;
+            int tile0, pair;
+            block_of(linear, &tile0, &pair);
+            const int h = pair % NH, b = pair / NH, kv_head = h / (NH / NKV);
+            const int last_tile = min(tile0 + CONSUMERS, tiles) - 1;  // also the last K tile any consumer reads
             for (int j = 0; j <= last_tile; j++) {
-                const int stage = j % STAGES, first = max(tile0, j);
-                if (j >= STAGES) mbarrier_wait(&empty[stage], (j / STAGES + 1) & 1);
+                const int at = ring + j, stage = at % STAGES, first = max(tile0, j);
+                if (at >= STAGES) mbarrier_wait(&empty[stage], (at / STAGES + 1) & 1);
                 char *tiles_at = smem + stage * Smem::stage_bytes;
                 mbarrier_arrive_expect_bytes(&full[stage],
                                              (uint32_t)(Smem::k_bytes + (last_tile - first + 1) * Smem::ds_bytes));
                 tma_load_tile<TILE, HEAD_DIM>(tiles_at, &qkv_map, (NH + kv_head) * HEAD_DIM, j * TILE, b, &full[stage]);
                 for (int i = first; i <= last_tile; i++)
                     tma_load_box(tiles_at + Smem::k_bytes + (i - tile0) * Smem::ds_bytes, &ds_map, 0,
-                                 attention_ds_tile_row(i, j), block.pair, &full[stage]);
+                                 attention_ds_tile_row(i, j), pair, &full[stage]);
             }
+            ring += last_tile + 1;
         }
+        attention_blocks_taken<PERSISTENT>();
         return;
     }
     // What the producer's 24 leave of the block's launch share (65536 / threads, rounded down to 8):
@@ -1088,33 +1291,43 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     warpgroup_registers_claim<CONSUMERS == 2 ? 240 : CONSUMERS == 3 ? 160 : 112>();
 
     const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
-    const int tile = tile0 + consumer;
-    float dq_acc[HEAD_DIM / 2];
+    int ring = 0;  // the ring position of this block's stage 0
+    for (int k = 0; PERSISTENT || k == 0; k++) {
+        const int linear = attention_wait_block<SLOTS>(slots, k);
+        attention_release_block<PERSISTENT, SLOTS>(slots, k);  // the slot only names the block
+        if (linear == blocks) break;  // warpgroup-uniform
+        int tile0, pair;
+        block_of(linear, &tile0, &pair);
+        const int h = pair % NH, b = pair / NH, tile = tile0 + consumer;
+        const int last_tile = min(tile0 + CONSUMERS, tiles) - 1;
+        float dq_acc[HEAD_DIM / 2];
 #pragma unroll
-    for (int i = 0; i < HEAD_DIM / 2; i++) dq_acc[i] = 0.f;
-    for (int j = 0; j <= last_tile; j++) {
-        const int stage = j % STAGES;
-        mbarrier_wait(&full[stage], (j / STAGES) & 1);
-        if (j <= tile && tile < tiles) {  // warpgroup-uniform
-            const char *tiles_at = smem + stage * Smem::stage_bytes;
-            const char *ds_t = tiles_at + Smem::k_bytes + consumer * Smem::ds_bytes;
-            wgmma_pin_registers(dq_acc);
-            wgmma_fence();
+        for (int i = 0; i < HEAD_DIM / 2; i++) dq_acc[i] = 0.f;
+        for (int j = 0; j <= last_tile; j++) {
+            const int at = ring + j, stage = at % STAGES;
+            mbarrier_wait(&full[stage], (at / STAGES) & 1);
+            if (j <= tile && tile < tiles) {  // warpgroup-uniform
+                const char *tiles_at = smem + stage * Smem::stage_bytes;
+                const char *ds_t = tiles_at + Smem::k_bytes + consumer * Smem::ds_bytes;
+                wgmma_pin_registers(dq_acc);
+                wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < TILE / 16; kk++)
-                wgmma_m64k16_smem_a<HEAD_DIM, 1, 1>(dq_acc, wgmma_sw128_descriptor(ds_t + kk * 2048, TILE * 128),
-                                                    wgmma_sw128_descriptor(tiles_at + kk * 2048, TILE * 128), 1);
-            wgmma_commit_group();
-            wgmma_wait_pending<0>();
-            wgmma_pin_registers(dq_acc);
+                for (int kk = 0; kk < TILE / 16; kk++)
+                    wgmma_m64k16_smem_a<HEAD_DIM, 1, 1>(dq_acc, wgmma_sw128_descriptor(ds_t + kk * 2048, TILE * 128),
+                                                        wgmma_sw128_descriptor(tiles_at + kk * 2048, TILE * 128), 1);
+                wgmma_commit_group();
+                wgmma_wait_pending<0>();
+                wgmma_pin_registers(dq_acc);
+            }
+            if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
         }
-        if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
+        ring += last_tile + 1;
+        if (tile >= tiles) continue;  // warpgroup-uniform
+        const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM;
+        const int row_lo = tile * TILE + warp * 16 + lane / 4;
+        wgmma_store_rows_direct<HEAD_DIM>(dqkv + (size_t)b * T * qkv_row + (size_t)h * HEAD_DIM, qkv_row, row_lo, T,
+                                          dq_acc, softmax_scale, lane);
     }
-    if (tile >= tiles) return;  // warpgroup-uniform
-    const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM;
-    const int row_lo = tile * TILE + warp * 16 + lane / 4;
-    wgmma_store_rows_direct<HEAD_DIM>(dqkv + (size_t)b * T * qkv_row + (size_t)h * HEAD_DIM, qkv_row, row_lo, T, dq_acc,
-                                      softmax_scale, lane);
 }
 
 // The stored dS^T [B NH pairs][tiles][64][64] as a rank-3 BF16 tensor (column, row, pair) read in
@@ -1152,7 +1365,9 @@ template <int HEAD_DIM, class Config>
 static void attention_backward_tma_launch(bf16 *dqkv, const float *delta, const bf16 *dout, const bf16 *qkv,
                                           const float *lse, int B, int T, int NH, int NKV, cudaStream_t stream,
                                           bf16 *ds = NULL) {
-    typedef AttentionTmaDkDvSmem<HEAD_DIM, Config::dkdv_stages, Config::dkdv_consumers, Config::store_ds> DkDvSmem;
+    constexpr bool PERSISTENT = Config::persistent;
+    typedef AttentionTmaDkDvSmem<HEAD_DIM, Config::dkdv_stages, Config::dkdv_consumers, Config::store_ds, PERSISTENT>
+        DkDvSmem;
     static_assert(DkDvSmem::bytes <= ATTENTION_MAX_SMEM_BYTES, "TMA dK/dV tiles exceed shared memory");
     const CUtensorMap qkv_map = attention_qkv_tensor_map(qkv, B, T, NH, NKV, HEAD_DIM);
     const CUtensorMap dout_map = attention_dout_tensor_map(dout, B, T, NH, HEAD_DIM);
@@ -1166,35 +1381,43 @@ static void attention_backward_tma_launch(bf16 *dqkv, const float *delta, const 
     // What blocks of one pair share: a dK/dV block reads the Q and dO of its kv head's query heads, a
     // dQ block the K/V of its kv head (shared with the adjacent pairs of that kv head) beside its Q and dO.
     const double head_bytes = (double)T * HEAD_DIM * 2;
-    auto dkdv =
-        attention_backward_dkdv_tma_kernel<HEAD_DIM, Config::dkdv_stages, Config::dkdv_consumers, Config::store_ds>;
+    auto dkdv = attention_backward_dkdv_tma_kernel<HEAD_DIM, Config::dkdv_stages, Config::dkdv_consumers,
+                                                   Config::store_ds, PERSISTENT>;
+    const int dkdv_threads = (Config::dkdv_consumers + 1) * WGMMA_WARPGROUP_THREADS;
     attention_launch_setup(dkdv, DkDvSmem::bytes);
     const int kv_blocks = ceil_div(T, DkDvSmem::kv_rows);
     const int dkdv_chunk = attention_chunk_pairs(Config::order, NKV * B, 2.0 * head_bytes * NH / NKV);
-    dkdv<<<attention_grid_blocks(kv_blocks, NKV * B), (Config::dkdv_consumers + 1) * WGMMA_WARPGROUP_THREADS,
-           DkDvSmem::bytes, stream>>>(qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale, dkdv_chunk,
-                                      ds_map);
+    unsigned grid = attention_grid_blocks(kv_blocks, NKV * B);
+    if (PERSISTENT) grid = attention_resident_blocks(dkdv, dkdv_threads, DkDvSmem::bytes, grid);
+    dkdv<<<grid, dkdv_threads, DkDvSmem::bytes, stream>>>(qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale,
+                                                          NKV * B, dkdv_chunk, ds_map);
     cudaCheckLaunch();
 
+    const int dq_threads = (Config::dq_consumers + 1) * WGMMA_WARPGROUP_THREADS;
     if constexpr (Config::store_ds) {
         typedef AttentionTmaDqFromDsSmem<HEAD_DIM, Config::dq_stages, Config::dq_consumers> Smem;
         static_assert(Smem::bytes <= ATTENTION_MAX_SMEM_BYTES, "dQ-from-dS tiles exceed shared memory");
-        auto dq = attention_backward_dq_from_ds_kernel<HEAD_DIM, Config::dq_stages, Config::dq_consumers>;
+        auto dq = attention_backward_dq_from_ds_kernel<HEAD_DIM, Config::dq_stages, Config::dq_consumers, PERSISTENT>;
         attention_launch_setup(dq, Smem::bytes);
         const int q_blocks = ceil_div(ceil_div(T, ATTENTION_DS_TILE), Config::dq_consumers);
         const int dq_chunk = attention_chunk_pairs(Config::order, NH * B, head_bytes * 2.0 * NKV / NH);
-        dq<<<attention_grid_blocks(q_blocks, NH * B), (Config::dq_consumers + 1) * WGMMA_WARPGROUP_THREADS,
-             Smem::bytes, stream>>>(qkv_map, ds_map, dqkv, T, NH, NKV, scale, dq_chunk);
+        grid = attention_grid_blocks(q_blocks, NH * B);
+        if (PERSISTENT) grid = attention_resident_blocks(dq, dq_threads, Smem::bytes, grid);
+        dq<<<grid, dq_threads, Smem::bytes, stream>>>(qkv_map, ds_map, dqkv, T, NH, NKV, scale, NH * B, dq_chunk);
         cudaCheckLaunch();
     } else {
-        typedef AttentionTmaDqSmem<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages, Config::dq_consumers> DqSmem;
+        typedef AttentionTmaDqSmem<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages, Config::dq_consumers, PERSISTENT>
+            DqSmem;
         static_assert(DqSmem::bytes <= ATTENTION_MAX_SMEM_BYTES, "TMA dQ tiles exceed shared memory");
-        auto dq = attention_backward_dq_tma_kernel<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages, Config::dq_consumers>;
+        auto dq = attention_backward_dq_tma_kernel<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages, Config::dq_consumers,
+                                                   PERSISTENT>;
         attention_launch_setup(dq, DqSmem::bytes);
         const int q_blocks = ceil_div(T, DqSmem::q_rows);
         const int dq_chunk = attention_chunk_pairs(Config::order, NH * B, head_bytes * (2.0 + 2.0 * NKV / NH));
-        dq<<<attention_grid_blocks(q_blocks, NH * B), (Config::dq_consumers + 1) * WGMMA_WARPGROUP_THREADS, DqSmem::bytes,
-             stream>>>(qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale, dq_chunk);
+        grid = attention_grid_blocks(q_blocks, NH * B);
+        if (PERSISTENT) grid = attention_resident_blocks(dq, dq_threads, DqSmem::bytes, grid);
+        dq<<<grid, dq_threads, DqSmem::bytes, stream>>>(qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale, NH * B,
+                                                        dq_chunk);
         cudaCheckLaunch();
     }
 }

@@ -44,14 +44,23 @@ __device__ __forceinline__ void swiglu_load(float gate[WIDTH], float up[WIDTH], 
     }
 }
 
-// The forward's output and the backward's two gradients, each rounded to BF16 as stored.
-__device__ __forceinline__ float swiglu_value(float gate, float up) {
-    return __bfloat162float(__float2bfloat16(gate * sigmoid_fp32(gate) * up));
-}
-__device__ __forceinline__ void swiglu_gradients(float gate, float up, float grad, float *dgate, float *dup) {
+// The forward's output and the backward's two gradients in FP32, before their rounding to BF16.
+// The kernels' amax takes them so and rounds the max once: rounding is monotone, so the max of the
+// rounded values is the rounded max.
+__device__ __forceinline__ float swiglu_value_fp32(float gate, float up) { return gate * sigmoid_fp32(gate) * up; }
+__device__ __forceinline__ void swiglu_gradients_fp32(float gate, float up, float grad, float *dgate, float *dup) {
     float s = sigmoid_fp32(gate);
-    *dgate = __bfloat162float(__float2bfloat16(grad * up * s * (1.0f + gate * (1.0f - s))));
-    *dup = __bfloat162float(__float2bfloat16(grad * gate * s));
+    *dgate = grad * up * s * (1.0f + gate * (1.0f - s));
+    *dup = grad * gate * s;
+}
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+// The same, each rounded to BF16 as stored.
+__device__ __forceinline__ float swiglu_value(float gate, float up) { return round_bf16(swiglu_value_fp32(gate, up)); }
+__device__ __forceinline__ void swiglu_gradients(float gate, float up, float grad, float *dgate, float *dup) {
+    swiglu_gradients_fp32(gate, up, grad, dgate, dup);
+    *dgate = round_bf16(*dgate);
+    *dup = round_bf16(*dup);
 }
 
 // The kernels' threads: one per WIDTH columns of a row (gate and up), WIDTH = swiglu_width(GROUP16).
@@ -95,14 +104,14 @@ __global__ void __launch_bounds__(SWIGLU_THREADS)
         for (int h = 0; h < WIDTH; h += 8) {
             Vec16<bf16> o;
             for (int k = 0; k < 8; k++) {
-                float value = swiglu_value(gate[h + k], up[h + k]);
+                float value = swiglu_value_fp32(gate[h + k], up[h + k]);
                 o[k] = __float2bfloat16(value);
                 if (AMAX) out_max = fp8_abs_max(out_max, value);
             }
             if (out != NULL) store16(out + (size_t)row * I + column + h, o);
         }
     }
-    if (AMAX) fp8_block_amax(out_amax, out_max);
+    if (AMAX) fp8_block_amax(out_amax, round_bf16(out_max));
 }
 
 // gate_up is BF16, or its 1x16 copy (GROUP16). AMAX: max |dgate_up| goes to dgate_up_amax.
@@ -124,7 +133,7 @@ __global__ void __launch_bounds__(SWIGLU_THREADS)
             Vec16<bf16> dg, du;
             for (int k = 0; k < 8; k++) {
                 float dgate, dup;
-                swiglu_gradients(gate[h + k], up[h + k], __bfloat162float(d[k]), &dgate, &dup);
+                swiglu_gradients_fp32(gate[h + k], up[h + k], __bfloat162float(d[k]), &dgate, &dup);
                 dg[k] = __float2bfloat16(dgate);
                 du[k] = __float2bfloat16(dup);
                 if (AMAX) grad_max = fp8_abs_max(fp8_abs_max(grad_max, dgate), dup);
@@ -135,7 +144,7 @@ __global__ void __launch_bounds__(SWIGLU_THREADS)
             }
         }
     }
-    if (AMAX) fp8_block_amax(dgate_up_amax, grad_max);
+    if (AMAX) fp8_block_amax(dgate_up_amax, round_bf16(grad_max));
 }
 
 // Sources of the FP8 cast pass (coat/fp8.cuh) that recompute the SwiGLU output, or the two

@@ -51,13 +51,15 @@ template <class DKDV, class DQ>
 using TwoPass = AttentionTwoPassConfig<DKDV, DQ>;
 template <int MB, int ST = 2>
 using OnePass = AttentionOnePassConfig<MB, ST>;
-// TMA forward: K/V tile, consumers, stages, overlap, block order
-template <int KV, int CONSUMERS, int ST, bool OVERLAP = false, AttentionOrder ORDER = ATTENTION_ORDER_GRID>
-using TmaFwd = AttentionTmaForwardConfig<KV, CONSUMERS, ST, OVERLAP, ORDER>;
-// TMA two passes: dK/dV stages; dQ K/V tile and stages; consumer warpgroups of dK/dV and of dQ; block order
+// TMA forward: K/V tile, consumers, stages, overlap, block order, persistent blocks
+template <int KV, int CONSUMERS, int ST, bool OVERLAP = false, AttentionOrder ORDER = ATTENTION_ORDER_GRID,
+          bool PERSISTENT = false>
+using TmaFwd = AttentionTmaForwardConfig<KV, CONSUMERS, ST, OVERLAP, ORDER, PERSISTENT>;
+// TMA two passes: dK/dV stages; dQ K/V tile and stages; consumer warpgroups of dK/dV and of dQ; block
+// order; dS stored; persistent blocks
 template <int DKDV_ST, int DQ_KV, int DQ_ST, int DKDV_C = 2, int DQ_C = 2, AttentionOrder ORDER = ATTENTION_ORDER_GRID,
-          bool STORE_DS = false>
-using TmaTwoPass = AttentionTmaTwoPassConfig<DKDV_ST, DQ_KV, DQ_ST, DKDV_C, DQ_C, ORDER, STORE_DS>;
+          bool STORE_DS = false, bool PERSISTENT = false>
+using TmaTwoPass = AttentionTmaTwoPassConfig<DKDV_ST, DQ_KV, DQ_ST, DKDV_C, DQ_C, ORDER, STORE_DS, PERSISTENT>;
 constexpr AttentionOrder LONGEST = ATTENTION_ORDER_LONGEST_FIRST, L2_CHUNKS = ATTENTION_ORDER_L2_CHUNKS;
 template <int Q, int KV>  // wgmma two passes: dK/dV query tile, dQ K/V tile, one block per SM each
 using WgmmaTwoPass = AttentionWgmmaTwoPassConfig<AttentionWgmmaDkDvConfig<Q, 1>, AttentionWgmmaDqConfig<KV, 1>>;
@@ -88,8 +90,8 @@ static const char *stages_suffix(int stages) {
 template <class C>
 static void describe_forward(char *text, size_t size) {
     if constexpr (C::tma)
-        snprintf(text, size, "fwd tma kv%d c%d st%d%s%s", C::kv_tile, C::consumers, C::stages,
-                 C::overlap ? " overlap" : "", order_suffix(C::order));
+        snprintf(text, size, "fwd tma kv%d c%d st%d%s%s%s", C::kv_tile, C::consumers, C::stages,
+                 C::overlap ? " overlap" : "", order_suffix(C::order), C::persistent ? " persistent" : "");
     else
         snprintf(text, size, "fwd w%d m%d kv%d q-%s mb%d%s", C::warps, C::m_tiles, C::kv_tile,
                  C::q_in_registers ? "reg" : "smem", C::min_blocks, stages_suffix(C::stages));
@@ -102,9 +104,9 @@ static void describe_backward(char *text, size_t size) {
     else if constexpr (C::wgmma)
         snprintf(text, size, "bwd wgmma dkdv q%d, dq kv%d", C::dkdv::q_tile, C::dq::kv_tile);
     else if constexpr (C::tma)
-        snprintf(text, size, "bwd tma dkdv c%d st%d, dq %s%d c%d st%d%s", C::dkdv_consumers, C::dkdv_stages,
+        snprintf(text, size, "bwd tma dkdv c%d st%d, dq %s%d c%d st%d%s%s", C::dkdv_consumers, C::dkdv_stages,
                  C::store_ds ? "dS-kv" : "kv", C::dq_kv_tile, C::dq_consumers, C::dq_stages,
-                 order_suffix(C::order));
+                 order_suffix(C::order), C::persistent ? " persistent" : "");
     else
         snprintf(text, size, "bwd 2-pass dkdv w%d q%d mb%d%s, dq w%d kv%d mb%d%s", C::dkdv::warps, C::dkdv::q_tile,
                  C::dkdv::min_blocks, stages_suffix(C::dkdv::stages), C::dq::warps, C::dq::kv_tile,
@@ -135,6 +137,12 @@ static const Variant variants_hd64[] = {
     variant<64, TmaFwd<64, 3, 4>, Bwd64>(),
     variant<64, TmaFwd<128, 3, 3>, Bwd64>(),
     variant<64, TmaFwd<128, 2, 3>, Bwd64>(),
+    // persistent forward blocks
+    variant<64, TmaFwd<128, 3, 2, false, ATTENTION_ORDER_GRID, true>, Bwd64>(),
+    variant<64, TmaFwd<128, 3, 3, false, ATTENTION_ORDER_GRID, true>, Bwd64>(),
+    variant<64, TmaFwd<128, 3, 2, false, L2_CHUNKS, true>, Bwd64>(),
+    variant<64, Fwd64, TmaTwoPass<4, 64, 4, 3, 3, LONGEST, false, true>>(),
+    variant<64, Fwd64, TmaTwoPass<4, 64, 4, 3, 3, L2_CHUNKS, false, true>>(),
     variant<64, Fwd64, TmaTwoPass<3, 64, 4, 2, 2, Bwd64::order>>(),
     variant<64, Fwd64, TmaTwoPass<4, 128, 3, 2, 2, Bwd64::order>>(),
     variant<64, Fwd64, TmaTwoPass<4, 64, 4, 2, 3, Bwd64::order>>(),
@@ -190,6 +198,13 @@ static const Variant variants_hd128[] = {
     variant<128, TmaFwd<64, 2, 4, true>, Bwd128>(),
     variant<128, TmaFwd<64, 2, 4>, Bwd128>(),
     variant<128, TmaFwd<64, 3, 4>, Bwd128>(),
+    // persistent forward blocks
+    variant<128, TmaFwd<128, 2, 2, false, ATTENTION_ORDER_GRID, true>, Bwd128>(),
+    variant<128, TmaFwd<64, 2, 3, false, ATTENTION_ORDER_GRID, true>, Bwd128>(),
+    variant<128, TmaFwd<128, 2, 2, false, L2_CHUNKS, true>, Bwd128>(),
+    variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 2, L2_CHUNKS, false, true>>(),
+    variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 4, L2_CHUNKS, true, true>>(),
+    variant<128, Fwd128, TmaTwoPass<2, 64, 4, 2, 4, L2_CHUNKS, true, true>>(),
     variant<128, Fwd128, TmaTwoPass<4, 64, 3, 2, 2, Bwd128::order>>(),
     variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 3, Bwd128::order>>(),
     // dS^T stored by the dK/dV pass, dQ = dS K from it

@@ -404,15 +404,20 @@ static void benchmark(AttnShape s) {
     unsigned long long *counts, counts_h[2];
     cudaCheck(cudaMalloc(&dqkv_first, n_qkv * sizeof(bf16)));
     cudaCheck(cudaMalloc(&counts, 2 * sizeof(unsigned long long)));
-    cudaCheck(cudaMemsetAsync(counts, 0, 2 * sizeof(unsigned long long), stream));
     cudaCheck(cudaMemsetAsync(dqkv_first, 0xFF, n_qkv * sizeof(bf16), stream));
     attention_backward(dqkv_first, scratch, dout, qkv, out, lse, s.B, s.T, s.NH, s.NKV, s.head_dim, stream);
-    cudaCheck(cudaMemsetAsync(dqkv, 0xFF, n_qkv * sizeof(bf16), stream));
-    attention_backward(dqkv, scratch, dout, qkv, out, lse, s.B, s.T, s.NH, s.NKV, s.head_dim, stream);
-    count_mismatches_kernel<<<1024, 256, 0, stream>>>(counts, dqkv, dqkv_first, n_qkv);
-    cudaCheckLaunch();
-    cudaCheck(cudaMemcpyAsync(counts_h, counts, sizeof counts_h, cudaMemcpyDeviceToHost, stream));
-    cudaCheck(cudaStreamSynchronize(stream));
+    // Another backward (with the stored dS ds, or without) from poisoned dqkv, against the first:
+    // counts_h gets the elements that differ and the NaN.
+    auto backward_against_first = [&](bf16 *ds) {
+        cudaCheck(cudaMemsetAsync(counts, 0, 2 * sizeof(unsigned long long), stream));
+        cudaCheck(cudaMemsetAsync(dqkv, 0xFF, n_qkv * sizeof(bf16), stream));
+        attention_backward(dqkv, scratch, dout, qkv, out, lse, s.B, s.T, s.NH, s.NKV, s.head_dim, stream, ds);
+        count_mismatches_kernel<<<1024, 256, 0, stream>>>(counts, dqkv, dqkv_first, n_qkv);
+        cudaCheckLaunch();
+        cudaCheck(cudaMemcpyAsync(counts_h, counts, sizeof counts_h, cudaMemcpyDeviceToHost, stream));
+        cudaCheck(cudaStreamSynchronize(stream));
+    };
+    backward_against_first(NULL);
     check(counts_h[0] == 0 && counts_h[1] == 0,
           "attention B=%d NH=%d NKV=%d T=%d hd=%d: backward bitwise deterministic (%llu elements differ), every "
           "element written (%llu NaN)",
@@ -423,13 +428,7 @@ static void benchmark(AttnShape s) {
     if (ds_bytes > 0) {
         bf16 *ds;
         cudaCheck(cudaMalloc(&ds, ds_bytes));
-        cudaCheck(cudaMemsetAsync(counts, 0, 2 * sizeof(unsigned long long), stream));
-        cudaCheck(cudaMemsetAsync(dqkv, 0xFF, n_qkv * sizeof(bf16), stream));
-        attention_backward(dqkv, scratch, dout, qkv, out, lse, s.B, s.T, s.NH, s.NKV, s.head_dim, stream, ds);
-        count_mismatches_kernel<<<1024, 256, 0, stream>>>(counts, dqkv, dqkv_first, n_qkv);
-        cudaCheckLaunch();
-        cudaCheck(cudaMemcpyAsync(counts_h, counts, sizeof counts_h, cudaMemcpyDeviceToHost, stream));
-        cudaCheck(cudaStreamSynchronize(stream));
+        backward_against_first(ds);
         check(counts_h[0] == 0 && counts_h[1] == 0,
               "attention B=%d NH=%d NKV=%d T=%d hd=%d: backward with the stored dS the same bits as without (%llu "
               "elements differ, %llu NaN)",
