@@ -202,12 +202,12 @@ template <int HEAD_DIM>
 struct AttentionDefaults;
 template <>
 struct AttentionDefaults<64> {
-    typedef AttentionTmaForwardConfig<128, 3, 2> forward;
+    typedef AttentionTmaForwardConfig<128, 3, 2, false, ATTENTION_ORDER_L2_CHUNKS, true> forward;
     typedef AttentionTmaTwoPassConfig<4, 64, 4, 3, 3, ATTENTION_ORDER_LONGEST_FIRST> backward;
 };
 template <>
 struct AttentionDefaults<128> {
-    typedef AttentionTmaForwardConfig<128, 2, 2> forward;
+    typedef AttentionTmaForwardConfig<128, 2, 2, false, ATTENTION_ORDER_L2_CHUNKS, true> forward;
     typedef AttentionTmaTwoPassConfig<3, 64, 4, 2, 2, ATTENTION_ORDER_L2_CHUNKS> backward;
     // Given a buffer for dS (attention_ds_bytes): the dK/dV pass stores dS^T and the dQ pass only
     // multiplies it by K (4 consumers of 64 query rows): 1.10-1.21x the backward above at the

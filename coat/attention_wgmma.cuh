@@ -541,6 +541,37 @@ __device__ __forceinline__ AttentionForwardBlock attention_forward_block(int lin
     return f;
 }
 
+// The producer thread of a pass over query blocks (the forward, the dQ pass): for each block it takes,
+// the block's Q (and dO, where dout_map is given) into the slot's tiles (rows_bytes each, one per
+// slot from q_tiles and dout_tiles), then its K/V tiles into the ring.
+template <int HEAD_DIM, int KV, int STAGES, int Q_ROWS, bool PERSISTENT, int SLOTS>
+__device__ __forceinline__ void attention_query_blocks_produce(AttentionBlockSlots *slots, const CUtensorMap *qkv_map,
+                                                               const CUtensorMap *dout_map, char *q_tiles,
+                                                               char *dout_tiles, size_t rows_bytes, char *k_ring,
+                                                               char *v_ring, uint64_t *full, uint64_t *empty, int pairs,
+                                                               int chunk_pairs, int T, int NH, int NKV) {
+    const int q_blocks = ceil_div(T, Q_ROWS), blocks = q_blocks * pairs;
+    int ring = 0;  // K/V tiles loaded so far: the ring position of the next
+    for (int k = 0; PERSISTENT || k == 0; k++) {
+        const int slot = k % SLOTS, linear = attention_take_block<PERSISTENT, SLOTS>(slots, k, blocks);
+        if (linear == blocks) {
+            mbarrier_arrive(&slots->full[slot]);
+            break;
+        }
+        const AttentionForwardBlock f = attention_forward_block(linear, q_blocks, Q_ROWS, pairs, chunk_pairs, T, NH, NKV, KV);
+        mbarrier_arrive_expect_bytes(&slots->full[slot], (uint32_t)((dout_map ? 2 : 1) * rows_bytes));
+        tma_load_tile<Q_ROWS, HEAD_DIM>(q_tiles + slot * rows_bytes, qkv_map, f.h * HEAD_DIM, f.q0, f.b,
+                                        &slots->full[slot]);
+        if (dout_map)
+            tma_load_tile<Q_ROWS, HEAD_DIM>(dout_tiles + slot * rows_bytes, dout_map, f.h * HEAD_DIM, f.q0, f.b,
+                                            &slots->full[slot]);
+        tma_load_kv_tiles<KV, HEAD_DIM, STAGES>(k_ring, v_ring, qkv_map, NH, NKV, f.kv_head, f.b, f.num_kv_tiles, full,
+                                                empty, ring);
+        ring += f.num_kv_tiles;
+    }
+    attention_blocks_taken<PERSISTENT>();
+}
+
 // Block: query rows q0 = attention_query_block_row0.., head h, batch b, in the order of chunk_pairs
 // (last query block of a pair first: attention_block_in_order); a persistent block takes such
 // blocks one after the other. Warpgroup 0 is the producer (its thread 0 issues every load: per
@@ -580,24 +611,10 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
                   "the SM's 64K registers");
     if (warpgroup == 0) {
         if constexpr (CLAIM) warpgroup_registers_release<24>();
-        if (threadIdx.x != 0) return;
-        int ring = 0;  // K/V tiles loaded so far: the ring position of the next
-        for (int k = 0; PERSISTENT || k == 0; k++) {
-            const int slot = k % SLOTS, linear = attention_take_block<PERSISTENT, SLOTS>(slots, k, blocks);
-            if (linear == blocks) {
-                mbarrier_arrive(&slots->full[slot]);
-                break;
-            }
-            const AttentionForwardBlock f =
-                attention_forward_block(linear, q_blocks, Q_ROWS, pairs, chunk_pairs, T, NH, NKV, KV);
-            mbarrier_arrive_expect_bytes(&slots->full[slot], (uint32_t)Smem::q_bytes);
-            tma_load_tile<Q_ROWS, HEAD_DIM>(smem + Smem::q + slot * Smem::q_bytes, &qkv_map, f.h * HEAD_DIM, f.q0, f.b,
-                                            &slots->full[slot]);
-            tma_load_kv_tiles<KV, HEAD_DIM, STAGES>(smem + Smem::k, smem + Smem::v, &qkv_map, NH, NKV, f.kv_head, f.b,
-                                                    f.num_kv_tiles, full, empty, ring);
-            ring += f.num_kv_tiles;
-        }
-        attention_blocks_taken<PERSISTENT>();
+        if (threadIdx.x == 0)
+            attention_query_blocks_produce<HEAD_DIM, KV, STAGES, Q_ROWS, PERSISTENT, SLOTS>(
+                slots, &qkv_map, NULL, smem + Smem::q, NULL, Smem::q_bytes, smem + Smem::k, smem + Smem::v, full, empty,
+                pairs, chunk_pairs, T, NH, NKV);
         return;
     }
 
@@ -1151,26 +1168,10 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
 
     if (warpgroup == 0) {
         warpgroup_registers_release<Registers::producer>();
-        if (threadIdx.x != 0) return;
-        int ring = 0;  // K/V tiles loaded so far: the ring position of the next
-        for (int k = 0; PERSISTENT || k == 0; k++) {
-            const int slot = k % SLOTS, linear = attention_take_block<PERSISTENT, SLOTS>(slots, k, blocks);
-            if (linear == blocks) {
-                mbarrier_arrive(&slots->full[slot]);
-                break;
-            }
-            const AttentionForwardBlock f =
-                attention_forward_block(linear, q_blocks, Q_ROWS, pairs, chunk_pairs, T, NH, NKV, KV);
-            mbarrier_arrive_expect_bytes(&slots->full[slot], (uint32_t)(2 * Smem::rows_bytes));
-            tma_load_tile<Q_ROWS, HEAD_DIM>(smem + Smem::q + slot * Smem::rows_bytes, &qkv_map, f.h * HEAD_DIM, f.q0,
-                                            f.b, &slots->full[slot]);
-            tma_load_tile<Q_ROWS, HEAD_DIM>(smem + Smem::dout + slot * Smem::rows_bytes, &dout_map, f.h * HEAD_DIM,
-                                            f.q0, f.b, &slots->full[slot]);
-            tma_load_kv_tiles<KV, HEAD_DIM, STAGES>(smem + Smem::k, smem + Smem::v, &qkv_map, NH, NKV, f.kv_head, f.b,
-                                                    f.num_kv_tiles, full, empty, ring);
-            ring += f.num_kv_tiles;
-        }
-        attention_blocks_taken<PERSISTENT>();
+        if (threadIdx.x == 0)
+            attention_query_blocks_produce<HEAD_DIM, KV, STAGES, Q_ROWS, PERSISTENT, SLOTS>(
+                slots, &qkv_map, &dout_map, smem + Smem::q, smem + Smem::dout, Smem::rows_bytes, smem + Smem::k,
+                smem + Smem::v, full, empty, pairs, chunk_pairs, T, NH, NKV);
         return;
     }
     warpgroup_registers_claim<Registers::consumer>();

@@ -70,7 +70,7 @@ typedef void (*BackwardLaunch)(bf16 *dqkv, float *scratch, const bf16 *dout, con
                                const float *lse, int B, int T, int NH, int NKV, cudaStream_t stream);
 
 typedef struct {
-    char forward_name[48], backward_name[64];
+    char forward_name[80], backward_name[80];
     ForwardLaunch forward;
     BackwardLaunch backward;
 } Variant;
@@ -113,10 +113,15 @@ static void describe_backward(char *text, size_t size) {
                  C::dq::min_blocks, stages_suffix(C::dq::stages));
 }
 
+// tag (optional): appended to the forward's name in brackets, for a filter to pick a group of rows.
 template <int HEAD_DIM, class Forward, class Backward>
-static Variant variant(void) {
+static Variant variant(const char *tag = NULL) {
     Variant v;
     describe_forward<Forward>(v.forward_name, sizeof v.forward_name);
+    if (tag != NULL) {
+        const size_t used = strlen(v.forward_name);
+        snprintf(v.forward_name + used, sizeof v.forward_name - used, " [%s]", tag);
+    }
     describe_backward<Backward>(v.backward_name, sizeof v.backward_name);
     v.forward = attention_variant_forward_launch<HEAD_DIM, Forward>;
     v.backward = attention_variant_backward_launch<HEAD_DIM, Backward>;
@@ -137,12 +142,11 @@ static const Variant variants_hd64[] = {
     variant<64, TmaFwd<64, 3, 4>, Bwd64>(),
     variant<64, TmaFwd<128, 3, 3>, Bwd64>(),
     variant<64, TmaFwd<128, 2, 3>, Bwd64>(),
-    // persistent forward blocks
-    variant<64, TmaFwd<128, 3, 2, false, ATTENTION_ORDER_GRID, true>, Bwd64>(),
-    variant<64, TmaFwd<128, 3, 3, false, ATTENTION_ORDER_GRID, true>, Bwd64>(),
-    variant<64, TmaFwd<128, 3, 2, false, L2_CHUNKS, true>, Bwd64>(),
-    variant<64, Fwd64, TmaTwoPass<4, 64, 4, 3, 3, LONGEST, false, true>>(),
-    variant<64, Fwd64, TmaTwoPass<4, 64, 4, 3, 3, L2_CHUNKS, false, true>>(),
+    // the passes with blocks launched one each (as the hardware starts them), and other persistent ones
+    variant<64, TmaFwd<128, 3, 2>, Bwd64>("persistence"),
+    variant<64, Fwd64, TmaTwoPass<4, 64, 4, 3, 3, LONGEST, false, true>>("persistence"),
+    variant<64, TmaFwd<128, 3, 2, false, ATTENTION_ORDER_GRID, true>, Bwd64>("persistence"),
+    variant<64, Fwd64, TmaTwoPass<4, 64, 4, 3, 3, L2_CHUNKS, false, true>>("persistence"),
     variant<64, Fwd64, TmaTwoPass<3, 64, 4, 2, 2, Bwd64::order>>(),
     variant<64, Fwd64, TmaTwoPass<4, 128, 3, 2, 2, Bwd64::order>>(),
     variant<64, Fwd64, TmaTwoPass<4, 64, 4, 2, 3, Bwd64::order>>(),
@@ -198,13 +202,12 @@ static const Variant variants_hd128[] = {
     variant<128, TmaFwd<64, 2, 4, true>, Bwd128>(),
     variant<128, TmaFwd<64, 2, 4>, Bwd128>(),
     variant<128, TmaFwd<64, 3, 4>, Bwd128>(),
-    // persistent forward blocks
-    variant<128, TmaFwd<128, 2, 2, false, ATTENTION_ORDER_GRID, true>, Bwd128>(),
-    variant<128, TmaFwd<64, 2, 3, false, ATTENTION_ORDER_GRID, true>, Bwd128>(),
-    variant<128, TmaFwd<128, 2, 2, false, L2_CHUNKS, true>, Bwd128>(),
-    variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 2, L2_CHUNKS, false, true>>(),
-    variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 4, L2_CHUNKS, true, true>>(),
-    variant<128, Fwd128, TmaTwoPass<2, 64, 4, 2, 4, L2_CHUNKS, true, true>>(),
+    // the passes with blocks launched one each (as the hardware starts them), and other persistent ones
+    variant<128, TmaFwd<128, 2, 2>, Bwd128>("persistence"),
+    variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 2, L2_CHUNKS, false, true>>("persistence"),
+    variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 4, L2_CHUNKS, true>>("persistence"),
+    variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 4, L2_CHUNKS, true, true>>("persistence"),
+    variant<128, Fwd128, TmaTwoPass<2, 64, 4, 2, 4, L2_CHUNKS, true, true>>("persistence"),
     variant<128, Fwd128, TmaTwoPass<4, 64, 3, 2, 2, Bwd128::order>>(),
     variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 3, Bwd128::order>>(),
     // dS^T stored by the dK/dV pass, dQ = dS K from it
