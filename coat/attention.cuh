@@ -197,19 +197,20 @@ static unsigned attention_resident_blocks(Kernel kernel, int threads, size_t sme
 // products and its exponentials one after the other); at 128, 2 consumers (dK and dV take 128
 // registers a thread), 1.5-1.7x the cp.async-fed wgmma two passes. The backward's blocks start
 // longest first at head_dim 64 (1.02-1.05x the grid's order) and in L2-sized chunks at 128 (1.01-1.07x;
-// longest first reads from memory there). The forward is persistent (one block per SM taking its
-// query blocks in turn, in L2-sized chunks of pairs): 1.18-1.24x at head_dim 64 and 1.07-1.12x at
-// 128 the same kernel with a block launched per query block.
+// longest first reads from memory there); the forward's in the grid's order. The persistent forward
+// (one block per SM taking its query blocks in turn, in L2-sized chunks of pairs) measured
+// 1.18-1.24x at head_dim 64 and 1.07-1.12x at 128 beside it, the same bits; it becomes the choice
+// once the GPU test suite and training have run it.
 template <int HEAD_DIM>
 struct AttentionDefaults;
 template <>
 struct AttentionDefaults<64> {
-    typedef AttentionTmaForwardConfig<128, 3, 2, false, ATTENTION_ORDER_L2_CHUNKS, true> forward;
+    typedef AttentionTmaForwardConfig<128, 3, 2> forward;
     typedef AttentionTmaTwoPassConfig<4, 64, 4, 3, 3, ATTENTION_ORDER_LONGEST_FIRST> backward;
 };
 template <>
 struct AttentionDefaults<128> {
-    typedef AttentionTmaForwardConfig<128, 2, 2, false, ATTENTION_ORDER_L2_CHUNKS, true> forward;
+    typedef AttentionTmaForwardConfig<128, 2, 2> forward;
     typedef AttentionTmaTwoPassConfig<3, 64, 4, 2, 2, ATTENTION_ORDER_L2_CHUNKS> backward;
     // Given a buffer for dS (attention_ds_bytes): the dK/dV pass stores dS^T and the dQ pass only
     // multiplies it by K (4 consumers of 64 query rows): 1.10-1.21x the backward above at the

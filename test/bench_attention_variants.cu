@@ -142,8 +142,8 @@ static const Variant variants_hd64[] = {
     variant<64, TmaFwd<64, 3, 4>, Bwd64>(),
     variant<64, TmaFwd<128, 3, 3>, Bwd64>(),
     variant<64, TmaFwd<128, 2, 3>, Bwd64>(),
-    // the passes with blocks launched one each (as the hardware starts them), and other persistent ones
-    variant<64, TmaFwd<128, 3, 2>, Bwd64>("persistence"),
+    // persistent passes (one block per SM taking the blocks in turn) beside the program's
+    variant<64, TmaFwd<128, 3, 2, false, L2_CHUNKS, true>, Bwd64>("persistence"),
     variant<64, Fwd64, TmaTwoPass<4, 64, 4, 3, 3, LONGEST, false, true>>("persistence"),
     variant<64, TmaFwd<128, 3, 2, false, ATTENTION_ORDER_GRID, true>, Bwd64>("persistence"),
     variant<64, Fwd64, TmaTwoPass<4, 64, 4, 3, 3, L2_CHUNKS, false, true>>("persistence"),
@@ -202,8 +202,8 @@ static const Variant variants_hd128[] = {
     variant<128, TmaFwd<64, 2, 4, true>, Bwd128>(),
     variant<128, TmaFwd<64, 2, 4>, Bwd128>(),
     variant<128, TmaFwd<64, 3, 4>, Bwd128>(),
-    // the passes with blocks launched one each (as the hardware starts them), and other persistent ones
-    variant<128, TmaFwd<128, 2, 2>, Bwd128>("persistence"),
+    // persistent passes (one block per SM taking the blocks in turn) beside the program's
+    variant<128, TmaFwd<128, 2, 2, false, L2_CHUNKS, true>, Bwd128>("persistence"),
     variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 2, L2_CHUNKS, false, true>>("persistence"),
     variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 4, L2_CHUNKS, true>>("persistence"),
     variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 4, L2_CHUNKS, true, true>>("persistence"),
