@@ -260,17 +260,17 @@ static inline void attention_backward(bf16 *dqkv, float *scratch, const bf16 *do
                                       cudaStream_t stream, bf16 *ds = NULL) {
     const void *pointers[] = {dqkv, scratch, dout, qkv, out, lse};
     attention_check_args("attention_backward", pointers, 6, B, T, NH, NKV, head_dim);
-    if (head_dim == 64) {
+    if (head_dim == 128) {
+        attention_backward_delta_launch<128>(scratch, dout, out, B, T, NH, stream);
+        if (ds != NULL)
+            attention_backward_tma_launch<128, AttentionDefaults<128>::backward_stored_ds>(
+                dqkv, scratch, dout, qkv, lse, B, T, NH, NKV, stream, ds);
+        else
+            attention_backward_tma_launch<128, AttentionDefaults<128>::backward>(dqkv, scratch, dout, qkv, lse, B, T,
+                                                                                 NH, NKV, stream);
+    } else {
         attention_backward_delta_launch<64>(scratch, dout, out, B, T, NH, stream);
         attention_backward_tma_launch<64, AttentionDefaults<64>::backward>(dqkv, scratch, dout, qkv, lse, B, T, NH,
                                                                            NKV, stream);
-        return;
     }
-    attention_backward_delta_launch<128>(scratch, dout, out, B, T, NH, stream);
-    if (ds != NULL)
-        attention_backward_tma_launch<128, AttentionDefaults<128>::backward_stored_ds>(dqkv, scratch, dout, qkv, lse, B,
-                                                                                       T, NH, NKV, stream, ds);
-    else
-        attention_backward_tma_launch<128, AttentionDefaults<128>::backward>(dqkv, scratch, dout, qkv, lse, B, T, NH,
-                                                                             NKV, stream);
 }

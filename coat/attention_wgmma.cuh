@@ -439,7 +439,7 @@ __device__ __forceinline__ int attention_take_block(AttentionBlockSlots *slots, 
     if (k >= SLOTS) mbarrier_wait(&slots->empty[slot], (k / SLOTS + 1) & 1);  // its phase k / SLOTS - 1
     const int linear = PERSISTENT ? (int)atomicAdd(&attention_next_block, 1u) : k == 0 ? (int)blockIdx.x : blocks;
     slots->block[slot] = min(linear, blocks);
-    return min(linear, blocks);
+    return slots->block[slot];
 }
 
 // The producer has taken its last block.
@@ -468,7 +468,8 @@ __device__ __forceinline__ void attention_pipeline_init(AttentionBlockSlots *slo
 // The slots a persistent pass gets: two (its next block's resident tiles load while it finishes the
 // last) where a block's shared memory with a second copy of those tiles fits, else one.
 static constexpr int attention_block_slots(bool persistent, size_t resident_bytes, size_t other_bytes) {
-    return persistent && 2 * resident_bytes + other_bytes + sizeof(AttentionBlockSlots) + 1024 <= ATTENTION_MAX_SMEM_BYTES
+    return persistent &&
+                   2 * resident_bytes + other_bytes + sizeof(AttentionBlockSlots) + 1024 <= ATTENTION_MAX_SMEM_BYTES
                ? 2
                : 1;
 }
@@ -558,7 +559,8 @@ __device__ __forceinline__ void attention_query_blocks_produce(AttentionBlockSlo
             mbarrier_arrive(&slots->full[slot]);
             break;
         }
-        const AttentionForwardBlock f = attention_forward_block(linear, q_blocks, Q_ROWS, pairs, chunk_pairs, T, NH, NKV, KV);
+        const AttentionForwardBlock f =
+            attention_forward_block(linear, q_blocks, Q_ROWS, pairs, chunk_pairs, T, NH, NKV, KV);
         mbarrier_arrive_expect_bytes(&slots->full[slot], (uint32_t)((dout_map ? 2 : 1) * rows_bytes));
         tma_load_tile<Q_ROWS, HEAD_DIM>(q_tiles + slot * rows_bytes, qkv_map, f.h * HEAD_DIM, f.q0, f.b,
                                         &slots->full[slot]);
@@ -651,7 +653,8 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
         float s[S_REGS];  // S_j (with OVERLAP issued one tile ahead)
         if (OVERLAP && group_tiles > 0) {
             mbarrier_wait(&full[ring % STAGES], (ring / STAGES) & 1);
-            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, q_row0, smem + Smem::k + (ring % STAGES) * Smem::kv_bytes);
+            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, q_row0,
+                                                 smem + Smem::k + (ring % STAGES) * Smem::kv_bytes);
             wgmma_wait_pending<0>();
             wgmma_pin_registers(s);
         }
@@ -671,7 +674,8 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
             }
             if constexpr (!OVERLAP) {
                 mbarrier_wait(&full[stage], (at / STAGES) & 1);
-                wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, q_row0, smem + Smem::k + stage * Smem::kv_bytes);
+                wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, q_row0,
+                                                     smem + Smem::k + stage * Smem::kv_bytes);
                 wgmma_wait_pending<0>();
                 wgmma_pin_registers(s);
             }
@@ -758,7 +762,8 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
         wgmma_pin_registers(o_acc);
         wgmma_pin_registers(p_frag);
         if constexpr (OVERLAP)
-            if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[(ring + f.num_kv_tiles - 1) % STAGES]);
+            if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0)
+                mbarrier_arrive(&empty[(ring + f.num_kv_tiles - 1) % STAGES]);
         attention_release_block<PERSISTENT, SLOTS>(slots, k);  // no product reads its Q any more
         ring += f.num_kv_tiles;
         if (!group_rows) continue;  // warpgroup-uniform
@@ -772,7 +777,8 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
             inv_sum[r] = 1.f / sum;
             const int row = row_lo + 8 * r;
             // lse = ln(2^m l) = (m + log2 l) ln 2
-            if (lane % 4 == 0 && row < T) lse[((size_t)f.b * NH + f.h) * T + row] = (row_max[r] + log2f(sum)) * ATTENTION_LN2;
+            if (lane % 4 == 0 && row < T)
+                lse[((size_t)f.b * NH + f.h) * T + row] = (row_max[r] + log2f(sum)) * ATTENTION_LN2;
         }
         bf16 *out_head = out + ((size_t)f.b * T * NH + f.h) * HEAD_DIM;
         uint32_t amax_bits = 0;  // of |out| as stored: a BF16's bits, shifted, are its float's
@@ -1203,7 +1209,8 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
                     dq_acc,
                     Sw128DqOperands<HEAD_DIM, KV, Q_ROWS>{smem + Smem::q + (k % SLOTS) * Smem::rows_bytes,
                                                           smem + Smem::dout + (k % SLOTS) * Smem::rows_bytes,
-                                                          consumer * GROUP_ROWS, smem + Smem::k + stage * Smem::kv_bytes,
+                                                          consumer * GROUP_ROWS,
+                                                          smem + Smem::k + stage * Smem::kv_bytes,
                                                           smem + Smem::v + stage * Smem::kv_bytes},
                     row_lse_log2, row_delta, scale_log2, row_lo, kv0, kv0 + KV - 1 > group_row0, lane);
             }
@@ -1410,8 +1417,8 @@ static void attention_backward_tma_launch(bf16 *dqkv, const float *delta, const 
         typedef AttentionTmaDqSmem<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages, Config::dq_consumers, PERSISTENT>
             DqSmem;
         static_assert(DqSmem::bytes <= ATTENTION_MAX_SMEM_BYTES, "TMA dQ tiles exceed shared memory");
-        auto dq = attention_backward_dq_tma_kernel<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages, Config::dq_consumers,
-                                                   PERSISTENT>;
+        auto dq = attention_backward_dq_tma_kernel<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages,
+                                                   Config::dq_consumers, PERSISTENT>;
         attention_launch_setup(dq, DqSmem::bytes);
         const int q_blocks = ceil_div(T, DqSmem::q_rows);
         const int dq_chunk = attention_chunk_pairs(Config::order, NH * B, head_bytes * (2.0 + 2.0 * NKV / NH));
