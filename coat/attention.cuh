@@ -197,20 +197,20 @@ static unsigned attention_resident_blocks(Kernel kernel, int threads, size_t sme
 // products and its exponentials one after the other); at 128, 2 consumers (dK and dV take 128
 // registers a thread), 1.5-1.7x the cp.async-fed wgmma two passes. The backward's blocks start
 // longest first at head_dim 64 (1.02-1.05x the grid's order) and in L2-sized chunks at 128 (1.01-1.07x;
-// longest first reads from memory there); the forward's in the grid's order. The persistent forward
-// (one block per SM taking its query blocks in turn, in L2-sized chunks of pairs) measured
-// 1.18-1.24x at head_dim 64 and 1.07-1.12x at 128 beside it, the same bits; it becomes the choice
-// once the GPU test suite and training have run it.
+// longest first reads from memory there). Persistent (one block per SM taking the pass's blocks in
+// turn, the same bits): the forward, in L2-sized chunks of pairs, 1.16-1.23x the launched forward at
+// head_dim 64 and 1.06-1.14x at 128; the backward 1.02-1.13x at 64, and at 128 no faster (0.95-1.00x
+// for the two passes, 0.95-1.01x the stored-dS launched), so it stays launched a block each there.
 template <int HEAD_DIM>
 struct AttentionDefaults;
 template <>
 struct AttentionDefaults<64> {
-    typedef AttentionTmaForwardConfig<128, 3, 2> forward;
-    typedef AttentionTmaTwoPassConfig<4, 64, 4, 3, 3, ATTENTION_ORDER_LONGEST_FIRST> backward;
+    typedef AttentionTmaForwardConfig<128, 3, 2, false, ATTENTION_ORDER_L2_CHUNKS, true> forward;
+    typedef AttentionTmaTwoPassConfig<4, 64, 4, 3, 3, ATTENTION_ORDER_LONGEST_FIRST, false, true> backward;
 };
 template <>
 struct AttentionDefaults<128> {
-    typedef AttentionTmaForwardConfig<128, 2, 2> forward;
+    typedef AttentionTmaForwardConfig<128, 2, 2, false, ATTENTION_ORDER_L2_CHUNKS, true> forward;
     typedef AttentionTmaTwoPassConfig<3, 64, 4, 2, 2, ATTENTION_ORDER_L2_CHUNKS> backward;
     // Given a buffer for dS (attention_ds_bytes): the dK/dV pass stores dS^T and the dQ pass only
     // multiplies it by K (4 consumers of 64 query rows): 1.10-1.21x the backward above at the

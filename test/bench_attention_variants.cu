@@ -142,9 +142,9 @@ static const Variant variants_hd64[] = {
     variant<64, TmaFwd<64, 3, 4>, Bwd64>(),
     variant<64, TmaFwd<128, 3, 3>, Bwd64>(),
     variant<64, TmaFwd<128, 2, 3>, Bwd64>(),
-    // persistent passes (one block per SM taking the blocks in turn) beside the program's
-    variant<64, TmaFwd<128, 3, 2, false, L2_CHUNKS, true>, Bwd64>("persistence"),
-    variant<64, Fwd64, TmaTwoPass<4, 64, 4, 3, 3, LONGEST, false, true>>("persistence"),
+    // the program's passes launched a block each, and other orders of its persistent passes
+    variant<64, TmaFwd<128, 3, 2>, Bwd64>("persistence"),
+    variant<64, Fwd64, TmaTwoPass<4, 64, 4, 3, 3, LONGEST>>("persistence"),
     variant<64, TmaFwd<128, 3, 2, false, ATTENTION_ORDER_GRID, true>, Bwd64>("persistence"),
     variant<64, Fwd64, TmaTwoPass<4, 64, 4, 3, 3, L2_CHUNKS, false, true>>("persistence"),
     variant<64, Fwd64, TmaTwoPass<3, 64, 4, 2, 2, Bwd64::order>>(),
@@ -202,8 +202,9 @@ static const Variant variants_hd128[] = {
     variant<128, TmaFwd<64, 2, 4, true>, Bwd128>(),
     variant<128, TmaFwd<64, 2, 4>, Bwd128>(),
     variant<128, TmaFwd<64, 3, 4>, Bwd128>(),
-    // persistent passes (one block per SM taking the blocks in turn) beside the program's
-    variant<128, TmaFwd<128, 2, 2, false, L2_CHUNKS, true>, Bwd128>("persistence"),
+    // the forward launched a block each; the backward persistent (one block per SM taking the blocks
+    // in turn) with and without the stored dS, and launched with it
+    variant<128, TmaFwd<128, 2, 2>, Bwd128>("persistence"),
     variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 2, L2_CHUNKS, false, true>>("persistence"),
     variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 4, L2_CHUNKS, true>>("persistence"),
     variant<128, Fwd128, TmaTwoPass<3, 64, 4, 2, 4, L2_CHUNKS, true, true>>("persistence"),
