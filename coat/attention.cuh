@@ -170,14 +170,24 @@ static inline unsigned attention_grid_blocks(int tiles, int pairs) {
     return (unsigned)(tiles * pairs);
 }
 
-// The blocks of a kernel that run at once on the device, at most `blocks`: a persistent grid.
+// The blocks of a kernel that run at once on the device, at most `blocks`: a persistent grid. The runtime
+// is asked once per kernel (a pass's threads and shared memory are fixed at compile time); the table is
+// keyed by the kernel's address since every kernel of one signature shares this function.
 template <typename Kernel>
 static unsigned attention_resident_blocks(Kernel kernel, int threads, size_t smem_bytes, unsigned blocks) {
-    int device, sms, per_sm;
-    cudaCheck(cudaGetDevice(&device));
-    cudaCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes));
-    const unsigned resident = (unsigned)(sms * (per_sm > 0 ? per_sm : 1));
+    static struct { const void *kernel; unsigned resident; } known[32];
+    static int count = 0;
+    unsigned resident = 0;
+    for (int i = 0; i < count && resident == 0; i++)
+        if (known[i].kernel == (const void *)kernel) resident = known[i].resident;
+    if (resident == 0) {
+        int device, sms, per_sm;
+        cudaCheck(cudaGetDevice(&device));
+        cudaCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+        cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes));
+        resident = (unsigned)(sms * (per_sm > 0 ? per_sm : 1));
+        if (count < 32) known[count++] = {(const void *)kernel, resident};
+    }
     return resident < blocks ? resident : blocks;
 }
 
