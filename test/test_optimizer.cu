@@ -1685,26 +1685,44 @@ static void bench_step(size_t n) {  // n: a multiple of 128; groups past the sma
     cudaEvent_t start, stop;
     cudaCheck(cudaEventCreate(&start));
     cudaCheck(cudaEventCreate(&stop));
-    for (int k = 0; k < 4; k++) {
-        AdamW opt;
-        AdamWConfig config = test_config(0);
-        adamw_create(&opt, (OptimizerStateKind)k, &config, &layout, 0, n, 0);
-        adamw_set_master_from_params(&opt, params, 0);
-        float ms[5];
-        for (int rep = 0; rep < 2; rep++) adamw_step(&opt, params, grads, 1e-4f, 1.0f, 0);
-        for (int rep = 0; rep < 5; rep++) {
-            cudaCheck(cudaEventRecord(start, 0));
-            adamw_step(&opt, params, grads, 1e-4f, 1.0f, 0);
-            cudaCheck(cudaEventRecord(stop, 0));
-            cudaCheck(cudaEventSynchronize(stop));
-            cudaCheck(cudaEventElapsedTime(&ms[rep], start, stop));
+    // Each kind twice: over parameters in the buffer, and as training steps the block's linear
+    // weights with FP8 GEMMs (no BF16 copy, their amax gathered for the weights' cast).
+    Fp8Scale *amax_slot;
+    cudaCheck(cudaMalloc(&amax_slot, sizeof(Fp8Scale)));
+    AdamWAmaxParts *amax = (AdamWAmaxParts *)host_alloc(sizeof(AdamWAmaxParts));
+    amax->slots = amax_slot;
+    amax->count = 1;
+    amax->first_group[0] = 0;
+    amax->end_group[0] = (uint32_t)(n / ADAMW_GROUP);
+    amax->slot[0] = 0;
+    for (int k = 0; k < 4; k++)
+        for (int from_master = 0; from_master < 2; from_master++) {
+            AdamW opt;
+            AdamWConfig config = test_config(0);
+            ParamShardRange range = {0, n, from_master ? PARAM_NOT_IN_BUFFER : 0, n, 0};
+            adamw_create_ranges(&opt, (OptimizerStateKind)k, &config, &layout, &range, 1, 0, 0);
+            adamw_params_to_master_kernel<<<(unsigned)ceil_div_size(n / ADAMW_VEC, 256), 256>>>(opt.master, params, n);
+            cudaCheckLaunch();
+            if (from_master) adamw_set_amax_parts(&opt, amax);
+            float ms[5];
+            for (int rep = 0; rep < 2; rep++) adamw_step(&opt, params, grads, 1e-4f, 1.0f, 0);
+            for (int rep = 0; rep < 5; rep++) {
+                cudaCheck(cudaEventRecord(start, 0));
+                adamw_step(&opt, params, grads, 1e-4f, 1.0f, 0);
+                cudaCheck(cudaEventRecord(stop, 0));
+                cudaCheck(cudaEventSynchronize(stop));
+                cudaCheck(cudaEventElapsedTime(&ms[rep], start, stop));
+            }
+            float median_ms = median_in_place(ms, 5);
+            // grads in, params out (not from_master), state in and out
+            double bytes = (from_master ? 2.0 : 4.0) * n + 2.0 * adamw_payload_bytes(opt.kind, n);
+            printf("bench: adamw_step %-7s %.3g params%s: %.2f ms, %.0f GB/s (median of 5)\n",
+                   optimizer_state_kind_name(opt.kind), (double)n, from_master ? " (no BF16 copy, amax)" : "",
+                   median_ms, bytes / (median_ms * 1e-3) / 1e9);
+            adamw_free(&opt);
         }
-        float median_ms = median_in_place(ms, 5);
-        double bytes = 4.0 * n + 2.0 * adamw_payload_bytes(opt.kind, n);  // grads in, params out, state in and out
-        printf("bench: adamw_step %-7s %.3g params: %.2f ms, %.0f GB/s (median of 5)\n", optimizer_state_kind_name(opt.kind),
-               (double)n, median_ms, bytes / (median_ms * 1e-3) / 1e9);
-        adamw_free(&opt);
-    }
+    free(amax);
+    cudaCheck(cudaFree(amax_slot));
     double *scratch;
     float *out, ms[5];
     cudaCheck(cudaMalloc(&scratch, grad_norm_scratch_bytes()));
