@@ -1671,6 +1671,26 @@ static void test_init_master(Fixture *fx) {
     cudaCheck(cudaFree(master));
 }
 
+// The median of 5 CUDA-event timings of run() on the default stream, after `warmups` untimed calls.
+template <class F>
+static float median_ms_of_5(int warmups, F run) {
+    cudaEvent_t start, stop;
+    cudaCheck(cudaEventCreate(&start));
+    cudaCheck(cudaEventCreate(&stop));
+    for (int rep = 0; rep < warmups; rep++) run();
+    float ms[5];
+    for (int rep = 0; rep < 5; rep++) {
+        cudaCheck(cudaEventRecord(start, 0));
+        run();
+        cudaCheck(cudaEventRecord(stop, 0));
+        cudaCheck(cudaEventSynchronize(stop));
+        cudaCheck(cudaEventElapsedTime(&ms[rep], start, stop));
+    }
+    cudaCheck(cudaEventDestroy(start));
+    cudaCheck(cudaEventDestroy(stop));
+    return median_in_place(ms, 5);
+}
+
 static void bench_step(size_t n) {  // n: a multiple of 128; groups past the small model are simply not decayed
     ModelShape shape = test_shape();
     ParamLayout layout;
@@ -1682,9 +1702,6 @@ static void bench_step(size_t n) {  // n: a multiple of 128; groups past the sma
     fill_bf16_hash<<<blocks, 256>>>(params, n, 1u, 0.04f);
     fill_bf16_hash<<<blocks, 256>>>(grads, n, 2u, 2e-3f);
     cudaCheckLaunch();
-    cudaEvent_t start, stop;
-    cudaCheck(cudaEventCreate(&start));
-    cudaCheck(cudaEventCreate(&stop));
     // Each kind twice: over parameters in the buffer, and as training steps the block's linear
     // weights with FP8 GEMMs (no BF16 copy, their amax gathered for the weights' cast).
     Fp8Scale *amax_slot;
@@ -1704,44 +1721,25 @@ static void bench_step(size_t n) {  // n: a multiple of 128; groups past the sma
             adamw_params_to_master_kernel<<<(unsigned)ceil_div_size(n / ADAMW_VEC, 256), 256>>>(opt.master, params, n);
             cudaCheckLaunch();
             if (from_master) adamw_set_amax_parts(&opt, amax);
-            float ms[5];
-            for (int rep = 0; rep < 2; rep++) adamw_step(&opt, params, grads, 1e-4f, 1.0f, 0);
-            for (int rep = 0; rep < 5; rep++) {
-                cudaCheck(cudaEventRecord(start, 0));
-                adamw_step(&opt, params, grads, 1e-4f, 1.0f, 0);
-                cudaCheck(cudaEventRecord(stop, 0));
-                cudaCheck(cudaEventSynchronize(stop));
-                cudaCheck(cudaEventElapsedTime(&ms[rep], start, stop));
-            }
-            float median_ms = median_in_place(ms, 5);
+            float ms = median_ms_of_5(2, [&] { adamw_step(&opt, params, grads, 1e-4f, 1.0f, 0); });
             // grads in, params out (not from_master), state in and out
             double bytes = (from_master ? 2.0 : 4.0) * n + 2.0 * adamw_payload_bytes(opt.kind, n);
             printf("bench: adamw_step %-7s %.3g params%s: %.2f ms, %.0f GB/s (median of 5)\n",
-                   optimizer_state_kind_name(opt.kind), (double)n, from_master ? " (no BF16 copy, amax)" : "",
-                   median_ms, bytes / (median_ms * 1e-3) / 1e9);
+                   optimizer_state_kind_name(opt.kind), (double)n, from_master ? " (no BF16 copy, amax)" : "", ms,
+                   bytes / (ms * 1e-3) / 1e9);
             adamw_free(&opt);
         }
     free(amax);
     cudaCheck(cudaFree(amax_slot));
     double *scratch;
-    float *out, ms[5];
+    float *out;
     cudaCheck(cudaMalloc(&scratch, grad_norm_scratch_bytes()));
     cudaCheck(cudaMalloc(&out, sizeof(float)));
-    grad_norm_squared(out, grads, n, scratch, 0);
-    for (int rep = 0; rep < 5; rep++) {
-        cudaCheck(cudaEventRecord(start, 0));
-        grad_norm_squared(out, grads, n, scratch, 0);
-        cudaCheck(cudaEventRecord(stop, 0));
-        cudaCheck(cudaEventSynchronize(stop));
-        cudaCheck(cudaEventElapsedTime(&ms[rep], start, stop));
-    }
-    float median_ms = median_in_place(ms, 5);
-    printf("bench: grad_norm_squared %.3g values: %.2f ms, %.0f GB/s (median of 5)\n", (double)n, median_ms,
-           2.0 * n / (median_ms * 1e-3) / 1e9);
+    float ms = median_ms_of_5(1, [&] { grad_norm_squared(out, grads, n, scratch, 0); });
+    printf("bench: grad_norm_squared %.3g values: %.2f ms, %.0f GB/s (median of 5)\n", (double)n, ms,
+           2.0 * n / (ms * 1e-3) / 1e9);
     cudaCheck(cudaFree(scratch));
     cudaCheck(cudaFree(out));
-    cudaCheck(cudaEventDestroy(start));
-    cudaCheck(cudaEventDestroy(stop));
     cudaCheck(cudaFree(params));
     cudaCheck(cudaFree(grads));
 }
