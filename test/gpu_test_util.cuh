@@ -1,9 +1,9 @@
 // Helpers shared by the GPU tests and benchmarks (test/*.cu): zeroed host buffers that exit when
 // memory runs out; BF16 rounding and the BF16 <-> float conversions between device tensors and host
 // float arrays; random inputs rounded to BF16, so that the CPU reference sees exactly what the GPU
-// sees; NaN poison for device outputs; max |x|; the median of timings; random BF16 benchmark inputs
-// made on the GPU. Host arrays are float (or bf16 bits) [n]; device tensors are bf16 [n], in the
-// layout the kernel under test takes.
+// sees; NaN poison for device outputs; max |x|; the median of timings, and of a call timed with CUDA
+// events; random BF16 benchmark inputs made on the GPU. Host arrays are float (or bf16 bits) [n];
+// device tensors are bf16 [n], in the layout the kernel under test takes.
 #pragma once
 #include <math.h>
 #include <stdio.h>
@@ -87,6 +87,32 @@ static inline int compare_floats_ascending(const void *a, const void *b) {
 static inline float median_in_place(float *values, int n) {
     qsort(values, (size_t)n, sizeof(float), compare_floats_ascending);
     return values[n / 2];
+}
+
+// The median of `runs` (1 to 64) CUDA-event timings in ms of run() on the default stream, after
+// `warmups` untimed calls.
+#define MEDIAN_EVENT_RUNS_MAX 64
+template <class F>
+static float median_event_ms(int warmups, int runs, F run) {
+    if (runs < 1 || runs > MEDIAN_EVENT_RUNS_MAX) {
+        fprintf(stderr, "error: median_event_ms: runs = %d, not in [1, %d]\n", runs, MEDIAN_EVENT_RUNS_MAX);
+        exit(EXIT_FAILURE);
+    }
+    cudaEvent_t start, stop;
+    cudaCheck(cudaEventCreate(&start));
+    cudaCheck(cudaEventCreate(&stop));
+    for (int rep = 0; rep < warmups; rep++) run();
+    float ms[MEDIAN_EVENT_RUNS_MAX];
+    for (int rep = 0; rep < runs; rep++) {
+        cudaCheck(cudaEventRecord(start, 0));
+        run();
+        cudaCheck(cudaEventRecord(stop, 0));
+        cudaCheck(cudaEventSynchronize(stop));
+        cudaCheck(cudaEventElapsedTime(&ms[rep], start, stop));
+    }
+    cudaCheck(cudaEventDestroy(start));
+    cudaCheck(cudaEventDestroy(stop));
+    return median_in_place(ms, runs);
 }
 
 // Uniform values in [-1, 1) from a hash of the index, on the GPU: benchmark inputs of gigabytes

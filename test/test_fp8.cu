@@ -984,23 +984,9 @@ static void bench_quantize(void) {
     fill_uniform_bf16_kernel<<<1024, THREADS>>>(in, n, SEED);
     cudaCheckLaunch();
     fp8_amax(slot, in, n, 0);
-    for (int rep = 0; rep < 2; rep++) fp8_quantize(out, out_t, slot, in, R, C, FP8_E4M3, 0);
-    cudaEvent_t start, stop;
-    cudaCheck(cudaEventCreate(&start));
-    cudaCheck(cudaEventCreate(&stop));
-    float ms[reps];
-    for (int rep = 0; rep < reps; rep++) {
-        cudaCheck(cudaEventRecord(start, 0));
-        fp8_quantize(out, out_t, slot, in, R, C, FP8_E4M3, 0);
-        cudaCheck(cudaEventRecord(stop, 0));
-        cudaCheck(cudaEventSynchronize(stop));
-        cudaCheck(cudaEventElapsedTime(&ms[rep], start, stop));
-    }
-    float median_ms = median_in_place(ms, reps);
+    float median_ms = median_event_ms(2, reps, [&] { fp8_quantize(out, out_t, slot, in, R, C, FP8_E4M3, 0); });
     printf("bench: fp8_quantize E4M3 [%d, %d] out + out_t: %.3f ms, %.0f GB/s (2 bytes read + 2 written per element, "
            "median of %d)\n", R, C, median_ms, 4.0 * n / (median_ms * 1e-3) / 1e9, reps);
-    cudaCheck(cudaEventDestroy(start));
-    cudaCheck(cudaEventDestroy(stop));
     cudaCheck(cudaFree(in));
     cudaCheck(cudaFree(out));
     cudaCheck(cudaFree(out_t));

@@ -520,22 +520,8 @@ static void bench_coat_rmsnorm_backward(const Bench *b) {
 // Median time over BENCH_REPEATS launches after a warm-up; GB/s counts each byte the kernel
 // must read or write once.
 static void bench_kernel(const char *name, void (*launch)(const Bench *), const Bench *b, double bytes) {
-    cudaEvent_t start, stop;
-    cudaCheck(cudaEventCreate(&start));
-    cudaCheck(cudaEventCreate(&stop));
-    for (int i = 0; i < BENCH_WARMUP; i++) launch(b);
-    float ms[BENCH_REPEATS];
-    for (int i = 0; i < BENCH_REPEATS; i++) {
-        cudaCheck(cudaEventRecord(start, 0));
-        launch(b);
-        cudaCheck(cudaEventRecord(stop, 0));
-        cudaCheck(cudaEventSynchronize(stop));
-        cudaCheck(cudaEventElapsedTime(&ms[i], start, stop));
-    }
-    float median_ms = median_in_place(ms, BENCH_REPEATS);
+    float median_ms = median_event_ms(BENCH_WARMUP, BENCH_REPEATS, [&] { launch(b); });
     printf("time %-26s %9.1f us %8.0f GB/s\n", name, median_ms * 1e3, bytes / (median_ms * 1e-3) / 1e9);
-    cudaCheck(cudaEventDestroy(start));
-    cudaCheck(cudaEventDestroy(stop));
 }
 
 static void benchmark_llama_1b(void) {

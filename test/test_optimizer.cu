@@ -1671,26 +1671,6 @@ static void test_init_master(Fixture *fx) {
     cudaCheck(cudaFree(master));
 }
 
-// The median of 5 CUDA-event timings of run() on the default stream, after `warmups` untimed calls.
-template <class F>
-static float median_ms_of_5(int warmups, F run) {
-    cudaEvent_t start, stop;
-    cudaCheck(cudaEventCreate(&start));
-    cudaCheck(cudaEventCreate(&stop));
-    for (int rep = 0; rep < warmups; rep++) run();
-    float ms[5];
-    for (int rep = 0; rep < 5; rep++) {
-        cudaCheck(cudaEventRecord(start, 0));
-        run();
-        cudaCheck(cudaEventRecord(stop, 0));
-        cudaCheck(cudaEventSynchronize(stop));
-        cudaCheck(cudaEventElapsedTime(&ms[rep], start, stop));
-    }
-    cudaCheck(cudaEventDestroy(start));
-    cudaCheck(cudaEventDestroy(stop));
-    return median_in_place(ms, 5);
-}
-
 static void bench_step(size_t n) {  // n: a multiple of 128; groups past the small model are simply not decayed
     ModelShape shape = test_shape();
     ParamLayout layout;
@@ -1721,7 +1701,7 @@ static void bench_step(size_t n) {  // n: a multiple of 128; groups past the sma
             adamw_params_to_master_kernel<<<(unsigned)ceil_div_size(n / ADAMW_VEC, 256), 256>>>(opt.master, params, n);
             cudaCheckLaunch();
             if (from_master) adamw_set_amax_parts(&opt, amax);
-            float ms = median_ms_of_5(2, [&] { adamw_step(&opt, params, grads, 1e-4f, 1.0f, 0); });
+            float ms = median_event_ms(2, 5, [&] { adamw_step(&opt, params, grads, 1e-4f, 1.0f, 0); });
             // grads in, params out (not from_master), state in and out
             double bytes = (from_master ? 2.0 : 4.0) * n + 2.0 * adamw_payload_bytes(opt.kind, n);
             printf("bench: adamw_step %-7s %.3g params%s: %.2f ms, %.0f GB/s (median of 5)\n",
@@ -1735,7 +1715,7 @@ static void bench_step(size_t n) {  // n: a multiple of 128; groups past the sma
     float *out;
     cudaCheck(cudaMalloc(&scratch, grad_norm_scratch_bytes()));
     cudaCheck(cudaMalloc(&out, sizeof(float)));
-    float ms = median_ms_of_5(1, [&] { grad_norm_squared(out, grads, n, scratch, 0); });
+    float ms = median_event_ms(1, 5, [&] { grad_norm_squared(out, grads, n, scratch, 0); });
     printf("bench: grad_norm_squared %.3g values: %.2f ms, %.0f GB/s (median of 5)\n", (double)n, ms,
            2.0 * n / (ms * 1e-3) / 1e9);
     cudaCheck(cudaFree(scratch));
