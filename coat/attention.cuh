@@ -175,7 +175,8 @@ static inline unsigned attention_grid_blocks(int tiles, int pairs) {
 // keyed by the kernel's address since every kernel of one signature shares this function.
 template <typename Kernel>
 static unsigned attention_resident_blocks(Kernel kernel, int threads, size_t smem_bytes, unsigned blocks) {
-    static struct { const void *kernel; unsigned resident; } known[32];
+    enum { KNOWN_KERNELS = 32 };  // past these the runtime is asked every time
+    static struct { const void *kernel; unsigned resident; } known[KNOWN_KERNELS];
     static int count = 0;
     unsigned resident = 0;
     for (int i = 0; i < count && resident == 0; i++)
@@ -186,7 +187,7 @@ static unsigned attention_resident_blocks(Kernel kernel, int threads, size_t sme
         cudaCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
         cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes));
         resident = (unsigned)(sms * (per_sm > 0 ? per_sm : 1));
-        if (count < 32) known[count++] = {(const void *)kernel, resident};
+        if (count < KNOWN_KERNELS) known[count++] = {(const void *)kernel, resident};
     }
     return resident < blocks ? resident : blocks;
 }
