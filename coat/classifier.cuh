@@ -70,14 +70,10 @@ __device__ void cross_entropy_stats_block_reduce(float &running_max, float &runn
 
 // One block per row of logits [rows, stride]: losses[row] = logsumexp - logit[target]; with
 // write_dlogits the row is then overwritten by dloss * (softmax - onehot). Full 16-byte vectors
-// first, then a scalar tail for V not a multiple of 8. IN_SHARED: the row's vectors stay in
-// shared memory (dynamic, V * 2 bytes) from the statistics to the gradient, so the row is read
-// from memory once; else it is read twice. Both do the same arithmetic in the same order.
-template <bool IN_SHARED>
+// first, then a scalar tail for V not a multiple of 8.
 __global__ void __launch_bounds__(CLASSIFIER_THREADS)
     cross_entropy_rows_kernel(float *losses, bf16 *logits, int stride, const int *targets, int V, float dloss,
                               int write_dlogits) {
-    extern __shared__ Vec16<bf16> row_copy[];
     const int vec = Vec16<bf16>::size;
     bf16 *row_logits = logits + (size_t)blockIdx.x * stride;
     int target = targets[blockIdx.x];
@@ -87,8 +83,7 @@ __global__ void __launch_bounds__(CLASSIFIER_THREADS)
 
     float running_max = -INFINITY, running_sum = 0.0f;
     for (int v = threadIdx.x; v < num_vectors; v += blockDim.x) {
-        Vec16<bf16> packed = IN_SHARED ? load16_stream(row_logits + (size_t)v * vec) : load16(row_logits + (size_t)v * vec);
-        if (IN_SHARED) row_copy[v] = packed;
+        Vec16<bf16> packed = load16(row_logits + (size_t)v * vec);
         float values[vec];
         for (int i = 0; i < vec; i++) values[i] = __bfloat162float(packed[i]);
         cross_entropy_stats_add(running_max, running_sum, values, vec);
@@ -102,9 +97,8 @@ __global__ void __launch_bounds__(CLASSIFIER_THREADS)
     if (threadIdx.x == 0) losses[blockIdx.x] = logsumexp - target_logit;
     if (!write_dlogits) return;
 
-    // Each thread reads back the vectors it wrote itself: no barrier needed.
     for (int v = threadIdx.x; v < num_vectors; v += blockDim.x) {
-        Vec16<bf16> packed = IN_SHARED ? row_copy[v] : load16(row_logits + (size_t)v * vec);
+        Vec16<bf16> packed = load16(row_logits + (size_t)v * vec);
         for (int i = 0; i < vec; i++) {
             float prob = expf(__bfloat162float(packed[i]) - logsumexp);
             float onehot = v * vec + i == target ? 1.0f : 0.0f;
@@ -117,25 +111,6 @@ __global__ void __launch_bounds__(CLASSIFIER_THREADS)
         float onehot = i == target ? 1.0f : 0.0f;
         row_logits[i] = __float2bfloat16(dloss * (prob - onehot));
     }
-}
-
-#define CLASSIFIER_SHARED_ROW_BYTES (100 * 1024)  // rows up to this stay in shared memory (2 blocks an SM)
-
-// The cross-entropy of rows [rows, stride]: each row read once where it fits in shared memory
-// (V up to 51,200), else twice.
-static inline void cross_entropy_rows(float *losses, bf16 *logits, int stride, const int *targets, int rows, int V,
-                                      float dloss, int write_dlogits, cudaStream_t stream) {
-    size_t row_bytes = (size_t)(V / Vec16<bf16>::size) * sizeof(Vec16<bf16>);
-    if (write_dlogits && row_bytes <= CLASSIFIER_SHARED_ROW_BYTES) {
-        cudaCheck(cudaFuncSetAttribute(cross_entropy_rows_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       CLASSIFIER_SHARED_ROW_BYTES));
-        cross_entropy_rows_kernel<true><<<rows, CLASSIFIER_THREADS, row_bytes, stream>>>(losses, logits, stride, targets, V,
-                                                                                        dloss, write_dlogits);
-    } else {
-        cross_entropy_rows_kernel<false><<<rows, CLASSIFIER_THREADS, 0, stream>>>(losses, logits, stride, targets, V, dloss,
-                                                                                 write_dlogits);
-    }
-    cudaCheckLaunch();
 }
 
 // One block; each thread sums a fixed strided subset, then a fixed tree: the same bits every run.
@@ -184,7 +159,9 @@ static inline void classifier_forward_backward(GpuContext *gpu, float *losses, b
         matmul_lt(gpu, matmul_output(logits_scratch, DTYPE_BF16, stride),
                   matmul_operand(x_chunk, DTYPE_BF16, MATMUL_K_MAJOR, C, NULL), weight_k_major, rows, V, C, false,
                   false);
-        cross_entropy_rows(losses + start, logits_scratch, stride, targets + start, rows, V, dloss, backward, gpu->stream);
+        cross_entropy_rows_kernel<<<rows, CLASSIFIER_THREADS, 0, gpu->stream>>>(
+            losses + start, logits_scratch, stride, targets + start, V, dloss, backward);
+        cudaCheckLaunch();
         // dx_chunk [rows, C] = dlogits [rows, V] W [V, C]
         if (dx != NULL)
             matmul_lt(gpu, matmul_output(dx + (size_t)start * C, DTYPE_BF16, C),
