@@ -398,21 +398,10 @@ static void check_variant(const Variant *v, BenchBuffers *buf, BenchShape s, Var
 
 // Median milliseconds of TIMED_RUNS runs (after WARMUP_RUNS) of the forward, or forward + backward.
 static float time_variant(const Variant *v, int with_backward, BenchBuffers *buf, BenchShape s) {
-    cudaEvent_t start, stop;
-    cudaCheck(cudaEventCreate(&start));
-    cudaCheck(cudaEventCreate(&stop));
-    float ms[TIMED_RUNS];
-    for (int run = -WARMUP_RUNS; run < TIMED_RUNS; run++) {
-        cudaCheck(cudaEventRecord(start, buf->stream));
+    return median_event_ms(WARMUP_RUNS, TIMED_RUNS, [&] {
         v->forward(buf->out, buf->lse, buf->qkv, s.B, s.T, s.NH, s.NKV, buf->stream);
         if (with_backward) run_backward(v, buf->dqkv, buf->out, buf->lse, buf, s);
-        cudaCheck(cudaEventRecord(stop, buf->stream));
-        cudaCheck(cudaEventSynchronize(stop));
-        if (run >= 0) cudaCheck(cudaEventElapsedTime(&ms[run], start, stop));
-    }
-    cudaCheck(cudaEventDestroy(start));
-    cudaCheck(cudaEventDestroy(stop));
-    return median_in_place(ms, TIMED_RUNS);
+    }, buf->stream);
 }
 
 static void *device_alloc(size_t bytes) {

@@ -89,11 +89,11 @@ static inline float median_in_place(float *values, int n) {
     return values[n / 2];
 }
 
-// The median of `runs` (1 to 64) CUDA-event timings in ms of run() on the default stream, after
-// `warmups` untimed calls.
+// The median of `runs` (1 to 64) CUDA-event timings in ms of run() on `stream` (the default stream
+// unless given), after `warmups` untimed calls.
 #define MEDIAN_EVENT_RUNS_MAX 64
 template <class F>
-static float median_event_ms(int warmups, int runs, F run) {
+static float median_event_ms(int warmups, int runs, F run, cudaStream_t stream = 0) {
     if (runs < 1 || runs > MEDIAN_EVENT_RUNS_MAX) {
         fprintf(stderr, "error: median_event_ms: runs = %d, not in [1, %d]\n", runs, MEDIAN_EVENT_RUNS_MAX);
         exit(EXIT_FAILURE);
@@ -104,9 +104,9 @@ static float median_event_ms(int warmups, int runs, F run) {
     for (int rep = 0; rep < warmups; rep++) run();
     float ms[MEDIAN_EVENT_RUNS_MAX];
     for (int rep = 0; rep < runs; rep++) {
-        cudaCheck(cudaEventRecord(start, 0));
+        cudaCheck(cudaEventRecord(start, stream));
         run();
-        cudaCheck(cudaEventRecord(stop, 0));
+        cudaCheck(cudaEventRecord(stop, stream));
         cudaCheck(cudaEventSynchronize(stop));
         cudaCheck(cudaEventElapsedTime(&ms[rep], start, stop));
     }

@@ -355,22 +355,11 @@ __global__ void count_mismatches_kernel(unsigned long long *counts, const bf16 *
 // Median milliseconds of TIMED_RUNS runs of forward (with_backward = 0) or forward + backward.
 static float time_attention(int with_backward, bf16 *out, float *lse, const bf16 *qkv, bf16 *dqkv, float *scratch,
                             const bf16 *dout, AttnShape s, cudaStream_t stream, bf16 *ds = NULL) {
-    cudaEvent_t start, stop;
-    cudaCheck(cudaEventCreate(&start));
-    cudaCheck(cudaEventCreate(&stop));
-    float ms[TIMED_RUNS];
-    for (int run = -2; run < TIMED_RUNS; run++) {  // two warm-up runs
-        cudaCheck(cudaEventRecord(start, stream));
+    return median_event_ms(2, TIMED_RUNS, [&] {
         attention_forward(out, lse, qkv, s.B, s.T, s.NH, s.NKV, s.head_dim, stream);
         if (with_backward)
             attention_backward(dqkv, scratch, dout, qkv, out, lse, s.B, s.T, s.NH, s.NKV, s.head_dim, stream, ds);
-        cudaCheck(cudaEventRecord(stop, stream));
-        cudaCheck(cudaEventSynchronize(stop));
-        if (run >= 0) cudaCheck(cudaEventElapsedTime(&ms[run], start, stop));
-    }
-    cudaCheck(cudaEventDestroy(start));
-    cudaCheck(cudaEventDestroy(stop));
-    return median_in_place(ms, TIMED_RUNS);
+    }, stream);
 }
 
 static void benchmark(AttnShape s) {

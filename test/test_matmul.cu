@@ -309,28 +309,15 @@ typedef enum { SPEED_BF16, SPEED_FP8_PRECISE, SPEED_FP8_FAST } SpeedMode;
 static float time_gemm(GpuContext *gpu, SpeedMode mode, bf16 *out, const bf16 *a, const bf16 *b,
                        const __nv_fp8_e4m3 *a8, const __nv_fp8_e4m3 *b8, const float *scale, int M, int N, int K) {
     enum { BATCHES = 5, CALLS_PER_BATCH = 10 };
-    float times[BATCHES];
-    cudaEvent_t start, stop;
-    cudaCheck(cudaEventCreate(&start));
-    cudaCheck(cudaEventCreate(&stop));
-    for (int batch = -1; batch < BATCHES; batch++) {
-        cudaCheck(cudaEventRecord(start, gpu->stream));
+    float batch_ms = median_event_ms(1, BATCHES, [&] {
         for (int call = 0; call < CALLS_PER_BATCH; call++) {
             if (mode == SPEED_BF16)
                 matmul_forward(gpu, out, a, b, M, K, N, false);
             else
                 matmul_forward_fp8(gpu, out, a8, scale, b8, scale, M, K, N, false, mode == SPEED_FP8_FAST);
         }
-        cudaCheck(cudaEventRecord(stop, gpu->stream));
-        cudaCheck(cudaEventSynchronize(stop));
-        if (batch >= 0) {
-            cudaCheck(cudaEventElapsedTime(&times[batch], start, stop));
-            times[batch] /= CALLS_PER_BATCH;
-        }
-    }
-    cudaCheck(cudaEventDestroy(start));
-    cudaCheck(cudaEventDestroy(stop));
-    return median_in_place(times, BATCHES);
+    }, gpu->stream);
+    return batch_ms / CALLS_PER_BATCH;
 }
 
 static void report_gemm_speed(GpuContext *gpu) {
