@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include "common.cuh"
+#include "rope.cuh"
 
 static constexpr float ATTENTION_LOG2E = 1.4426950408889634f;
 static constexpr float ATTENTION_LN2 = 0.6931471805599453f;
@@ -59,13 +60,29 @@ __device__ __forceinline__ void attention_dq_row_statistics(float (&row_lse_log2
     }
 }
 
+// Max of bits and the float bits of |x| for both BF16 halves of pair (a BF16's bits, shifted, are
+// its float's).
+__device__ __forceinline__ uint32_t bf16x2_abs_bits_max(uint32_t bits, __nv_bfloat162 pair) {
+    const uint32_t p = *reinterpret_cast<const uint32_t *>(&pair);
+    return max(bits, max((p & 0x7fffu) << 16, p & 0x7fff0000u));
+}
+
 // Folds a warp's maxima, as float bits of |x| (a NaN's exceed every other), into *amax: one atomic
-// max per warp, so the result does not depend on the order (the FP8 amax of the output). Every
-// lane of the warp must call it.
+// max per warp, so the result does not depend on the order (the FP8 amax of the output or of
+// dqkv). Every lane of the warp must call it.
 __device__ __forceinline__ void attention_fold_amax(float *amax, uint32_t bits, int lane) {
     bits = __reduce_max_sync(0xffffffffu, bits);
     if (lane == 0 && bits > 0) atomicMax(reinterpret_cast<unsigned *>(amax), bits);
 }
+
+// RoPE's backward and the FP8 cast's amax, done by the backward as it stores dqkv: dQ and dK
+// rotated by minus their rows' angles after their rounding to BF16 and rounded again, as
+// rope_rotate would in a pass of its own over the stored dqkv (the same bits), and max |dqkv| as
+// stored, v heads included, folded into *amax.
+typedef struct {
+    const float *cos, *sin;  // [T, head_dim / 2]: the forward's tables (coat/rope.cuh); NULL: no rotation
+    float *amax;             // NULL: none gathered
+} AttentionRopeBackward;
 
 // ---- block order ----------------------------------------------------------------------------------
 
@@ -265,23 +282,29 @@ static inline size_t attention_backward_ds_bytes(int B, int T, int NH, int head_
 // Writes all of dqkv (packed like qkv) from dout and the forward's qkv, out and lse: D into scratch,
 // then the dK/dV pass and the dQ pass. scratch: attention_backward_scratch_bytes(B, T, NH) bytes of
 // device memory. ds (optional, used at head_dim 128): attention_backward_ds_bytes(B, T, NH,
-// head_dim) bytes, for the faster dQ pass.
+// head_dim) bytes, for the faster dQ pass. rope (optional): RoPE's backward and the amax of dqkv,
+// done as dqkv is stored; its tables hold at least T rows.
 static inline void attention_backward(bf16 *dqkv, float *scratch, const bf16 *dout, const bf16 *qkv, const bf16 *out,
                                       const float *lse, int B, int T, int NH, int NKV, int head_dim,
-                                      cudaStream_t stream, bf16 *ds = NULL) {
+                                      cudaStream_t stream, bf16 *ds = NULL,
+                                      AttentionRopeBackward rope = AttentionRopeBackward{}) {
     const void *pointers[] = {dqkv, scratch, dout, qkv, out, lse};
     attention_check_args("attention_backward", pointers, 6, B, T, NH, NKV, head_dim);
+    if ((rope.cos == NULL) != (rope.sin == NULL)) {
+        fprintf(stderr, "error: attention_backward: RoPE needs both its cos and its sin table\n");
+        exit(EXIT_FAILURE);
+    }
     if (head_dim == 128) {
         attention_backward_delta_launch<128>(scratch, dout, out, B, T, NH, stream);
         if (ds != NULL)
             attention_backward_tma_launch<128, AttentionDefaults<128>::backward_stored_ds>(
-                dqkv, scratch, dout, qkv, lse, B, T, NH, NKV, stream, ds);
+                dqkv, scratch, dout, qkv, lse, B, T, NH, NKV, stream, ds, rope);
         else
             attention_backward_tma_launch<128, AttentionDefaults<128>::backward>(dqkv, scratch, dout, qkv, lse, B, T,
-                                                                                 NH, NKV, stream);
+                                                                                 NH, NKV, stream, NULL, rope);
     } else {
         attention_backward_delta_launch<64>(scratch, dout, out, B, T, NH, stream);
         attention_backward_tma_launch<64, AttentionDefaults<64>::backward>(dqkv, scratch, dout, qkv, lse, B, T, NH,
-                                                                           NKV, stream);
+                                                                           NKV, stream, NULL, rope);
     }
 }

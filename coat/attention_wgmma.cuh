@@ -781,7 +781,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
                 lse[((size_t)f.b * NH + f.h) * T + row] = (row_max[r] + log2f(sum)) * ATTENTION_LN2;
         }
         bf16 *out_head = out + ((size_t)f.b * T * NH + f.h) * HEAD_DIM;
-        uint32_t amax_bits = 0;  // of |out| as stored: a BF16's bits, shifted, are its float's
+        uint32_t amax_bits = 0;  // of |out| as stored
 #pragma unroll
         for (int n8 = 0; n8 < HEAD_DIM / 8; n8++)
 #pragma unroll
@@ -791,8 +791,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
                     __floats2bfloat162_rn(o_acc[4 * n8 + 2 * r] * inv_sum[r], o_acc[4 * n8 + 2 * r + 1] * inv_sum[r]);
                 if (row < T) {
                     *reinterpret_cast<__nv_bfloat162 *>(out_head + (size_t)row * NH * HEAD_DIM + 8 * n8 + c) = pair;
-                    const uint32_t bits = *reinterpret_cast<const uint32_t *>(&pair);
-                    amax_bits = max(amax_bits, max((bits & 0x7fffu) << 16, bits & 0x7fff0000u));
+                    amax_bits = bf16x2_abs_bits_max(amax_bits, pair);
                 }
             }
         if (out_amax != NULL) attention_fold_amax(out_amax, amax_bits, lane);
@@ -905,18 +904,57 @@ struct Sw128DqOperands {
 };
 
 // Writes a warpgroup thread's accumulator rows (row_lo and row_lo + 8, 64 x N per warpgroup) times
-// scale as BF16 pairs into rows of one head (row_stride apart), skipping rows >= T.
+// scale as BF16 pairs into rows of one head (row_stride apart), skipping rows >= T; amax_bits
+// gathers |x| as stored. With rope.cos, each row's pairs (i, i + N/2), both in this thread (columns
+// 8 n8 + c and 8 (n8 + N/16) + c), are rotated back by the row's angles (AttentionRopeBackward).
 template <int N>
-__device__ __forceinline__ void wgmma_store_rows_direct(bf16 *head, size_t row_stride, int row_lo, int T,
-                                                        const float (&acc)[N / 2], float scale, int lane) {
+__device__ __forceinline__ void wgmma_store_rows(bf16 *head, size_t row_stride, int row_lo, int T,
+                                                 const float (&acc)[N / 2], float scale, int lane,
+                                                 const AttentionRopeBackward &rope, uint32_t &amax_bits) {
     const int c = (lane % 4) * 2;
+    if (rope.cos == NULL) {
 #pragma unroll
-    for (int n8 = 0; n8 < N / 8; n8++)
+        for (int n8 = 0; n8 < N / 8; n8++)
 #pragma unroll
-        for (int r = 0; r < 2; r++)
-            if (row_lo + 8 * r < T)
-                *reinterpret_cast<__nv_bfloat162 *>(head + (size_t)(row_lo + 8 * r) * row_stride + 8 * n8 + c) =
-                    __floats2bfloat162_rn(acc[4 * n8 + 2 * r] * scale, acc[4 * n8 + 2 * r + 1] * scale);
+            for (int r = 0; r < 2; r++)
+                if (row_lo + 8 * r < T) {
+                    const __nv_bfloat162 pair =
+                        __floats2bfloat162_rn(acc[4 * n8 + 2 * r] * scale, acc[4 * n8 + 2 * r + 1] * scale);
+                    *reinterpret_cast<__nv_bfloat162 *>(head + (size_t)(row_lo + 8 * r) * row_stride + 8 * n8 + c) =
+                        pair;
+                    amax_bits = bf16x2_abs_bits_max(amax_bits, pair);
+                }
+        return;
+    }
+    constexpr int HALF = N / 2, HI = N / 16;  // the partner of column block n8 is n8 + HI
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = row_lo + 8 * r;
+        if (row >= T) continue;
+        const float *cos_row = rope.cos + (size_t)row * HALF + c, *sin_row = rope.sin + (size_t)row * HALF + c;
+        bf16 *out = head + (size_t)row * row_stride + c;
+        // The row's table entries, all loaded before its first store (read-only loads, which the
+        // stores cannot alias): one wait for the L2 instead of one per column block.
+        float2 cos_pairs[HI], sin_pairs[HI];
+#pragma unroll
+        for (int n8 = 0; n8 < HI; n8++) {
+            cos_pairs[n8] = __ldg(reinterpret_cast<const float2 *>(cos_row + 8 * n8));
+            sin_pairs[n8] = __ldg(reinterpret_cast<const float2 *>(sin_row + 8 * n8));
+        }
+#pragma unroll
+        for (int n8 = 0; n8 < HI; n8++) {
+            const float2 cs = cos_pairs[n8], sn = sin_pairs[n8];
+            const float2 x = __bfloat1622float2(
+                __floats2bfloat162_rn(acc[4 * n8 + 2 * r] * scale, acc[4 * n8 + 2 * r + 1] * scale));
+            const float2 y = __bfloat1622float2(__floats2bfloat162_rn(acc[4 * (n8 + HI) + 2 * r] * scale,
+                                                                      acc[4 * (n8 + HI) + 2 * r + 1] * scale));
+            const float2 r0 = rope_rotate(x.x, y.x, cs.x, -sn.x), r1 = rope_rotate(x.y, y.y, cs.y, -sn.y);
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(r0.x, r1.x), hi = __floats2bfloat162_rn(r0.y, r1.y);
+            *reinterpret_cast<__nv_bfloat162 *>(out + 8 * n8) = lo;
+            *reinterpret_cast<__nv_bfloat162 *>(out + 8 * n8 + HALF) = hi;
+            amax_bits = bf16x2_abs_bits_max(bf16x2_abs_bits_max(amax_bits, lo), hi);
+        }
+    }
 }
 
 // A backward variant on TMA: dK/dV pass with query tiles of 64, DKDV_STAGES stages and DKDV_CONSUMERS
@@ -1011,7 +1049,8 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     attention_backward_dkdv_tma_kernel(const __grid_constant__ CUtensorMap qkv_map,
                                        const __grid_constant__ CUtensorMap dout_map, bf16 *dqkv, const float *lse,
                                        const float *delta, int T, int NH, int NKV, float softmax_scale, int pairs,
-                                       int chunk_pairs, const __grid_constant__ CUtensorMap ds_map) {
+                                       int chunk_pairs, const __grid_constant__ CUtensorMap ds_map,
+                                       AttentionRopeBackward rope) {
     typedef AttentionTmaDkDvSmem<HEAD_DIM, STAGES, CONSUMERS, STORE_DS, PERSISTENT> Smem;
     typedef AttentionBackwardRegisters<HEAD_DIM, CONSUMERS> Registers;
     constexpr int Q_TILE = Smem::Q_TILE, KV_ROWS = Smem::kv_rows, GROUP_ROWS = WGMMA_WARPGROUP_ROWS;
@@ -1081,6 +1120,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
     int ring = 0;     // the ring position of this block's step 0
     int ds_turn = 0;  // the warpgroup's steps so far: its two dS^T tiles take turns
+    uint32_t amax_bits = 0;
     for (int k = 0; PERSISTENT || k == 0; k++) {
         const int linear = attention_wait_block<SLOTS>(slots, k);
         if (linear == blocks) break;  // warpgroup-uniform
@@ -1129,11 +1169,13 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
 
         const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM;
         bf16 *dqkv_batch = dqkv + (size_t)d.b * T * qkv_row;
-        wgmma_store_rows_direct<HEAD_DIM>(dqkv_batch + (size_t)(NH + d.kv_head) * HEAD_DIM, qkv_row, key_lo, T, dk_acc,
-                                          softmax_scale, lane);
-        wgmma_store_rows_direct<HEAD_DIM>(dqkv_batch + (size_t)(NH + NKV + d.kv_head) * HEAD_DIM, qkv_row, key_lo, T,
-                                          dv_acc, 1.f, lane);
+        wgmma_store_rows<HEAD_DIM>(dqkv_batch + (size_t)(NH + d.kv_head) * HEAD_DIM, qkv_row, key_lo, T, dk_acc,
+                                   softmax_scale, lane, rope, amax_bits);
+        const AttentionRopeBackward unrotated = {NULL, NULL, rope.amax};
+        wgmma_store_rows<HEAD_DIM>(dqkv_batch + (size_t)(NH + NKV + d.kv_head) * HEAD_DIM, qkv_row, key_lo, T, dv_acc,
+                                   1.f, lane, unrotated, amax_bits);
     }
+    if (rope.amax != NULL) attention_fold_amax(rope.amax, amax_bits, lane);
     if (STORE_DS && threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) tma_store_wait_all();
 }
 
@@ -1158,7 +1200,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     attention_backward_dq_tma_kernel(const __grid_constant__ CUtensorMap qkv_map,
                                      const __grid_constant__ CUtensorMap dout_map, bf16 *dqkv, const float *lse,
                                      const float *delta, int T, int NH, int NKV, float softmax_scale, int pairs,
-                                     int chunk_pairs) {
+                                     int chunk_pairs, AttentionRopeBackward rope) {
     typedef AttentionTmaDqSmem<HEAD_DIM, KV, STAGES, CONSUMERS, PERSISTENT> Smem;
     constexpr int Q_ROWS = Smem::q_rows, GROUP_ROWS = WGMMA_WARPGROUP_ROWS, SLOTS = Smem::slots;
     typedef AttentionBackwardRegisters<HEAD_DIM, CONSUMERS> Registers;
@@ -1185,6 +1227,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
     const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
     int ring = 0;  // the ring position of this block's K/V tile 0
+    uint32_t amax_bits = 0;
     for (int k = 0; PERSISTENT || k == 0; k++) {
         const int linear = attention_wait_block<SLOTS>(slots, k);
         if (linear == blocks) break;  // warpgroup-uniform
@@ -1221,9 +1264,10 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
         if (!group_rows) continue;  // warpgroup-uniform
 
         const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM;
-        wgmma_store_rows_direct<HEAD_DIM>(dqkv + (size_t)f.b * T * qkv_row + (size_t)f.h * HEAD_DIM, qkv_row, row_lo, T,
-                                          dq_acc, softmax_scale, lane);
+        wgmma_store_rows<HEAD_DIM>(dqkv + (size_t)f.b * T * qkv_row + (size_t)f.h * HEAD_DIM, qkv_row, row_lo, T,
+                                   dq_acc, softmax_scale, lane, rope, amax_bits);
     }
+    if (rope.amax != NULL) attention_fold_amax(rope.amax, amax_bits, lane);
 }
 
 // Shared memory of the dQ-from-dS pass from a 1024-byte aligned start: per stage a K tile of 64 keys and
@@ -1247,7 +1291,8 @@ template <int HEAD_DIM, int STAGES, int CONSUMERS, bool PERSISTENT>
 __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     attention_backward_dq_from_ds_kernel(const __grid_constant__ CUtensorMap qkv_map,
                                          const __grid_constant__ CUtensorMap ds_map, bf16 *dqkv, int T, int NH,
-                                         int NKV, float softmax_scale, int pairs, int chunk_pairs) {
+                                         int NKV, float softmax_scale, int pairs, int chunk_pairs,
+                                         AttentionRopeBackward rope) {
     typedef AttentionTmaDqFromDsSmem<HEAD_DIM, STAGES, CONSUMERS> Smem;
     constexpr int TILE = ATTENTION_DS_TILE, SLOTS = 2;
     extern __shared__ __align__(1024) unsigned char attention_tma_smem[];
@@ -1300,6 +1345,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
 
     const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
     int ring = 0;  // the ring position of this block's stage 0
+    uint32_t amax_bits = 0;
     for (int k = 0; PERSISTENT || k == 0; k++) {
         const int linear = attention_wait_block<SLOTS>(slots, k);
         attention_release_block<PERSISTENT, SLOTS>(slots, k);  // the slot only names the block
@@ -1333,9 +1379,10 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
         if (tile >= tiles) continue;  // warpgroup-uniform
         const size_t qkv_row = (size_t)(NH + 2 * NKV) * HEAD_DIM;
         const int row_lo = tile * TILE + warp * 16 + lane / 4;
-        wgmma_store_rows_direct<HEAD_DIM>(dqkv + (size_t)b * T * qkv_row + (size_t)h * HEAD_DIM, qkv_row, row_lo, T,
-                                          dq_acc, softmax_scale, lane);
+        wgmma_store_rows<HEAD_DIM>(dqkv + (size_t)b * T * qkv_row + (size_t)h * HEAD_DIM, qkv_row, row_lo, T,
+                                   dq_acc, softmax_scale, lane, rope, amax_bits);
     }
+    if (rope.amax != NULL) attention_fold_amax(rope.amax, amax_bits, lane);
 }
 
 // The stored dS^T [B NH pairs][tiles][64][64] as a rank-3 BF16 tensor (column, row, pair) read in
@@ -1368,11 +1415,11 @@ static inline size_t attention_ds_bytes(int B, int T, int NH) {
 }
 
 // The TMA dK/dV pass, then the TMA dQ pass (D already in delta). With Config::store_ds, ds holds
-// attention_ds_bytes(B, T, NH).
+// attention_ds_bytes(B, T, NH). rope: RoPE's backward and the amax, done as dqkv is stored.
 template <int HEAD_DIM, class Config>
 static void attention_backward_tma_launch(bf16 *dqkv, const float *delta, const bf16 *dout, const bf16 *qkv,
                                           const float *lse, int B, int T, int NH, int NKV, cudaStream_t stream,
-                                          bf16 *ds = NULL) {
+                                          bf16 *ds = NULL, AttentionRopeBackward rope = AttentionRopeBackward{}) {
     constexpr bool PERSISTENT = Config::persistent;
     typedef AttentionTmaDkDvSmem<HEAD_DIM, Config::dkdv_stages, Config::dkdv_consumers, Config::store_ds, PERSISTENT>
         DkDvSmem;
@@ -1398,7 +1445,7 @@ static void attention_backward_tma_launch(bf16 *dqkv, const float *delta, const 
     unsigned grid = attention_grid_blocks(kv_blocks, NKV * B);
     if (PERSISTENT) grid = attention_resident_blocks(dkdv, dkdv_threads, DkDvSmem::bytes, grid);
     dkdv<<<grid, dkdv_threads, DkDvSmem::bytes, stream>>>(qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale,
-                                                          NKV * B, dkdv_chunk, ds_map);
+                                                          NKV * B, dkdv_chunk, ds_map, rope);
     cudaCheckLaunch();
 
     const int dq_threads = (Config::dq_consumers + 1) * WGMMA_WARPGROUP_THREADS;
@@ -1411,7 +1458,8 @@ static void attention_backward_tma_launch(bf16 *dqkv, const float *delta, const 
         const int dq_chunk = attention_chunk_pairs(Config::order, NH * B, head_bytes * 2.0 * NKV / NH);
         grid = attention_grid_blocks(q_blocks, NH * B);
         if (PERSISTENT) grid = attention_resident_blocks(dq, dq_threads, Smem::bytes, grid);
-        dq<<<grid, dq_threads, Smem::bytes, stream>>>(qkv_map, ds_map, dqkv, T, NH, NKV, scale, NH * B, dq_chunk);
+        dq<<<grid, dq_threads, Smem::bytes, stream>>>(qkv_map, ds_map, dqkv, T, NH, NKV, scale, NH * B, dq_chunk,
+                                                      rope);
         cudaCheckLaunch();
     } else {
         typedef AttentionTmaDqSmem<HEAD_DIM, Config::dq_kv_tile, Config::dq_stages, Config::dq_consumers, PERSISTENT>
@@ -1425,7 +1473,7 @@ static void attention_backward_tma_launch(bf16 *dqkv, const float *delta, const 
         grid = attention_grid_blocks(q_blocks, NH * B);
         if (PERSISTENT) grid = attention_resident_blocks(dq, dq_threads, DqSmem::bytes, grid);
         dq<<<grid, dq_threads, DqSmem::bytes, stream>>>(qkv_map, dout_map, dqkv, lse, delta, T, NH, NKV, scale, NH * B,
-                                                        dq_chunk);
+                                                        dq_chunk, rope);
         cudaCheckLaunch();
     }
 }

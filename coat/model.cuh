@@ -616,13 +616,15 @@ static inline void model_backward(GpuContext *gpu, LlamaModel *model) {
         // Attention block: x_mid = x_in + Wo attention(rope(Wqkv rmsnorm(x_in)))
         bf16 *d_attn_out = model->wide, *d_qkv = model->wide + (size_t)N * A;
         TIMED("matmul attention output backward", linear_backward(gpu, model, l, LINEAR_OUT, d_attn_out, d_residual));
-        TIMED("attention backward",
+        // The attention backward also rotates dQ and dK back (RoPE's backward) and, with FP8 GEMMs,
+        // gathers the amax of the whole qkv gradient for its cast.
+        const AttentionRopeBackward rope = {
+            model->rope_cos, model->rope_sin,
+            model->precision.fp8_gemms ? &model_fp8_scale(model, l, FP8_SLOT_GRAD, LINEAR_QKV)->amax : NULL};
+        TIMED("attention backward (+ rope backward)",
               attention_backward(d_qkv, scratch, d_attn_out, model_saved(model, l, ACT_QKV), model_saved(model, l, ACT_ATTN_OUT),
                                  model_saved_f32(model, l, ACT_ATTN_LSE), B, T, m->n_heads, m->n_kv_heads, hd, s,
-                                 model->attention_ds));
-        // With FP8 GEMMs RoPE's backward also gathers the amax of the whole qkv gradient for its cast.
-        TIMED("rope backward", rope_backward(d_qkv, model->rope_cos, model->rope_sin, B, T, m->n_heads, m->n_kv_heads, hd, s,
-                                             model->precision.fp8_gemms ? model_fp8_scale(model, l, FP8_SLOT_GRAD, LINEAR_QKV) : NULL));
+                                 model->attention_ds, rope));
         TIMED("matmul qkv backward", linear_backward(gpu, model, l, LINEAR_QKV, d_norm, d_qkv));
         TIMED("rmsnorm backward",
               rmsnorm_backward(d_residual, model_grad(model, PARAM_ATTN_NORM, l), scratch, d_norm,

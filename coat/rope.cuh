@@ -2,7 +2,8 @@
 // q and k heads of the packed QKV projection output.
 //   forward:  for i < D/2, with c = cos[t, i], s = sin[t, i]:
 //             x'[i] = x[i] * c - x[i + D/2] * s,   x'[i + D/2] = x[i + D/2] * c + x[i] * s
-//   backward: the inverse (transposed) rotation, the same with s -> -s.
+//   backward: the inverse (transposed) rotation, the same with s -> -s. The attention backward
+//             applies it to dQ and dK as it stores them (AttentionRopeBackward, coat/attention.cuh).
 // Layouts: qkv [B, T, (n_heads + 2 * n_kv_heads) * D] BF16: per row the q heads, then the k heads,
 // then the v heads (left untouched). Tables cos, sin [T, D/2] FP32 on the device.
 // Tables: angle(t, i) = t * inv_freq(i), inv_freq(i) = theta^(-2i/D), optionally rescaled the
@@ -11,50 +12,49 @@
 #pragma once
 #include <math.h>
 #include "common.cuh"
-#include "fp8.cuh"
 #include "model_shape.h"
+
+// (x c - y s, y c + x s), each an FMA onto the other product rounded on its own, written out so that
+// the compiler contracts nothing and every kernel that rotates (and the tests' host code) gets the
+// same bits.
+static __host__ __device__ __forceinline__ float2 rope_rotate(float x, float y, float c, float s) {
+#ifdef __CUDA_ARCH__
+    return make_float2(__fmaf_rn(x, c, -__fmul_rn(y, s)), __fmaf_rn(y, c, __fmul_rn(x, s)));
+#else
+    const float ys = y * s, xs = x * s;
+    return make_float2(fmaf(x, c, -ys), fmaf(y, c, xs));
+#endif
+}
 
 #define ROPE_THREADS 256
 
-// One thread per (row, head, group of 8 pairs) of the rotated heads (q, k); with an amax slot, of
-// every head, the v heads only read: max |x| of the whole result goes to amax (the FP8 cast of
-// the qkv gradient reads it), so no pass of its own reads the tensor again. sin_sign is +1
-// forward, -1 backward. Every thread runs to the end (the block's amax).
-template <bool AMAX>
+// One thread per (row, head, group of 8 pairs) of the rotated heads (q, k).
 __global__ void __launch_bounds__(ROPE_THREADS)
-    rope_rotate_kernel(bf16 *qkv, const float *cos_table, const float *sin_table, int T, int rotated_heads,
-                       int heads, int row_width, int head_dim, float sin_sign, size_t total_groups, Fp8Scale *amax) {
+    rope_forward_kernel(bf16 *qkv, const float *cos_table, const float *sin_table, int T, int rotated_heads,
+                        int row_width, int head_dim, size_t total_groups) {
     size_t group = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (group >= total_groups) return;
     int half = head_dim / 2;
     int groups_per_head = half / 8;
     int pair = (int)(group % groups_per_head) * 8;
     size_t head_row = group / groups_per_head;
-    int head = (int)(head_row % heads);
-    size_t row = head_row / heads;  // b * T + t
+    int head = (int)(head_row % rotated_heads);
+    size_t row = head_row / rotated_heads;  // b * T + t
     int t = (int)(row % T);
-    float local_max = 0.0f;
-    if (group < total_groups) {
-        bf16 *x = qkv + row * row_width + (size_t)head * head_dim + pair;
-        Vec16<bf16> lo = load16(x), hi = load16(x + half);
-        if (head < rotated_heads) {
-            const float4 *cos4 = reinterpret_cast<const float4 *>(cos_table + (size_t)t * half + pair);
-            const float4 *sin4 = reinterpret_cast<const float4 *>(sin_table + (size_t)t * half + pair);
-            float4 cos_a = cos4[0], cos_b = cos4[1], sin_a = sin4[0], sin_b = sin4[1];
-            float c[8] = {cos_a.x, cos_a.y, cos_a.z, cos_a.w, cos_b.x, cos_b.y, cos_b.z, cos_b.w};
-            float s[8] = {sin_a.x, sin_a.y, sin_a.z, sin_a.w, sin_b.x, sin_b.y, sin_b.z, sin_b.w};
-            for (int k = 0; k < 8; k++) {
-                float a = __bfloat162float(lo[k]), b = __bfloat162float(hi[k]), sk = sin_sign * s[k];
-                lo[k] = __float2bfloat16(a * c[k] - b * sk);
-                hi[k] = __float2bfloat16(b * c[k] + a * sk);
-            }
-            store16(x, lo);
-            store16(x + half, hi);
-        }
-        if (AMAX)
-            for (int k = 0; k < 8; k++)
-                local_max = fp8_abs_max(fp8_abs_max(local_max, __bfloat162float(lo[k])), __bfloat162float(hi[k]));
+    bf16 *x = qkv + row * row_width + (size_t)head * head_dim + pair;
+    Vec16<bf16> lo = load16(x), hi = load16(x + half);
+    const float4 *cos4 = reinterpret_cast<const float4 *>(cos_table + (size_t)t * half + pair);
+    const float4 *sin4 = reinterpret_cast<const float4 *>(sin_table + (size_t)t * half + pair);
+    float4 cos_a = cos4[0], cos_b = cos4[1], sin_a = sin4[0], sin_b = sin4[1];
+    float c[8] = {cos_a.x, cos_a.y, cos_a.z, cos_a.w, cos_b.x, cos_b.y, cos_b.z, cos_b.w};
+    float s[8] = {sin_a.x, sin_a.y, sin_a.z, sin_a.w, sin_b.x, sin_b.y, sin_b.z, sin_b.w};
+    for (int k = 0; k < 8; k++) {
+        float2 r = rope_rotate(__bfloat162float(lo[k]), __bfloat162float(hi[k]), c[k], s[k]);
+        lo[k] = __float2bfloat16(r.x);
+        hi[k] = __float2bfloat16(r.y);
     }
-    if (AMAX) fp8_block_amax(amax, local_max);
+    store16(x, lo);
+    store16(x + half, hi);
 }
 
 // inv_freq(i) for i < head_dim/2, in double; Llama 3.1 scaling (Hugging Face's
@@ -88,36 +88,18 @@ static inline void rope_table_init(float *cos_host, float *sin_host, int T, cons
     }
 }
 
-static inline void rope_launch(const char *launcher, bf16 *qkv, const float *cos_table, const float *sin_table, int B,
-                               int T, int n_heads, int n_kv_heads, int head_dim, float sin_sign, cudaStream_t stream,
-                               Fp8Scale *amax) {
-    if (head_dim <= 0 || head_dim % 16 != 0) {
-        fprintf(stderr, "error: %s: head_dim = %d must be a positive multiple of 16 (16-byte vectors)\n", launcher,
-                head_dim);
-        exit(EXIT_FAILURE);
-    }
-    int rotated_heads = n_heads + n_kv_heads, heads = amax != NULL ? n_heads + 2 * n_kv_heads : rotated_heads;
-    int row_width = (n_heads + 2 * n_kv_heads) * head_dim;
-    size_t total_groups = (size_t)B * T * heads * (head_dim / 16);
-    unsigned blocks = (unsigned)ceil_div_size(total_groups, ROPE_THREADS);
-    if (amax != NULL)
-        rope_rotate_kernel<true><<<blocks, ROPE_THREADS, 0, stream>>>(qkv, cos_table, sin_table, T, rotated_heads, heads,
-                                                                      row_width, head_dim, sin_sign, total_groups, amax);
-    else
-        rope_rotate_kernel<false><<<blocks, ROPE_THREADS, 0, stream>>>(qkv, cos_table, sin_table, T, rotated_heads, heads,
-                                                                       row_width, head_dim, sin_sign, total_groups, amax);
-    cudaCheckLaunch();
-}
-
 // Rotates the q and k heads of qkv in place by position t of each row.
 static inline void rope_forward(bf16 *qkv, const float *cos_table, const float *sin_table, int B, int T, int n_heads,
                                 int n_kv_heads, int head_dim, cudaStream_t stream) {
-    rope_launch("rope_forward", qkv, cos_table, sin_table, B, T, n_heads, n_kv_heads, head_dim, 1.0f, stream, NULL);
-}
-
-// dqkv: the gradient of the rotated qkv, turned in place into the gradient of the unrotated one.
-// amax (optional): max |dqkv| over all of it, v heads included, is folded into amax->amax.
-static inline void rope_backward(bf16 *dqkv, const float *cos_table, const float *sin_table, int B, int T,
-                                 int n_heads, int n_kv_heads, int head_dim, cudaStream_t stream, Fp8Scale *amax = NULL) {
-    rope_launch("rope_backward", dqkv, cos_table, sin_table, B, T, n_heads, n_kv_heads, head_dim, -1.0f, stream, amax);
+    if (head_dim <= 0 || head_dim % 16 != 0) {
+        fprintf(stderr, "error: rope_forward: head_dim = %d must be a positive multiple of 16 (16-byte vectors)\n",
+                head_dim);
+        exit(EXIT_FAILURE);
+    }
+    int rotated_heads = n_heads + n_kv_heads, row_width = (n_heads + 2 * n_kv_heads) * head_dim;
+    size_t total_groups = (size_t)B * T * rotated_heads * (head_dim / 16);
+    unsigned blocks = (unsigned)ceil_div_size(total_groups, ROPE_THREADS);
+    rope_forward_kernel<<<blocks, ROPE_THREADS, 0, stream>>>(qkv, cos_table, sin_table, T, rotated_heads, row_width,
+                                                             head_dim, total_groups);
+    cudaCheckLaunch();
 }

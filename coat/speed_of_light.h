@@ -177,17 +177,16 @@ static inline void sol_add_swiglu(SolTable *t, const SolRun *r) {
 }
 
 // Causal attention (coat/attention.cuh) as tensor-core work: T (T + 1) / 2 query-key pairs per
-// head, forward 2 GEMMs (Q K^T, P V) of 2 hd FLOPs a pair, backward 5 (S again, dP, dV, dQ, dK).
-// RoPE rotates q and k in place (and reads v in backward for the FP8 cast's amax).
+// head, forward 2 GEMMs (Q K^T, P V) of 2 hd FLOPs a pair, backward 5 (S again, dP, dV, dQ, dK;
+// RoPE's backward rides on its stores). RoPE's forward rotates q and k in place.
 static inline void sol_add_attention(SolTable *t, const SolRun *r) {
     const ModelShape *m = &r->shape;
     double N = (double)r->B * r->T, L = m->n_layers, hd = model_head_dim(m);
     double pairs = (double)r->B * m->n_heads * ((double)r->T * (r->T + 1) / 2);
     sol_add(t, "attention forward", L, 2 * 2 * hd * pairs, 0, 0);
-    sol_add(t, "attention backward", L, 5 * 2 * hd * pairs, 0, 0);
+    sol_add(t, "attention backward (+ rope backward)", L, 5 * 2 * hd * pairs, 0, 0);
     double rotated = 2 * 2 * N * (m->n_heads + m->n_kv_heads) * hd, tables = 2 * 4 * (double)r->T * hd / 2;
     sol_add(t, "rope forward", L, 0, 0, rotated + tables);
-    sol_add(t, "rope backward", L, 0, 0, rotated + tables + (r->fp8_gemms ? 2 * N * m->n_kv_heads * hd : 0));
 }
 
 // The whole table for one step of `run`.

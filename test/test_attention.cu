@@ -98,6 +98,63 @@ static void check_grad(const char *label, const char *name, const float *got, co
     check_close(what, got, expected, n, atol, 3e-2);
 }
 
+// RoPE's backward and the amax done by the backward's stores (AttentionRopeBackward), with and
+// (at head_dim 128) without the stored dS: every bit of dqkv must be rope_rotate's, by minus each
+// row's angles, over the unrotated backward's BF16 dQ and dK (plain, of the same inputs), v as
+// there, and the amax max |dqkv| as stored.
+static void check_rope_backward(const char *label, const bf16 *plain, GuardedBuffer *dqkv_buf, float *d_scratch,
+                                const bf16 *d_dout, const bf16 *d_qkv, const bf16 *d_out, const float *d_lse,
+                                bf16 *d_ds, AttnShape s) {
+    const int B = s.B, T = s.T, NH = s.NH, NKV = s.NKV, hd = s.head_dim, half = hd / 2;
+    const size_t width = (size_t)(NH + 2 * NKV) * hd, n_qkv = (size_t)B * T * width, n_table = (size_t)T * half;
+    float *cos_h = host_floats(n_table), *sin_h = host_floats(n_table);
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < half; i++) {
+            const double angle = t * pow(10000.0, -2.0 * i / hd);
+            cos_h[(size_t)t * half + i] = (float)cos(angle);
+            sin_h[(size_t)t * half + i] = (float)sin(angle);
+        }
+    bf16 *expected = host_bf16s(n_qkv), *got = host_bf16s(n_qkv);
+    memcpy(expected, plain, n_qkv * sizeof(bf16));
+    for (size_t bt = 0; bt < (size_t)B * T; bt++) {
+        const size_t t = bt % T;
+        for (size_t at = bt * width; at < bt * width + (size_t)(NH + NKV) * hd; at += hd)
+            for (int i = 0; i < half; i++) {
+                const float2 r = rope_rotate(__bfloat162float(plain[at + i]), __bfloat162float(plain[at + i + half]),
+                                             cos_h[t * half + i], -sin_h[t * half + i]);
+                expected[at + i] = __float2bfloat16(r.x);
+                expected[at + i + half] = __float2bfloat16(r.y);
+            }
+    }
+    float expected_amax = 0.0f;
+    for (size_t i = 0; i < n_qkv; i++) expected_amax = fmaxf(expected_amax, fabsf(__bfloat162float(expected[i])));
+
+    float *d_tables, *d_amax;
+    cudaCheck(cudaMalloc(&d_tables, 2 * n_table * sizeof(float)));
+    cudaCheck(cudaMalloc(&d_amax, sizeof(float)));
+    cudaCheck(cudaMemcpy(d_tables, cos_h, n_table * sizeof(float), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemcpy(d_tables + n_table, sin_h, n_table * sizeof(float), cudaMemcpyHostToDevice));
+    const AttentionRopeBackward rope = {d_tables, d_tables + n_table, d_amax};
+    for (int stored = 0; stored <= (d_ds != NULL); stored++) {
+        float amax;
+        cudaCheck(cudaMemset(d_amax, 0, sizeof(float)));
+        guarded_poison(dqkv_buf);
+        attention_backward((bf16 *)dqkv_buf->data, d_scratch, d_dout, d_qkv, d_out, d_lse, B, T, NH, NKV, hd, 0,
+                           stored ? d_ds : NULL, rope);
+        cudaCheck(cudaDeviceSynchronize());
+        cudaCheck(cudaMemcpy(&amax, d_amax, sizeof(float), cudaMemcpyDeviceToHost));
+        const int intact = guarded_fetch(dqkv_buf, got);
+        check(intact && memcmp(got, expected, n_qkv * sizeof(bf16)) == 0,
+              "%s: backward%s with RoPE's backward the same bits as rope_rotate after it, guards %s", label,
+              stored ? " (stored dS)" : "", intact ? "intact" : "overwritten");
+        check(amax == expected_amax, "%s: backward%s amax %g = max |dqkv| %g as stored", label,
+              stored ? " (stored dS)" : "", (double)amax, (double)expected_amax);
+    }
+    cudaCheck(cudaFree(d_tables));
+    cudaCheck(cudaFree(d_amax));
+    free(cos_h), free(sin_h), free(expected), free(got);
+}
+
 // ---- one shape against the reference -----------------------------------------------------------
 
 static void test_shape(AttnShape s, Random *rng) {
@@ -197,8 +254,8 @@ static void test_shape(AttnShape s, Random *rng) {
     // With a (poisoned) dS buffer, used at head_dim 128: the dQ pass multiplies the stored dS^T by K,
     // and every bit of dqkv must be the one the two passes give without it.
     const size_t ds_bytes = attention_backward_ds_bytes(B, T, NH, hd);
+    bf16 *d_ds = NULL;
     if (ds_bytes > 0) {
-        bf16 *d_ds;
         cudaCheck(cudaMalloc(&d_ds, ds_bytes));
         poison_nan(d_ds, ds_bytes);
         guarded_poison(&dqkv_buf);
@@ -211,8 +268,9 @@ static void test_shape(AttnShape s, Random *rng) {
               "%s: backward with the stored dS the same bits as without, guards %s", label,
               intact ? "intact" : "overwritten");
         free(stored_h);
-        cudaCheck(cudaFree(d_ds));
     }
+    check_rope_backward(label, dqkv_h[0], &dqkv_buf, d_scratch, d_dout, d_qkv, d_out_in, d_lse_in, d_ds, s);
+    if (d_ds != NULL) cudaCheck(cudaFree(d_ds));
 
     guarded_free(&out_buf);
     guarded_free(&lse_buf);
