@@ -8,7 +8,8 @@
 // ZeRO-3 16P/N (14P/N with one micro-batch per step: a BF16 gradient shard) plus the two bucket
 // buffers, the embedding's and the tail's BF16 (and with FP8 GEMMs the layers' norms) on every
 // rank, and two gather slots of the largest bucket of layers (with FP8 GEMMs E4M3, and the room
-// for one bucket's transposes) in place of every layer's working weights.
+// for one bucket's transposes) in place of every layer's working weights. Two optional buffers
+// are not in the total: the trainer takes them where they fit beside it (memory_plan_optional).
 #pragma once
 #include <stdio.h>
 #include "activations.h"
@@ -108,6 +109,7 @@ typedef struct {
     size_t gather_bytes;       // ZeRO-3: the gather slots of the buckets of layers (coat/zero.h)
     size_t total_bytes;
     size_t attention_ds_bytes; // not in total_bytes: taken where it fits beside them (attention_ds_plan_bytes)
+    size_t weight_transposes_bytes;  // nor this: taken where it also fits (weight_transposes_plan_bytes)
 } MemoryPlan;
 
 // The attention backward's optional buffer at head_dim 128: dS^T of one layer in BF16, in the 64 x 64
@@ -118,6 +120,14 @@ static inline size_t attention_ds_plan_bytes(const ModelShape *m, int micro_batc
     if (model_head_dim(m) != 128) return 0;
     size_t tiles = ((size_t)seq_len + 63) / 64;
     return (size_t)micro_batch_size * (size_t)m->n_heads * tiles * (tiles + 1) / 2 * 64 * 64 * 2;
+}
+
+// With FP8 GEMMs and the layers' E4M3 weights among the working buffers: the W^T codes of every
+// layer but the last, which the working buffers' one layer of transposes holds. Given them, the
+// weights' cast writes every W^T once per optimizer step and the backward remakes none (once per
+// micro-batch and layer otherwise); the GEMMs read the same codes either way.
+static inline size_t weight_transposes_plan_bytes(const ModelShape *m, int fp8_gemms, int layers_gathered) {
+    return fp8_gemms && !layers_gathered ? linear_layer_weight_elems(m) * ((size_t)m->n_layers - 1) : 0;
 }
 
 // Outside the layers: final residual and norm output (BF16), the final rstd, the per-token loss,
@@ -178,6 +188,17 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
     plan->total_bytes = plan->params_bytes + plan->grads_bytes + plan->master_bytes + plan->states_bytes +
                         plan->activations_bytes + plan->working_bytes + plan->gather_bytes;
     plan->attention_ds_bytes = attention_ds_plan_bytes(m, micro_batch_size, c->seq_len);
+    plan->weight_transposes_bytes = weight_transposes_plan_bytes(m, config_fp8_gemms(c), layers_gathered);
+}
+
+// What of the optional buffers fits beside the plan's total in budget_bytes: the attention dS
+// first (more time saved per byte), then the weight transposes.
+static inline void memory_plan_optional(const MemoryPlan *plan, size_t budget_bytes, int *attention_ds,
+                                        int *weight_transposes) {
+    size_t used = plan->total_bytes;
+    *attention_ds = plan->attention_ds_bytes > 0 && used + plan->attention_ds_bytes <= budget_bytes;
+    if (*attention_ds) used += plan->attention_ds_bytes;
+    *weight_transposes = plan->weight_transposes_bytes > 0 && used + plan->weight_transposes_bytes <= budget_bytes;
 }
 
 // Largest micro-batch whose plan fits in `budget_bytes` (0 if even 1 does not).
@@ -249,4 +270,7 @@ static inline void memory_plan_print(FILE *out, const MemoryPlan *plan, const Tr
     if (plan->attention_ds_bytes)
         fprintf(out, "  %-22s %9.3f GiB  (attention dS, for a faster backward, where it fits beside the total)\n",
                 "and if free", gib(plan->attention_ds_bytes));
+    if (plan->weight_transposes_bytes)
+        fprintf(out, "  %-22s %9.3f GiB  (every layer's E4M3 W^T, cast once per step, where it fits beside those)\n",
+                "and if free", gib(plan->weight_transposes_bytes));
 }

@@ -103,6 +103,8 @@ typedef struct {
     WorkingLayout working_layout;
     bf16 *attention_ds;            // the attention backward's dS buffer where it fit (NULL: not used)
     size_t attention_ds_bytes;
+    uint8_t *fp8_weight_transposes;  // every layer's W^T but the last's where it fit (NULL: remade in backward)
+    size_t fp8_weight_transposes_bytes;
     bf16 *branch;                  // forward: a linear layer's output, then the next norm's output; backward: d(norm out)
     bf16 *d_residual;
     bf16 *wide;                    // backward: the block intermediates' gradients
@@ -199,7 +201,7 @@ static inline const char *model_precision_unsupported(const ModelShape *shape, i
 // (ZeRO stage 3) and the hooks find. Exactly the buffers of the memory plan.
 static inline void model_create_sized(LlamaModel *model, const ModelShape *shape, int B, int T, ModelPrecision precision,
                                       const ParamLayout *buffers, size_t grads_elems, int layers_gathered,
-                                      int attention_ds = 0) {
+                                      int attention_ds = 0, int weight_transposes = 0) {
     memset(model, 0, sizeof(*model));
     model->shape = *shape;
     model->precision = precision;
@@ -262,6 +264,10 @@ static inline void model_create_sized(LlamaModel *model, const ModelShape *shape
     model->working = (char *)gpu_alloc(w->total_bytes, "working buffers");
     model->attention_ds_bytes = attention_ds ? attention_backward_ds_bytes(B, T, shape->n_heads, model_head_dim(shape)) : 0;
     if (model->attention_ds_bytes) model->attention_ds = (bf16 *)gpu_alloc(model->attention_ds_bytes, "attention dS");
+    model->fp8_weight_transposes_bytes =
+        weight_transposes ? weight_transposes_plan_bytes(shape, precision.fp8_gemms, layers_gathered) : 0;
+    if (model->fp8_weight_transposes_bytes)
+        model->fp8_weight_transposes = (uint8_t *)gpu_alloc(model->fp8_weight_transposes_bytes, "weight transposes");
     model->branch = (bf16 *)(model->working + w->branch);
     model->d_residual = (bf16 *)(model->working + w->d_residual);
     model->wide = (bf16 *)(model->working + w->wide);
@@ -303,13 +309,14 @@ static inline void model_free(LlamaModel *model) {
     cudaCheck(cudaFree(model->activations));
     cudaCheck(cudaFree(model->working));
     if (model->attention_ds) cudaCheck(cudaFree(model->attention_ds));
+    if (model->fp8_weight_transposes) cudaCheck(cudaFree(model->fp8_weight_transposes));
     free(model->saved);
 }
 
 // Bytes of GPU memory the model allocates (what the memory plan counts for it).
 static inline size_t model_allocated_bytes(const LlamaModel *model) {
     return 2 * (model->params_elems + model->norms_elems + model->grads_elems) + model->activations_bytes +
-           model->working_layout.total_bytes + model->attention_ds_bytes;
+           model->working_layout.total_bytes + model->attention_ds_bytes + model->fp8_weight_transposes_bytes;
 }
 
 static inline void model_create(LlamaModel *model, const ModelShape *shape, int B, int T, ModelPrecision precision) {
@@ -346,16 +353,25 @@ static inline bool model_fp8_weights_in_buckets(const LlamaModel *model) {
     return model->buckets && model->buckets->fp8_weight;
 }
 
-// E4M3 copies of the weight W [out, in] and its transpose [in, out]: every layer's W, and one
-// layer's W^T, remade from its codes as that layer's backward starts (model_backward).
+// E4M3 copies of the weight W [out, in] and its transpose [in, out]: every layer's W, and its W^T
+// either kept for every layer (fp8_weight_transposes, the last layer's in the room) or remade for
+// one layer at a time in the room as that layer's backward starts (model_backward).
 static inline uint8_t *linear_fp8_weight(const LlamaModel *model, int layer, Linear which, int transposed) {
     if (model_fp8_weights_in_buckets(model))
         return model->buckets->fp8_weight(model->buckets->context, layer, which, transposed);
     size_t in[LINEARS], out[LINEARS], at = 0;
     linear_shapes(&model->shape, in, out);
     for (int i = 0; i < (int)which; i++) at += in[i] * out[i];
+    size_t layer_elems = linear_layer_weight_elems(&model->shape);
+    if (transposed && model->fp8_weight_transposes && layer < model->shape.n_layers - 1)
+        return model->fp8_weight_transposes + (size_t)layer * layer_elems + at;
     size_t place = transposed ? (size_t)model->shape.n_layers : (size_t)layer;  // the room follows the last layer
-    return model->fp8_weights + place * linear_layer_weight_elems(&model->shape) + at;
+    return model->fp8_weights + place * layer_elems + at;
+}
+
+// Where the weights' cast writes a layer's W^T beside its W: NULL when the backward remakes it.
+static inline uint8_t *linear_fp8_weight_cast_t(const LlamaModel *model, int layer, Linear which) {
+    return model->fp8_weight_transposes ? linear_fp8_weight(model, layer, which, 1) : NULL;
 }
 
 // Where the forward pass writes a linear layer's BF16 input: the saved tensor when it is
@@ -387,7 +403,8 @@ static inline void model_cast_weights(LlamaModel *model, cudaStream_t s) {
             const bf16 *weight = model_param(model, linear_weight_kind(which), l);
             cudaCheck(cudaMemsetAsync(slot, 0, sizeof(Fp8Scale), s));
             fp8_amax(slot, weight, (size_t)shape.out * shape.in, s);
-            fp8_quantize(linear_fp8_weight(model, l, which, 0), NULL, slot, weight, shape.out, shape.in, FP8_E4M3, s);
+            fp8_quantize(linear_fp8_weight(model, l, which, 0), linear_fp8_weight_cast_t(model, l, which), slot, weight,
+                         shape.out, shape.in, FP8_E4M3, s);
         }
     model->fp8_weights_current = 1;
 }
@@ -593,7 +610,7 @@ static inline void model_backward(GpuContext *gpu, LlamaModel *model) {
     model_segment_end(model, 0);
     for (int l = L - 1; l >= 0; l--) {
         model_params_ready_backward(model, L - l);
-        if (model->precision.fp8_gemms && !model_fp8_weights_in_buckets(model))
+        if (model->precision.fp8_gemms && !model_fp8_weights_in_buckets(model) && !model->fp8_weight_transposes)
             TIMED("fp8 transposes of the layer's weights", model_transpose_layer_weights(model, l, s));
         model_segment_begin(model, L - l);
         // MLP block: x_out = x_mid + Wdown swiglu(Wgate_up rmsnorm(x_mid))

@@ -37,6 +37,7 @@ typedef struct {
     int casts_weights;            // this GPU casts the FP8 weights once per step (not gathered as codes)
     int casts_from_master;        // ... from the FP32 master weights (no BF16 block weights), not BF16 ones
     int weights_amax_in_step;     // ... with their amax gathered by AdamW's step (no pass of its own)
+    int casts_weight_transposes;  // ... writing every layer's W^T beside its W (kept for every backward)
     int transposes_weights;       // backward remakes each layer's W^T from its codes (FP8 GEMMs, not ZeRO stage 3)
     size_t params_written_elems;  // BF16 parameters AdamW writes on this GPU (none of the block weights without them)
 } SolRun;
@@ -61,7 +62,7 @@ static inline SolRun sol_run_one_gpu(const ModelShape *shape, int B, int T, int 
     ParamLayout layout;
     param_layout_init(&layout, shape);
     SolRun run = {*shape, B, T, micro_batches, fp8_gemms, activations, states,
-                  2 * layout.total_padded, layout.total_padded, 0, fp8_gemms, 0, 0, fp8_gemms, layout.total_padded};
+                  2 * layout.total_padded, layout.total_padded, 0, fp8_gemms, 0, 0, 0, fp8_gemms, layout.total_padded};
     return run;
 }
 
@@ -135,12 +136,12 @@ static inline void sol_add_linears(SolTable *t, const SolRun *r, double per_laye
                 2 * dy + 2 * dy);
     }
     // Once per step: each weight's amax pass (read; none when the step gathers it), then its cast
-    // (read, codes written), reading BF16 weights or FP32 master weights. Each layer's backward
-    // reads the codes and writes their transposes.
+    // (read, codes written, and where kept their transposes), reading BF16 weights or FP32 master
+    // weights. Otherwise each layer's backward reads the codes and writes their transposes.
     double weights = 0, weight_bytes = r->casts_from_master ? 4 : 2, reads = r->weights_amax_in_step ? 1 : 2;
     for (int i = 0; i < LINEARS; i++) weights += (double)in[i] * out[i];
     sol_add(t, "fp8 cast of the weights (once per step)", fp8 && r->casts_weights ? 1 : 0, 0, 0,
-            r->shape.n_layers * (reads * weight_bytes + 1) * weights);
+            r->shape.n_layers * (reads * weight_bytes + 1 + (r->casts_weight_transposes ? 1 : 0)) * weights);
     sol_add(t, "fp8 transposes of the layer's weights", fp8 && r->transposes_weights ? per_layer : 0, 0, 0, 2 * weights);
 }
 

@@ -263,8 +263,9 @@ static inline void zero_cast_weights_from_master(Zero *z, const float *master) {
             LinearShape shape = linear_shape(m, which);
             size_t first = zero_linear_range(&m->layout, which, l).begin;
             const float *weight = master + zero_master_index(z, z->plan.bucket_of[L - l], first);
-            fp8_quantize(linear_fp8_weight(m, l, which, 0), NULL, model_fp8_scale(m, l, FP8_SLOT_WEIGHT, which), weight,
-                         shape.out, shape.in, FP8_E4M3, z->compute);
+            fp8_quantize(linear_fp8_weight(m, l, which, 0), linear_fp8_weight_cast_t(m, l, which),
+                         model_fp8_scale(m, l, FP8_SLOT_WEIGHT, which), weight, shape.out, shape.in, FP8_E4M3,
+                         z->compute);
         }
 }
 
@@ -288,7 +289,7 @@ static inline void zero_cast_and_gather_e4m3(Zero *z, int b, const float *master
 }
 
 // Stages 1, 2: a bucket of layers in E4M3 through the staging, then each weight's codes out to
-// where the FP8 GEMMs read them.
+// where the FP8 GEMMs read them (and their W^T where the model keeps every layer's).
 static inline void zero_gather_layers_e4m3(Zero *z, int b, const float *master) {
     LlamaModel *m = z->model;
     const ParamShardRange *r = &z->plan.bucket[b];
@@ -298,8 +299,12 @@ static inline void zero_gather_layers_e4m3(Zero *z, int b, const float *master) 
     for (int s = z->plan.first_segment[b]; s <= z->plan.last_segment[b]; s++)
         for (int i = 0; i < LINEARS; i++) {
             ZeroRange weight = zero_linear_range(&m->layout, (Linear)i, L - s);
-            cudaCheck(cudaMemcpyAsync(linear_fp8_weight(m, L - s, (Linear)i, 0), z->e4m3_staging + (weight.begin - r->begin),
-                                      weight.end - weight.begin, cudaMemcpyDeviceToDevice, c->stream));
+            const uint8_t *codes = z->e4m3_staging + (weight.begin - r->begin);
+            cudaCheck(cudaMemcpyAsync(linear_fp8_weight(m, L - s, (Linear)i, 0), codes, weight.end - weight.begin,
+                                      cudaMemcpyDeviceToDevice, c->stream));
+            uint8_t *codes_t = linear_fp8_weight_cast_t(m, L - s, (Linear)i);
+            LinearShape shape = linear_shape(m, (Linear)i);
+            if (codes_t) fp8_transpose_codes(codes_t, codes, shape.out, shape.in, c->stream);
         }
 }
 

@@ -432,6 +432,30 @@ static void test_memory_plan(ConfigParser *p) {
     check(b8.attention_ds_bytes == (size_t)8 * 32 * 528 * 8192,
           "llama2-7b at 8 x 2048 plans a dS buffer of 8 x 32 heads x 528 tiles x 8 KiB (got %zu bytes)",
           b8.attention_ds_bytes);
+    // And, with FP8 GEMMs, the E4M3 W^T of 31 of its 32 layers (the working buffers hold one layer's);
+    // the optional buffers are taken dS first, each only where it fits beside what is taken.
+    check(b8.weight_transposes_bytes == 0, "llama2-7b in bf16 plans no weight transposes (got %zu bytes)",
+          b8.weight_transposes_bytes);
+    p->values.precision = PRECISION_COAT;
+    memory_plan_compute(&b8, &p->values, 1, 8);
+    size_t layer = (size_t)4096 * (3 * 4096 + 4096 + 2 * 11008 + 11008);
+    check(b8.weight_transposes_bytes == 31 * layer,
+          "llama2-7b in coat plans the W^T of 31 layers of %zu bytes each (got %zu bytes)", layer,
+          b8.weight_transposes_bytes);
+    const struct { size_t extra; int ds, transposes; } budgets[] = {
+        {0, 0, 0},
+        {b8.attention_ds_bytes, 1, 0},
+        {b8.weight_transposes_bytes, 1, 0},  // dS first: what is left no longer holds the transposes
+        {b8.attention_ds_bytes + b8.weight_transposes_bytes - 1, 1, 0},
+        {b8.attention_ds_bytes + b8.weight_transposes_bytes, 1, 1},
+    };
+    for (size_t i = 0; i < sizeof budgets / sizeof budgets[0]; i++) {
+        int ds, transposes;
+        memory_plan_optional(&b8, b8.total_bytes + budgets[i].extra, &ds, &transposes);
+        check(ds == budgets[i].ds && transposes == budgets[i].transposes,
+              "llama2-7b coat with %zu bytes beside the plan takes the dS buffer %d (expected %d), the weight "
+              "transposes %d (expected %d)", budgets[i].extra, ds, budgets[i].ds, transposes, budgets[i].transposes);
+    }
 }
 
 static void test_schedule(ConfigParser *p) {

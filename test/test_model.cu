@@ -231,10 +231,88 @@ static void test_against_pytorch(GpuContext *gpu, const char *path, const Precis
     free(weights); free(logits); free(grads); free(losses); free(tokens); free(targets); free(got_logits); free(got_grads);
 }
 
+// Whether every layer's W^T codes, where the model reads them, are the transpose of its W codes.
+static int weight_transposes_match(const LlamaModel *model) {
+    int match = 1;
+    for (int l = 0; l < model->shape.n_layers; l++)
+        for (int i = 0; i < LINEARS; i++) {
+            LinearShape shape = linear_shape(model, (Linear)i);
+            size_t n = (size_t)shape.out * shape.in;
+            uint8_t *w = (uint8_t *)host_alloc(n), *w_t = (uint8_t *)host_alloc(n);
+            cudaCheck(cudaMemcpy(w, linear_fp8_weight(model, l, (Linear)i, 0), n, cudaMemcpyDeviceToHost));
+            cudaCheck(cudaMemcpy(w_t, linear_fp8_weight(model, l, (Linear)i, 1), n, cudaMemcpyDeviceToHost));
+            for (int r = 0; r < shape.out; r++)
+                for (int c = 0; c < shape.in; c++) match &= w[(size_t)r * shape.in + c] == w_t[(size_t)c * shape.out + r];
+            free(w), free(w_t);
+        }
+    return match;
+}
+
+// Every layer's W^T kept (model_create_sized's weight_transposes: the cast writes them once per
+// step, the backward remakes none) against the model that remakes one layer's at a time: the same
+// losses and gradients over AdamW steps, bit for bit, and each kept W^T the transpose of its W.
+static void test_weight_transposes_kept(GpuContext *gpu) {
+    ModelShape shape = {1000, 128, 3, 2, 1, 352, 64, 10000.0f, 1e-5f, 0, 1, 4, 8192};
+    int B = 2, T = 64, N = B * T;
+    ParamLayout layout;
+    param_layout_init(&layout, &shape);
+    size_t P = layout.total_padded;
+    ModelPrecision fp8 = {1, ACTS_BF16, 0, 0};
+    LlamaModel remade, kept;
+    model_create(&remade, &shape, B, T, fp8);
+    model_create_sized(&kept, &shape, B, T, fp8, NULL, 0, 0, 0, 1);
+    check(kept.fp8_weight_transposes != NULL &&
+              kept.fp8_weight_transposes_bytes == weight_transposes_plan_bytes(&shape, 1, 0) &&
+              kept.fp8_weight_transposes_bytes == 2 * linear_layer_weight_elems(&shape),
+          "kept weight transposes: the W^T of every layer but the last allocated as planned (%zu bytes)",
+          kept.fp8_weight_transposes_bytes);
+    AdamWConfig ac = {0.9f, 0.95f, 1e-8f, 0.1f, 0, 0};
+    AdamW opts[2];
+    LlamaModel *models[2] = {&remade, &kept};
+    int *tokens = (int *)host_alloc(N * sizeof(int));
+    Random rng;
+    random_seed(&rng, 11);
+    for (int i = 0; i < N; i++) tokens[i] = (int)random_below(&rng, 1000);
+    for (int k = 0; k < 2; k++) {
+        adamw_create(&opts[k], OPT_STATES_FP32, &ac, &layout, 0, P, gpu->stream);
+        adamw_init_master(&opts[k], &layout, 5, gpu->stream);
+        adamw_write_params(&opts[k], models[k]->params, gpu->stream);
+        model_weights_changed(models[k]);
+        cudaCheck(cudaMemcpy(models[k]->tokens, tokens, N * sizeof(int), cudaMemcpyHostToDevice));
+        cudaCheck(cudaMemcpy(models[k]->targets, tokens, N * sizeof(int), cudaMemcpyHostToDevice));
+    }
+    bf16 *grads[2] = {host_bf16s(P), host_bf16s(P)};
+    int same_losses = 1, same_grads = 1, transposed = 1;
+    for (int step = 0; step < 3; step++) {
+        float losses[2];
+        for (int k = 0; k < 2; k++) {
+            losses[k] = gpu_forward_backward(gpu, models[k]);
+            cudaCheck(cudaMemcpy(grads[k], models[k]->grads, 2 * P, cudaMemcpyDeviceToHost));
+        }
+        same_losses &= losses[0] == losses[1];
+        same_grads &= memcmp(grads[0], grads[1], 2 * P) == 0;
+        transposed &= weight_transposes_match(&kept);
+        for (int k = 0; k < 2; k++) {
+            adamw_step(&opts[k], models[k]->params, models[k]->grads, 1e-3f, 1.0f, gpu->stream);
+            model_weights_changed(models[k]);
+        }
+    }
+    check(same_losses && same_grads, "kept weight transposes: 3 AdamW steps give the same losses and gradients bit for "
+          "bit (losses %s, gradients %s)", same_losses ? "equal" : "differ", same_grads ? "equal" : "differ");
+    check(transposed, "kept weight transposes: every layer's W^T is the transpose of its W after each step's cast");
+    for (int k = 0; k < 2; k++) {
+        adamw_free(&opts[k]);
+        model_free(models[k]);
+        free(grads[k]);
+    }
+    free(tokens);
+}
+
 // Without BF16 block weights (weights_from_master) one rank casts the E4M3 weights and writes the
 // layers' norms from its FP32 master weights (coat/zero.cuh): the same codes, scales, norms,
 // losses and gradients, over AdamW steps, as the model that keeps BF16 weights and casts those
-// (model_cast_weights), bit for bit; and the step writes no BF16 block weight.
+// (model_cast_weights), bit for bit; and the step writes no BF16 block weight. The mastered model
+// keeps every layer's W^T (the cast from the master writes them).
 static void test_weights_from_master(GpuContext *gpu) {
     ModelShape shape = {1000, 128, 2, 2, 1, 352, 64, 10000.0f, 1e-5f, 0, 1, 4, 8192};
     int B = 2, T = 64, N = B * T, L = shape.n_layers;
@@ -247,7 +325,7 @@ static void test_weights_from_master(GpuContext *gpu) {
     ModelPrecision with_bf16 = {1, ACTS_COAT, 0, 0}, from_master = {1, ACTS_COAT, 0, 1};
     LlamaModel cast, mastered;
     model_create(&cast, &shape, B, T, with_bf16);
-    model_create_sized(&mastered, &shape, B, T, from_master, &buffers, zero_grads_elems(plan), 0);
+    model_create_sized(&mastered, &shape, B, T, from_master, &buffers, zero_grads_elems(plan), 0, 0, 1);
     Comm comm;
     memset(&comm, 0, sizeof(comm));
     comm.world = 1;
@@ -280,7 +358,8 @@ static void test_weights_from_master(GpuContext *gpu) {
         cudaCheck(cudaMemcpy(k ? mastered.tokens : cast.tokens, tokens, N * sizeof(int), cudaMemcpyHostToDevice));
         cudaCheck(cudaMemcpy(k ? mastered.targets : cast.targets, tokens, N * sizeof(int), cudaMemcpyHostToDevice));
     }
-    size_t code_bytes = cast.working_layout.fp8_weights_bytes, scale_count = (size_t)L * FP8_SCALES_PER_LAYER;
+    // The W codes of every layer (the room after them holds one layer's W^T, a different one in each).
+    size_t code_bytes = (size_t)L * linear_layer_weight_elems(&shape), scale_count = (size_t)L * FP8_SCALES_PER_LAYER;
     uint8_t *codes[2] = {(uint8_t *)host_alloc(code_bytes), (uint8_t *)host_alloc(code_bytes)};
     Fp8Scale *scales[2] = {(Fp8Scale *)host_alloc(scale_count * sizeof(Fp8Scale)),
                            (Fp8Scale *)host_alloc(scale_count * sizeof(Fp8Scale))};
@@ -295,7 +374,7 @@ static void test_weights_from_master(GpuContext *gpu) {
             cudaCheck(cudaMemcpy(scales[k], models[k]->fp8_scales, scale_count * sizeof(Fp8Scale), cudaMemcpyDeviceToHost));
             cudaCheck(cudaMemcpy(grads[k], models[k]->grads, 2 * P, cudaMemcpyDeviceToHost));
         }
-        same_codes &= memcmp(codes[0], codes[1], code_bytes) == 0;
+        same_codes &= memcmp(codes[0], codes[1], code_bytes) == 0 && weight_transposes_match(&mastered);
         for (int l = 0; l < L; l++)
             for (int i = 0; i < LINEARS; i++) {
                 size_t at = (size_t)l * FP8_SCALES_PER_LAYER + FP8_SLOT_WEIGHT + i;
@@ -316,7 +395,8 @@ static void test_weights_from_master(GpuContext *gpu) {
         zero_gather_params(&zero, master_opt.master, 1);
     }
     check(same_codes && same_scales, "weights from the master: the E4M3 weights and their scales equal model_cast_weights' "
-          "(codes %s, scales %s)", same_codes ? "equal" : "differ", same_scales ? "equal" : "differ");
+          "and the kept W^T their transposes (codes %s, scales %s)", same_codes ? "equal" : "differ",
+          same_scales ? "equal" : "differ");
     check(same_norms, "weights from the master: the layers' norms equal the BF16 parameters'");
     check(same_losses && same_grads, "weights from the master: 3 AdamW steps give the same losses and gradients bit for bit "
           "(losses %s, gradients %s)", same_losses ? "equal" : "differ", same_grads ? "equal" : "differ");
@@ -383,20 +463,26 @@ static void test_memory_plan_matches_allocation(GpuContext *gpu) {
         adamw_free(&opt);
         model_free(&model);
     }
-    // One head of 128: the attention backward's optional dS buffer, as planned, beside the plan.
+    // One head of 128 in coat: the attention backward's optional dS buffer and the W^T of every
+    // layer but the last, as planned, beside the plan.
     {
         c->model.n_heads = c->model.n_kv_heads = 1;
+        c->precision = PRECISION_COAT;
+        c->activations = ACTS_AUTO;
+        c->optimizer_states = STATES_AUTO;
         MemoryPlan plan;
         memory_plan_compute(&plan, c, 1, c->micro_batch_size);
         LlamaModel model;
-        model_create_sized(&model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), NULL, 0, 0, 1);
+        model_create_sized(&model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), NULL, 0, 0, 1,
+                           1);
         size_t planned_model = plan.params_bytes + plan.grads_bytes + plan.activations_bytes + plan.working_bytes -
-                               CUBLASLT_WORKSPACE_BYTES + plan.attention_ds_bytes;
+                               CUBLASLT_WORKSPACE_BYTES + plan.attention_ds_bytes + plan.weight_transposes_bytes;
         check(plan.attention_ds_bytes == (size_t)c->micro_batch_size * 1 * 8192 && model.attention_ds != NULL &&
-                  planned_model == model_allocated_bytes(&model),
-              "head_dim 128: the plan's dS buffer (%zu bytes, one 64 x 64 tile a sequence at T = 64) allocated as "
-              "planned (%zu planned, %zu allocated)",
-              plan.attention_ds_bytes, planned_model, model_allocated_bytes(&model));
+                  plan.weight_transposes_bytes == linear_layer_weight_elems(&c->model) &&
+                  model.fp8_weight_transposes != NULL && planned_model == model_allocated_bytes(&model),
+              "head_dim 128, coat: the plan's dS buffer (%zu bytes, one 64 x 64 tile a sequence at T = 64) and one "
+              "layer's W^T (%zu bytes) allocated as planned (%zu planned, %zu allocated)",
+              plan.attention_ds_bytes, plan.weight_transposes_bytes, planned_model, model_allocated_bytes(&model));
         model_free(&model);
         c->model = shape;
     }
@@ -456,6 +542,7 @@ int main(int argc, char **argv) {
     test_against_cpu_reference(&gpu);
     test_memory_plan_matches_allocation(&gpu);
     test_weights_from_master(&gpu);
+    test_weight_transposes_kept(&gpu);
     const PrecisionCase cases[] = {
         {"bf16", model_precision_bf16(), LOSS_REL_TOL, 0.02, GRAD_REL_TOL, 0.02},
         {"fp8 GEMMs, bf16 activations", {1, ACTS_BF16, 0, 0}, 0.02, 0.10, 0.25, 0.03},
