@@ -1333,7 +1333,7 @@ static void profile_speed_of_light(const Trainer *t, SolTable *table) {
     const ZeroPlan *z = &t->zero.plan;
     SolRun run = sol_run_one_gpu(&m->shape, m->B, m->T, t->grad_accum, m->precision.fp8_gemms, m->precision.activations,
                                  t->opt.kind);
-    run.zeroed_grad_bytes = zero_gradient_sum(&t->zero) ? 4 * z->shard_elems : 2 * m->grads_elems;
+    run.zeroed_grad_bytes = zero_gradient_sum(&t->zero) ? 4 * z->shard_elems : 0;  // else written by the first micro-batch
     run.optimizer_elems = t->opt.n;
     run.fp32_grads = zero_gradient_sum(&t->zero) != NULL;
     run.casts_weights = m->precision.fp8_gemms && !t->zero.e4m3_gather;

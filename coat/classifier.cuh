@@ -137,12 +137,13 @@ static inline void classifier_check_args(const char *caller, int rows, int C, in
 }
 
 // losses[N] (FP32, per position) for x [N,C] against targets [N] (each in [0,V)); when dx or
-// dweight is not NULL, also dx [N,C] (written) and dweight [V,C] (+=), the gradients of
-// sum_i dloss * loss_i (dloss = d(total loss)/d(loss_i), e.g. 1 / (N * grad_accum_steps)).
+// dweight is not NULL, also dx [N,C] (written) and dweight [V,C] (+=; = without accumulate), the
+// gradients of sum_i dloss * loss_i (dloss = d(total loss)/d(loss_i), e.g. 1 / (N * grad_accum_steps)).
 // logits_scratch holds chunk_rows rows of classifier_logits_stride(V) BF16 elements.
 static inline void classifier_forward_backward(GpuContext *gpu, float *losses, bf16 *dx, bf16 *dweight,
                                                const bf16 *x, const bf16 *weight, const int *targets, int N, int C,
-                                               int V, float dloss, bf16 *logits_scratch, int chunk_rows) {
+                                               int V, float dloss, bf16 *logits_scratch, int chunk_rows,
+                                               bool accumulate = true) {
     classifier_check_args("classifier_forward_backward", N, C, V);
     if (chunk_rows <= 0) {
         fprintf(stderr, "error: classifier_forward_backward: chunk_rows must be positive (got %d)\n", chunk_rows);
@@ -167,11 +168,12 @@ static inline void classifier_forward_backward(GpuContext *gpu, float *losses, b
             matmul_lt(gpu, matmul_output(dx + (size_t)start * C, DTYPE_BF16, C),
                       matmul_operand(logits_scratch, DTYPE_BF16, MATMUL_K_MAJOR, stride, NULL), weight_v_major, rows,
                       C, V, false, false);
-        // dW [V, C] += dlogits^T [V, rows] x_chunk [rows, C]
+        // dW [V, C] += dlogits^T [V, rows] x_chunk [rows, C] (the first chunk writes without accumulate)
         if (dweight != NULL)
             matmul_lt(gpu, matmul_output(dweight, DTYPE_BF16, C),
                       matmul_operand(logits_scratch, DTYPE_BF16, MATMUL_MN_MAJOR, stride, NULL),
-                      matmul_operand(x_chunk, DTYPE_BF16, MATMUL_MN_MAJOR, C, NULL), V, C, rows, true, false);
+                      matmul_operand(x_chunk, DTYPE_BF16, MATMUL_MN_MAJOR, C, NULL), V, C, rows,
+                      accumulate || start > 0, false);
     }
 }
 

@@ -116,6 +116,8 @@ typedef struct {
     uint8_t *fp8_weights;          // E4M3 W [out, in] per layer and linear, then one layer's W^T (none: ZeRO stage 3)
     Fp8Scale *fp8_scales;          // [n_layers][FP8_SCALES_PER_LAYER]
     int fp8_weights_current;       // the FP8 weights are those of the present weights
+    int grads_unwritten;           // grads hold no sum yet this step: each gradient's first writer of the next
+                                   // forward + backward writes rather than adds (the padding stays zero)
     float *rope_cos, *rope_sin;
     float *mean_loss, *grad_norm_squared;  // device scalars
     void *kernel_scratch;
@@ -454,9 +456,10 @@ static inline void linear_forward(GpuContext *gpu, LlamaModel *model, int layer,
 
 // For dy [N, out] (BF16; with FP8 GEMMs its amax gathered in the layer's gradient slot, or
 // dy NULL when its producer cast it into fp8_grad and fp8_grad_t already):
-// dW += dy^T x and dx[N, in] = dy W (written, not accumulated).
+// dW += dy^T x (dW = with grads_unwritten) and dx[N, in] = dy W (written, not accumulated).
 static inline void linear_backward(GpuContext *gpu, LlamaModel *model, int layer, Linear which, bf16 *dx, const bf16 *dy) {
     int N = model->B * model->T;
+    const bool add = !model->grads_unwritten;
     LinearShape shape = linear_shape(model, which);
     bf16 *dweight = model_grad(model, linear_weight_kind(which), layer);
     const SavedTensor *saved = model_saved_tensor(model, layer, linear_input_activation(which));
@@ -464,7 +467,7 @@ static inline void linear_backward(GpuContext *gpu, LlamaModel *model, int layer
     if (!model->precision.fp8_gemms) {
         const bf16 *weight = model_param(model, linear_weight_kind(which), layer);
         if (saved->storage == STORE_BF16) {
-            matmul_backward_weight(gpu, dweight, dy, (const bf16 *)saved->data, N, shape.in, shape.out, true);
+            matmul_backward_weight(gpu, dweight, dy, (const bf16 *)saved->data, N, shape.in, shape.out, add);
         } else {
             // The saved E4M3 transpose back in BF16, at the start of wide: its occupant then
             // (d_swiglu before the down GEMM's dgrad writes it, or the dead d_swiglu / d_attn_out)
@@ -474,7 +477,7 @@ static inline void linear_backward(GpuContext *gpu, LlamaModel *model, int layer
                            (size_t)N * shape.in, FP8_E4M3, s);
             op_timer_mark(model->timer, "fp8 saved input back to BF16", s);
             matmul_lt(gpu, matmul_output(dweight, DTYPE_BF16, shape.in), matmul_operand(dy, DTYPE_BF16, MATMUL_MN_MAJOR, shape.out, NULL),
-                      matmul_operand(x_t, DTYPE_BF16, MATMUL_K_MAJOR, N, NULL), shape.out, shape.in, N, true, false);
+                      matmul_operand(x_t, DTYPE_BF16, MATMUL_K_MAJOR, N, NULL), shape.out, shape.in, N, add, false);
         }
         matmul_backward_input(gpu, dx, dy, weight, N, shape.in, shape.out, false);
         return;
@@ -493,7 +496,7 @@ static inline void linear_backward(GpuContext *gpu, LlamaModel *model, int layer
         x_t = model->fp8_input;
     }
     matmul_backward_weight_fp8(gpu, dweight, DTYPE_BF16, (const __nv_fp8_e5m2 *)model->fp8_grad_t, &grad_slot->scale,
-                               (const __nv_fp8_e4m3 *)x_t, &in_slot->scale, N, shape.in, shape.out, true, fast);
+                               (const __nv_fp8_e4m3 *)x_t, &in_slot->scale, N, shape.in, shape.out, add, fast);
     matmul_backward_input_fp8(gpu, dx, (const __nv_fp8_e5m2 *)model->fp8_grad, &grad_slot->scale,
                               (const __nv_fp8_e4m3 *)linear_fp8_weight(model, layer, which, 1),
                               &model_fp8_scale(model, layer, FP8_SLOT_WEIGHT, which)->scale, N, shape.in, shape.out,
@@ -587,12 +590,14 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
           classifier_forward_backward(gpu, model->losses, backward ? model->branch : NULL,
                                       backward ? model_grad(model, PARAM_LM_HEAD, 0) : NULL, model->final_norm_out,
                                       model_param(model, PARAM_LM_HEAD, 0), model->targets, N, H, m->vocab_size, dloss,
-                                      model->logits, (int)model->working_layout.logits_chunk_rows));
+                                      model->logits, (int)model->working_layout.logits_chunk_rows,
+                                      !model->grads_unwritten));
 }
 
 // Backward pass after model_forward(backward = 1): adds every parameter's gradient into
-// model->grads (zeroed by the caller at the start of a step, so micro-batches accumulate), or
-// with data parallelism's `gradient` hook where it says (zeroed by `begin`).
+// model->grads (zeroed by the caller at the start of a step, so micro-batches accumulate; or
+// with grads_unwritten each written by its first writer, which clears it), or with data
+// parallelism's `gradient` hook where it says (zeroed by `begin`).
 static inline void model_backward(GpuContext *gpu, LlamaModel *model) {
     const ModelShape *m = &model->shape;
     int B = model->B, T = model->T, N = B * T, H = m->dim, I = m->ffn_dim, hd = model_head_dim(m);
@@ -606,7 +611,7 @@ static inline void model_backward(GpuContext *gpu, LlamaModel *model) {
     TIMED("rmsnorm backward",
           rmsnorm_backward(d_residual, model_grad(model, PARAM_FINAL_NORM, 0), scratch, d_norm, model->final_residual,
                            model_param(model, PARAM_FINAL_NORM, 0), model->final_rstd, N, H, s, Fp8Groups{NULL, NULL},
-                           model_fp8_scale(model, L - 1, FP8_SLOT_GRAD, LINEAR_DOWN)));
+                           model_fp8_scale(model, L - 1, FP8_SLOT_GRAD, LINEAR_DOWN), !model->grads_unwritten));
     model_segment_end(model, 0);
     for (int l = L - 1; l >= 0; l--) {
         model_params_ready_backward(model, L - l);
@@ -629,7 +634,7 @@ static inline void model_backward(GpuContext *gpu, LlamaModel *model) {
               rmsnorm_backward(d_residual, model_grad(model, PARAM_MLP_NORM, l), scratch, d_norm,
                                model_saved(model, l, ACT_RESIDUAL_MID), model_param(model, PARAM_MLP_NORM, l),
                                model_saved_f32(model, l, ACT_MLP_RSTD), N, H, s, model_saved_groups(model, l, ACT_RESIDUAL_MID),
-                               model_fp8_scale(model, l, FP8_SLOT_GRAD, LINEAR_OUT)));
+                               model_fp8_scale(model, l, FP8_SLOT_GRAD, LINEAR_OUT), !model->grads_unwritten));
         // Attention block: x_mid = x_in + Wo attention(rope(Wqkv rmsnorm(x_in)))
         bf16 *d_attn_out = model->wide, *d_qkv = model->wide + (size_t)N * A;
         TIMED("matmul attention output backward", linear_backward(gpu, model, l, LINEAR_OUT, d_attn_out, d_residual));
@@ -647,11 +652,16 @@ static inline void model_backward(GpuContext *gpu, LlamaModel *model) {
               rmsnorm_backward(d_residual, model_grad(model, PARAM_ATTN_NORM, l), scratch, d_norm,
                                model_saved(model, l, ACT_RESIDUAL_IN), model_param(model, PARAM_ATTN_NORM, l),
                                model_saved_f32(model, l, ACT_ATTN_RSTD), N, H, s, model_saved_groups(model, l, ACT_RESIDUAL_IN),
-                               l > 0 ? model_fp8_scale(model, l - 1, FP8_SLOT_GRAD, LINEAR_DOWN) : NULL));
+                               l > 0 ? model_fp8_scale(model, l - 1, FP8_SLOT_GRAD, LINEAR_DOWN) : NULL,
+                               !model->grads_unwritten));
         model_segment_end(model, L - l);
     }
     model_segment_begin(model, L + 1);
-    TIMED("embedding backward", embedding_backward(model_grad(model, PARAM_EMBEDDING, 0), d_residual, model->tokens, N, H, V, scratch, s));
+    bf16 *d_embedding = model_grad(model, PARAM_EMBEDDING, 0);
+    if (model->grads_unwritten)  // its scatter-add writes only the rows of the batch's tokens
+        cudaCheck(cudaMemsetAsync(d_embedding, 0, (size_t)V * H * sizeof(bf16), s));
+    TIMED("embedding backward", embedding_backward(d_embedding, d_residual, model->tokens, N, H, V, scratch, s));
+    model->grads_unwritten = 0;
     model_segment_end(model, L + 1);
 }
 

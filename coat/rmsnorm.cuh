@@ -242,10 +242,10 @@ __global__ void __launch_bounds__(RMSNORM_BACKWARD_MAX_THREADS, VECS == 1 ? 2 : 
     if (AMAX) fp8_block_amax(din_amax, din_max);
 }
 
-// dweight[c] += sum over partials p of partial[p, c], always in the same order: slice s adds
-// p = s, s + 16, ... and slice sums are then added in slice order.
+// dweight[c] += (or = without accumulate) sum over partials p of partial[p, c], always in the same
+// order: slice s adds p = s, s + 16, ... and slice sums are then added in slice order.
 __global__ void __launch_bounds__(RMSNORM_DWEIGHT_COLUMNS * RMSNORM_DWEIGHT_SLICES)
-    rmsnorm_dweight_reduce_kernel(bf16 *dweight, const float *partial, int num_partials, int C) {
+    rmsnorm_dweight_reduce_kernel(bf16 *dweight, const float *partial, int num_partials, int C, bool accumulate) {
     __shared__ float slice_sums[RMSNORM_DWEIGHT_SLICES][RMSNORM_DWEIGHT_COLUMNS];
     int column = blockIdx.x * RMSNORM_DWEIGHT_COLUMNS + threadIdx.x;
     float sum = 0.0f;
@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(RMSNORM_DWEIGHT_COLUMNS * RMSNORM_DWEIGHT_SLIC
     if (threadIdx.y != 0 || column >= C) return;
     float total = 0.0f;
     for (int s = 0; s < RMSNORM_DWEIGHT_SLICES; s++) total += slice_sums[s][threadIdx.x];
-    dweight[column] = __float2bfloat16(__bfloat162float(dweight[column]) + total);
+    dweight[column] = __float2bfloat16(accumulate ? __bfloat162float(dweight[column]) + total : total);
 }
 
 // residual_out = residual_in + branch (rounded to BF16; branch NULL: no add, residual_out
@@ -301,12 +301,13 @@ static inline void rmsnorm_backward_launch(int blocks, int threads, cudaStream_t
 }
 
 // din += dx (read once, added in FP32, written once: din is the residual-stream gradient);
-// dweight += dw. The input x is `in` (BF16), or in_groups when its codes are set (1x16 E4M3,
-// C a multiple of 16). din_amax (optional) gathers max |din| after the add. scratch holds
-// rmsnorm_backward_scratch_bytes(N, C).
+// dweight += dw (= dw without accumulate). The input x is `in` (BF16), or in_groups when its codes
+// are set (1x16 E4M3, C a multiple of 16). din_amax (optional) gathers max |din| after the add.
+// scratch holds rmsnorm_backward_scratch_bytes(N, C).
 static inline void rmsnorm_backward(bf16 *din, bf16 *dweight, float *scratch, const bf16 *dout, const bf16 *in,
                                     const bf16 *weight, const float *rstd, int N, int C, cudaStream_t stream,
-                                    Fp8Groups in_groups = Fp8Groups{NULL, NULL}, Fp8Scale *din_amax = NULL) {
+                                    Fp8Groups in_groups = Fp8Groups{NULL, NULL}, Fp8Scale *din_amax = NULL,
+                                    bool accumulate = true) {
     require_vector_rows("rmsnorm_backward", "C", C);
     int vecs_per_row = C / 8;
     int max_vecs = RMSNORM_BACKWARD_MAX_THREADS * RMSNORM_BACKWARD_MAX_VECS_PER_THREAD;
@@ -323,7 +324,7 @@ static inline void rmsnorm_backward(bf16 *din, bf16 *dweight, float *scratch, co
         rmsnorm_backward_launch<2>(blocks, ceil_div(ceil_div(vecs_per_row, 2), 32) * 32, stream, din, scratch, din_amax,
                                    dout, in, in_groups, weight, rstd, N, C);
     dim3 reduce_threads(RMSNORM_DWEIGHT_COLUMNS, RMSNORM_DWEIGHT_SLICES);
-    rmsnorm_dweight_reduce_kernel<<<ceil_div(C, RMSNORM_DWEIGHT_COLUMNS), reduce_threads, 0, stream>>>(dweight, scratch,
-                                                                                                      blocks, C);
+    rmsnorm_dweight_reduce_kernel<<<ceil_div(C, RMSNORM_DWEIGHT_COLUMNS), reduce_threads, 0, stream>>>(
+        dweight, scratch, blocks, C, accumulate);
     cudaCheckLaunch();
 }

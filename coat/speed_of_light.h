@@ -31,7 +31,7 @@ typedef struct {
     int fp8_gemms;                // FP8 GEMMs for the block's linear layers
     ActivationsChoice activations;  // resolved (not ACTS_AUTO)
     OptimizerStateKind states;
-    size_t zeroed_grad_bytes;     // the gradient buffer the step zeroes at its start
+    size_t zeroed_grad_bytes;     // the gradient buffer the step zeroes at its start (0: the first writers write)
     size_t optimizer_elems;       // elements the gradient norm and AdamW cover on this GPU
     int fp32_grads;               // they read FP32 gradient sums (ZeRO stage 2), not BF16
     int casts_weights;            // this GPU casts the FP8 weights once per step (not gathered as codes)
@@ -62,7 +62,7 @@ static inline SolRun sol_run_one_gpu(const ModelShape *shape, int B, int T, int 
     ParamLayout layout;
     param_layout_init(&layout, shape);
     SolRun run = {*shape, B, T, micro_batches, fp8_gemms, activations, states,
-                  2 * layout.total_padded, layout.total_padded, 0, fp8_gemms, 0, 0, 0, fp8_gemms, layout.total_padded};
+                  0, layout.total_padded, 0, fp8_gemms, 0, 0, 0, fp8_gemms, layout.total_padded};
     return run;
 }
 

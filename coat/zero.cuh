@@ -555,7 +555,7 @@ static inline void zero_free(Zero *z) {
 // is written whole by the step's one reduce-scatter of each bucket).
 static inline void zero_step_begin(Zero *z) {
     if (z->grad_sum) cudaCheck(cudaMemsetAsync(z->grad_sum, 0, 4 * z->plan.shard_elems, z->compute));
-    else if (z->plan.stage <= 1) cudaCheck(cudaMemsetAsync(z->model->grads, 0, 2 * z->model->grads_elems, z->compute));
+    else if (z->plan.stage <= 1) z->model->grads_unwritten = 1;  // the first micro-batch writes them (no memset)
 }
 
 static inline void zero_micro_batch(Zero *z, int last) { z->last_micro_batch = last; }

@@ -231,6 +231,61 @@ static void test_against_pytorch(GpuContext *gpu, const char *path, const Precis
     free(weights); free(logits); free(grads); free(losses); free(tokens); free(targets); free(got_logits); free(got_grads);
 }
 
+// A step's gradients without their memset (grads_unwritten: each gradient's first writer of the
+// step writes rather than adds) against the memset and the adds, over two micro-batches, in bf16
+// and with FP8 GEMMs and COAT's activations: every value equal (zeros of either sign alike) with
+// every tensor's gradient poisoned with NaN beforehand (their padding stays zero, as no one writes it).
+static void test_gradients_written_first(GpuContext *gpu) {
+    ModelShape shape = {1000, 128, 2, 2, 1, 352, 64, 10000.0f, 1e-5f, 0, 1, 4, 8192};
+    int B = 2, T = 64, N = B * T;
+    ParamLayout layout;
+    param_layout_init(&layout, &shape);
+    size_t P = layout.total_padded;
+    const struct { const char *name; ModelPrecision precision; } cases[] = {
+        {"bf16", model_precision_bf16()}, {"fp8 GEMMs, coat activations", {1, ACTS_COAT, 0, 0}}};
+    int *tokens = (int *)host_alloc(2 * N * sizeof(int));
+    Random rng;
+    random_seed(&rng, 13);
+    for (int i = 0; i < 2 * N; i++) tokens[i] = (int)random_below(&rng, 1000);
+    bf16 *grads[2] = {host_bf16s(P), host_bf16s(P)};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        LlamaModel model;
+        model_create(&model, &shape, B, T, cases[c].precision);
+        AdamWConfig ac = {0.9f, 0.95f, 1e-8f, 0.1f, 0, 0};
+        AdamW opt;
+        adamw_create(&opt, OPT_STATES_FP32, &ac, &layout, 0, P, gpu->stream);
+        adamw_init_master(&opt, &layout, 3, gpu->stream);
+        adamw_write_params(&opt, model.params, gpu->stream);
+        model_weights_changed(&model);
+        for (int k = 0; k < 2; k++) {
+            if (k == 0) {
+                cudaCheck(cudaMemsetAsync(model.grads, 0, 2 * P, gpu->stream));
+            } else {
+                for (int kind = 0; kind < PARAM_KINDS; kind++)
+                    for (int l = 0; l < (param_kind_is_per_layer((ParamKind)kind) ? shape.n_layers : 1); l++)
+                        cudaCheck(cudaMemsetAsync(model_grad(&model, (ParamKind)kind, l), 0xff,
+                                                  2 * param_numel(&layout, (ParamKind)kind), gpu->stream));
+                model.grads_unwritten = 1;
+            }
+            for (int micro = 0; micro < 2; micro++) {
+                cudaCheck(cudaMemcpy(model.tokens, tokens + micro * N, N * sizeof(int), cudaMemcpyHostToDevice));
+                cudaCheck(cudaMemcpy(model.targets, tokens + micro * N, N * sizeof(int), cudaMemcpyHostToDevice));
+                model_forward(gpu, &model, 1, 0.5f / N);
+                model_backward(gpu, &model);
+            }
+            cudaCheck(cudaMemcpy(grads[k], model.grads, 2 * P, cudaMemcpyDeviceToHost));
+        }
+        size_t differ = 0;
+        for (size_t i = 0; i < P; i++) differ += __bfloat162float(grads[0][i]) != __bfloat162float(grads[1][i]);
+        check(differ == 0 && model.grads_unwritten == 0,
+              "%s: two micro-batches' gradients written first equal those added to a zeroed buffer (%zu of %zu "
+              "differ)", cases[c].name, differ, P);
+        adamw_free(&opt);
+        model_free(&model);
+    }
+    free(grads[0]), free(grads[1]), free(tokens);
+}
+
 // Whether every layer's W^T codes, where the model reads them, are the transpose of its W codes.
 static int weight_transposes_match(const LlamaModel *model) {
     int match = 1;
@@ -543,6 +598,7 @@ int main(int argc, char **argv) {
     test_memory_plan_matches_allocation(&gpu);
     test_weights_from_master(&gpu);
     test_weight_transposes_kept(&gpu);
+    test_gradients_written_first(&gpu);
     const PrecisionCase cases[] = {
         {"bf16", model_precision_bf16(), LOSS_REL_TOL, 0.02, GRAD_REL_TOL, 0.02},
         {"fp8 GEMMs, bf16 activations", {1, ACTS_BF16, 0, 0}, 0.02, 0.10, 0.25, 0.03},
