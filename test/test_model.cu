@@ -76,8 +76,16 @@ static float gpu_forward_backward(GpuContext *gpu, LlamaModel *model) {
     return gpu_loss(gpu, model);
 }
 
-static void test_against_cpu_reference(GpuContext *gpu) {
+// The model the tests build: vocabulary 1000, dim 128, 2 heads sharing 1 kv head (head_dim 64),
+// ffn 352, at most 64 positions.
+static ModelShape small_shape(int n_layers) {
     ModelShape shape = {1000, 128, 2, 2, 1, 352, 64, 10000.0f, 1e-5f, 0, 1, 4, 8192};
+    shape.n_layers = n_layers;
+    return shape;
+}
+
+static void test_against_cpu_reference(GpuContext *gpu) {
+    ModelShape shape = small_shape(2);
     int B = 2, T = 37, N = B * T;
     ParamLayout layout;
     param_layout_init(&layout, &shape);
@@ -236,7 +244,7 @@ static void test_against_pytorch(GpuContext *gpu, const char *path, const Precis
 // and with FP8 GEMMs and COAT's activations: every value equal (zeros of either sign alike) with
 // every tensor's gradient poisoned with NaN beforehand (their padding stays zero, as no one writes it).
 static void test_gradients_written_first(GpuContext *gpu) {
-    ModelShape shape = {1000, 128, 2, 2, 1, 352, 64, 10000.0f, 1e-5f, 0, 1, 4, 8192};
+    ModelShape shape = small_shape(2);
     int B = 2, T = 64, N = B * T;
     ParamLayout layout;
     param_layout_init(&layout, &shape);
@@ -307,7 +315,7 @@ static int weight_transposes_match(const LlamaModel *model) {
 // step, the backward remakes none) against the model that remakes one layer's at a time: the same
 // losses and gradients over AdamW steps, bit for bit, and each kept W^T the transpose of its W.
 static void test_weight_transposes_kept(GpuContext *gpu) {
-    ModelShape shape = {1000, 128, 3, 2, 1, 352, 64, 10000.0f, 1e-5f, 0, 1, 4, 8192};
+    ModelShape shape = small_shape(3);
     int B = 2, T = 64, N = B * T;
     ParamLayout layout;
     param_layout_init(&layout, &shape);
@@ -369,7 +377,7 @@ static void test_weight_transposes_kept(GpuContext *gpu) {
 // (model_cast_weights), bit for bit; and the step writes no BF16 block weight. The mastered model
 // keeps every layer's W^T (the cast from the master writes them).
 static void test_weights_from_master(GpuContext *gpu) {
-    ModelShape shape = {1000, 128, 2, 2, 1, 352, 64, 10000.0f, 1e-5f, 0, 1, 4, 8192};
+    ModelShape shape = small_shape(2);
     int B = 2, T = 64, N = B * T, L = shape.n_layers;
     ParamLayout layout, buffers;
     param_layout_init(&layout, &shape);
@@ -477,7 +485,7 @@ static void test_memory_plan_matches_allocation(GpuContext *gpu) {
     ConfigParser *parser = (ConfigParser *)host_alloc(sizeof(ConfigParser));
     config_defaults(parser);
     TrainConfig *c = &parser->values;
-    ModelShape shape = {1000, 128, 2, 2, 1, 352, 64, 10000.0f, 1e-5f, 0, 1, 4, 8192};
+    ModelShape shape = small_shape(2);
     c->model = shape;
     c->micro_batch_size = 4;
     c->seq_len = 64;
