@@ -377,13 +377,15 @@ static inline uint8_t *linear_fp8_weight_cast_t(const LlamaModel *model, int lay
 }
 
 // Where the forward pass writes a linear layer's BF16 input: the saved tensor when it is
-// saved in BF16, else a working buffer that the FP8 cast reads; NULL for the SwiGLU output
-// saved in FP8 with FP8 GEMMs, which is cast straight from gate_up (swiglu_forward_cast).
+// saved in BF16, else a working buffer that the FP8 cast reads; NULL for the inputs saved in
+// FP8 with FP8 GEMMs but the attention output: the SwiGLU output is cast straight from gate_up
+// (swiglu_forward_cast), the norm outputs from the norms' inputs (norm_output_cast).
 static inline bf16 *linear_input_bf16(const LlamaModel *model, int layer, Linear which) {
     const SavedTensor *t = model_saved_tensor(model, layer, linear_input_activation(which));
     if (t->storage == STORE_BF16) return (bf16 *)t->data;
+    if (model->precision.fp8_gemms && which != LINEAR_OUT) return NULL;
     if (which == LINEAR_DOWN)  // BF16 GEMMs: after gate_up in wide (idle in forward)
-        return model->precision.fp8_gemms ? NULL : model->wide + (size_t)model->B * model->T * 2 * model->shape.ffn_dim;
+        return model->wide + (size_t)model->B * model->T * 2 * model->shape.ffn_dim;
     return model->branch;  // the norm outputs: the norm reads branch's row before writing it
 }
 
@@ -518,6 +520,18 @@ static inline bf16 *model_residual(const LlamaModel *model, int layer, LayerActi
     return model->residual != NULL ? model->residual : model_saved(model, layer, kind);
 }
 
+// With no BF16 norm output (linear_input_bf16 NULL), the FP8 cast of the QKV or gate_up input
+// recomputes it from the norm's input `residual_kind` (its 1x16 copy where saved so), the rstd
+// and the weight, after the norm kernel gathered its amax.
+static inline void norm_output_cast(LlamaModel *model, int layer, Linear which, LayerActivation residual_kind,
+                                    const float *rstd, const bf16 *weight, cudaStream_t s) {
+    if (linear_input_bf16(model, layer, which) != NULL) return;
+    rmsnorm_output_cast(model->fp8_input, linear_saved_input_t(model, layer, which), linear_input_amax(model, layer, which),
+                        model_residual(model, layer, residual_kind), model_saved_groups(model, layer, residual_kind), rstd,
+                        weight, model->B * model->T, model->shape.dim, s);
+    op_timer_mark(model->timer, "rmsnorm output: fp8 cast (+ saved transpose)", s);
+}
+
 // Forward pass of one micro-batch whose tokens and targets are already in model->tokens and
 // model->targets. Leaves the per-token losses in model->losses; when backward is set, the
 // classifier also writes the gradient of the final norm output (into branch) and adds the
@@ -547,6 +561,8 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
                                    model_residual(model, 0, ACT_RESIDUAL_IN), NULL, model_param(model, PARAM_ATTN_NORM, 0),
                                    N, H, eps, s, model_saved_groups(model, 0, ACT_RESIDUAL_IN),
                                    linear_input_amax(model, 0, LINEAR_QKV)));
+    norm_output_cast(model, 0, LINEAR_QKV, ACT_RESIDUAL_IN, model_saved_f32(model, 0, ACT_ATTN_RSTD),
+                     model_param(model, PARAM_ATTN_NORM, 0), s);
     for (int l = 0; l < L; l++) {
         bf16 *qkv = model_saved(model, l, ACT_QKV), *attn_out = model_saved(model, l, ACT_ATTN_OUT);
         TIMED("matmul qkv forward", linear_forward(gpu, model, l, LINEAR_QKV, qkv));
@@ -561,6 +577,8 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
                                        model_saved_f32(model, l, ACT_MLP_RSTD), model_residual(model, l, ACT_RESIDUAL_IN),
                                        model->branch, model_param(model, PARAM_MLP_NORM, l), N, H, eps, s,
                                        model_saved_groups(model, l, ACT_RESIDUAL_MID), linear_input_amax(model, l, LINEAR_GATE_UP)));
+        norm_output_cast(model, l, LINEAR_GATE_UP, ACT_RESIDUAL_MID, model_saved_f32(model, l, ACT_MLP_RSTD),
+                         model_param(model, PARAM_MLP_NORM, l), s);
         Fp8Groups gate_up_copy = model_saved_groups(model, l, ACT_GATE_UP);
         bf16 *gate_up = gate_up_copy.codes != NULL ? model->gate_up_working : model_saved(model, l, ACT_GATE_UP);
         TIMED("matmul gate_up forward", linear_forward(gpu, model, l, LINEAR_GATE_UP, gate_up));
@@ -584,6 +602,9 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
                                        N, H, eps, s,
                                        last ? Fp8Groups{NULL, NULL} : model_saved_groups(model, l + 1, ACT_RESIDUAL_IN),
                                        last ? NULL : linear_input_amax(model, l + 1, LINEAR_QKV)));
+        if (!last)
+            norm_output_cast(model, l + 1, LINEAR_QKV, ACT_RESIDUAL_IN, model_saved_f32(model, l + 1, ACT_ATTN_RSTD),
+                             model_param(model, PARAM_ATTN_NORM, l + 1), s);
     }
     if (backward) model_segment_begin(model, 0);  // the lm_head's gradient comes with the loss
     TIMED("classifier (lm_head + cross-entropy)",

@@ -24,7 +24,8 @@
 // pass only sees the stored residual, so the forward must normalize exactly that. With GROUP16
 // the stored residual is its 1x16 E4M3 copy (residual_copy), and the norm reads the copy back.
 // branch == NULL: no add (residual_out is not written). residual_out may alias residual_in
-// (each thread reads an element before writing it). With AMAX, max |norm_out| goes to norm_amax.
+// (each thread reads an element before writing it). With AMAX, max |norm_out| goes to norm_amax;
+// norm_out NULL: not stored (rmsnorm_output_cast recomputes it).
 // The loops run every lane of the warp the same number of times: 1x16 groups span lane pairs.
 template <bool GROUP16, bool AMAX>
 __global__ void __launch_bounds__(RMSNORM_FORWARD_THREADS)
@@ -74,7 +75,7 @@ __global__ void __launch_bounds__(RMSNORM_FORWARD_THREADS)
 
         // Each lane re-reads the vectors it wrote above: its own writes are visible to it.
 #pragma unroll 4
-        for (int c = lane * 8; c < C; c += 32 * 8) {
+        for (int c = lane * 8; c < C && (norm_out != NULL || AMAX); c += 32 * 8) {
             float s[8];
             if (GROUP16) {
                 fp8_load_group16(s, codes_row, scales_row, c);
@@ -88,7 +89,7 @@ __global__ void __launch_bounds__(RMSNORM_FORWARD_THREADS)
                 o[k] = __float2bfloat16(s[k] * row_rstd * __bfloat162float(w[k]));
                 if (AMAX) out_max = fp8_abs_max(out_max, __bfloat162float(o[k]));
             }
-            store16(norm_out + row_offset + c, o);
+            if (norm_out != NULL) store16(norm_out + row_offset + c, o);
         }
     }
     if (AMAX) fp8_block_amax(norm_amax, out_max);
@@ -260,8 +261,9 @@ __global__ void __launch_bounds__(RMSNORM_DWEIGHT_COLUMNS * RMSNORM_DWEIGHT_SLIC
 }
 
 // residual_out = residual_in + branch (rounded to BF16; branch NULL: no add, residual_out
-// unused); norm_out = rmsnorm(residual) * weight. Optional: residual_copy.codes, the residual's
-// 1x16 E4M3 copy (C a multiple of 16), which the norm then reads; norm_amax, max |norm_out|.
+// unused); norm_out = rmsnorm(residual) * weight (NULL: not stored). Optional: residual_copy.codes,
+// the residual's 1x16 E4M3 copy (C a multiple of 16), which the norm then reads; norm_amax,
+// max |norm_out|.
 static inline void residual_rmsnorm_forward(bf16 *residual_out, bf16 *norm_out, float *rstd, const bf16 *residual_in,
                                             const bf16 *branch, const bf16 *weight, int N, int C, float eps,
                                             cudaStream_t stream, Fp8Groups residual_copy = Fp8Groups{NULL, NULL},
@@ -276,6 +278,42 @@ static inline void residual_rmsnorm_forward(bf16 *residual_out, bf16 *norm_out, 
             residual_out, residual_copy, norm_out, rstd, norm_amax, residual_in, branch, weight, N, C, eps);
     });
     cudaCheckLaunch();
+}
+
+// The FP8 cast pass's source (coat/fp8.cuh) that recomputes the norm output from the norm's input
+// and its rstd instead of reading a BF16 output: the BF16 input, or its 1x16 copy (GROUP16); the
+// same values, bit for bit, as the forward kernel stores.
+template <bool GROUP16>
+struct RmsnormOutputSource {
+    static constexpr int PLANES = 1;
+    const bf16 *in;
+    Fp8Groups groups;
+    const float *rstd;
+    const bf16 *weight;
+    int C;
+    __device__ __forceinline__ void load(int r, int c, float v[1][8]) const {
+        float s[8];
+        if (GROUP16) {
+            fp8_load_group16(s, groups.codes + (size_t)r * C, groups.scales + (size_t)r * (C / FP8_GROUP), c);
+        } else {
+            Vec16<bf16> x = load16_stream(in + (size_t)r * C + c);
+            for (int k = 0; k < 8; k++) s[k] = __bfloat162float(x[k]);
+        }
+        float row_rstd = rstd[r];
+        Vec16<bf16> w = load16(weight + c);
+        for (int k = 0; k < 8; k++) v[0][k] = __bfloat162float(__float2bfloat16(s[k] * row_rstd * __bfloat162float(w[k])));
+    }
+};
+
+// The FP8 cast that follows residual_rmsnorm_forward with an amax and no stored output (which
+// gathered slot->amax and wrote rstd): out [N, C] and/or out_t [C, N] E4M3 of the norm output,
+// from in (BF16) or, when its codes are set, in_copy (the 1x16 copy the norm read).
+static inline void rmsnorm_output_cast(uint8_t *out, uint8_t *out_t, Fp8Scale *slot, const bf16 *in, Fp8Groups in_copy,
+                                       const float *rstd, const bf16 *weight, int N, int C, cudaStream_t stream) {
+    if (in_copy.codes != NULL)
+        fp8_quantize_source(out, out_t, slot, RmsnormOutputSource<true>{in, in_copy, rstd, weight, C}, N, C, FP8_E4M3, stream);
+    else
+        fp8_quantize_source(out, out_t, slot, RmsnormOutputSource<false>{in, in_copy, rstd, weight, C}, N, C, FP8_E4M3, stream);
 }
 
 // out[N, C] = rmsnorm(in) * weight; rstd[N] is kept for the backward pass (the fused kernel, no add).

@@ -124,11 +124,11 @@ static inline void sol_add_linears(SolTable *t, const SolRun *r, double per_laye
         // BF16 GEMMs: an FP8-saved input is cast to its transpose in forward, back to BF16 in backward.
         sol_add(t, "fp8 cast of a linear input (saved transpose)", !fp8 && saved_fp8 ? per_layer : 0, 0, 0, 3 * x);
         sol_add(t, "fp8 saved input back to BF16", !fp8 && saved_fp8 ? per_layer : 0, 0, 0, 3 * x);
-        // FP8 GEMMs: every BF16 input is cast (the SwiGLU output saved in FP8 is cast by swiglu's own
-        // op), with its saved transpose where the table stores one; a BF16-saved input is cast to
-        // its transpose in backward; output gradients to E5M2 and their transposes (gate_up's by
-        // swiglu's backward cast).
-        int input_cast = fp8 && (i != LINEAR_DOWN || acts_bf16);
+        // FP8 GEMMs: every BF16 input is cast (the norm outputs and the SwiGLU output saved in FP8
+        // are cast by the norms' and swiglu's own ops), with its saved transpose where the table
+        // stores one; a BF16-saved input is cast to its transpose in backward; output gradients to
+        // E5M2 and their transposes (gate_up's by swiglu's backward cast).
+        int input_cast = fp8 && (!saved_fp8 || acts_bf16);
         sol_add(t, "fp8 cast of a linear input (+ saved transpose)", input_cast ? per_layer : 0, 0, 0,
                 2 * x + x + (saved_fp8 ? x : 0));
         sol_add(t, "fp8 transpose of a BF16-saved input", fp8 && !saved_fp8 ? per_layer : 0, 0, 0, 3 * x);
@@ -147,16 +147,21 @@ static inline void sol_add_linears(SolTable *t, const SolRun *r, double per_laye
 
 // The norms (coat/rmsnorm.cuh), per micro-batch: BF16 rows in and out, rstd, weights; the
 // residual stream's 1x16 copy where the table keeps one; backward's FP32 dw partials written
-// and reduced.
+// and reduced. With FP8 GEMMs and the block's norm outputs saved in FP8, those norms write no
+// output: their cast recomputes it from the norm's input (the copy where kept), rstd and weight.
 static inline void sol_add_norms(SolTable *t, const SolRun *r) {
     double N = (double)r->B * r->T, H = r->shape.dim, L = r->shape.n_layers, NH = N * H;
     int grouped = activations_group_residual(r->activations);
+    int output_cast = r->fp8_gemms && r->activations != ACTS_BF16;
     double copy = grouped ? sol_group16_bytes(NH) : 0;
-    double common = 2 * NH + 4 * N + 2 * H;  // norm output, rstd, weight
-    sol_add(t, "rmsnorm forward", 1, 0, 0, 2 * NH + common + copy);
+    double rstd_weight = 4 * N + 2 * H, output = 2 * NH;
+    double block = rstd_weight + (output_cast ? 0 : output) + copy;  // a norm that feeds a block
+    sol_add(t, "rmsnorm forward", 1, 0, 0, 2 * NH + block);
     // 2L - 1 adds feed a block (with the copy), the last the final norm (BF16 only).
-    sol_add(t, "residual + rmsnorm forward", 2 * L - 1, 0, 0, 3 * 2 * NH + common + copy);
-    sol_add(t, "residual + rmsnorm forward", 1, 0, 0, 3 * 2 * NH + common);
+    sol_add(t, "residual + rmsnorm forward", 2 * L - 1, 0, 0, 3 * 2 * NH + block);
+    sol_add(t, "residual + rmsnorm forward", 1, 0, 0, 3 * 2 * NH + rstd_weight + output);
+    sol_add(t, "rmsnorm output: fp8 cast (+ saved transpose)", output_cast ? 2 * L : 0, 0, 0,
+            (grouped ? copy : 2 * NH) + rstd_weight + 2 * NH);  // codes and their transposes
     double partials = 2 * 4 * H * (double)((r->B * r->T + 63) / 64);
     double backward = 2 * NH + 2 * 2 * NH + 4 * N + 2 * H + partials + 2 * 2 * H;  // dy, din +=, rstd, w, dw
     sol_add(t, "rmsnorm backward", 2 * L, 0, 0, backward + (grouped ? sol_group16_bytes(NH) : 2 * NH));

@@ -20,6 +20,9 @@
 //      fp8_quantize of the BF16 tensor that swiglu_forward / swiglu_backward stored, with that run's
 //      amax: codes and transposed codes bit for bit, and the transposed codes are the transpose.
 //   6. After those casts, slot->scale = (amax + 1e-10f) / max bit for bit, the amax untouched.
+//   7. residual_rmsnorm_forward with no output gathers the same amax and rstd as with one, and
+//      rmsnorm_output_cast from the BF16 sum or its 1x16 copy equals fp8_quantize of the stored
+//      norm_out as in 5 and 6.
 // Outputs are poisoned first (NaN bytes; the fused casts 0xAB, the casts they are compared with
 // 0x54), so an element left unwritten fails; the 1x16 paths get a NaN-filled BF16 input in place
 // of the one they must not read.
@@ -523,6 +526,51 @@ static void test_swiglu_casts(int N, int I) {
     free(gate_up), free(dout);
 }
 
+// residual_rmsnorm_forward storing BF16 norm_out and gathering its amax, then again with no
+// output (the same amax and rstd), then rmsnorm_output_cast and fp8_quantize of the stored output,
+// E4M3: from the BF16 sum, and from the 1x16 copy (the cast then gets a NaN-filled BF16 input).
+// N must be a multiple of 16 (the transposes).
+static void test_rmsnorm_output_cast(int N, int C, bool group16) {
+    Random rng;
+    random_seed(&rng, SEED + 6000 + N + 2 * (uint64_t)C + group16);
+    size_t n = (size_t)N * C;
+    float *residual = host_floats(n), *branch = host_floats(n), *weight = host_floats(C);
+    fill_normal_bf16_values(&rng, residual, n, 0.0, 3.0);
+    fill_normal_bf16_values(&rng, branch, n, 0.0, 1.0);
+    fill_normal_bf16_values(&rng, weight, C, 1.0, 0.1);
+    bf16 *d_residual = device_bf16_from(residual, n), *d_branch = device_bf16_from(branch, n), *d_weight = device_bf16_from(weight, C);
+    bf16 *d_sum = (bf16 *)device_nan(n * sizeof(bf16)), *d_norm = (bf16 *)device_nan(n * sizeof(bf16));
+    bf16 *d_unread = (bf16 *)device_nan(n * sizeof(bf16));
+    float *d_rstd = (float *)device_nan(N * sizeof(float)), *d_rstd_unstored = (float *)device_nan(N * sizeof(float));
+    Fp8Groups d_copy = group16 ? device_groups_nan(n) : Fp8Groups{NULL, NULL};
+    CastOutputs fused = cast_outputs(n, POISON_FUSED), stored = cast_outputs(n, POISON_STORED);
+
+    residual_rmsnorm_forward(d_sum, d_norm, d_rstd, d_residual, d_branch, d_weight, N, C, RMS_EPS, 0, d_copy, stored.slot);
+    residual_rmsnorm_forward(d_sum, NULL, d_rstd_unstored, d_residual, d_branch, d_weight, N, C, RMS_EPS, 0, d_copy, fused.slot);
+    char label[128], name[256];
+    snprintf(label, sizeof label, "rmsnorm_output_cast N=%d C=%d from %s", N, C, group16 ? "the 1x16 copy" : "the BF16 sum");
+    Fp8Scale f = download_slot(fused.slot), s = download_slot(stored.slot);
+    check(bits_of(f.amax) == bits_of(s.amax), "%s: the norm with no output gathers the same amax (%.9g, stored %.9g)",
+          label, (double)f.amax, (double)s.amax);
+    float *rstd = (float *)host_copy_of(d_rstd, N * sizeof(float)), *rstd_unstored = (float *)host_copy_of(d_rstd_unstored, N * sizeof(float));
+    snprintf(name, sizeof name, "%s: the norm with no output writes the same rstd", label);
+    check_close(name, rstd_unstored, rstd, N, 0.0, 0.0);
+
+    rmsnorm_output_cast(fused.codes, fused.codes_t, fused.slot, group16 ? d_unread : d_sum, d_copy, d_rstd_unstored,
+                        d_weight, N, C, 0);
+    fp8_quantize(stored.codes, stored.codes_t, stored.slot, d_norm, N, C, FP8_E4M3, 0);
+    check_cast(label, fused, stored, d_norm, N, C, FP8_E4M3_MAX);
+
+    free_cast_outputs(fused);
+    free_cast_outputs(stored);
+    if (group16) free_device_groups(d_copy);
+    bf16 *device_buffers[] = {d_residual, d_branch, d_weight, d_sum, d_norm, d_unread};
+    for (size_t i = 0; i < sizeof device_buffers / sizeof device_buffers[0]; i++) cudaCheck(cudaFree(device_buffers[i]));
+    cudaCheck(cudaFree(d_rstd));
+    cudaCheck(cudaFree(d_rstd_unstored));
+    free(residual), free(branch), free(weight), free(rstd), free(rstd_unstored);
+}
+
 int main(void) {
     cudaCheck(cudaSetDevice(0));
 
@@ -545,5 +593,9 @@ int main(void) {
 
     test_swiglu_casts(80, 352);     // partial 64 x 64 tiles in both directions
     test_swiglu_casts(2048, 5632);  // many tiles
+    for (int group16 = 0; group16 < 2; group16++) {
+        test_rmsnorm_output_cast(80, 352, group16);    // partial tiles
+        test_rmsnorm_output_cast(2048, 2048, group16);
+    }
     return check_summary("test_fp8_kernels");
 }

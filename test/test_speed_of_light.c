@@ -94,13 +94,22 @@ static void check_coat(void) {
     check_value("coat qkv forward: SoL ms at the FP8 peak", sol_ms(qkv), 1e3 * qkv->flops / 1979e12);
     check_value("coat classifier stays at the BF16 peak", sol_ms(op(&t, "classifier (lm_head + cross-entropy)")),
                 1e3 * 2 * 3 * 2 * N * H * V / 989e12);
-    // The first norm reads the BF16 residual, writes its 1x16 copy (codes and a BF16 scale per 16), y, rstd.
-    check_value("coat rmsnorm forward: x, its 1x16 copy, y, rstd, weight per micro-batch", op(&t, "rmsnorm forward")->bytes,
-                2 * (2 * N * H + (N * H + 2 * N * H / 16) + 2 * N * H + 4 * N + 2 * H));
-    check_value("coat input casts: qkv, attention output, gate_up per layer and micro-batch",
-                op(&t, "fp8 cast of a linear input (+ saved transpose)")->calls, 2 * 3 * L);
-    check_value("coat input casts' bytes (transposes saved but the attention output's)",
-                op(&t, "fp8 cast of a linear input (+ saved transpose)")->bytes, 2 * L * N * (4 * H + 3 * H + 4 * H));
+    // The first norm reads the BF16 residual, writes its 1x16 copy (codes and a BF16 scale per 16)
+    // and rstd; no y: the cast recomputes it from the copy.
+    double copy = N * H + 2 * N * H / 16;
+    check_value("coat rmsnorm forward: x, its 1x16 copy, rstd, weight per micro-batch", op(&t, "rmsnorm forward")->bytes,
+                2 * (2 * N * H + copy + 4 * N + 2 * H));
+    check_value("coat residual + rmsnorm forward: x, branch, sum, the sum's copy, rstd, weight; the final norm's y",
+                op(&t, "residual + rmsnorm forward")->bytes,
+                2 * (2 * L * (3 * 2 * N * H + 4 * N + 2 * H) + (2 * L - 1) * copy + 2 * N * H));
+    check_value("coat norm output casts: qkv and gate_up inputs per layer and micro-batch",
+                op(&t, "rmsnorm output: fp8 cast (+ saved transpose)")->calls, 2 * 2 * L);
+    check_value("coat norm output casts' bytes: the copy, rstd, weight read, codes and transposes written",
+                op(&t, "rmsnorm output: fp8 cast (+ saved transpose)")->bytes, 2 * 2 * L * (copy + 4 * N + 2 * H + 2 * N * H));
+    check_value("coat input casts: the attention output per layer and micro-batch",
+                op(&t, "fp8 cast of a linear input (+ saved transpose)")->calls, 2 * L);
+    check_value("coat input casts' bytes (no transpose saved for the attention output)",
+                op(&t, "fp8 cast of a linear input (+ saved transpose)")->bytes, 2 * L * N * 3 * H);
     check_value("coat swiglu forward cast: once per layer and micro-batch",
                 op(&t, "swiglu forward: fp8 cast (+ saved transpose)")->calls, 2 * L);
     check_value("coat weights cast once per step, not per micro-batch",
