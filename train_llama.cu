@@ -1140,8 +1140,9 @@ static void report_allocation(Trainer *t) {
     memory_plan_compute(&plan, t->c, t->comm->world, t->c->micro_batch_size);
     size_t allocated = model_allocated_bytes(&t->model) + adamw_allocated_bytes(&t->opt) + t->gpu.cublaslt_workspace_bytes +
                        t->zero.allocated_bytes;
-    size_t planned = plan.total_bytes + (t->model.attention_ds ? plan.attention_ds_bytes : 0) +
-                     (t->model.fp8_weight_transposes ? plan.weight_transposes_bytes : 0);
+    OptionalBuffers taken = {t->model.attention_ds != NULL, t->model.attention_out_t != NULL,
+                             t->model.fp8_weight_transposes != NULL};
+    size_t planned = plan.total_bytes + memory_plan_optional_bytes(&plan, taken);
     double differ = allocated != planned;
     if (differ)
         fprintf(stderr, "warning: rank %d allocated %zu bytes on the GPU, its memory plan %zu\n", t->comm->rank, allocated,
@@ -1150,9 +1151,10 @@ static void report_allocation(Trainer *t) {
         collectives_all_reduce_sum_f64(&t->zero.collectives, &differ, 1, t->gpu.stream, "the memory plan check's all-reduce");
     if (t->comm->rank != 0) return;
     if (differ == 0)
-        printf("GPU memory allocated: %.3f GiB per rank, each rank's plan byte for byte%s%s\n", gib(allocated),
-               t->model.attention_ds ? " (with the attention dS buffer)" : "",
-               t->model.fp8_weight_transposes ? " (with every layer's W^T)" : "");
+        printf("GPU memory allocated: %.3f GiB per rank, each rank's plan byte for byte%s%s%s\n", gib(allocated),
+               taken.attention_ds ? " (with the attention dS buffer)" : "",
+               taken.attention_out_t ? " (with the attention output's transposes)" : "",
+               taken.weight_transposes ? " (with every layer's W^T)" : "");
     else printf("GPU memory allocated: %.3f GiB on rank 0, %d rank(s) differ from their plan\n", gib(allocated), (int)differ);
 }
 
@@ -1169,8 +1171,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     check_gpu(&t->gpu, comm, parser);
     size_t budget = gpu_memory_budget(c);
     MemoryPlan memory = refuse_unless_fits(parser, ranks, budget, "free GPU memory");
-    int attention_ds, weight_transposes;
-    memory_plan_optional(&memory, budget, &attention_ds, &weight_transposes);
+    OptionalBuffers optional = memory_plan_optional(&memory, budget);
 
     ParamLayout layout;
     param_layout_init(&layout, &c->model);
@@ -1181,7 +1182,7 @@ static void trainer_create(Trainer *t, ConfigParser *parser, const Comm *comm) {
     ParamLayout buffers;
     zero_model_layout(plan, &c->model, &buffers);
     model_create_sized(&t->model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), &buffers,
-                       zero_grads_elems(plan), zero_layers_gathered(plan), attention_ds, weight_transposes);
+                       zero_grads_elems(plan), zero_layers_gathered(plan), optional);
     CollectivesBackend backend = c->comm_backend == COMM_MPI ? COLLECTIVES_MPI : COLLECTIVES_NCCL;
     if (zero_attach(&t->zero, plan, comm, &t->model, t->gpu.stream, backend, c->collective_timeout_s, error,
                     sizeof(error)) != 0)
@@ -1340,6 +1341,7 @@ static void profile_speed_of_light(const Trainer *t, SolTable *table) {
     run.casts_from_master = m->precision.weights_from_master;
     run.weights_amax_in_step = t->opt.amax != NULL;
     run.casts_weight_transposes = run.casts_weights && m->fp8_weight_transposes != NULL;
+    run.keeps_attention_out_t = m->attention_out_t != NULL;
     // as model_backward decides
     run.transposes_weights = m->precision.fp8_gemms && !model_fp8_weights_in_buckets(m) && !m->fp8_weight_transposes;
     run.params_written_elems = 0;

@@ -8,7 +8,7 @@
 // ZeRO-3 16P/N (14P/N with one micro-batch per step: a BF16 gradient shard) plus the two bucket
 // buffers, the embedding's and the tail's BF16 (and with FP8 GEMMs the layers' norms) on every
 // rank, and two gather slots of the largest bucket of layers (with FP8 GEMMs E4M3, and the room
-// for one bucket's transposes) in place of every layer's working weights. Two optional buffers
+// for one bucket's transposes) in place of every layer's working weights. Three optional buffers
 // are not in the total: the trainer takes them where they fit beside it (memory_plan_optional).
 #pragma once
 #include <stdio.h>
@@ -109,8 +109,14 @@ typedef struct {
     size_t gather_bytes;       // ZeRO-3: the gather slots of the buckets of layers (coat/zero.h)
     size_t total_bytes;
     size_t attention_ds_bytes; // not in total_bytes: taken where it fits beside them (attention_ds_plan_bytes)
-    size_t weight_transposes_bytes;  // nor this: taken where it also fits (weight_transposes_plan_bytes)
+    size_t attention_out_t_bytes;    // nor these: taken where they also fit (attention_out_t_plan_bytes,
+    size_t weight_transposes_bytes;  // weight_transposes_plan_bytes)
 } MemoryPlan;
+
+// Which of the optional buffers a model has (memory_plan_optional).
+typedef struct {
+    int attention_ds, attention_out_t, weight_transposes;
+} OptionalBuffers;
 
 // The attention backward's optional buffer at head_dim 128: dS^T of one layer in BF16, in the 64 x 64
 // tiles on and below the diagonal of each (sequence, query head) (coat/attention.cuh,
@@ -120,6 +126,14 @@ static inline size_t attention_ds_plan_bytes(const ModelShape *m, int micro_batc
     if (model_head_dim(m) != 128) return 0;
     size_t tiles = ((size_t)seq_len + 63) / 64;
     return (size_t)micro_batch_size * (size_t)m->n_heads * tiles * (tiles + 1) / 2 * 64 * 64 * 2;
+}
+
+// With FP8 GEMMs: every layer's E4M3 transpose of the attention output [NH hd, tokens], the
+// out-projection's weight-gradient operand. The output itself stays BF16 (the attention backward
+// reads it); given these, the forward's cast writes the transpose beside the codes and the
+// backward does not remake it from the BF16 output (the same codes either way).
+static inline size_t attention_out_t_plan_bytes(const ModelShape *m, int fp8_gemms, size_t tokens) {
+    return fp8_gemms ? (size_t)m->n_layers * tokens * (size_t)m->n_heads * model_head_dim(m) : 0;
 }
 
 // With FP8 GEMMs and the layers' E4M3 weights among the working buffers: the W^T codes of every
@@ -188,17 +202,32 @@ static inline void memory_plan_compute(MemoryPlan *plan, const TrainConfig *c, i
     plan->total_bytes = plan->params_bytes + plan->grads_bytes + plan->master_bytes + plan->states_bytes +
                         plan->activations_bytes + plan->working_bytes + plan->gather_bytes;
     plan->attention_ds_bytes = attention_ds_plan_bytes(m, micro_batch_size, c->seq_len);
+    plan->attention_out_t_bytes = attention_out_t_plan_bytes(m, config_fp8_gemms(c), tokens);
     plan->weight_transposes_bytes = weight_transposes_plan_bytes(m, config_fp8_gemms(c), layers_gathered);
 }
 
-// What of the optional buffers fits beside the plan's total in budget_bytes: the attention dS
-// first (more time saved per byte), then the weight transposes.
-static inline void memory_plan_optional(const MemoryPlan *plan, size_t budget_bytes, int *attention_ds,
-                                        int *weight_transposes) {
+// Whether `bytes` (0: not planned) fit beside *used in budget_bytes; if so they are taken.
+static inline int memory_plan_take(size_t bytes, size_t *used, size_t budget_bytes) {
+    if (bytes == 0 || *used + bytes > budget_bytes) return 0;
+    *used += bytes;
+    return 1;
+}
+
+// What of the optional buffers fits beside the plan's total in budget_bytes, in the order of the
+// time each saves per byte: the attention dS, the attention output's transposes, the weights'.
+static inline OptionalBuffers memory_plan_optional(const MemoryPlan *plan, size_t budget_bytes) {
     size_t used = plan->total_bytes;
-    *attention_ds = plan->attention_ds_bytes > 0 && used + plan->attention_ds_bytes <= budget_bytes;
-    if (*attention_ds) used += plan->attention_ds_bytes;
-    *weight_transposes = plan->weight_transposes_bytes > 0 && used + plan->weight_transposes_bytes <= budget_bytes;
+    OptionalBuffers o;
+    o.attention_ds = memory_plan_take(plan->attention_ds_bytes, &used, budget_bytes);
+    o.attention_out_t = memory_plan_take(plan->attention_out_t_bytes, &used, budget_bytes);
+    o.weight_transposes = memory_plan_take(plan->weight_transposes_bytes, &used, budget_bytes);
+    return o;
+}
+
+// The bytes of the optional buffers `o` takes.
+static inline size_t memory_plan_optional_bytes(const MemoryPlan *plan, OptionalBuffers o) {
+    return (o.attention_ds ? plan->attention_ds_bytes : 0) + (o.attention_out_t ? plan->attention_out_t_bytes : 0) +
+           (o.weight_transposes ? plan->weight_transposes_bytes : 0);
 }
 
 // Largest micro-batch whose plan fits in `budget_bytes` (0 if even 1 does not).
@@ -270,6 +299,9 @@ static inline void memory_plan_print(FILE *out, const MemoryPlan *plan, const Tr
     if (plan->attention_ds_bytes)
         fprintf(out, "  %-22s %9.3f GiB  (attention dS, for a faster backward, where it fits beside the total)\n",
                 "and if free", gib(plan->attention_ds_bytes));
+    if (plan->attention_out_t_bytes)
+        fprintf(out, "  %-22s %9.3f GiB  (every layer's E4M3 transpose of the attention output, where it fits beside those)\n",
+                "and if free", gib(plan->attention_out_t_bytes));
     if (plan->weight_transposes_bytes)
         fprintf(out, "  %-22s %9.3f GiB  (every layer's E4M3 W^T, cast once per step, where it fits beside those)\n",
                 "and if free", gib(plan->weight_transposes_bytes));

@@ -105,6 +105,8 @@ typedef struct {
     size_t attention_ds_bytes;
     uint8_t *fp8_weight_transposes;  // every layer's W^T but the last's where it fit (NULL: remade in backward)
     size_t fp8_weight_transposes_bytes;
+    uint8_t *attention_out_t;      // every layer's E4M3 transpose of the attention output where it fit (NULL: remade in backward)
+    size_t attention_out_t_bytes;
     bf16 *branch;                  // forward: a linear layer's output, then the next norm's output; backward: d(norm out)
     bf16 *d_residual;
     bf16 *wide;                    // backward: the block intermediates' gradients
@@ -200,10 +202,11 @@ static inline const char *model_precision_unsupported(const ModelShape *shape, i
 // (a layout of this shape whose segments data parallelism placed, coat/zero.h; NULL: the
 // parameter order) and grads_elems BF16 gradients (0: as many as parameters); layers_gathered:
 // no buffer holds the layers' working weights, which data parallelism gathers a bucket at a time
-// (ZeRO stage 3) and the hooks find. Exactly the buffers of the memory plan.
+// (ZeRO stage 3) and the hooks find. Exactly the buffers of the memory plan, and the optional ones
+// named in `optional`.
 static inline void model_create_sized(LlamaModel *model, const ModelShape *shape, int B, int T, ModelPrecision precision,
                                       const ParamLayout *buffers, size_t grads_elems, int layers_gathered,
-                                      int attention_ds = 0, int weight_transposes = 0) {
+                                      OptionalBuffers optional = OptionalBuffers{0, 0, 0}) {
     memset(model, 0, sizeof(*model));
     model->shape = *shape;
     model->precision = precision;
@@ -264,10 +267,14 @@ static inline void model_create_sized(LlamaModel *model, const ModelShape *shape
         fail_with("model_create", message);
     }
     model->working = (char *)gpu_alloc(w->total_bytes, "working buffers");
-    model->attention_ds_bytes = attention_ds ? attention_backward_ds_bytes(B, T, shape->n_heads, model_head_dim(shape)) : 0;
+    model->attention_ds_bytes =
+        optional.attention_ds ? attention_backward_ds_bytes(B, T, shape->n_heads, model_head_dim(shape)) : 0;
     if (model->attention_ds_bytes) model->attention_ds = (bf16 *)gpu_alloc(model->attention_ds_bytes, "attention dS");
+    model->attention_out_t_bytes = optional.attention_out_t ? attention_out_t_plan_bytes(shape, precision.fp8_gemms, N) : 0;
+    if (model->attention_out_t_bytes)
+        model->attention_out_t = (uint8_t *)gpu_alloc(model->attention_out_t_bytes, "attention output transposes");
     model->fp8_weight_transposes_bytes =
-        weight_transposes ? weight_transposes_plan_bytes(shape, precision.fp8_gemms, layers_gathered) : 0;
+        optional.weight_transposes ? weight_transposes_plan_bytes(shape, precision.fp8_gemms, layers_gathered) : 0;
     if (model->fp8_weight_transposes_bytes)
         model->fp8_weight_transposes = (uint8_t *)gpu_alloc(model->fp8_weight_transposes_bytes, "weight transposes");
     model->branch = (bf16 *)(model->working + w->branch);
@@ -312,13 +319,15 @@ static inline void model_free(LlamaModel *model) {
     cudaCheck(cudaFree(model->working));
     if (model->attention_ds) cudaCheck(cudaFree(model->attention_ds));
     if (model->fp8_weight_transposes) cudaCheck(cudaFree(model->fp8_weight_transposes));
+    if (model->attention_out_t) cudaCheck(cudaFree(model->attention_out_t));
     free(model->saved);
 }
 
 // Bytes of GPU memory the model allocates (what the memory plan counts for it).
 static inline size_t model_allocated_bytes(const LlamaModel *model) {
     return 2 * (model->params_elems + model->norms_elems + model->grads_elems) + model->activations_bytes +
-           model->working_layout.total_bytes + model->attention_ds_bytes + model->fp8_weight_transposes_bytes;
+           model->working_layout.total_bytes + model->attention_ds_bytes + model->fp8_weight_transposes_bytes +
+           model->attention_out_t_bytes;
 }
 
 static inline void model_create(LlamaModel *model, const ModelShape *shape, int B, int T, ModelPrecision precision) {
@@ -423,10 +432,14 @@ static inline void model_transpose_layer_weights(LlamaModel *model, int layer, c
     }
 }
 
-// The saved FP8 transpose of a linear layer's input (NULL when it is saved in BF16).
+// The saved FP8 transpose of a linear layer's input: the saved tensor, or for the BF16-saved
+// attention output with FP8 GEMMs its transpose where attention_out_t holds them; else NULL.
 static inline uint8_t *linear_saved_input_t(const LlamaModel *model, int layer, Linear which) {
     const SavedTensor *t = model_saved_tensor(model, layer, linear_input_activation(which));
-    return t->storage == STORE_E4M3_TENSOR ? (uint8_t *)t->data : NULL;
+    if (t->storage == STORE_E4M3_TENSOR) return (uint8_t *)t->data;
+    if (which == LINEAR_OUT && model->attention_out_t && model->precision.fp8_gemms)
+        return model->attention_out_t + (size_t)layer * model->B * model->T * linear_shape(model, which).in;
+    return NULL;
 }
 
 // out[N, out] = x W^T, x the layer's input written at linear_input_bf16 (with FP8 GEMMs its amax
@@ -491,8 +504,8 @@ static inline void linear_backward(GpuContext *gpu, LlamaModel *model, int layer
         fp8_quantize(model->fp8_grad, model->fp8_grad_t, grad_slot, dy, N, shape.out, FP8_E5M2, s);
         op_timer_mark(model->timer, "fp8 cast of an output gradient (+ transpose)", s);
     }
-    const uint8_t *x_t = (const uint8_t *)saved->data;
-    if (saved->storage == STORE_BF16) {  // remade from the saved BF16 input with the forward's amax
+    const uint8_t *x_t = linear_saved_input_t(model, layer, which);
+    if (x_t == NULL) {  // remade from the saved BF16 input with the forward's amax
         fp8_quantize(NULL, model->fp8_input, in_slot, (const bf16 *)saved->data, N, shape.in, FP8_E4M3, s);
         op_timer_mark(model->timer, "fp8 transpose of a BF16-saved input", s);
         x_t = model->fp8_input;

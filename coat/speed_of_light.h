@@ -39,6 +39,7 @@ typedef struct {
     int weights_amax_in_step;     // ... with their amax gathered by AdamW's step (no pass of its own)
     int casts_weight_transposes;  // ... writing every layer's W^T beside its W (kept for every backward)
     int transposes_weights;       // backward remakes each layer's W^T from its codes (FP8 GEMMs, not ZeRO stage 3)
+    int keeps_attention_out_t;    // the forward's cast saves the attention output's transpose (FP8 GEMMs)
     size_t params_written_elems;  // BF16 parameters AdamW writes on this GPU (none of the block weights without them)
 } SolRun;
 
@@ -62,7 +63,7 @@ static inline SolRun sol_run_one_gpu(const ModelShape *shape, int B, int T, int 
     ParamLayout layout;
     param_layout_init(&layout, shape);
     SolRun run = {*shape, B, T, micro_batches, fp8_gemms, activations, states,
-                  0, layout.total_padded, 0, fp8_gemms, 0, 0, 0, fp8_gemms, layout.total_padded};
+                  0, layout.total_padded, 0, fp8_gemms, 0, 0, 0, fp8_gemms, 0, layout.total_padded};
     return run;
 }
 
@@ -119,6 +120,7 @@ static inline void sol_add_linears(SolTable *t, const SolRun *r, double per_laye
     for (int i = 0; i < LINEARS; i++) {
         double x = N * in[i], dy = N * out[i];
         int saved_fp8 = !acts_bf16 && i != LINEAR_OUT;  // the attention output is saved in BF16
+        int kept_t = fp8 && i == LINEAR_OUT && r->keeps_attention_out_t;  // ... and its transpose where it fits
         sol_add(t, forward[i], per_layer, 2 * x * out[i], fp8, 0);
         sol_add(t, backward[i], per_layer, 4 * x * out[i], fp8, 0);
         // BF16 GEMMs: an FP8-saved input is cast to its transpose in forward, back to BF16 in backward.
@@ -130,8 +132,8 @@ static inline void sol_add_linears(SolTable *t, const SolRun *r, double per_laye
         // E5M2 and their transposes (gate_up's by swiglu's backward cast).
         int input_cast = fp8 && (!saved_fp8 || acts_bf16);
         sol_add(t, "fp8 cast of a linear input (+ saved transpose)", input_cast ? per_layer : 0, 0, 0,
-                2 * x + x + (saved_fp8 ? x : 0));
-        sol_add(t, "fp8 transpose of a BF16-saved input", fp8 && !saved_fp8 ? per_layer : 0, 0, 0, 3 * x);
+                2 * x + x + (saved_fp8 || kept_t ? x : 0));
+        sol_add(t, "fp8 transpose of a BF16-saved input", fp8 && !saved_fp8 && !kept_t ? per_layer : 0, 0, 0, 3 * x);
         sol_add(t, "fp8 cast of an output gradient (+ transpose)", fp8 && i != LINEAR_GATE_UP ? per_layer : 0, 0, 0,
                 2 * dy + 2 * dy);
     }

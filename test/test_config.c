@@ -442,19 +442,28 @@ static void test_memory_plan(ConfigParser *p) {
     check(b8.weight_transposes_bytes == 31 * layer,
           "llama2-7b in coat plans the W^T of 31 layers of %zu bytes each (got %zu bytes)", layer,
           b8.weight_transposes_bytes);
-    const struct { size_t extra; int ds, transposes; } budgets[] = {
-        {0, 0, 0},
-        {b8.attention_ds_bytes, 1, 0},
-        {b8.weight_transposes_bytes, 1, 0},  // dS first: what is left no longer holds the transposes
-        {b8.attention_ds_bytes + b8.weight_transposes_bytes - 1, 1, 0},
-        {b8.attention_ds_bytes + b8.weight_transposes_bytes, 1, 1},
+    // The attention output's E4M3 transposes: 32 layers x 8 x 2048 tokens x 4096 bytes, taken after dS.
+    check(b8.attention_out_t_bytes == (size_t)32 * 8 * 2048 * 4096,
+          "llama2-7b in coat plans the attention output's transposes, 32 layers of 8 x 2048 x 4096 codes (got %zu bytes)",
+          b8.attention_out_t_bytes);
+    size_t ds = b8.attention_ds_bytes, out_t = b8.attention_out_t_bytes, w_t = b8.weight_transposes_bytes;
+    const struct { size_t extra; int ds, out_t, w_t; } budgets[] = {
+        {0, 0, 0, 0},
+        {ds, 1, 0, 0},
+        {w_t, 1, 1, 0},  // dS first, then the attention output's: what is left no longer holds the W^T
+        {ds + out_t - 1, 1, 0, 0},
+        {ds + out_t, 1, 1, 0},
+        {ds + out_t + w_t - 1, 1, 1, 0},
+        {ds + out_t + w_t, 1, 1, 1},
     };
     for (size_t i = 0; i < sizeof budgets / sizeof budgets[0]; i++) {
-        int ds, transposes;
-        memory_plan_optional(&b8, b8.total_bytes + budgets[i].extra, &ds, &transposes);
-        check(ds == budgets[i].ds && transposes == budgets[i].transposes,
-              "llama2-7b coat with %zu bytes beside the plan takes the dS buffer %d (expected %d), the weight "
-              "transposes %d (expected %d)", budgets[i].extra, ds, budgets[i].ds, transposes, budgets[i].transposes);
+        OptionalBuffers o = memory_plan_optional(&b8, b8.total_bytes + budgets[i].extra);
+        size_t expected = (budgets[i].ds ? ds : 0) + (budgets[i].out_t ? out_t : 0) + (budgets[i].w_t ? w_t : 0);
+        check(o.attention_ds == budgets[i].ds && o.attention_out_t == budgets[i].out_t &&
+                  o.weight_transposes == budgets[i].w_t && memory_plan_optional_bytes(&b8, o) == expected,
+              "llama2-7b coat with %zu bytes beside the plan takes the dS buffer %d (expected %d), the attention "
+              "output's transposes %d (expected %d), the weight transposes %d (expected %d)", budgets[i].extra,
+              o.attention_ds, budgets[i].ds, o.attention_out_t, budgets[i].out_t, o.weight_transposes, budgets[i].w_t);
     }
 }
 

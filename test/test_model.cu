@@ -311,24 +311,34 @@ static int weight_transposes_match(const LlamaModel *model) {
     return match;
 }
 
-// Every layer's W^T kept (model_create_sized's weight_transposes: the cast writes them once per
-// step, the backward remakes none) against the model that remakes one layer's at a time: the same
-// losses and gradients over AdamW steps, bit for bit, and each kept W^T the transpose of its W.
-static void test_weight_transposes_kept(GpuContext *gpu) {
+// An optional buffer kept (model_create_sized's `optional`) against the model without it: the
+// same losses and gradients over 3 AdamW steps, bit for bit. Every layer's W^T kept (the cast
+// writes them once per step, the backward remakes none; each is the transpose of its W), and the
+// attention output's transposes kept (the forward's cast writes them, the backward remakes none),
+// in fp8 (BF16 activations: the forward's cast writes codes and transposes of every linear input
+// but the attention output's) and in coat.
+static void test_transposes_kept(GpuContext *gpu, OptionalBuffers optional, ActivationsChoice activations,
+                                 const char *label) {
     ModelShape shape = small_shape(3);
     int B = 2, T = 64, N = B * T;
     ParamLayout layout;
     param_layout_init(&layout, &shape);
     size_t P = layout.total_padded;
-    ModelPrecision fp8 = {1, ACTS_BF16, 0, 0};
+    ModelPrecision fp8 = {1, activations, 0, 0};
     LlamaModel remade, kept;
     model_create(&remade, &shape, B, T, fp8);
-    model_create_sized(&kept, &shape, B, T, fp8, NULL, 0, 0, 0, 1);
-    check(kept.fp8_weight_transposes != NULL &&
-              kept.fp8_weight_transposes_bytes == weight_transposes_plan_bytes(&shape, 1, 0) &&
-              kept.fp8_weight_transposes_bytes == 2 * linear_layer_weight_elems(&shape),
-          "kept weight transposes: the W^T of every layer but the last allocated as planned (%zu bytes)",
-          kept.fp8_weight_transposes_bytes);
+    model_create_sized(&kept, &shape, B, T, fp8, NULL, 0, 0, optional);
+    if (optional.weight_transposes)
+        check(kept.fp8_weight_transposes != NULL &&
+                  kept.fp8_weight_transposes_bytes == weight_transposes_plan_bytes(&shape, 1, 0) &&
+                  kept.fp8_weight_transposes_bytes == 2 * linear_layer_weight_elems(&shape),
+              "%s: the W^T of every layer but the last allocated as planned (%zu bytes)", label,
+              kept.fp8_weight_transposes_bytes);
+    if (optional.attention_out_t)
+        check(kept.attention_out_t != NULL && kept.attention_out_t_bytes == attention_out_t_plan_bytes(&shape, 1, N) &&
+                  kept.attention_out_t_bytes == (size_t)3 * N * shape.dim,
+              "%s: every layer's transpose of the attention output allocated as planned (%zu bytes)", label,
+              kept.attention_out_t_bytes);
     AdamWConfig ac = {0.9f, 0.95f, 1e-8f, 0.1f, 0, 0};
     AdamW opts[2];
     LlamaModel *models[2] = {&remade, &kept};
@@ -354,15 +364,16 @@ static void test_weight_transposes_kept(GpuContext *gpu) {
         }
         same_losses &= losses[0] == losses[1];
         same_grads &= memcmp(grads[0], grads[1], 2 * P) == 0;
-        transposed &= weight_transposes_match(&kept);
+        if (optional.weight_transposes) transposed &= weight_transposes_match(&kept);
         for (int k = 0; k < 2; k++) {
             adamw_step(&opts[k], models[k]->params, models[k]->grads, 1e-3f, 1.0f, gpu->stream);
             model_weights_changed(models[k]);
         }
     }
-    check(same_losses && same_grads, "kept weight transposes: 3 AdamW steps give the same losses and gradients bit for "
-          "bit (losses %s, gradients %s)", same_losses ? "equal" : "differ", same_grads ? "equal" : "differ");
-    check(transposed, "kept weight transposes: every layer's W^T is the transpose of its W after each step's cast");
+    check(same_losses && same_grads, "%s: 3 AdamW steps give the same losses and gradients bit for bit (losses %s, "
+          "gradients %s)", label, same_losses ? "equal" : "differ", same_grads ? "equal" : "differ");
+    if (optional.weight_transposes)
+        check(transposed, "%s: every layer's W^T is the transpose of its W after each step's cast", label);
     for (int k = 0; k < 2; k++) {
         adamw_free(&opts[k]);
         model_free(models[k]);
@@ -388,7 +399,7 @@ static void test_weights_from_master(GpuContext *gpu) {
     ModelPrecision with_bf16 = {1, ACTS_COAT, 0, 0}, from_master = {1, ACTS_COAT, 0, 1};
     LlamaModel cast, mastered;
     model_create(&cast, &shape, B, T, with_bf16);
-    model_create_sized(&mastered, &shape, B, T, from_master, &buffers, zero_grads_elems(plan), 0, 0, 1);
+    model_create_sized(&mastered, &shape, B, T, from_master, &buffers, zero_grads_elems(plan), 0, OptionalBuffers{0, 0, 1});
     Comm comm;
     memset(&comm, 0, sizeof(comm));
     comm.world = 1;
@@ -526,8 +537,8 @@ static void test_memory_plan_matches_allocation(GpuContext *gpu) {
         adamw_free(&opt);
         model_free(&model);
     }
-    // One head of 128 in coat: the attention backward's optional dS buffer and the W^T of every
-    // layer but the last, as planned, beside the plan.
+    // One head of 128 in coat: the attention backward's optional dS buffer, the attention output's
+    // transposes and the W^T of every layer but the last, as planned, beside the plan.
     {
         c->model.n_heads = c->model.n_kv_heads = 1;
         c->precision = PRECISION_COAT;
@@ -536,16 +547,19 @@ static void test_memory_plan_matches_allocation(GpuContext *gpu) {
         MemoryPlan plan;
         memory_plan_compute(&plan, c, 1, c->micro_batch_size);
         LlamaModel model;
-        model_create_sized(&model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), NULL, 0, 0, 1,
-                           1);
+        OptionalBuffers all = {1, 1, 1};
+        model_create_sized(&model, &c->model, c->micro_batch_size, c->seq_len, model_precision_from_config(c), NULL, 0, 0, all);
         size_t planned_model = plan.params_bytes + plan.grads_bytes + plan.activations_bytes + plan.working_bytes -
-                               CUBLASLT_WORKSPACE_BYTES + plan.attention_ds_bytes + plan.weight_transposes_bytes;
+                               CUBLASLT_WORKSPACE_BYTES + memory_plan_optional_bytes(&plan, all);
+        size_t tokens = (size_t)c->micro_batch_size * c->seq_len;
         check(plan.attention_ds_bytes == (size_t)c->micro_batch_size * 1 * 8192 && model.attention_ds != NULL &&
+                  plan.attention_out_t_bytes == 2 * tokens * 128 && model.attention_out_t != NULL &&
                   plan.weight_transposes_bytes == linear_layer_weight_elems(&c->model) &&
                   model.fp8_weight_transposes != NULL && planned_model == model_allocated_bytes(&model),
-              "head_dim 128, coat: the plan's dS buffer (%zu bytes, one 64 x 64 tile a sequence at T = 64) and one "
-              "layer's W^T (%zu bytes) allocated as planned (%zu planned, %zu allocated)",
-              plan.attention_ds_bytes, plan.weight_transposes_bytes, planned_model, model_allocated_bytes(&model));
+              "head_dim 128, coat: the plan's dS buffer (%zu bytes, one 64 x 64 tile a sequence at T = 64), the "
+              "attention output's transposes (%zu bytes) and one layer's W^T (%zu bytes) allocated as planned (%zu "
+              "planned, %zu allocated)", plan.attention_ds_bytes, plan.attention_out_t_bytes, plan.weight_transposes_bytes,
+              planned_model, model_allocated_bytes(&model));
         model_free(&model);
         c->model = shape;
     }
@@ -605,7 +619,9 @@ int main(int argc, char **argv) {
     test_against_cpu_reference(&gpu);
     test_memory_plan_matches_allocation(&gpu);
     test_weights_from_master(&gpu);
-    test_weight_transposes_kept(&gpu);
+    test_transposes_kept(&gpu, OptionalBuffers{0, 0, 1}, ACTS_BF16, "kept weight transposes");
+    test_transposes_kept(&gpu, OptionalBuffers{0, 1, 0}, ACTS_BF16, "kept attention output transposes, fp8 GEMMs, bf16 activations");
+    test_transposes_kept(&gpu, OptionalBuffers{0, 1, 0}, ACTS_COAT, "kept attention output transposes, coat");
     test_gradients_written_first(&gpu);
     const PrecisionCase cases[] = {
         {"bf16", model_precision_bf16(), LOSS_REL_TOL, 0.02, GRAD_REL_TOL, 0.02},

@@ -135,6 +135,12 @@ static void check_coat(void) {
     speed_of_light_table(&t, &run);
     check_value("coat weights cast with the amax from the step: the master read once",
                 op(&t, "fp8 cast of the weights (once per step)")->bytes, (4 + 1) * weights);
+    run.keeps_attention_out_t = 1;
+    speed_of_light_table(&t, &run);
+    check_value("coat with the attention output's transposes kept: the backward remakes none",
+                op(&t, "fp8 transpose of a BF16-saved input")->calls, 0);
+    check_value("coat with the attention output's transposes kept: the forward's cast writes codes and transposes",
+                op(&t, "fp8 cast of a linear input (+ saved transpose)")->bytes, 2 * L * N * 4 * H);
     check_value("adamw without BF16 block weights: the BF16 parameters written outside the layers only",
                 op(&t, "adamw (after the host's wait)")->bytes, 14 * n + 2 * (2 * V * H + H) + 2 * 2 * 4 * 3 * n / 128 + n / 128);
 }
