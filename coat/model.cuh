@@ -437,7 +437,7 @@ static inline void model_transpose_layer_weights(LlamaModel *model, int layer, c
 static inline uint8_t *linear_saved_input_t(const LlamaModel *model, int layer, Linear which) {
     const SavedTensor *t = model_saved_tensor(model, layer, linear_input_activation(which));
     if (t->storage == STORE_E4M3_TENSOR) return (uint8_t *)t->data;
-    if (which == LINEAR_OUT && model->attention_out_t && model->precision.fp8_gemms)
+    if (which == LINEAR_OUT && model->attention_out_t)  // allocated only with FP8 GEMMs
         return model->attention_out_t + (size_t)layer * model->B * model->T * linear_shape(model, which).in;
     return NULL;
 }
@@ -534,14 +534,17 @@ static inline bf16 *model_residual(const LlamaModel *model, int layer, LayerActi
 }
 
 // With no BF16 norm output (linear_input_bf16 NULL), the FP8 cast of the QKV or gate_up input
-// recomputes it from the norm's input `residual_kind` (its 1x16 copy where saved so), the rstd
-// and the weight, after the norm kernel gathered its amax.
-static inline void norm_output_cast(LlamaModel *model, int layer, Linear which, LayerActivation residual_kind,
-                                    const float *rstd, const bf16 *weight, cudaStream_t s) {
+// recomputes it from the norm's input (its 1x16 copy where saved so), the rstd and the weight,
+// after the norm kernel gathered its amax.
+static inline void norm_output_cast(LlamaModel *model, int layer, Linear which, cudaStream_t s) {
     if (linear_input_bf16(model, layer, which) != NULL) return;
+    bool qkv = which == LINEAR_QKV;  // else gate_up
+    LayerActivation residual_kind = qkv ? ACT_RESIDUAL_IN : ACT_RESIDUAL_MID;
     rmsnorm_output_cast(model->fp8_input, linear_saved_input_t(model, layer, which), linear_input_amax(model, layer, which),
-                        model_residual(model, layer, residual_kind), model_saved_groups(model, layer, residual_kind), rstd,
-                        weight, model->B * model->T, model->shape.dim, s);
+                        model_residual(model, layer, residual_kind), model_saved_groups(model, layer, residual_kind),
+                        model_saved_f32(model, layer, qkv ? ACT_ATTN_RSTD : ACT_MLP_RSTD),
+                        model_param(model, qkv ? PARAM_ATTN_NORM : PARAM_MLP_NORM, layer), model->B * model->T,
+                        model->shape.dim, s);
     op_timer_mark(model->timer, "rmsnorm output: fp8 cast (+ saved transpose)", s);
 }
 
@@ -574,8 +577,7 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
                                    model_residual(model, 0, ACT_RESIDUAL_IN), NULL, model_param(model, PARAM_ATTN_NORM, 0),
                                    N, H, eps, s, model_saved_groups(model, 0, ACT_RESIDUAL_IN),
                                    linear_input_amax(model, 0, LINEAR_QKV)));
-    norm_output_cast(model, 0, LINEAR_QKV, ACT_RESIDUAL_IN, model_saved_f32(model, 0, ACT_ATTN_RSTD),
-                     model_param(model, PARAM_ATTN_NORM, 0), s);
+    norm_output_cast(model, 0, LINEAR_QKV, s);
     for (int l = 0; l < L; l++) {
         bf16 *qkv = model_saved(model, l, ACT_QKV), *attn_out = model_saved(model, l, ACT_ATTN_OUT);
         TIMED("matmul qkv forward", linear_forward(gpu, model, l, LINEAR_QKV, qkv));
@@ -590,8 +592,7 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
                                        model_saved_f32(model, l, ACT_MLP_RSTD), model_residual(model, l, ACT_RESIDUAL_IN),
                                        model->branch, model_param(model, PARAM_MLP_NORM, l), N, H, eps, s,
                                        model_saved_groups(model, l, ACT_RESIDUAL_MID), linear_input_amax(model, l, LINEAR_GATE_UP)));
-        norm_output_cast(model, l, LINEAR_GATE_UP, ACT_RESIDUAL_MID, model_saved_f32(model, l, ACT_MLP_RSTD),
-                         model_param(model, PARAM_MLP_NORM, l), s);
+        norm_output_cast(model, l, LINEAR_GATE_UP, s);
         Fp8Groups gate_up_copy = model_saved_groups(model, l, ACT_GATE_UP);
         bf16 *gate_up = gate_up_copy.codes != NULL ? model->gate_up_working : model_saved(model, l, ACT_GATE_UP);
         TIMED("matmul gate_up forward", linear_forward(gpu, model, l, LINEAR_GATE_UP, gate_up));
@@ -615,9 +616,7 @@ static inline void model_forward(GpuContext *gpu, LlamaModel *model, int backwar
                                        N, H, eps, s,
                                        last ? Fp8Groups{NULL, NULL} : model_saved_groups(model, l + 1, ACT_RESIDUAL_IN),
                                        last ? NULL : linear_input_amax(model, l + 1, LINEAR_QKV)));
-        if (!last)
-            norm_output_cast(model, l + 1, LINEAR_QKV, ACT_RESIDUAL_IN, model_saved_f32(model, l + 1, ACT_ATTN_RSTD),
-                             model_param(model, PARAM_ATTN_NORM, l + 1), s);
+        if (!last) norm_output_cast(model, l + 1, LINEAR_QKV, s);
     }
     if (backward) model_segment_begin(model, 0);  // the lm_head's gradient comes with the loss
     TIMED("classifier (lm_head + cross-entropy)",
