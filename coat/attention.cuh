@@ -29,8 +29,6 @@ static constexpr float ATTENTION_LN2 = 0.6931471805599453f;
 
 // ---- building blocks ------------------------------------------------------------------------------
 
-__device__ __forceinline__ uint32_t shared_address(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
 // 2^x in one instruction; 2^-inf = 0, which is how masked scores vanish.
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;

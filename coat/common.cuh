@@ -105,6 +105,34 @@ __device__ __forceinline__ void store16(T *p, const Vec16<T> &v) { *reinterpret_
 // Brings the line holding p into L2 without waiting for it (no register, no result).
 __device__ __forceinline__ void prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
+// A shared-memory pointer as the 32-bit address that PTX's shared-memory instructions take.
+__device__ __forceinline__ uint32_t shared_address(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// 16 bytes from global to shared memory without a trip through registers; when valid is false
+// nothing is read and the 16 bytes are zero-filled. cp_async_8 and cp_async_4 copy 8 and 4 (both
+// addresses aligned to their size).
+__device__ __forceinline__ void cp_async_16(void *smem, const void *gmem, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(smem)),
+                 "l"(__cvta_generic_to_global(gmem)), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_8(void *smem, const void *gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(shared_address(smem)), "l"(__cvta_generic_to_global(gmem))
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_4(void *smem, const void *gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(shared_address(smem)), "l"(__cvta_generic_to_global(gmem))
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most PENDING of this thread's committed cp.async groups are still in flight (groups
+// complete in commit order): with a pipeline of STAGES tiles, the current one has landed once the
+// STAGES - 2 issued after it are all that may remain.
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait_pending() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
 __device__ __forceinline__ float warp_sum(float x) {
     for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
     return x;

@@ -156,15 +156,11 @@ __device__ __forceinline__ void rmsnorm_input8(float x[8], uint4 raw) {
 // vectors t, t + blockDim.x, ... (VECS of them), keeps their weights and its dw partial sums in
 // registers, and writes the block's dw partial to dweight_partial[blockIdx.x, C].
 // The input x is BF16 (in) or 1x16 E4M3 (in_groups, GROUP16). With AMAX, max |din| after the
-// add goes to din_amax. Each row waits on its loads and on a block barrier, so what sets the speed
-// is how many rows are in flight: with one vector per thread, registers are held to 64 (two
-// blocks of 512 threads) so that four blocks of 256 threads (C = 2048) fit on an SM and the 512
-// blocks of N = 32768 rows run in one wave (at 80 registers, three fit: two waves); and each row
-// prefetches the next one into L2. The row's x, dy, din and the weights stay packed as loaded and
-// are converted where used (x twice): held as floats they spilled at 64 registers, and the pass
-// ran 1.28x (BF16 x) and 1.36x (1x16 x) slower at llama-1b's size.
+// add goes to din_amax. This form runs the rows wider than one vector a thread (C above 4096);
+// each row waits on its loads and on a block barrier, and prefetches the next row into L2. The
+// row's x, dy, din and the weights stay packed as loaded and are converted where used.
 template <int VECS, bool GROUP16, bool AMAX>
-__global__ void __launch_bounds__(RMSNORM_BACKWARD_MAX_THREADS, VECS == 1 ? 2 : 1)
+__global__ void __launch_bounds__(RMSNORM_BACKWARD_MAX_THREADS)
     rmsnorm_backward_kernel(bf16 *din, float *dweight_partial, Fp8Scale *din_amax, const bf16 *dout, const bf16 *in,
                             Fp8Groups in_groups, const bf16 *weight, const float *rstd, int N, int C) {
     __shared__ float slots[2][32];
@@ -239,6 +235,112 @@ __global__ void __launch_bounds__(RMSNORM_BACKWARD_MAX_THREADS, VECS == 1 ? 2 : 
         float4 *dst = reinterpret_cast<float4 *>(partial + vec * 8);
         dst[0] = make_float4(dw[j][0], dw[j][1], dw[j][2], dw[j][3]);
         dst[1] = make_float4(dw[j][4], dw[j][5], dw[j][6], dw[j][7]);
+    }
+    if (AMAX) fp8_block_amax(din_amax, din_max);
+}
+
+// The backward with one vector per thread (C up to 8 x 512), staged: each thread copies what it
+// reads of a row (dy, din, and x: its 16-byte vector, or its 8 codes and the 4-byte word that
+// holds its group's scale) into its own slots of RMSNORM_BACKWARD_STAGES row stages in shared
+// memory with cp.async, STAGES - 1 rows ahead of the row it computes. The rows' loads no longer
+// wait one after the other behind the block's reduction, and no register holds a row across it.
+// A thread reads only the slots it filled: waiting on its own copies needs no barrier. Registers
+// are held to 64 (two blocks of 512 threads an SM) so that four blocks of 256 threads (C = 2048)
+// fit on an SM and the 512 blocks of N = 32768 rows run in one wave. 4 stages measured no faster.
+#define RMSNORM_BACKWARD_STAGES 3
+#define RMSNORM_BACKWARD_SLOTS 3  // a thread's slots per stage: x, dy, din
+
+// This thread's copies of `row` into `slots` (its x, dy and din slots of one stage).
+template <bool GROUP16>
+__device__ __forceinline__ void rmsnorm_backward_stage(uint4 *slots, int stride, int row, const bf16 *din,
+                                                       const bf16 *dout, const bf16 *in, Fp8Groups in_groups, int N,
+                                                       int C) {
+    size_t at = (size_t)row * C + threadIdx.x * 8;
+    if (GROUP16) {
+        size_t scale = (size_t)row * (C / FP8_GROUP) + threadIdx.x / 2;
+        cp_async_8(&slots[0], in_groups.codes + at);
+        if ((scale | 1) < (size_t)N * (C / FP8_GROUP))
+            cp_async_4(&slots[0].z, in_groups.scales + (scale & ~(size_t)1));  // the pair of scales that holds it
+        else  // the last scale, alone in its pair: no read past the array
+            slots[0].z = __bfloat16_as_ushort(in_groups.scales[scale]);
+    } else {
+        cp_async_16(&slots[0], in + at, true);
+    }
+    cp_async_16(&slots[stride], dout + at, true);
+    cp_async_16(&slots[2 * stride], din + at, true);
+}
+
+template <bool GROUP16, bool AMAX>
+__global__ void __launch_bounds__(RMSNORM_BACKWARD_MAX_THREADS, 2)
+    rmsnorm_backward_staged_kernel(bf16 *din, float *dweight_partial, Fp8Scale *din_amax, const bf16 *dout,
+                                   const bf16 *in, Fp8Groups in_groups, const bf16 *weight, const float *rstd, int N,
+                                   int C) {
+    extern __shared__ uint4 staged[];  // [STAGES][SLOTS][blockDim.x]
+    __shared__ float slots[2][32];
+    int vec = threadIdx.x, stride = blockDim.x;
+    bool has = vec < C / 8;  // past the row: x = 0 and dy = 0 add nothing
+    int row_begin = blockIdx.x * RMSNORM_BACKWARD_ROWS_PER_BLOCK;
+    int row_end = min(row_begin + RMSNORM_BACKWARD_ROWS_PER_BLOCK, N);
+    auto stage_slots = [&](int k) { return staged + (size_t)(k % RMSNORM_BACKWARD_STAGES) * RMSNORM_BACKWARD_SLOTS * stride + vec; };
+
+    for (int k = 0; k < RMSNORM_BACKWARD_STAGES - 1; k++) {  // a commit per stage, empty or not, keeps the count
+        if (has && row_begin + k < row_end)
+            rmsnorm_backward_stage<GROUP16>(stage_slots(k), stride, row_begin + k, din, dout, in, in_groups, N, C);
+        cp_async_commit();
+    }
+    Vec16<bf16> w;
+    float dw[8];
+    float din_max = 0.0f;
+    for (int k = 0; k < 8; k++) {
+        w[k] = __float2bfloat16(0.0f);
+        dw[k] = 0.0f;
+    }
+    if (has) w = load16(weight + vec * 8);
+
+    for (int row = row_begin, k = 0; row < row_end; row++, k++) {
+        int ahead = row + RMSNORM_BACKWARD_STAGES - 1;
+        if (has && ahead < row_end)
+            rmsnorm_backward_stage<GROUP16>(stage_slots(k + RMSNORM_BACKWARD_STAGES - 1), stride, ahead, din, dout, in,
+                                            in_groups, N, C);
+        cp_async_commit();
+        cp_async_wait_pending<RMSNORM_BACKWARD_STAGES - 1>();  // this row's copies have landed
+        const uint4 *mine = stage_slots(k);
+        uint4 x_raw = make_uint4(0u, 0u, 0u, 0u);
+        Vec16<bf16> dyv, din_old;
+        for (int j = 0; j < 8; j++) dyv[j] = din_old[j] = __float2bfloat16(0.0f);
+        if (has) {
+            x_raw = mine[0];
+            dyv = *reinterpret_cast<const Vec16<bf16> *>(&mine[stride]);
+            din_old = *reinterpret_cast<const Vec16<bf16> *>(&mine[2 * stride]);
+            if (GROUP16) {  // the scale's half of the word, as rmsnorm_input8 takes it
+                uint32_t pair = x_raw.z;
+                bool high = ((size_t)row * (C / FP8_GROUP) + vec / 2) % 2;  // the scale's place in its pair
+                uint16_t bits = (uint16_t)(high ? pair >> 16 : pair & 0xffffu);
+                x_raw.z = __float_as_uint(__bfloat162float(__ushort_as_bfloat16(bits)));
+            }
+        }
+        float row_rstd = rstd[row];
+        float x[8], dot = 0.0f;  // this thread's part of sum(g * xhat)
+        rmsnorm_input8<GROUP16>(x, x_raw);
+        for (int j = 0; j < 8; j++) dot += __bfloat162float(dyv[j]) * __bfloat162float(w[j]) * (x[j] * row_rstd);
+        float mean_dot = block_sum_deterministic(dot, slots[row & 1]) / (float)C;
+        if (!has) continue;
+        Vec16<bf16> din_new;
+        for (int j = 0; j < 8; j++) {
+            float xhat = x[j] * row_rstd, dy = __bfloat162float(dyv[j]);
+            float g = dy * __bfloat162float(w[j]);
+            float grad = row_rstd * (g - xhat * mean_dot);
+            din_new[j] = __float2bfloat16(__bfloat162float(din_old[j]) + grad);
+            if (AMAX) din_max = fp8_abs_max(din_max, __bfloat162float(din_new[j]));
+            dw[j] += dy * xhat;
+        }
+        store16(din + (size_t)row * C + vec * 8, din_new);
+    }
+
+    if (has) {
+        float4 *dst = reinterpret_cast<float4 *>(dweight_partial + (size_t)blockIdx.x * C + vec * 8);
+        dst[0] = make_float4(dw[0], dw[1], dw[2], dw[3]);
+        dst[1] = make_float4(dw[4], dw[5], dw[6], dw[7]);
     }
     if (AMAX) fp8_block_amax(din_amax, din_max);
 }
@@ -338,6 +440,18 @@ static inline void rmsnorm_backward_launch(int blocks, int threads, cudaStream_t
     cudaCheckLaunch();
 }
 
+static inline void rmsnorm_backward_staged_launch(int blocks, int threads, cudaStream_t stream, bf16 *din, float *scratch,
+                                                  Fp8Scale *din_amax, const bf16 *dout, const bf16 *in,
+                                                  Fp8Groups in_groups, const bf16 *weight, const float *rstd, int N, int C) {
+    size_t smem = (size_t)RMSNORM_BACKWARD_STAGES * RMSNORM_BACKWARD_SLOTS * threads * sizeof(uint4);
+    launch_with_flags(in_groups.codes != NULL, din_amax != NULL, [&](auto GROUP16, auto AMAX) {
+        auto kernel = rmsnorm_backward_staged_kernel<decltype(GROUP16)::value, decltype(AMAX)::value>;
+        cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        kernel<<<blocks, threads, smem, stream>>>(din, scratch, din_amax, dout, in, in_groups, weight, rstd, N, C);
+    });
+    cudaCheckLaunch();
+}
+
 // din += dx (read once, added in FP32, written once: din is the residual-stream gradient);
 // dweight += dw (= dw without accumulate). The input x is `in` (BF16), or in_groups when its codes
 // are set (1x16 E4M3, C a multiple of 16). din_amax (optional) gathers max |din| after the add.
@@ -356,8 +470,8 @@ static inline void rmsnorm_backward(bf16 *din, bf16 *dweight, float *scratch, co
     if (in_groups.codes != NULL && C % FP8_GROUP != 0) fail_with("rmsnorm_backward", "C must be a multiple of 16 for 1x16 groups");
     int blocks = ceil_div(N, RMSNORM_BACKWARD_ROWS_PER_BLOCK);
     if (vecs_per_row <= RMSNORM_BACKWARD_MAX_THREADS)
-        rmsnorm_backward_launch<1>(blocks, ceil_div(vecs_per_row, 32) * 32, stream, din, scratch, din_amax, dout, in,
-                                   in_groups, weight, rstd, N, C);
+        rmsnorm_backward_staged_launch(blocks, ceil_div(vecs_per_row, 32) * 32, stream, din, scratch, din_amax, dout, in,
+                                       in_groups, weight, rstd, N, C);
     else
         rmsnorm_backward_launch<2>(blocks, ceil_div(ceil_div(vecs_per_row, 2), 32) * 32, stream, din, scratch, din_amax,
                                    dout, in, in_groups, weight, rstd, N, C);

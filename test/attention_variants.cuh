@@ -36,22 +36,6 @@
 
 // ---- mma.sync building blocks -----------------------------------------------------------------------
 
-// 16 bytes from global to shared memory without a trip through registers; when valid is false
-// nothing is read and the 16 bytes are zero-filled.
-__device__ __forceinline__ void cp_async_16(void *smem, const void *gmem, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(smem)),
-                 "l"(__cvta_generic_to_global(gmem)), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most PENDING of this thread's committed cp.async groups are still in flight (groups
-// complete in commit order): with a pipeline of STAGES tiles, the current one has landed once the
-// STAGES - 2 issued after it are all that may remain.
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait_pending() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
-}
-
 // Four 8x8 BF16 matrices from shared memory: lane l gives the address of row l % 8 of matrix l / 8
 // and receives, in r[i], elements (l / 4, 2 (l % 4) + {0, 1}) of matrix i (transposed: the
 // elements (2 (l % 4) + {0, 1}, l / 4)), which is the mma fragment layout.

@@ -584,6 +584,8 @@ int main(void) {
 
     test_rmsnorm_backward(37, 352);
     test_rmsnorm_backward(130, 2048);  // three blocks of rows, the last partial
+    test_rmsnorm_backward(71, 368);    // an odd number of groups a row, and in all: scales mid-word, the last alone
+    test_rmsnorm_backward(66, 4096);   // 512 threads a block (llama2-7b's dim)
     test_rmsnorm_backward(64, 8000);   // two vectors per thread
 
     test_swiglu_forward(37, 352);

@@ -604,6 +604,7 @@ int main(void) {
     test_rmsnorm_backward(257, 768);
     test_rmsnorm_backward(33, 1000);
     test_rmsnorm_backward(130, 8000);  // two vectors per thread
+    test_rmsnorm_backward(66, 4096);   // 512 threads a block (llama2-7b's dim)
     test_rmsnorm_backward(1, 8);
 
     test_rope_table(37, 64, 0);
