@@ -468,6 +468,8 @@ static inline void rmsnorm_backward(bf16 *din, bf16 *dweight, float *scratch, co
         exit(EXIT_FAILURE);
     }
     if (in_groups.codes != NULL && C % FP8_GROUP != 0) fail_with("rmsnorm_backward", "C must be a multiple of 16 for 1x16 groups");
+    if (in_groups.codes != NULL && ((uintptr_t)in_groups.scales & 3u) != 0)  // the staged copies read scales in pairs
+        fail_with("rmsnorm_backward", "the 1x16 scales must be 4-byte aligned");
     int blocks = ceil_div(N, RMSNORM_BACKWARD_ROWS_PER_BLOCK);
     if (vecs_per_row <= RMSNORM_BACKWARD_MAX_THREADS)
         rmsnorm_backward_staged_launch(blocks, ceil_div(vecs_per_row, 32) * 32, stream, din, scratch, din_amax, dout, in,
