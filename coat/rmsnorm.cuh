@@ -20,6 +20,12 @@
 #define RMSNORM_DWEIGHT_COLUMNS 32             // dw reduction block: 32 columns x 16 slices
 #define RMSNORM_DWEIGHT_SLICES 16
 
+// One output of the norm as stored: x rstd w rounded to BF16. The forward and the FP8 cast that
+// recomputes it (RmsnormOutputSource) share it, so that both give the same bits.
+__device__ __forceinline__ bf16 rmsnorm_output(float x, float rstd, bf16 w) {
+    return __float2bfloat16(x * rstd * __bfloat162float(w));
+}
+
 // residual_out = bf16(residual_in + branch), then RMSNorm of the ROUNDED sum: the backward
 // pass only sees the stored residual, so the forward must normalize exactly that. With GROUP16
 // the stored residual is its 1x16 E4M3 copy (residual_copy), and the norm reads the copy back.
@@ -86,7 +92,7 @@ __global__ void __launch_bounds__(RMSNORM_FORWARD_THREADS)
             Vec16<bf16> w = load16(weight + c);
             Vec16<bf16> o;
             for (int k = 0; k < 8; k++) {
-                o[k] = __float2bfloat16(s[k] * row_rstd * __bfloat162float(w[k]));
+                o[k] = rmsnorm_output(s[k], row_rstd, w[k]);
                 if (AMAX) out_max = fp8_abs_max(out_max, __bfloat162float(o[k]));
             }
             if (norm_out != NULL) store16(norm_out + row_offset + c, o);
@@ -403,7 +409,7 @@ struct RmsnormOutputSource {
         }
         float row_rstd = rstd[r];
         Vec16<bf16> w = load16(weight + c);
-        for (int k = 0; k < 8; k++) v[0][k] = __bfloat162float(__float2bfloat16(s[k] * row_rstd * __bfloat162float(w[k])));
+        for (int k = 0; k < 8; k++) v[0][k] = __bfloat162float(rmsnorm_output(s[k], row_rstd, w[k]));
     }
 };
 
