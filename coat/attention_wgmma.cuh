@@ -362,17 +362,26 @@ __device__ __forceinline__ uint64_t wgmma_sw128_descriptor(const char *start, ui
            (uint64_t)(1024 >> 4) << 32 | (uint64_t)1 << 62;
 }
 
+// The descriptor of the operand start moved by bytes (a multiple of 16): one add to the start address
+// field, the low 14 bits, which never carries out of it as shared addresses stay below 2^18 bytes.
+// An issue's k-steps step one descriptor so, instead of building each from its address (about 6
+// integer instructions before every wgmma).
+__device__ __forceinline__ uint64_t wgmma_descriptor_advance(uint64_t descriptor, uint32_t bytes) {
+    return descriptor + (bytes >> 4);
+}
+
 // Issues acc (64 x N) = A B^T as one commit group, A and B K-major swizzled: A the 64 rows from row
 // a_row0 of a tile of a_rows rows, B a whole tile of N rows.
 template <int HEAD_DIM, int N>
 __device__ __forceinline__ void wgmma_issue_a_bt_sw128(float (&acc)[N / 2], const char *a_tile, int a_rows, int a_row0,
                                                        const char *b_tile) {
+    const uint64_t a = wgmma_sw128_descriptor(a_tile + a_row0 * 128, 16), b = wgmma_sw128_descriptor(b_tile, 16);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
-        const int box = kk / 4, within = (kk % 4) * 32;
-        wgmma_m64k16_smem_a<N>(acc, wgmma_sw128_descriptor(a_tile + (box * a_rows + a_row0) * 128 + within, 16),
-                               wgmma_sw128_descriptor(b_tile + box * N * 128 + within, 16), kk > 0);
+        const uint32_t box = kk / 4, within = (kk % 4) * 32;
+        wgmma_m64k16_smem_a<N>(acc, wgmma_descriptor_advance(a, box * a_rows * 128 + within),
+                               wgmma_descriptor_advance(b, box * N * 128 + within), kk > 0);
     }
     wgmma_commit_group();
 }
@@ -382,12 +391,13 @@ __device__ __forceinline__ void wgmma_issue_a_bt_sw128(float (&acc)[N / 2], cons
 template <int N, int K>
 __device__ __forceinline__ void wgmma_issue_add_x_b_sw128(float (&acc)[N / 2], uint32_t (&x)[K / 16][4],
                                                           const char *b_tile) {
+    const uint64_t b = wgmma_sw128_descriptor(b_tile, K * 128);
     wgmma_pin_registers(acc);
     wgmma_pin_registers(x);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < K / 16; kk++)
-        wgmma_m64k16_register_a_mn_b<N>(acc, x[kk], wgmma_sw128_descriptor(b_tile + kk * 2048, K * 128));
+        wgmma_m64k16_register_a_mn_b<N>(acc, x[kk], wgmma_descriptor_advance(b, kk * 2048));
     wgmma_commit_group();
 }
 
@@ -1363,12 +1373,14 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
             if (j <= tile && tile < tiles) {  // warpgroup-uniform
                 const char *tiles_at = smem + stage * Smem::stage_bytes;
                 const char *ds_t = tiles_at + Smem::k_bytes + consumer * Smem::ds_bytes;
+                const uint64_t a = wgmma_sw128_descriptor(ds_t, TILE * 128);
+                const uint64_t b = wgmma_sw128_descriptor(tiles_at, TILE * 128);
                 wgmma_pin_registers(dq_acc);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < TILE / 16; kk++)
-                    wgmma_m64k16_smem_a<HEAD_DIM, 1, 1>(dq_acc, wgmma_sw128_descriptor(ds_t + kk * 2048, TILE * 128),
-                                                        wgmma_sw128_descriptor(tiles_at + kk * 2048, TILE * 128), 1);
+                    wgmma_m64k16_smem_a<HEAD_DIM, 1, 1>(dq_acc, wgmma_descriptor_advance(a, kk * 2048),
+                                                        wgmma_descriptor_advance(b, kk * 2048), 1);
                 wgmma_commit_group();
                 wgmma_wait_pending<0>();
                 wgmma_pin_registers(dq_acc);

@@ -1033,12 +1033,6 @@ __device__ __forceinline__ uint64_t wgmma_descriptor(const bf16 *tile, uint32_t 
            (uint64_t)((mn_adjacent_bytes >> 4) & 0x3FFF) << 32;
 }
 
-// The descriptor of the same tile moved by bytes (a multiple of 16): the address field is the low
-// 14 bits, and shared addresses stay below 2^18 bytes, so the sum never carries out of it.
-__device__ __forceinline__ uint64_t wgmma_descriptor_advance(uint64_t descriptor, uint32_t bytes) {
-    return descriptor + (bytes >> 4);
-}
-
 // Issues acc (64 x N, accumulator layout) = A B^T for one warpgroup as one commit group and returns
 // at once: a_rows its 64 rows and b_rows N rows, both core-matrix tiles HEAD_DIM wide read K-major
 // (K = head_dim); HEAD_DIM / 16 k-steps, the first overwriting acc. acc is only complete after a
