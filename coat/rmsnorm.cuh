@@ -116,12 +116,12 @@ __device__ __forceinline__ float block_sum_deterministic(float value, float *slo
 
 // Asks L2 for what this thread reads of `row` (the next row), without waiting: it arrives while
 // the block reduces the current row, so the row's loads find it in L2 instead of waiting on HBM.
-template <int VECS, bool GROUP16>
+template <bool GROUP16>
 __device__ __forceinline__ void rmsnorm_backward_prefetch(int row, const bf16 *din, const bf16 *dout, const bf16 *in,
                                                           Fp8Groups in_groups, int C) {
     size_t row_offset = (size_t)row * C;
 #pragma unroll
-    for (int j = 0; j < VECS; j++) {
+    for (int j = 0; j < RMSNORM_BACKWARD_MAX_VECS_PER_THREAD; j++) {
         int vec = threadIdx.x + j * blockDim.x;
         if (vec >= C / 8) continue;
         prefetch_l2(dout + row_offset + vec * 8);
@@ -159,16 +159,17 @@ __device__ __forceinline__ void rmsnorm_input8(float x[8], uint4 raw) {
 }
 
 // One block per group of RMSNORM_BACKWARD_ROWS_PER_BLOCK rows; thread t owns the 8-column
-// vectors t, t + blockDim.x, ... (VECS of them), keeps their weights and its dw partial sums in
-// registers, and writes the block's dw partial to dweight_partial[blockIdx.x, C].
+// vectors t and t + blockDim.x, keeps their weights and its dw partial sums in registers, and
+// writes the block's dw partial to dweight_partial[blockIdx.x, C].
 // The input x is BF16 (in) or 1x16 E4M3 (in_groups, GROUP16). With AMAX, max |din| after the
 // add goes to din_amax. This form runs the rows wider than one vector a thread (C above 4096);
 // each row waits on its loads and on a block barrier, and prefetches the next row into L2. The
 // row's x, dy, din and the weights stay packed as loaded and are converted where used.
-template <int VECS, bool GROUP16, bool AMAX>
+template <bool GROUP16, bool AMAX>
 __global__ void __launch_bounds__(RMSNORM_BACKWARD_MAX_THREADS)
     rmsnorm_backward_kernel(bf16 *din, float *dweight_partial, Fp8Scale *din_amax, const bf16 *dout, const bf16 *in,
                             Fp8Groups in_groups, const bf16 *weight, const float *rstd, int N, int C) {
+    constexpr int VECS = RMSNORM_BACKWARD_MAX_VECS_PER_THREAD;
     __shared__ float slots[2][32];
     int vecs_per_row = C / 8;
     int row_begin = blockIdx.x * RMSNORM_BACKWARD_ROWS_PER_BLOCK;
@@ -193,7 +194,7 @@ __global__ void __launch_bounds__(RMSNORM_BACKWARD_MAX_THREADS)
         uint4 x_raw[VECS];
         Vec16<bf16> dyv[VECS], din_old[VECS];  // din loaded before the block reduction so that its latency overlaps it
         float dot = 0.0f;                      // this thread's part of sum(g * xhat)
-        if (row + 1 < row_end) rmsnorm_backward_prefetch<VECS, GROUP16>(row + 1, din, dout, in, in_groups, C);
+        if (row + 1 < row_end) rmsnorm_backward_prefetch<GROUP16>(row + 1, din, dout, in, in_groups, C);
 #pragma unroll
         for (int j = 0; j < VECS; j++) {
             int vec = threadIdx.x + j * blockDim.x;
@@ -435,24 +436,15 @@ static inline size_t rmsnorm_backward_scratch_bytes(int N, int C) {
     return (size_t)ceil_div(N, RMSNORM_BACKWARD_ROWS_PER_BLOCK) * (size_t)C * sizeof(float);
 }
 
-template <int VECS>
-static inline void rmsnorm_backward_launch(int blocks, int threads, cudaStream_t stream, bf16 *din, float *scratch,
-                                           Fp8Scale *din_amax, const bf16 *dout, const bf16 *in, Fp8Groups in_groups,
-                                           const bf16 *weight, const float *rstd, int N, int C) {
+// The staged kernel (one vector a thread) or the unstaged one (two), which take the same arguments.
+static inline void rmsnorm_backward_launch(bool staged, int blocks, int threads, cudaStream_t stream, bf16 *din,
+                                           float *scratch, Fp8Scale *din_amax, const bf16 *dout, const bf16 *in,
+                                           Fp8Groups in_groups, const bf16 *weight, const float *rstd, int N, int C) {
+    size_t smem = staged ? (size_t)RMSNORM_BACKWARD_STAGES * RMSNORM_BACKWARD_SLOTS * threads * sizeof(uint4) : 0;
     launch_with_flags(in_groups.codes != NULL, din_amax != NULL, [&](auto GROUP16, auto AMAX) {
-        rmsnorm_backward_kernel<VECS, decltype(GROUP16)::value, decltype(AMAX)::value>
-            <<<blocks, threads, 0, stream>>>(din, scratch, din_amax, dout, in, in_groups, weight, rstd, N, C);
-    });
-    cudaCheckLaunch();
-}
-
-static inline void rmsnorm_backward_staged_launch(int blocks, int threads, cudaStream_t stream, bf16 *din, float *scratch,
-                                                  Fp8Scale *din_amax, const bf16 *dout, const bf16 *in,
-                                                  Fp8Groups in_groups, const bf16 *weight, const float *rstd, int N, int C) {
-    size_t smem = (size_t)RMSNORM_BACKWARD_STAGES * RMSNORM_BACKWARD_SLOTS * threads * sizeof(uint4);
-    launch_with_flags(in_groups.codes != NULL, din_amax != NULL, [&](auto GROUP16, auto AMAX) {
-        auto kernel = rmsnorm_backward_staged_kernel<decltype(GROUP16)::value, decltype(AMAX)::value>;
-        cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        constexpr bool G = decltype(GROUP16)::value, A = decltype(AMAX)::value;
+        auto kernel = staged ? rmsnorm_backward_staged_kernel<G, A> : rmsnorm_backward_kernel<G, A>;
+        if (staged) cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         kernel<<<blocks, threads, smem, stream>>>(din, scratch, din_amax, dout, in, in_groups, weight, rstd, N, C);
     });
     cudaCheckLaunch();
@@ -477,12 +469,10 @@ static inline void rmsnorm_backward(bf16 *din, bf16 *dweight, float *scratch, co
     if (in_groups.codes != NULL && ((uintptr_t)in_groups.scales & 3u) != 0)  // the staged copies read scales in pairs
         fail_with("rmsnorm_backward", "the 1x16 scales must be 4-byte aligned");
     int blocks = ceil_div(N, RMSNORM_BACKWARD_ROWS_PER_BLOCK);
-    if (vecs_per_row <= RMSNORM_BACKWARD_MAX_THREADS)
-        rmsnorm_backward_staged_launch(blocks, ceil_div(vecs_per_row, 32) * 32, stream, din, scratch, din_amax, dout, in,
-                                       in_groups, weight, rstd, N, C);
-    else
-        rmsnorm_backward_launch<2>(blocks, ceil_div(ceil_div(vecs_per_row, 2), 32) * 32, stream, din, scratch, din_amax,
-                                   dout, in, in_groups, weight, rstd, N, C);
+    bool staged = vecs_per_row <= RMSNORM_BACKWARD_MAX_THREADS;
+    int vecs_per_thread = staged ? 1 : RMSNORM_BACKWARD_MAX_VECS_PER_THREAD;
+    rmsnorm_backward_launch(staged, blocks, ceil_div(ceil_div(vecs_per_row, vecs_per_thread), 32) * 32, stream, din,
+                            scratch, din_amax, dout, in, in_groups, weight, rstd, N, C);
     dim3 reduce_threads(RMSNORM_DWEIGHT_COLUMNS, RMSNORM_DWEIGHT_SLICES);
     rmsnorm_dweight_reduce_kernel<<<ceil_div(C, RMSNORM_DWEIGHT_COLUMNS), reduce_threads, 0, stream>>>(
         dweight, scratch, blocks, C, accumulate);
