@@ -313,14 +313,16 @@ __device__ __forceinline__ char *shared_aligned_1024(unsigned char *smem) {
     return reinterpret_cast<char *>(smem) + ((1024u - (shared_address(smem) & 1023u)) & 1023u);
 }
 
-// The mbarriers of a ring of STAGES stages, bars[0 .. 2 STAGES - 1]: full[STAGES] (one arrival: the
-// producer's, with the bytes), then empty[STAGES] (one arrival per consumer warpgroup).
-template <int STAGES>
+// The mbarriers of RINGS rings of STAGES stages, bars[0 .. 2 STAGES RINGS - 1], per ring full[STAGES]
+// (one arrival: the producer's, with the bytes), then empty[STAGES] (one arrival per consumer
+// warpgroup).
+template <int STAGES, int RINGS = 1>
 __device__ __forceinline__ void tma_ring_init(uint64_t *bars, int consumers) {
-    for (int s = 0; s < STAGES; s++) {
-        mbarrier_init(&bars[s], 1);
-        mbarrier_init(&bars[STAGES + s], consumers);
-    }
+    for (int ring = 0; ring < RINGS; ring++)
+        for (int s = 0; s < STAGES; s++) {
+            mbarrier_init(&bars[2 * STAGES * ring + s], 1);
+            mbarrier_init(&bars[2 * STAGES * ring + STAGES + s], consumers);
+        }
 }
 
 // Rows row0 .. row0 + ROWS - 1 and columns col0 .. col0 + HEAD_DIM - 1 of batch b of a tensor map into
@@ -336,21 +338,30 @@ __device__ __forceinline__ void tma_load_tile(char *tile, const CUtensorMap *map
 // A producer's loop over the K/V tiles 0 .. num_kv_tiles - 1 of kv head kv_head of batch b: tile j into
 // ring position at = ring_first + j, stage at % STAGES of the K and V rings (STAGES tiles of KV rows
 // each, from k_ring and v_ring), once every consumer released the stage's previous tile, completing
-// on full[stage].
+// on full[stage]. With v_full and v_empty the V tiles have barriers of their own, so that a K tile
+// can load once its stage's last K tile is read, while that stage's V tile may still be in use.
 template <int KV, int HEAD_DIM, int STAGES>
 __device__ __forceinline__ void tma_load_kv_tiles(char *k_ring, char *v_ring, const CUtensorMap *qkv_map, int NH,
                                                   int NKV, int kv_head, int b, int num_kv_tiles, uint64_t *full,
-                                                  uint64_t *empty, int ring_first = 0) {
+                                                  uint64_t *empty, int ring_first = 0, uint64_t *v_full = NULL,
+                                                  uint64_t *v_empty = NULL) {
     constexpr size_t TILE_BYTES = (size_t)KV * HEAD_DIM * 2;
+    const bool split = v_full != NULL;
     for (int j = 0; j < num_kv_tiles; j++) {
         const int at = ring_first + j, stage = at % STAGES;
         // Position at - STAGES, the stage's last, released by every consumer (its phase at / STAGES - 1).
         if (at >= STAGES) mbarrier_wait(&empty[stage], (at / STAGES + 1) & 1);
-        mbarrier_arrive_expect_bytes(&full[stage], (uint32_t)(2 * TILE_BYTES));
+        mbarrier_arrive_expect_bytes(&full[stage], (uint32_t)((split ? 1 : 2) * TILE_BYTES));
         tma_load_tile<KV, HEAD_DIM>(k_ring + stage * TILE_BYTES, qkv_map, (NH + kv_head) * HEAD_DIM, j * KV, b,
                                     &full[stage]);
+        uint64_t *v_bar = &full[stage];
+        if (split) {
+            if (at >= STAGES) mbarrier_wait(&v_empty[stage], (at / STAGES + 1) & 1);
+            v_bar = &v_full[stage];
+            mbarrier_arrive_expect_bytes(v_bar, (uint32_t)TILE_BYTES);
+        }
         tma_load_tile<KV, HEAD_DIM>(v_ring + stage * TILE_BYTES, qkv_map, (NH + NKV + kv_head) * HEAD_DIM, j * KV, b,
-                                    &full[stage]);
+                                    v_bar);
     }
 }
 
@@ -463,13 +474,13 @@ __device__ __forceinline__ void attention_blocks_taken(void) {
     }
 }
 
-// Thread 0 initialises the block slots and a ring's mbarriers (tma_ring_init); the whole block waits.
-template <int STAGES>
+// Thread 0 initialises the block slots and the rings' mbarriers (tma_ring_init); the whole block waits.
+template <int STAGES, int RINGS = 1>
 __device__ __forceinline__ void attention_pipeline_init(AttentionBlockSlots *slots, uint64_t *ring_bars,
                                                         int consumers) {
     if (threadIdx.x == 0) {
         attention_slots_init(slots, consumers);
-        tma_ring_init<STAGES>(ring_bars, consumers);
+        tma_ring_init<STAGES, RINGS>(ring_bars, consumers);
         mbarrier_fence_init();
     }
     __syncthreads();
@@ -498,9 +509,10 @@ __device__ __forceinline__ void attention_release_block(AttentionBlockSlots *slo
 }
 
 // A forward variant: K/V tiles of KV keys, CONSUMERS warpgroups of 64 query rows, STAGES K/V stages;
-// with OVERLAP a consumer issues S for its next tile before the softmax of the current one; blocks
-// started in ORDER. PERSISTENT: one block per SM walks the query blocks in that order, taking the
-// next from a counter, so that its next Q and K/V tiles load while it finishes the last.
+// blocks started in ORDER. PERSISTENT: one block per SM walks the query blocks in that order, taking
+// the next from a counter, so that its next Q and K/V tiles load while it finishes the last.
+// OVERLAP: FlashAttention-3's order within a consumer, the softmax of one tile beside the
+// consumer's own O += P V of the tile before (a variant of test/attention_variants.cuh).
 template <int KV, int CONSUMERS, int STAGES, bool OVERLAP = false, AttentionOrder ORDER = ATTENTION_ORDER_GRID,
           bool PERSISTENT = false>
 struct AttentionTmaForwardConfig {
@@ -512,15 +524,16 @@ struct AttentionTmaForwardConfig {
 };
 
 // Shared memory of the TMA forward, in bytes from a 1024-byte aligned start: Q (a buffer per block
-// slot: two when persistent), K stages, V stages, then the mbarriers full[STAGES], empty[STAGES] and
-// the block slots. bytes includes 1024 of slack for the alignment, done by hand (dynamic shared
-// memory is only 16-byte aligned).
-template <int HEAD_DIM, int KV, int CONSUMERS, int STAGES, bool PERSISTENT>
+// slot: two when persistent), K stages, V stages, then the mbarriers of RINGS rings (full[STAGES],
+// empty[STAGES] each: one for the K/V tiles, or one for K and one for V) and the block slots. bytes
+// includes 1024 of slack for the alignment, done by hand (dynamic shared memory is only 16-byte
+// aligned).
+template <int HEAD_DIM, int KV, int CONSUMERS, int STAGES, bool PERSISTENT, int RINGS = 1>
 struct AttentionTmaForwardSmem {
     static constexpr int q_rows = CONSUMERS * WGMMA_WARPGROUP_ROWS, slots = PERSISTENT ? 2 : 1;
     static constexpr size_t q_bytes = (size_t)q_rows * HEAD_DIM * 2, kv_bytes = (size_t)KV * HEAD_DIM * 2;
     static constexpr size_t q = 0, k = slots * q_bytes, v = k + STAGES * kv_bytes, bars = v + STAGES * kv_bytes;
-    static constexpr size_t block_slots = bars + 2 * STAGES * sizeof(uint64_t);
+    static constexpr size_t block_slots = bars + RINGS * 2 * STAGES * sizeof(uint64_t);
     static constexpr size_t bytes = block_slots + sizeof(AttentionBlockSlots) + 1024;
 };
 
@@ -554,13 +567,15 @@ __device__ __forceinline__ AttentionForwardBlock attention_forward_block(int lin
 
 // The producer thread of a pass over query blocks (the forward, the dQ pass): for each block it takes,
 // the block's Q (and dO, where dout_map is given) into the slot's tiles (rows_bytes each, one per
-// slot from q_tiles and dout_tiles), then its K/V tiles into the ring.
+// slot from q_tiles and dout_tiles), then its K/V tiles into the ring (V on barriers of its own where
+// v_full is given: tma_load_kv_tiles).
 template <int HEAD_DIM, int KV, int STAGES, int Q_ROWS, bool PERSISTENT, int SLOTS>
 __device__ __forceinline__ void attention_query_blocks_produce(AttentionBlockSlots *slots, const CUtensorMap *qkv_map,
                                                                const CUtensorMap *dout_map, char *q_tiles,
                                                                char *dout_tiles, size_t rows_bytes, char *k_ring,
                                                                char *v_ring, uint64_t *full, uint64_t *empty, int pairs,
-                                                               int chunk_pairs, int T, int NH, int NKV) {
+                                                               int chunk_pairs, int T, int NH, int NKV,
+                                                               uint64_t *v_full = NULL, uint64_t *v_empty = NULL) {
     const int q_blocks = ceil_div(T, Q_ROWS), blocks = q_blocks * pairs;
     int ring = 0;  // K/V tiles loaded so far: the ring position of the next
     for (int k = 0; PERSISTENT || k == 0; k++) {
@@ -578,11 +593,105 @@ __device__ __forceinline__ void attention_query_blocks_produce(AttentionBlockSlo
             tma_load_tile<Q_ROWS, HEAD_DIM>(dout_tiles + slot * rows_bytes, dout_map, f.h * HEAD_DIM, f.q0, f.b,
                                             &slots->full[slot]);
         tma_load_kv_tiles<KV, HEAD_DIM, STAGES>(k_ring, v_ring, qkv_map, NH, NKV, f.kv_head, f.b, f.num_kv_tiles, full,
-                                                empty, ring);
+                                                empty, ring, v_full, v_empty);
         ring += f.num_kv_tiles;
     }
     attention_blocks_taken<PERSISTENT>();
 }
+
+// The online softmax of a consumer's S tile (keys kv0 .. kv0 + KV - 1; this thread's rows row_lo and
+// row_lo + 8, column offset c; its warpgroup's first row group_row0), in base 2: masks the keys after
+// each row where the tile crosses the warpgroup's diagonal, updates row_max and the per-thread partial
+// row_sum (the 4 partials of a row are added at the end), turns s into P and gives each row's
+// correction of O.
+template <int KV>
+__device__ __forceinline__ void attention_softmax_tile(float (&s)[KV / 2], float (&row_max)[2], float (&row_sum)[2],
+                                                       float (&correction)[2], int kv0, int group_row0, int row_lo,
+                                                       int c, float scale_log2) {
+    if (kv0 + KV - 1 > group_row0) {  // the tile crosses this warpgroup's diagonal
+#pragma unroll
+        for (int i = 0; i < KV / 2; i++)
+            if (kv0 + (i / 4) * 8 + c + (i & 1) > row_lo + ((i >> 1) & 1) * 8) s[i] = -INFINITY;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {  // r = 0: row row_lo, r = 1: row row_lo + 8
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int n8 = 0; n8 < KV / 8; n8++) tile_max = fmaxf(tile_max, fmaxf(s[4 * n8 + 2 * r], s[4 * n8 + 2 * r + 1]));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));  // the 4 threads of a row
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+        const float new_max = fmaxf(row_max[r], tile_max * scale_log2);
+        correction[r] = exp2_approx(row_max[r] - new_max);
+        row_max[r] = new_max;
+        row_sum[r] *= correction[r];
+#pragma unroll
+        for (int n8 = 0; n8 < KV / 8; n8++)
+#pragma unroll
+            for (int e = 2 * r; e < 2 * r + 2; e++) {
+                const float p = exp2_approx(fmaf(s[4 * n8 + e], scale_log2, -new_max));
+                s[4 * n8 + e] = p;
+                row_sum[r] += p;
+            }
+    }
+}
+
+// O's rows row_lo and row_lo + 8 times their corrections.
+template <int HEAD_DIM>
+__device__ __forceinline__ void attention_rescale_o(float (&o_acc)[HEAD_DIM / 2], const float (&correction)[2]) {
+#pragma unroll
+    for (int n8 = 0; n8 < HEAD_DIM / 8; n8++) {
+        o_acc[4 * n8] *= correction[0];
+        o_acc[4 * n8 + 1] *= correction[0];
+        o_acc[4 * n8 + 2] *= correction[1];
+        o_acc[4 * n8 + 3] *= correction[1];
+    }
+}
+
+// A consumer's rows done: lse and O / l stored for rows row_lo and row_lo + 8 below T, and max |O| as
+// stored folded into out_amax (optional).
+template <int HEAD_DIM>
+__device__ __forceinline__ void attention_forward_store(const float (&o_acc)[HEAD_DIM / 2], const float (&row_max)[2],
+                                                        const float (&row_sum)[2], const AttentionForwardBlock &f,
+                                                        bf16 *out, float *lse, float *out_amax, int T, int NH,
+                                                        int row_lo, int lane, int c) {
+    float inv_sum[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float sum = row_sum[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        inv_sum[r] = 1.f / sum;
+        const int row = row_lo + 8 * r;
+        // lse = ln(2^m l) = (m + log2 l) ln 2
+        if (lane % 4 == 0 && row < T) lse[((size_t)f.b * NH + f.h) * T + row] = (row_max[r] + log2f(sum)) * ATTENTION_LN2;
+    }
+    bf16 *out_head = out + ((size_t)f.b * T * NH + f.h) * HEAD_DIM;
+    uint32_t amax_bits = 0;  // of |out| as stored
+#pragma unroll
+    for (int n8 = 0; n8 < HEAD_DIM / 8; n8++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int row = row_lo + 8 * r;
+            const __nv_bfloat162 pair =
+                __floats2bfloat162_rn(o_acc[4 * n8 + 2 * r] * inv_sum[r], o_acc[4 * n8 + 2 * r + 1] * inv_sum[r]);
+            if (row < T) {
+                *reinterpret_cast<__nv_bfloat162 *>(out_head + (size_t)row * NH * HEAD_DIM + 8 * n8 + c) = pair;
+                amax_bits = bf16x2_abs_bits_max(amax_bits, pair);
+            }
+        }
+    if (out_amax != NULL) attention_fold_amax(out_amax, amax_bits, lane);
+}
+
+// The consumers take registers from the producer (128 x 24 + 128 CONSUMERS x CONSUMER_REGISTERS)
+// where the launch's even split is too few: at head_dim 128 (O takes 64 a thread), and with 3
+// consumers for OVERLAP or K/V tiles of 128 (S takes 64). At 64 with 2 consumers, claiming makes
+// ptxas serialize the wgmma.
+template <int HEAD_DIM, int KV, int CONSUMERS, bool OVERLAP>
+struct AttentionForwardRegisters {
+    static constexpr bool claim = (OVERLAP || KV == 128 || HEAD_DIM == 128) && (HEAD_DIM == 128 || CONSUMERS > 2);
+    static constexpr int consumer = CONSUMERS == 2 ? 240 : 160;
+    static_assert(!claim || WGMMA_WARPGROUP_THREADS * (24 + CONSUMERS * consumer) <= 65536, "the SM's 64K registers");
+};
 
 // Block: query rows q0 = attention_query_block_row0.., head h, batch b, in the order of chunk_pairs
 // (last query block of a pair first: attention_block_in_order); a persistent block takes such
@@ -590,17 +699,15 @@ __device__ __forceinline__ void attention_query_blocks_produce(AttentionBlockSlo
 // query block its Q into the next Q buffer, then its K/V tiles into the ring, whose stages carry on
 // from one query block to the next); warpgroup 1 + w is consumer w: rows q0 + 64 w.., warp i of it
 // rows + 16 i, thread rows g and g + 8. A consumer walks every K/V tile of the block, computing on
-// those left of its diagonal, and releases each stage once its products from it completed, and the
-// Q buffer once its last product read it. Online softmax in base 2, as attention_forward_kernel.
-// With OVERLAP, per tile j of a consumer:
-//   issue S_{j+1} (its tile loaded) | softmax of S_j | wait for S_{j+1} and O += P_{j-1} V_{j-1} |
-//   rescale O | issue O += P_j V_j, which runs into tile j + 1 (stage j is released there);
-// where needed the producer gives its registers to the consumers, who hold S_j and S_{j+1} beside O.
-template <int HEAD_DIM, int KV, int CONSUMERS, int STAGES, bool OVERLAP, bool PERSISTENT>
+// those left of its diagonal (per tile: S = Q K^T, its softmax, O += P V, each product waited for),
+// and releases each stage once its products from it completed, and the Q buffer once its last
+// product read it.
+template <int HEAD_DIM, int KV, int CONSUMERS, int STAGES, bool PERSISTENT>
 __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     attention_forward_tma_kernel(const __grid_constant__ CUtensorMap qkv_map, bf16 *out, float *lse, int T, int NH,
                                  int NKV, float softmax_scale, float *out_amax, int pairs, int chunk_pairs) {
     typedef AttentionTmaForwardSmem<HEAD_DIM, KV, CONSUMERS, STAGES, PERSISTENT> Smem;
+    typedef AttentionForwardRegisters<HEAD_DIM, KV, CONSUMERS, false> Registers;
     constexpr int Q_ROWS = Smem::q_rows, SLOTS = Smem::slots, S_REGS = KV / 2, O_REGS = HEAD_DIM / 2;
     static_assert(HEAD_DIM % 64 == 0 && KV % 64 == 0 && (KV == 64 || KV == 128), "whole 64 x 64 boxes; wgmma n64/n128");
     extern __shared__ __align__(1024) unsigned char attention_tma_smem[];
@@ -612,17 +719,8 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
     const int q_blocks = ceil_div(T, Q_ROWS), blocks = q_blocks * pairs;
 
     attention_pipeline_init<STAGES>(slots, full, CONSUMERS);
-
-    // The consumers take registers from the producer (128 x 24 + 128 CONSUMERS x CONSUMER_REGISTERS)
-    // where the launch's even split is too few: at head_dim 128 (O takes 64 a thread), and with 3
-    // consumers for OVERLAP or K/V tiles of 128 (S takes 64). At 64 with 2 consumers, claiming makes
-    // ptxas serialize the wgmma.
-    constexpr bool CLAIM = (OVERLAP || KV == 128 || HEAD_DIM == 128) && (HEAD_DIM == 128 || CONSUMERS > 2);
-    constexpr int CONSUMER_REGISTERS = CONSUMERS == 2 ? 240 : 160;
-    static_assert(!CLAIM || WGMMA_WARPGROUP_THREADS * (24 + CONSUMERS * CONSUMER_REGISTERS) <= 65536,
-                  "the SM's 64K registers");
     if (warpgroup == 0) {
-        if constexpr (CLAIM) warpgroup_registers_release<24>();
+        if constexpr (Registers::claim) warpgroup_registers_release<24>();
         if (threadIdx.x == 0)
             attention_query_blocks_produce<HEAD_DIM, KV, STAGES, Q_ROWS, PERSISTENT, SLOTS>(
                 slots, &qkv_map, NULL, smem + Smem::q, NULL, Smem::q_bytes, smem + Smem::k, smem + Smem::v, full, empty,
@@ -630,7 +728,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
         return;
     }
 
-    if constexpr (CLAIM) warpgroup_registers_claim<CONSUMER_REGISTERS>();
+    if constexpr (Registers::claim) warpgroup_registers_claim<Registers::consumer>();
     const int consumer = warpgroup - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, c = (lane % 4) * 2;
     const float scale_log2 = softmax_scale * ATTENTION_LOG2E;
@@ -660,95 +758,34 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
         for (int kk = 0; kk < KV / 16; kk++)
 #pragma unroll
             for (int i = 0; i < 4; i++) p_frag[kk][i] = 0u;
-        float s[S_REGS];  // S_j (with OVERLAP issued one tile ahead)
-        if (OVERLAP && group_tiles > 0) {
-            mbarrier_wait(&full[ring % STAGES], (ring / STAGES) & 1);
-            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, q_row0,
-                                                 smem + Smem::k + (ring % STAGES) * Smem::kv_bytes);
+        float s[S_REGS];
+
+        // Tile j of this warpgroup, at ring position at.
+        auto compute_tile = [&](int j, int at) {
+            const int stage = at % STAGES;
+            mbarrier_wait(&full[stage], (at / STAGES) & 1);
+            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, q_row0, smem + Smem::k + stage * Smem::kv_bytes);
             wgmma_wait_pending<0>();
             wgmma_pin_registers(s);
-        }
-
-        // Tile j of this warpgroup, at ring position at; has_next: tile j + 1 is one of its tiles too.
-        // Warpgroup-uniform branches with one issue/wait pattern each, so that ptxas keeps the wgmma
-        // asynchronous.
-        auto compute_tile = [&](int j, int at, auto has_next_tag) {
-            constexpr bool HAS_NEXT = decltype(has_next_tag)::value && OVERLAP;
-            const int stage = at % STAGES;
-            float s_next[S_REGS];
-            if constexpr (HAS_NEXT) {
-                const int next = (at + 1) % STAGES;
-                mbarrier_wait(&full[next], ((at + 1) / STAGES) & 1);
-                wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s_next, q_tile, Q_ROWS, q_row0,
-                                                     smem + Smem::k + next * Smem::kv_bytes);
-            }
-            if constexpr (!OVERLAP) {
-                mbarrier_wait(&full[stage], (at / STAGES) & 1);
-                wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, q_row0,
-                                                     smem + Smem::k + stage * Smem::kv_bytes);
-                wgmma_wait_pending<0>();
-                wgmma_pin_registers(s);
-            }
-            const int kv0 = j * KV;
-            if (kv0 + KV - 1 > group_row0) {  // the tile crosses this warpgroup's diagonal
-#pragma unroll
-                for (int i = 0; i < S_REGS; i++)
-                    if (kv0 + (i / 4) * 8 + c + (i & 1) > row_lo + ((i >> 1) & 1) * 8) s[i] = -INFINITY;
-            }
             float correction[2];
-#pragma unroll
-            for (int r = 0; r < 2; r++) {  // r = 0: row row_lo, r = 1: row row_lo + 8
-                float tile_max = -INFINITY;
-#pragma unroll
-                for (int n8 = 0; n8 < KV / 8; n8++)
-                    tile_max = fmaxf(tile_max, fmaxf(s[4 * n8 + 2 * r], s[4 * n8 + 2 * r + 1]));
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));  // the 4 threads of a row
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-                const float new_max = fmaxf(row_max[r], tile_max * scale_log2);
-                correction[r] = exp2_approx(row_max[r] - new_max);
-                row_max[r] = new_max;
-                row_sum[r] *= correction[r];  // a per-thread partial sum: the 4 partials are added at the end
-#pragma unroll
-                for (int n8 = 0; n8 < KV / 8; n8++)
-#pragma unroll
-                    for (int e = 2 * r; e < 2 * r + 2; e++) {
-                        const float p = exp2_approx(fmaf(s[4 * n8 + e], scale_log2, -new_max));
-                        s[4 * n8 + e] = p;
-                        row_sum[r] += p;
-                    }
-            }
-            // The previous O += P V (and S_{j+1}) complete: O may be rescaled and P rewritten. (Waiting
-            // for O += P V alone, wait_group 1, makes ptxas serialize every wgmma.)
+            attention_softmax_tile<KV>(s, row_max, row_sum, correction, j * KV, group_row0, row_lo, c, scale_log2);
+            wgmma_wait_pending<0>();  // nothing pending: kept, with the two call sites below, as measured
+            wgmma_pin_registers(o_acc);
+            wgmma_pin_registers(p_frag);
+            attention_rescale_o<HEAD_DIM>(o_acc, correction);
+            wgmma_scores_to_a_operand<KV>(p_frag, s);
+            wgmma_issue_add_x_b_sw128<HEAD_DIM, KV>(o_acc, p_frag, smem + Smem::v + stage * Smem::kv_bytes);
             wgmma_wait_pending<0>();
             wgmma_pin_registers(o_acc);
             wgmma_pin_registers(p_frag);
-            if constexpr (HAS_NEXT) wgmma_pin_registers(s_next);
-#pragma unroll
-            for (int n8 = 0; n8 < HEAD_DIM / 8; n8++) {
-                o_acc[4 * n8] *= correction[0];
-                o_acc[4 * n8 + 1] *= correction[0];
-                o_acc[4 * n8 + 2] *= correction[1];
-                o_acc[4 * n8 + 3] *= correction[1];
-            }
-            wgmma_scores_to_a_operand<KV>(p_frag, s);
-            wgmma_issue_add_x_b_sw128<HEAD_DIM, KV>(o_acc, p_frag, smem + Smem::v + stage * Smem::kv_bytes);
-            if constexpr (HAS_NEXT) {
-#pragma unroll
-                for (int i = 0; i < S_REGS; i++) s[i] = s_next[i];
-            }
-            if constexpr (!OVERLAP) {  // the product completes here, and the stage is released at once
-                wgmma_wait_pending<0>();
-                wgmma_pin_registers(o_acc);
-                wgmma_pin_registers(p_frag);
-            }
         };
 
         for (int j = 0; j < f.num_kv_tiles; j++) {
             const int at = ring + j, stage = at % STAGES;
             if (j + 1 < group_tiles) {
-                compute_tile(j, at, std::true_type());
+                compute_tile(j, at);
             } else if (j < group_tiles) {
-                compute_tile(j, at, std::false_type());
+                compute_tile(j, at);
             } else {
                 // A tile right of this warpgroup's diagonal: nothing to compute, but the release must not
                 // run ahead of the tile's load (an early arrival would count towards the stage's
@@ -758,53 +795,15 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
                 wgmma_pin_registers(o_acc);
                 wgmma_pin_registers(p_frag);
             }
-            // Release: without OVERLAP this tile's stage; with it the previous tile's (its O += P V
-            // completed in this tile), and the last one's after the loop.
-            if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) {
-                if constexpr (OVERLAP) {
-                    if (j > 0) mbarrier_arrive(&empty[(at - 1) % STAGES]);
-                } else {
-                    mbarrier_arrive(&empty[stage]);
-                }
-            }
+            if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0) mbarrier_arrive(&empty[stage]);
         }
         wgmma_wait_pending<0>();
         wgmma_pin_registers(o_acc);
         wgmma_pin_registers(p_frag);
-        if constexpr (OVERLAP)
-            if (threadIdx.x % WGMMA_WARPGROUP_THREADS == 0)
-                mbarrier_arrive(&empty[(ring + f.num_kv_tiles - 1) % STAGES]);
         attention_release_block<PERSISTENT, SLOTS>(slots, k);  // no product reads its Q any more
         ring += f.num_kv_tiles;
-        if (!group_rows) continue;  // warpgroup-uniform
-
-        float inv_sum[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            float sum = row_sum[r];
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            inv_sum[r] = 1.f / sum;
-            const int row = row_lo + 8 * r;
-            // lse = ln(2^m l) = (m + log2 l) ln 2
-            if (lane % 4 == 0 && row < T)
-                lse[((size_t)f.b * NH + f.h) * T + row] = (row_max[r] + log2f(sum)) * ATTENTION_LN2;
-        }
-        bf16 *out_head = out + ((size_t)f.b * T * NH + f.h) * HEAD_DIM;
-        uint32_t amax_bits = 0;  // of |out| as stored
-#pragma unroll
-        for (int n8 = 0; n8 < HEAD_DIM / 8; n8++)
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                const int row = row_lo + 8 * r;
-                const __nv_bfloat162 pair =
-                    __floats2bfloat162_rn(o_acc[4 * n8 + 2 * r] * inv_sum[r], o_acc[4 * n8 + 2 * r + 1] * inv_sum[r]);
-                if (row < T) {
-                    *reinterpret_cast<__nv_bfloat162 *>(out_head + (size_t)row * NH * HEAD_DIM + 8 * n8 + c) = pair;
-                    amax_bits = bf16x2_abs_bits_max(amax_bits, pair);
-                }
-            }
-        if (out_amax != NULL) attention_fold_amax(out_amax, amax_bits, lane);
+        if (group_rows)  // warpgroup-uniform
+            attention_forward_store<HEAD_DIM>(o_acc, row_max, row_sum, f, out, lse, out_amax, T, NH, row_lo, lane, c);
     }
 }
 
@@ -849,15 +848,16 @@ static CUtensorMap attention_qkv_tensor_map(const bf16 *qkv, int B, int T, int N
     return map;
 }
 
-template <int HEAD_DIM, class Config>
-static void attention_forward_tma_launch(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH, int NKV,
-                                         cudaStream_t stream, float *out_amax = NULL) {
-    typedef AttentionTmaForwardSmem<HEAD_DIM, Config::kv_tile, Config::consumers, Config::stages, Config::persistent>
+// Launches a TMA forward kernel of Config's shape (its blocks in Config's order; one per SM when
+// persistent) with the shared memory of RINGS barrier rings.
+template <int HEAD_DIM, class Config, int RINGS = 1, class Kernel>
+static void attention_forward_tma_run(Kernel kernel, bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH,
+                                      int NKV, cudaStream_t stream, float *out_amax) {
+    typedef AttentionTmaForwardSmem<HEAD_DIM, Config::kv_tile, Config::consumers, Config::stages, Config::persistent,
+                                    RINGS>
         Smem;
     static_assert(Smem::bytes <= ATTENTION_MAX_SMEM_BYTES, "TMA forward tiles exceed shared memory");
     const CUtensorMap map = attention_qkv_tensor_map(qkv, B, T, NH, NKV, HEAD_DIM);
-    auto kernel = attention_forward_tma_kernel<HEAD_DIM, Config::kv_tile, Config::consumers, Config::stages,
-                                               Config::overlap, Config::persistent>;
     attention_launch_setup(kernel, Smem::bytes);
     // A pair's blocks share K/V with the pairs of its kv head (adjacent) and read their Q once.
     const double pair_bytes = (double)T * HEAD_DIM * 2 * (1.0 + 2.0 * NKV / NH);
@@ -867,6 +867,15 @@ static void attention_forward_tma_launch(bf16 *out, float *lse, const bf16 *qkv,
     kernel<<<grid, Config::threads, Smem::bytes, stream>>>(map, out, lse, T, NH, NKV, attention_softmax_scale(HEAD_DIM),
                                                            out_amax, NH * B, chunk);
     cudaCheckLaunch();
+}
+
+template <int HEAD_DIM, class Config>
+static void attention_forward_tma_launch(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH, int NKV,
+                                         cudaStream_t stream, float *out_amax = NULL) {
+    static_assert(!Config::overlap, "the OVERLAP forward is a variant of test/attention_variants.cuh");
+    attention_forward_tma_run<HEAD_DIM, Config>(
+        attention_forward_tma_kernel<HEAD_DIM, Config::kv_tile, Config::consumers, Config::stages, Config::persistent>,
+        out, lse, qkv, B, T, NH, NKV, stream, out_amax);
 }
 
 // ---- backward on TMA loads and 128B-swizzled tiles ----------------------------------------------------
