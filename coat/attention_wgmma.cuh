@@ -599,6 +599,35 @@ __device__ __forceinline__ void attention_query_blocks_produce(AttentionBlockSlo
     attention_blocks_taken<PERSISTENT>();
 }
 
+// A consumer's rows of a forward block: its warpgroup's first row, its tiles (up to the diagonal of
+// its last valid row; none when all lie past T or before 0) and this thread's rows row_lo and
+// row_lo + 8.
+struct AttentionForwardRows {
+    int group_row0, group_tiles, row_lo;
+    bool valid;
+};
+__device__ __forceinline__ AttentionForwardRows attention_forward_rows(const AttentionForwardBlock &f, int consumer,
+                                                                       int warp, int g, int T, int kv) {
+    AttentionForwardRows rows;
+    rows.group_row0 = f.q0 + consumer * WGMMA_WARPGROUP_ROWS;
+    rows.valid = rows.group_row0 >= 0 && rows.group_row0 < T;
+    rows.group_tiles = rows.valid ? (min(rows.group_row0 + WGMMA_WARPGROUP_ROWS, T) - 1) / kv + 1 : 0;
+    rows.row_lo = rows.group_row0 + warp * 16 + g;
+    return rows;
+}
+
+// O and P zeroed at a block's start. P is defined before its first pin: an undefined one makes ptxas
+// serialize every wgmma of the kernel.
+template <int O_REGS, int P_STEPS>
+__device__ __forceinline__ void attention_forward_start(float (&o_acc)[O_REGS], uint32_t (&p_frag)[P_STEPS][4]) {
+#pragma unroll
+    for (int i = 0; i < O_REGS; i++) o_acc[i] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < P_STEPS; kk++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) p_frag[kk][i] = 0u;
+}
+
 // The online softmax of a consumer's S tile (keys kv0 .. kv0 + KV - 1; this thread's rows row_lo and
 // row_lo + 8, column offset c; its warpgroup's first row group_row0), in base 2: masks the keys after
 // each row where the tile crosses the warpgroup's diagonal, updates row_max and the per-thread partial
@@ -740,24 +769,13 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
         const AttentionForwardBlock f =
             attention_forward_block(linear, q_blocks, Q_ROWS, pairs, chunk_pairs, T, NH, NKV, KV);
         const char *q_tile = smem + Smem::q + (k % SLOTS) * Smem::q_bytes;
-        const int group_row0 = f.q0 + consumer * WGMMA_WARPGROUP_ROWS;
-        // This warpgroup's tiles: up to the diagonal of its last valid row (none when all lie past T or
-        // before 0).
-        const bool group_rows = group_row0 >= 0 && group_row0 < T;
-        const int group_tiles = group_rows ? (min(group_row0 + WGMMA_WARPGROUP_ROWS, T) - 1) / KV + 1 : 0;
-        const int row_lo = group_row0 + warp * 16 + g;  // this thread's rows: row_lo and row_lo + 8
-        float o_acc[O_REGS];
-#pragma unroll
-        for (int i = 0; i < O_REGS; i++) o_acc[i] = 0.f;
+        const AttentionForwardRows rows = attention_forward_rows(f, consumer, warp, g, T, KV);
+        const int group_row0 = rows.group_row0, group_tiles = rows.group_tiles, row_lo = rows.row_lo;
         // Tile 0 holds key 0, which every row sees, so the running max is finite after it.
         float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-        // P as BF16 A fragments, read by O += P V until the next wait. Defined before its first pin: an
-        // undefined one makes ptxas serialize every wgmma of the kernel.
-        uint32_t p_frag[KV / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < KV / 16; kk++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) p_frag[kk][i] = 0u;
+        float o_acc[O_REGS];
+        uint32_t p_frag[KV / 16][4];  // P as BF16 A fragments, read by O += P V until the next wait
+        attention_forward_start(o_acc, p_frag);
         float s[S_REGS];
 
         // Tile j of this warpgroup, at ring position at.
@@ -802,7 +820,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
         wgmma_pin_registers(p_frag);
         attention_release_block<PERSISTENT, SLOTS>(slots, k);  // no product reads its Q any more
         ring += f.num_kv_tiles;
-        if (group_rows)  // warpgroup-uniform
+        if (rows.valid)  // warpgroup-uniform
             attention_forward_store<HEAD_DIM>(o_acc, row_max, row_sum, f, out, lse, out_amax, T, NH, row_lo, lane, c);
     }
 }

@@ -1439,19 +1439,12 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
         const AttentionForwardBlock f =
             attention_forward_block(linear, q_blocks, Q_ROWS, pairs, chunk_pairs, T, NH, NKV, KV);
         const char *q_tile = smem + Smem::q + (k % SLOTS) * Smem::q_bytes;
-        const int group_row0 = f.q0 + consumer * WGMMA_WARPGROUP_ROWS;
-        const bool group_rows = group_row0 >= 0 && group_row0 < T;
-        const int group_tiles = group_rows ? (min(group_row0 + WGMMA_WARPGROUP_ROWS, T) - 1) / KV + 1 : 0;
-        const int row_lo = group_row0 + warp * 16 + g;
+        const AttentionForwardRows rows = attention_forward_rows(f, consumer, warp, g, T, KV);
+        const int group_row0 = rows.group_row0, group_tiles = rows.group_tiles, row_lo = rows.row_lo;
         float o_acc[O_REGS];
-#pragma unroll
-        for (int i = 0; i < O_REGS; i++) o_acc[i] = 0.f;
-        float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
         uint32_t p_frag[KV / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < KV / 16; kk++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) p_frag[kk][i] = 0u;
+        attention_forward_start(o_acc, p_frag);
+        float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
         float s[S_REGS];
         if (group_tiles > 0) {  // S_0 and its softmax (O is still 0: no correction)
             mbarrier_wait(&k_full[ring % STAGES], (ring / STAGES) & 1);
@@ -1498,7 +1491,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
         }
         attention_release_block<PERSISTENT, SLOTS>(slots, k);  // no product reads its Q any more
         ring += f.num_kv_tiles;
-        if (group_rows)  // warpgroup-uniform
+        if (rows.valid)  // warpgroup-uniform
             attention_forward_store<HEAD_DIM>(o_acc, row_max, row_sum, f, out, lse, out_amax, T, NH, row_lo, lane, c);
     }
 }
