@@ -1441,10 +1441,10 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
         const char *q_tile = smem + Smem::q + (k % SLOTS) * Smem::q_bytes;
         const AttentionForwardRows rows = attention_forward_rows(f, consumer, warp, g, T, KV);
         const int group_row0 = rows.group_row0, group_tiles = rows.group_tiles, row_lo = rows.row_lo;
+        float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
         float o_acc[O_REGS];
         uint32_t p_frag[KV / 16][4];
         attention_forward_start(o_acc, p_frag);
-        float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
         float s[S_REGS];
         if (group_tiles > 0) {  // S_0 and its softmax (O is still 0: no correction)
             mbarrier_wait(&k_full[ring % STAGES], (ring / STAGES) & 1);
