@@ -692,7 +692,8 @@ __device__ __forceinline__ void attention_forward_store(const float (&o_acc)[HEA
         inv_sum[r] = 1.f / sum;
         const int row = row_lo + 8 * r;
         // lse = ln(2^m l) = (m + log2 l) ln 2
-        if (lane % 4 == 0 && row < T) lse[((size_t)f.b * NH + f.h) * T + row] = (row_max[r] + log2f(sum)) * ATTENTION_LN2;
+        if (lane % 4 == 0 && row < T)
+            lse[((size_t)f.b * NH + f.h) * T + row] = (row_max[r] + log2f(sum)) * ATTENTION_LN2;
     }
     bf16 *out_head = out + ((size_t)f.b * T * NH + f.h) * HEAD_DIM;
     uint32_t amax_bits = 0;  // of |out| as stored

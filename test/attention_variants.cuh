@@ -1448,7 +1448,8 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * WGMMA_WARPGROUP_THREADS, 1)
         float s[S_REGS];
         if (group_tiles > 0) {  // S_0 and its softmax (O is still 0: no correction)
             mbarrier_wait(&k_full[ring % STAGES], (ring / STAGES) & 1);
-            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, q_row0, smem + Smem::k + (ring % STAGES) * Smem::kv_bytes);
+            wgmma_issue_a_bt_sw128<HEAD_DIM, KV>(s, q_tile, Q_ROWS, q_row0,
+                                                 smem + Smem::k + (ring % STAGES) * Smem::kv_bytes);
             wgmma_wait_pending<0>();
             wgmma_pin_registers(s);
             if (leader) mbarrier_arrive(&k_empty[ring % STAGES]);
